@@ -1,0 +1,18 @@
+from titan_lightning.config.data import DataConfig
+from titan_lightning.config.job import JobConfig, ModelArgs
+from titan_lightning.config.optimizer import LRScheduleConfig, OptimizerConfig
+from titan_lightning.config.parallelism import ParallelismConfig
+from titan_lightning.config.training import TrainingConfig
+from titan_lightning.config.validation import ConfigError, validate_job
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "JobConfig",
+    "LRScheduleConfig",
+    "ModelArgs",
+    "OptimizerConfig",
+    "ParallelismConfig",
+    "TrainingConfig",
+    "validate_job",
+]

@@ -1,0 +1,39 @@
+"""The whole configuration of one run, minus the Trainer's own arguments."""
+
+from dataclasses import dataclass, field
+
+from titan_lightning.config.data import DataConfig
+from titan_lightning.config.optimizer import LRScheduleConfig, OptimizerConfig
+from titan_lightning.config.parallelism import ParallelismConfig
+from titan_lightning.config.training import TrainingConfig
+
+
+@dataclass(kw_only=True)
+class ModelArgs:
+    """Architecture of a model; each family subclasses it with its own fields."""
+
+    vocab_size: int = 2048
+    n_heads: int = 16
+    n_kv_heads: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_heads", "n_kv_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"model.{name}={value!r} must be a positive integer")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}"
+            )
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """Every section a run reads. A model family narrows ``model`` to its own args class."""
+
+    model: ModelArgs = field(default_factory=ModelArgs)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)

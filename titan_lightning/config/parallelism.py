@@ -1,0 +1,68 @@
+"""Parallel degrees of a run. The world size comes from the launch; see validation.py."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+PP_SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+)
+LOOPED_PP_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
+CP_LOAD_BALANCERS = ("headtail", "ptrr")
+
+
+@dataclass(kw_only=True)
+class ParallelismConfig:
+    """Degrees of each parallelism (1 means off)."""
+
+    dp_replicate: int = 1
+    # -1: every rank left after the other degrees.
+    dp_shard: int = -1
+    tp: int = 1
+    sequence_parallel: bool = True
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int = 1
+    cp: int = 1
+    cp_load_balancer: Optional[str] = "headtail"
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallelism.{name}={value!r} must be an integer >= 1")
+        if not isinstance(self.dp_shard, int) or (self.dp_shard < 1 and self.dp_shard != -1):
+            raise ValueError(f"parallelism.dp_shard={self.dp_shard!r} must be -1 (the rest) or an integer >= 1")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"parallelism.pp_schedule={self.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
+        if self.cp_load_balancer is not None and self.cp_load_balancer not in CP_LOAD_BALANCERS:
+            raise ValueError(
+                f"parallelism.cp_load_balancer={self.cp_load_balancer!r} is not one of "
+                f"{', '.join(CP_LOAD_BALANCERS)} or None"
+            )
+
+    @property
+    def fixed_degrees(self) -> int:
+        """Product of every degree but dp_shard (and ep, which borrows ranks)."""
+        return self.dp_replicate * self.tp * self.pp * self.cp
+
+    def resolved_dp_shard(self, world_size: int) -> int:
+        """dp_shard with -1 replaced by the ranks left over; no checks (see validation.py)."""
+        if self.dp_shard != -1:
+            return self.dp_shard
+        return max(world_size // self.fixed_degrees, 1)
+
+    def degrees(self, world_size: int) -> dict[str, int]:
+        """Degrees in mesh order, outermost first."""
+        return {
+            "pp": self.pp,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.resolved_dp_shard(world_size),
+            "cp": self.cp,
+            "tp": self.tp,
+        }

@@ -1,0 +1,108 @@
+"""Rules that cross config sections. Single-field rules live in each class's __post_init__.
+
+``validate_job`` runs when a whole run is assembled, before any process is spawned.
+Every message names the fields, their values and what would be valid.
+"""
+
+from typing import Optional
+
+from titan_lightning.config.job import JobConfig
+from titan_lightning.config.parallelism import LOOPED_PP_SCHEDULES
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is one line."""
+
+
+def validate_job(job: JobConfig, *, world_size: int, max_steps: Optional[int] = None) -> None:
+    validate_parallelism(job, world_size)
+    validate_model_parallelism(job)
+    validate_batch(job, world_size)
+    if max_steps is not None:
+        validate_schedule(job, max_steps)
+
+
+def validate_parallelism(job: JobConfig, world_size: int) -> None:
+    p = job.parallelism
+    fixed = p.fixed_degrees
+    if p.dp_shard == -1:
+        if world_size % fixed:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by dp_replicate*tp*pp*cp = "
+                f"{p.dp_replicate}*{p.tp}*{p.pp}*{p.cp} = {fixed}; "
+                f"set parallelism degrees whose product divides the world size"
+            )
+    elif fixed * p.dp_shard != world_size:
+        raise ConfigError(
+            f"parallelism degrees dp_replicate*dp_shard*tp*pp*cp = "
+            f"{p.dp_replicate}*{p.dp_shard}*{p.tp}*{p.pp}*{p.cp} = {fixed * p.dp_shard} "
+            f"must equal the world size {world_size}; set parallelism.dp_shard=-1 to use the rest"
+        )
+    dp_shard = p.resolved_dp_shard(world_size)
+    sparse = dp_shard * p.cp * p.tp
+    if sparse % p.ep:
+        raise ConfigError(
+            f"parallelism.ep={p.ep} must divide dp_shard*cp*tp = {dp_shard}*{p.cp}*{p.tp} = {sparse}"
+        )
+    if p.pp_schedule in LOOPED_PP_SCHEDULES and p.pp > 1 and p.pp_microbatches < p.pp:
+        raise ConfigError(
+            f"parallelism.pp_microbatches={p.pp_microbatches} must be >= parallelism.pp={p.pp} "
+            f"for the looped schedule {p.pp_schedule}"
+        )
+
+
+def validate_model_parallelism(job: JobConfig) -> None:
+    p, m = job.parallelism, job.model
+    for name in ("n_heads", "n_kv_heads"):
+        heads = getattr(m, name)
+        if heads % p.tp:
+            raise ConfigError(f"model.{name}={heads} must be divisible by parallelism.tp={p.tp}")
+    if m.vocab_size % p.tp:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} must be divisible by parallelism.tp={p.tp}")
+    seq_len = job.training.seq_len
+    divisor = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sequence_parallel and p.tp > 1 else 1)
+    if seq_len % divisor:
+        raise ConfigError(
+            f"training.seq_len={seq_len} must be divisible by {divisor} "
+            f"(2*cp with cp={p.cp}, times tp={p.tp} with sequence_parallel={p.sequence_parallel})"
+        )
+
+
+def validate_batch(job: JobConfig, world_size: int) -> None:
+    t, p = job.training, job.parallelism
+    if t.tokens_per_step is None:
+        return
+    dp = p.dp_replicate * p.resolved_dp_shard(world_size)
+    per_step_unit = t.tokens_per_microbatch_per_dp_rank * dp
+    if t.tokens_per_step % per_step_unit:
+        raise ConfigError(
+            f"training.tokens_per_step={t.tokens_per_step} must be a multiple of "
+            f"training.tokens_per_microbatch_per_dp_rank * data-parallel degree = "
+            f"{t.tokens_per_microbatch_per_dp_rank} * {dp} = {per_step_unit}"
+        )
+
+
+def gradient_accumulation_steps(job: JobConfig, world_size: int) -> int:
+    """Microbatches per optimizer step on each data-parallel rank."""
+    t, p = job.training, job.parallelism
+    if t.tokens_per_step is None:
+        return 1
+    dp = p.dp_replicate * p.resolved_dp_shard(world_size)
+    return t.tokens_per_step // (t.tokens_per_microbatch_per_dp_rank * dp)
+
+
+def validate_schedule(job: JobConfig, max_steps: int) -> None:
+    s = job.lr_schedule
+    if max_steps < 1:
+        raise ConfigError(f"trainer.max_steps={max_steps} must be >= 1")
+    if s.warmup_steps > max_steps:
+        raise ConfigError(
+            f"lr_schedule.warmup_steps={s.warmup_steps} must be <= trainer.max_steps={max_steps}"
+        )
+    if s.decay_ratio is not None:
+        decay = round(s.decay_ratio * max_steps)
+        if s.warmup_steps + decay > max_steps:
+            raise ConfigError(
+                f"lr_schedule.warmup_steps={s.warmup_steps} plus decay steps "
+                f"(decay_ratio={s.decay_ratio} * max_steps={max_steps} = {decay}) exceed trainer.max_steps={max_steps}"
+            )
