@@ -1,0 +1,3 @@
+from titan_lightning.callbacks.metrics import TrainingMetrics
+
+__all__ = ["TrainingMetrics"]

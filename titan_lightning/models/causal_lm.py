@@ -1,0 +1,122 @@
+"""The LightningModule every model family shares: next-token loss, optimizer, schedule."""
+
+import math
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+import torchmetrics
+
+from titan_lightning.config import JobConfig
+from titan_lightning.optim import build_lr_scheduler, build_optimizer
+
+IGNORE_INDEX = -100
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over the tokens whose label is not IGNORE_INDEX, in fp32."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="mean"
+    )
+
+
+class CausalLMModule(L.LightningModule):
+    """A causal language model trained on {"input_ids", "labels"} batches.
+
+    Subclasses implement ``build_model`` (an ``nn.Module`` with ``init_weights(seed)``).
+    The model is built on the meta device in ``configure_model`` and materialized with a
+    deterministic, layout-independent init. A strategy that parallelizes the model sets
+    ``materializes_model = True`` and calls ``materialize`` itself after sharding.
+    """
+
+    def __init__(self, job: JobConfig) -> None:
+        super().__init__()
+        self.job = job
+        self.model: Optional[torch.nn.Module] = None
+        self.val_loss = torchmetrics.MeanMetric()
+        self.last_grad_norm: Optional[torch.Tensor] = None
+
+    def build_model(self) -> torch.nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
+
+    # -- model lifecycle ---------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        with torch.device("meta"):
+            self.model = self.build_model()
+        if not getattr(self.trainer.strategy, "materializes_model", False):
+            self.materialize(self.trainer.strategy.root_device)
+
+    def materialize(self, device: torch.device) -> None:
+        dtype = getattr(torch, self.job.training.dtype)
+        self.model.to_empty(device=device)
+        self.model.init_weights(self.job.training.seed)
+        self.model.to(dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.job.training.mixed_precision_param == "bfloat16" and self.job.training.dtype == "float32":
+            with torch.autocast(device_type=input_ids.device.type, dtype=torch.bfloat16):
+                return self.model(input_ids)
+        return self.model(input_ids)
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = cross_entropy_loss(self(batch["input_ids"]), batch["labels"])
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"non-finite training loss {loss.item()} at step {self.trainer.global_step + 1}; "
+                f"stopping before the optimizer step"
+            )
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss = cross_entropy_loss(self(batch["input_ids"]), batch["labels"])
+        self.val_loss.update(loss, weight=(batch["labels"] != IGNORE_INDEX).sum())
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/ppl", torch.exp(loss))
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def on_test_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("test/loss", loss)
+        self.log("test/ppl", torch.exp(loss))
+
+    # -- optimization ----------------------------------------------------------------------
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = build_optimizer(self.model.parameters(), self.job.optimizer, self.device)
+        max_steps = self.trainer.max_steps
+        if max_steps is None or max_steps < 1:
+            raise ValueError(f"trainer.max_steps={max_steps} must be >= 1: the LR schedule is defined in steps")
+        scheduler = build_lr_scheduler(optimizer, self.job.lr_schedule, max_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Clip to ``training.max_grad_norm`` and log the pre-clip global grad norm.
+
+        Lightning calls this after backward and before every optimizer step.
+        """
+        max_norm = self.job.training.max_grad_norm
+        grads = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm is not None else math.inf, foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        if not torch.isfinite(norm):
+            raise FloatingPointError(
+                f"non-finite gradient norm {norm.item()} at step {self.trainer.global_step + 1}; "
+                f"stopping before the optimizer step"
+            )
+        self.last_grad_norm = norm.detach()
+        self.log("train/grad_norm", norm, prog_bar=True)

@@ -1,0 +1,55 @@
+"""Optimizer and warmup-stable-decay learning-rate schedule built from the config."""
+
+import math
+from typing import Callable, Iterable
+
+import torch
+
+from titan_lightning.config import LRScheduleConfig, OptimizerConfig
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConfig, device: torch.device):
+    implementation = config.implementation
+    if implementation is None:
+        implementation = "fused" if device.type in ("cuda", "cpu") else "foreach"
+    return torch.optim.AdamW(
+        params,
+        lr=config.lr,
+        betas=(config.beta1, config.beta2),
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        fused=implementation == "fused",
+        foreach=implementation == "foreach",
+    )
+
+
+def wsd_lambda(config: LRScheduleConfig, max_steps: int) -> Callable[[int], float]:
+    """LR factor for the optimizer step with 0-based index ``step``.
+
+    Warmup rises linearly to 1 over ``warmup_steps`` (never 0, so step 0 trains);
+    the last ``decay_steps`` fall towards ``min_lr_factor`` along the chosen curve (the
+    factor reaches it one step after the end, so the last step still trains).
+    """
+    warmup = config.warmup_steps
+    decay = max_steps - warmup if config.decay_ratio is None else round(config.decay_ratio * max_steps)
+    stable_end = max_steps - decay
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if step < stable_end or decay == 0:
+            return 1.0
+        progress = min((step - stable_end) / decay, 1.0)
+        if config.decay_type == "linear":
+            curve = 1.0 - progress
+        elif config.decay_type == "sqrt":
+            curve = 1.0 - math.sqrt(progress)
+        else:
+            curve = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return config.min_lr_factor + (1.0 - config.min_lr_factor) * curve
+
+    return factor
+
+
+def build_lr_scheduler(optimizer, config: LRScheduleConfig, max_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, wsd_lambda(config, max_steps))

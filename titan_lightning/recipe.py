@@ -1,0 +1,135 @@
+"""What a recipe returns, how one is loaded, and how a run becomes a Trainer.
+
+A recipe is a plain function with no arguments returning a ``Run``::
+
+    def debugmodel() -> Run:
+        job = Llama3Job(model=llama3_args("debugmodel"), ...)
+        return Run(module=Llama3Module(job), datamodule=TextDataModule(job), trainer=dict(max_steps=100))
+
+It is selected as ``package.module:function`` (``recipes.llama3:debugmodel``).
+"""
+
+import datetime
+import importlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import lightning as L
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from titan_lightning.callbacks import TrainingMetrics
+from titan_lightning.config import ConfigError, JobConfig, validate_job
+from titan_lightning.config.validation import gradient_accumulation_steps
+
+RUN_DIR_ENV = "TITAN_LIGHTNING_RUN_DIR"
+
+
+# Trainer arguments a JobConfig owns: (the field to set instead, Trainer's default).
+_SET_BY_JOB = {
+    "gradient_clip_val": ("job.training.max_grad_norm", None),
+    "deterministic": ("job.training.deterministic", None),
+    "accumulate_grad_batches": ("job.training.tokens_per_step", 1),
+}
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be loaded or does not return a Run; the message is one line."""
+
+
+@dataclass(kw_only=True)
+class Run:
+    """One training run: the module, its data, and the keyword arguments of ``lightning.Trainer``.
+
+    Modules that read a ``JobConfig`` keep it as ``.job``; the module and the data
+    module of a run share the same object, so changing a field changes the run.
+    """
+
+    module: L.LightningModule
+    datamodule: Optional[L.LightningDataModule] = None
+    trainer: dict[str, Any] = field(default_factory=dict)
+    # Folder name under trainer.default_root_dir; the CLI sets it from the recipe name.
+    name: str = "run"
+
+    @property
+    def job(self) -> Optional[JobConfig]:
+        return getattr(self.module, "job", None)
+
+    def set_job(self, job: JobConfig) -> None:
+        """Give the module and the data module a new job config (after overrides)."""
+        for part in (self.module, self.datamodule):
+            if part is not None and hasattr(part, "job"):
+                part.job = job
+
+
+def load_recipe(spec: str) -> Callable[[], Run]:
+    module_name, sep, function_name = spec.partition(":")
+    if not sep or not module_name or not function_name:
+        raise RecipeError(f"--recipe={spec!r} must look like package.module:function (e.g. recipes.llama3:debugmodel)")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and module_name.startswith(err.name):
+            raise RecipeError(f"--recipe={spec!r}: no module named {err.name!r}") from None
+        raise
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        available = sorted(
+            name for name, value in vars(module).items()
+            if callable(value) and not name.startswith("_") and getattr(value, "__module__", None) == module_name
+            and not isinstance(value, type)
+        )
+        raise RecipeError(
+            f"--recipe={spec!r}: module {module_name!r} has no recipe function {function_name!r}; "
+            f"it defines: {', '.join(available) or 'nothing'}"
+        )
+    return function
+
+
+def build_run(spec: str) -> Run:
+    run = load_recipe(spec)()
+    if not isinstance(run, Run):
+        raise RecipeError(
+            f"--recipe={spec!r} returned {type(run).__name__}, expected titan_lightning.recipe.Run"
+        )
+    module_name, _, function_name = spec.partition(":")
+    run.name = f"{module_name.rsplit('.', 1)[-1]}_{function_name}"
+    return run
+
+
+def run_dir(run: Run, root: Optional[str]) -> Path:
+    """The folder this run writes into: ``<root>/<name>/<timestamp>``, shared by all ranks."""
+    if RUN_DIR_ENV not in os.environ:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        os.environ[RUN_DIR_ENV] = str(Path(root or "runs") / run.name / stamp)
+    return Path(os.environ[RUN_DIR_ENV])
+
+
+def build_trainer(run: Run) -> L.Trainer:
+    """Validate the run and build its Trainer. Nothing is written and nothing is spawned."""
+    kwargs = dict(run.trainer)
+    job = run.job
+    if job is not None:
+        for key, (instead, default) in _SET_BY_JOB.items():
+            value = kwargs.pop(key, default)
+            if value != default:
+                raise ConfigError(f"trainer.{key}={value!r} is set by {instead}; set that instead")
+        kwargs["deterministic"] = job.training.deterministic or None
+        L.seed_everything(job.training.seed, verbose=False)
+    folder = run_dir(run, kwargs.get("default_root_dir"))
+    kwargs["default_root_dir"] = str(folder)
+    if kwargs.get("logger") in (None, True):
+        kwargs["logger"] = [
+            TensorBoardLogger(save_dir=folder, name="tensorboard", version=""),
+            CSVLogger(save_dir=folder, name="csv", version=""),
+        ]
+    callbacks = list(kwargs.get("callbacks") or [])
+    if not any(isinstance(c, TrainingMetrics) for c in callbacks):
+        callbacks.append(TrainingMetrics())
+    kwargs["callbacks"] = callbacks
+    trainer = L.Trainer(**kwargs)
+    if job is not None:
+        validate_job(job, world_size=trainer.world_size, max_steps=trainer.max_steps)
+        trainer.accumulate_grad_batches = gradient_accumulation_steps(job, trainer.world_size)
+    return trainer
