@@ -60,6 +60,9 @@ def validate_model_parallelism(job: JobConfig) -> None:
     if m.vocab_size % p.tp:
         raise ConfigError(f"model.vocab_size={m.vocab_size} must be divisible by parallelism.tp={p.tp}")
     seq_len = job.training.seq_len
+    max_seq_len = getattr(m, "max_seq_len", None)
+    if max_seq_len is not None and seq_len > max_seq_len:
+        raise ConfigError(f"training.seq_len={seq_len} must be <= model.max_seq_len={max_seq_len}")
     divisor = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sequence_parallel and p.tp > 1 else 1)
     if seq_len % divisor:
         raise ConfigError(

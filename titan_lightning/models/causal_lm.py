@@ -51,10 +51,10 @@ class CausalLMModule(L.LightningModule):
             self.materialize(self.trainer.strategy.root_device)
 
     def materialize(self, device: torch.device) -> None:
-        dtype = getattr(torch, self.job.training.dtype)
+        # Cast before init: init_weights keeps its fp32 buffers (RoPE) in fp32.
+        self.model.to(getattr(torch, self.job.training.dtype))
         self.model.to_empty(device=device)
         self.model.init_weights(self.job.training.seed)
-        self.model.to(dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.job.training.mixed_precision_param == "bfloat16" and self.job.training.dtype == "float32":

@@ -1,0 +1,16 @@
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1(x)) * w3(x))``."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))

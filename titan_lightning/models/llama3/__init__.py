@@ -1,0 +1,16 @@
+from titan_lightning.models.common import RopeScaling
+from titan_lightning.models.llama3.model import Llama3Args, Transformer, TransformerBlock, count_parameters
+from titan_lightning.models.llama3.module import Llama3Job, Llama3Module
+from titan_lightning.models.llama3.presets import LLAMA3_PRESETS, llama3_args
+
+__all__ = [
+    "LLAMA3_PRESETS",
+    "Llama3Args",
+    "Llama3Job",
+    "Llama3Module",
+    "RopeScaling",
+    "Transformer",
+    "TransformerBlock",
+    "count_parameters",
+    "llama3_args",
+]
