@@ -1,7 +1,7 @@
 """Llama 3 runs: the CPU debug model and the published sizes."""
 
 from titan_lightning.config import LRScheduleConfig, OptimizerConfig, TrainingConfig
-from titan_lightning.data import TextDataModule
+from titan_lightning.data.datamodule import TextDataModule
 from titan_lightning.models.llama3 import Llama3Job, Llama3Module, llama3_args
 from titan_lightning.recipe import Run
 

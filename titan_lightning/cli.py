@@ -73,13 +73,14 @@ def prepare(argv: list[str]) -> Optional[tuple[str, Run, L.Trainer]]:
 
 
 def build_parser(run: Run) -> ArgumentParser:
-    parser = ArgumentParser(prog="titan-lightning", exit_on_error=False, default_env=False)
+    parser = ArgumentParser(prog="titan-lightning", exit_on_error=False, default_env=False, print_config=None)
     parser.add_argument("--config", action=ActionConfigFile, help="YAML written by --print_config")
     parser.add_argument("--recipe", type=str, required=True, help="package.module:function")
     parser.add_argument("--print_config", action="store_true", help="print the resolved run and exit")
     if run.job is not None:
         parser.add_argument("--job", type=type(run.job), default=run.job, help="the run's JobConfig")
-    parser.add_class_arguments(L.Trainer, "trainer", skip=set(_OBJECT_ARGS))
+    # Method arguments, not class arguments: the CLI builds the Trainer itself.
+    parser.add_method_arguments(L.Trainer, "__init__", "trainer", skip=set(_OBJECT_ARGS))
     trainer_args = _trainer_signature_defaults()
     trainer_defaults = {}
     for key, value in run.trainer.items():
@@ -99,6 +100,8 @@ def apply_namespace(run: Run, parser: ArgumentParser, namespace) -> None:
     defaults = _trainer_signature_defaults()
     trainer = {k: v for k, v in run.trainer.items() if k in _OBJECT_ARGS}
     for key, value in vars(init.trainer).items():
+        if key not in defaults:
+            continue  # jsonargparse bookkeeping, not a Trainer argument
         if key in run.trainer or value != defaults.get(key, _Missing):
             trainer[key] = value
     run.trainer = trainer

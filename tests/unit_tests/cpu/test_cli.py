@@ -1,0 +1,148 @@
+"""The titan-lightning command line: recipes, overrides, --print_config, bad input."""
+
+import csv
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from titan_lightning import cli
+from titan_lightning.recipe import RUN_DIR_ENV, build_run
+
+REPO = Path(__file__).resolve().parents[3]
+
+BAD_RECIPES = '''
+from recipes.llama3 import debugmodel
+
+def not_a_run():
+    return {"module": None}
+
+def good():
+    return debugmodel()
+
+VALUE = 3
+'''
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """Run in an empty folder, with a module of test recipes importable."""
+    (tmp_path / "my_recipes.py").write_text(BAD_RECIPES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(RUN_DIR_ENV, raising=False)
+    return tmp_path
+
+
+def test_cli_options_are_frozen():
+    """New knobs belong in the config objects, not in new top-level options."""
+    parser = cli.build_parser(build_run("recipes.llama3:debugmodel"))
+    top_level = set()
+    for action in parser._actions:
+        for option in action.option_strings:
+            if option.startswith("--"):
+                top_level.add("--" + option[2:].split(".", 1)[0])
+    assert top_level == {"--help", "--recipe", "--config", "--print_config", "--job", "--trainer"}
+    assert set(cli.OPTIONS) == top_level - {"--help"}
+
+
+def test_print_config_shows_the_resolved_run_with_overrides(workdir, capsys):
+    argv = ["fit", "--recipe", "recipes.llama3:debugmodel", "--trainer.max_steps", "7",
+            "--job.training.seed", "3", "--job.model.n_layers", "2", "--print_config"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "recipe: recipes.llama3:debugmodel" in printed
+    assert "max_steps: 7" in printed
+    assert "seed: 3" in printed
+    assert "n_layers: 2" in printed
+    assert not (workdir / "runs").exists()
+
+
+def test_saved_config_reproduces_the_run(workdir, capsys):
+    assert cli.main(["fit", "--recipe", "recipes.llama3:debugmodel", "--job.training.seed", "5",
+                     "--trainer.max_steps", "9", "--print_config"]) == 0
+    saved = capsys.readouterr().out
+    (workdir / "run.yaml").write_text(saved)
+    command, run, trainer = cli.prepare(["fit", "--config", "run.yaml"])
+    assert command == "fit"
+    assert run.job.training.seed == 5
+    assert run.datamodule.job is run.job
+    assert trainer.max_steps == 9
+    assert cli.main(["fit", "--config", "run.yaml", "--print_config"]) == 0
+    assert capsys.readouterr().out == saved
+
+
+def test_overrides_win_over_the_recipe(workdir):
+    _, run, trainer = cli.prepare(["fit", "--recipe", "recipes.llama3:debugmodel", "--trainer.max_steps", "20",
+                                   "--job.optimizer.lr", "0.01", "--job.lr_schedule.warmup_steps", "2"])
+    assert trainer.max_steps == 20
+    assert run.job.optimizer.lr == 0.01
+    assert run.module.job.lr_schedule.warmup_steps == 2
+    # Untouched recipe values survive.
+    assert run.job.training.seq_len == build_run("recipes.llama3:debugmodel").job.training.seq_len
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["fit", "--recipe", "no_such_module:debugmodel"], "--recipe='no_such_module:debugmodel': no module named 'no_such_module'"),
+        (["fit", "--recipe", "my_recipes:nope"], "module 'my_recipes' has no recipe function 'nope'; it defines: good, not_a_run"),
+        (["fit", "--recipe", "my_recipes"], "must look like package.module:function"),
+        (["fit", "--recipe", "my_recipes:not_a_run"], "returned dict, expected titan_lightning.recipe.Run"),
+        (["fit"], "--recipe is required"),
+        (["train", "--recipe", "my_recipes:good"], "unknown command 'train'; expected one of fit, validate, test"),
+        (["fit", "--recipe", "my_recipes:good", "--job.training.sed", "3"],
+         "unknown option --job.training.sed; valid keys under job.training: seed, seq_len"),
+        (["fit", "--recipe", "my_recipes:good", "--trainer.max_stepz", "3"], "unknown option --trainer.max_stepz"),
+        (["fit", "--recipe", "my_recipes:good", "--job.training.seed", "abc"], "job.training.seed: Expected a <class 'int'>. Got value: abc"),
+        (["fit", "--recipe", "my_recipes:good", "--job.optimizer.lr", "-1"], "optimizer.lr=-1.0 must be > 0"),
+        (["fit", "--recipe", "my_recipes:good", "--job.parallelism.tp", "2"],
+         "must equal the world size 1"),
+        (["fit", "--recipe", "my_recipes:good", "--trainer.max_steps", "5"],
+         "lr_schedule.warmup_steps=10 must be <= trainer.max_steps=5"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_nothing_written(workdir, capsys, argv, message):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("titan-lightning: error: ")
+    assert message in err
+    assert "Traceback" not in err
+    assert not (workdir / "runs").exists()
+
+
+def test_console_script_reports_bad_input_without_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "titan_lightning.cli", "fit", "--recipe", "recipes.llama3:nope"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "has no recipe function 'nope'" in result.stderr
+
+
+@pytest.mark.slow
+def test_fit_debugmodel_end_to_end(tmp_path):
+    """20 steps through the real console script: logs in one run folder, loss falls."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env.pop(RUN_DIR_ENV, None)
+    result = subprocess.run(
+        ["titan-lightning", "fit", "--recipe", "recipes.llama3:debugmodel", "--trainer.max_steps", "20",
+         "--trainer.log_every_n_steps", "1", "--trainer.val_check_interval", "20", "--trainer.limit_val_batches", "2",
+         "--trainer.enable_checkpointing", "false", "--job.lr_schedule.warmup_steps", "2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_folder,) = (tmp_path / "runs" / "llama3_debugmodel").iterdir()
+    assert list((run_folder / "tensorboard").glob("events.out.tfevents.*"))
+    rows = list(csv.DictReader(open(run_folder / "csv" / "metrics.csv")))
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    assert len(losses) == 20
+    assert losses[-1] < losses[0] - 1.0
+    assert any(r.get("train/tokens_per_s") for r in rows)
+    assert any(r.get("train/lr") for r in rows)
+    assert any(r.get("val/ppl") for r in rows)

@@ -1,0 +1,138 @@
+"""The LightningDataModule a run trains on: the corpus as next-token windows, resumable."""
+
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+from torch.utils.data import DataLoader
+
+from titan_lightning.config import JobConfig
+from titan_lightning.data.dataset import (
+    TokenWindows,
+    TrainStream,
+    ValWindows,
+    read_documents,
+    split_documents,
+    tokenize_documents,
+)
+from titan_lightning.data.tokenizer import CORPUS_PATH, load_tokenizer, shipped_asset
+
+
+class TextDataModule(L.LightningDataModule):
+    """Batches ``{"input_ids", "labels"}`` of shape ``[training.microbatch_size, training.seq_len]``.
+
+    The train loader is infinite (run the Trainer with ``max_steps``); the val loader is
+    finite. Both are sharded by data-parallel rank, read from the Trainer's
+    ``distributed_sampler_kwargs`` (``(1, 0)`` without a Trainer or outside a parallel
+    strategy). ``state_dict`` records how many samples this rank has trained on, so a run
+    restored from a checkpoint continues at exactly the next sample.
+    """
+
+    def __init__(self, job: JobConfig) -> None:
+        super().__init__()
+        self.job = job
+        self.tokenizer = load_tokenizer(job.data.tokenizer_path)
+        self._train: Optional[TokenWindows] = None
+        self._val: Optional[TokenWindows] = None
+        # Samples this rank had consumed when the current train loader was built, and the
+        # Trainer that loader serves with its trained-batch count then (None: no Trainer).
+        self._start = 0
+        self._counter: Optional[tuple[L.Trainer, int]] = None
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self._train is not None:
+            return
+        data, seq_len = self.job.data, self.job.training.seq_len
+        path = shipped_asset(CORPUS_PATH) if data.dataset_path is None else Path(data.dataset_path)
+        try:
+            train_docs, val_docs = split_documents(read_documents(path), data.val_fraction)
+        except ValueError as error:
+            raise ValueError(f"data.dataset_path={str(path)!r}: {error}") from error
+        splits = {"train": train_docs, "val": val_docs}
+        streams = {name: tokenize_documents(docs, self.tokenizer) for name, docs in splits.items()}
+        for name, tokens in streams.items():
+            if len(tokens) < seq_len + 1:
+                raise ValueError(
+                    f"the {name} split of {str(path)!r} (data.val_fraction={data.val_fraction}) has "
+                    f"{len(tokens)} tokens, fewer than one window of training.seq_len + 1 = {seq_len + 1}"
+                )
+        self._train = TokenWindows(streams["train"], seq_len)
+        self._val = TokenWindows(streams["val"], seq_len)
+        self._check_val_covers_dp()
+
+    def train_dataloader(self) -> DataLoader:
+        train = self._require_setup(self._train)
+        dp_size, dp_rank = self._dp()
+        self._start = self.consumed_samples
+        self._counter = None if self.trainer is None else (self.trainer, _batches_trained(self.trainer))
+        stream = TrainStream(
+            train,
+            seed=self.job.training.seed,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            start=self._start,
+            batch_size=self.job.training.microbatch_size,
+        )
+        return self._loader(stream)
+
+    def val_dataloader(self) -> DataLoader:
+        val = self._require_setup(self._val)
+        self._check_val_covers_dp()
+        dp_size, dp_rank = self._dp()
+        batch_size = self.job.training.microbatch_size
+        return self._loader(ValWindows(val, dp_rank=dp_rank, dp_size=dp_size, batch_size=batch_size))
+
+    @property
+    def consumed_samples(self) -> int:
+        """Training samples this rank has consumed (those of batches Lightning has trained on)."""
+        if self._counter is None:
+            return self._start
+        trainer, batches_at_start = self._counter
+        return self._start + (_batches_trained(trainer) - batches_at_start) * self.job.training.microbatch_size
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed_samples": self.consumed_samples, "seed": self.job.training.seed, "dp_size": self._dp()[0]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        expected = {"seed": self.job.training.seed, "dp_size": self._dp()[0]}
+        saved = {key: state_dict.get(key) for key in expected}
+        if saved != expected:
+            raise ValueError(
+                f"cannot resume the data position saved with {saved} in a run with {expected} "
+                "(training.seed and the data-parallel size must match)"
+            )
+        self._start = int(state_dict["consumed_samples"])
+        self._counter = None
+
+    def _check_val_covers_dp(self) -> None:
+        val, dp_size = self._require_setup(self._val), self._dp()[0]
+        if len(val) < dp_size:
+            raise ValueError(
+                f"the val split has {len(val)} windows of training.seq_len={self.job.training.seq_len}, fewer than "
+                f"the {dp_size} data-parallel ranks; raise data.val_fraction={self.job.data.val_fraction}"
+            )
+
+    def _dp(self) -> tuple[int, int]:
+        kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+        if isinstance(kwargs, dict):
+            return kwargs["num_replicas"], kwargs["rank"]
+        return 1, 0
+
+    def _loader(self, dataset: TrainStream | ValWindows) -> DataLoader:
+        return DataLoader(dataset, batch_size=self.job.training.microbatch_size, num_workers=self.job.data.num_workers)
+
+    @staticmethod
+    def _require_setup(windows: Optional[TokenWindows]) -> TokenWindows:
+        if windows is None:
+            raise RuntimeError("TextDataModule.setup() must run before its dataloaders are built")
+        return windows
+
+
+def _batches_trained(trainer: L.Trainer) -> int:
+    """Training batches whose step has run, over the whole run (restored with the fit loop).
+
+    ``processed``, not ``completed``: ModelCheckpoint saves in ``on_train_batch_end``, after
+    ``processed`` and before ``completed`` counts the batch. Nor what the DataLoader yielded:
+    Lightning's fetcher has prefetched one batch more.
+    """
+    return trainer.fit_loop.epoch_loop.batch_progress.total.processed

@@ -1,0 +1,178 @@
+"""From a text corpus to batches of next-token windows.
+
+A corpus is one UTF-8 text file; documents are separated by ``<|endoftext|>`` (the shipped
+corpus writes it on its own line, as ``DOC_SEPARATOR``). The train/val split is by
+documents: validation is the shortest tail of documents that holds at least
+``val_fraction`` of the corpus characters.
+
+Each split is tokenized on its own into one stream, every document followed by the
+end-of-text token. Window ``i`` of a stream is ``tokens[i * seq_len : i * seq_len + seq_len + 1]``
+(consecutive windows share one token, so every token but the first is a label exactly
+once); its sample is ``input_ids = window[:-1]``, ``labels = window[1:]``.
+
+Data-parallel rank ``r`` of ``n`` reads global samples ``r, r + n, r + 2n, ...``. In
+training the global order is the concatenation of epochs, epoch ``e`` visiting every
+window once in the permutation seeded by ``(seed, e)``; in validation it is the windows
+in order, cut to a multiple of ``n`` so that every rank runs the same number of batches.
+"""
+
+from pathlib import Path
+from typing import Iterator, Optional, Protocol, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+EOT = "<|endoftext|>"
+DOC_SEPARATOR = f"\n\n{EOT}\n\n"
+
+
+class _Encoder(Protocol):
+    eot_id: int
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+
+def format_corpus(documents: Sequence[str]) -> str:
+    """The text of a corpus file holding ``documents``; ``read_documents`` reads them back."""
+    return DOC_SEPARATOR.join(documents) + "\n"
+
+
+def read_documents(path: Path) -> list[str]:
+    """The non-empty documents of a corpus file, stripped of surrounding whitespace."""
+    if not path.is_file():
+        raise FileNotFoundError(f"data.dataset_path={str(path)!r}: no such file")
+    text = path.read_text(encoding="utf-8")
+    return [doc.strip() for doc in text.split(EOT) if doc.strip()]
+
+
+def split_documents(documents: Sequence[str], val_fraction: float) -> tuple[list[str], list[str]]:
+    """(train, val): val is the shortest tail of documents holding >= val_fraction of the characters."""
+    if len(documents) < 2:
+        raise ValueError(
+            f"the corpus holds {len(documents)} document(s); the train/val split is by documents, "
+            f"so it needs at least 2, separated by {EOT!r}"
+        )
+    wanted = val_fraction * sum(len(doc) for doc in documents)
+    held_out, n_val = 0, 0
+    while held_out < wanted and n_val < len(documents) - 1:
+        n_val += 1
+        held_out += len(documents[-n_val])
+    return list(documents[:-n_val]), list(documents[-n_val:])
+
+
+def tokenize_documents(documents: Sequence[str], tokenizer: _Encoder) -> np.ndarray:
+    """One int32 token stream: every document followed by the end-of-text token."""
+    ids = tokenizer.encode_batch(documents)
+    return np.fromiter(
+        (token for doc in ids for token in (*doc, tokenizer.eot_id)),
+        dtype=np.int32,
+        count=sum(len(doc) + 1 for doc in ids),
+    )
+
+
+class TokenWindows(Dataset):
+    """The next-token samples of one token stream, in stream order."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+        if len(tokens) < seq_len + 1:
+            raise ValueError(f"{len(tokens)} tokens cannot fill one window of seq_len + 1 = {seq_len + 1} tokens")
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} out of range for {len(self)} windows")
+        start = index * self.seq_len
+        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1]).long()
+        return {"input_ids": window[:-1], "labels": window[1:]}
+
+
+def epoch_permutation(num_windows: int, seed: int, epoch: int) -> np.ndarray:
+    """The order in which training epoch ``epoch`` visits the windows."""
+    return np.random.default_rng([seed, epoch]).permutation(num_windows)
+
+
+class TrainStream(IterableDataset):
+    """Infinite shuffled training samples of one data-parallel rank.
+
+    ``start`` is the number of samples this rank has already consumed; iteration resumes
+    exactly there. ``batch_size`` is only used to hand whole batches to DataLoader
+    workers, so that any ``num_workers`` yields the same batches in the same order.
+    """
+
+    def __init__(
+        self,
+        windows: TokenWindows,
+        *,
+        seed: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        start: int = 0,
+        batch_size: int = 1,
+    ) -> None:
+        _check_shard(dp_rank, dp_size)
+        if start < 0:
+            raise ValueError(f"start={start} must be >= 0")
+        self.windows = windows
+        self.seed = seed
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.start = start
+        self.batch_size = batch_size
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        n = len(self.windows)
+        epoch, order = -1, np.empty(0, dtype=np.int64)
+        for k in _worker_positions(self.start, None, self.batch_size):
+            position = k * self.dp_size + self.dp_rank
+            if position // n != epoch:
+                epoch = position // n
+                order = epoch_permutation(n, self.seed, epoch)
+            yield self.windows[int(order[position % n])]
+
+
+class ValWindows(IterableDataset):
+    """Validation samples of one data-parallel rank: windows ``r, r + n, ...``, in order, finite.
+
+    The windows are cut to a multiple of ``dp_size`` so that every rank has ``len(self)`` samples.
+    """
+
+    def __init__(self, windows: TokenWindows, *, dp_rank: int = 0, dp_size: int = 1, batch_size: int = 1) -> None:
+        _check_shard(dp_rank, dp_size)
+        if len(windows) < dp_size:
+            raise ValueError(f"{len(windows)} validation windows cannot give one to each of {dp_size} dp ranks")
+        self.windows = windows
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.batch_size = batch_size
+
+    def __len__(self) -> int:
+        return len(self.windows) // self.dp_size
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for k in _worker_positions(0, len(self), self.batch_size):
+            yield self.windows[k * self.dp_size + self.dp_rank]
+
+
+def _check_shard(dp_rank: int, dp_size: int) -> None:
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+
+
+def _worker_positions(start: int, stop: Optional[int], batch_size: int) -> Iterator[int]:
+    """This rank's sample positions from ``start`` that the current DataLoader worker serves.
+
+    Worker ``w`` of ``W`` takes batches ``w, w + W, ...``; the DataLoader collects workers
+    round-robin, so the batches come out in the order a single process would give.
+    """
+    info = get_worker_info()
+    worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+    first = start + worker * batch_size
+    while stop is None or first < stop:
+        last = first + batch_size if stop is None else min(first + batch_size, stop)
+        yield from range(first, last)
+        first += workers * batch_size

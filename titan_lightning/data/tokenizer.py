@@ -1,0 +1,98 @@
+"""The byte-level BPE tokenizer, and the shipped test assets it is trained on.
+
+Rebuild the corpus and the tokenizer (deterministic for a given Python version)::
+
+    python -m titan_lightning.data.tokenizer
+"""
+
+import platform
+from pathlib import Path
+from typing import Optional, Sequence
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from titan_lightning.config import DataConfig
+from titan_lightning.data.dataset import EOT, format_corpus, split_documents
+
+VOCAB_SIZE = 2048
+ASSETS_DIR = Path(__file__).resolve().parents[2] / "tests" / "assets"
+CORPUS_PATH = ASSETS_DIR / "corpus" / "python_reference.txt"
+TOKENIZER_PATH = ASSETS_DIR / "tokenizer" / "tokenizer.json"
+REBUILD_COMMAND = "python -m titan_lightning.data.tokenizer"
+
+
+def shipped_asset(path: Path) -> Path:
+    """``path`` if it exists, else an error that says how to rebuild the shipped assets."""
+    if not path.is_file():
+        raise FileNotFoundError(f"shipped asset {str(path)!r} is missing; rebuild it with `{REBUILD_COMMAND}`")
+    return path
+
+
+class Tokenizer:
+    """A `tokenizers` tokenizer seen as ``str <-> list[int]``, with its end-of-text id."""
+
+    def __init__(self, tokenizer: HFTokenizer) -> None:
+        eot_id = tokenizer.token_to_id(EOT)
+        if eot_id is None:
+            raise ValueError(f"the tokenizer has no {EOT!r} token")
+        self._tokenizer = tokenizer
+        self.eot_id: int = eot_id
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def load_tokenizer(path: Optional[str] = None) -> Tokenizer:
+    """The tokenizer in the `tokenizers` JSON file ``path``; None is the shipped one."""
+    if path is None:
+        file = shipped_asset(TOKENIZER_PATH)
+    else:
+        file = Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"data.tokenizer_path={path!r}: no such file")
+    return Tokenizer(HFTokenizer.from_file(str(file)))
+
+
+def train_tokenizer(documents: Sequence[str], vocab_size: int = VOCAB_SIZE) -> HFTokenizer:
+    """A byte-level BPE (GPT-2 style) with ``<|endoftext|>`` as its only special token."""
+    tokenizer = HFTokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(documents, trainer=trainer, length=len(documents))
+    return tokenizer
+
+
+def reference_documents() -> list[str]:
+    """The topic texts of this Python's reference manual (``pydoc_data``), sorted by topic."""
+    from pydoc_data.topics import topics
+
+    return [topics[name].strip() for name in sorted(topics)]
+
+
+def build_assets(corpus_path: Path = CORPUS_PATH, tokenizer_path: Path = TOKENIZER_PATH) -> None:
+    """Write the corpus and the tokenizer trained on its train split (default ``val_fraction``)."""
+    documents = reference_documents()
+    corpus_path.parent.mkdir(parents=True, exist_ok=True)
+    corpus_path.write_bytes(format_corpus(documents).encode("utf-8"))
+    train, _ = split_documents(documents, DataConfig().val_fraction)
+    tokenizer_path.parent.mkdir(parents=True, exist_ok=True)
+    train_tokenizer(train).save(str(tokenizer_path))
+
+
+if __name__ == "__main__":
+    build_assets()
+    print(f"wrote {CORPUS_PATH} and {TOKENIZER_PATH} from Python {platform.python_version()}'s pydoc_data")
