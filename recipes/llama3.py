@@ -20,7 +20,7 @@ def debugmodel() -> Run:
         optimizer=OptimizerConfig(lr=2e-3),
         lr_schedule=LRScheduleConfig(warmup_steps=10, decay_ratio=0.5),
     )
-    run.trainer.update(max_steps=100, log_every_n_steps=5, val_check_interval=50, limit_val_batches=4)
+    run.trainer.update(max_steps=100, log_every_n_steps=1, val_check_interval=50, limit_val_batches=4)
     return run
 
 

@@ -16,7 +16,8 @@ import dataclasses
 import inspect
 import re
 import sys
-from typing import Optional, Sequence
+import typing
+from typing import Annotated, Optional, Sequence, Union
 
 import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser
@@ -80,7 +81,12 @@ def build_parser(run: Run) -> ArgumentParser:
     if run.job is not None:
         parser.add_argument("--job", type=type(run.job), default=run.job, help="the run's JobConfig")
     # Method arguments, not class arguments: the CLI builds the Trainer itself.
-    parser.add_method_arguments(L.Trainer, "__init__", "trainer", skip=set(_OBJECT_ARGS))
+    int_first = _int_or_float_args()
+    parser.add_method_arguments(L.Trainer, "__init__", "trainer", skip=set(_OBJECT_ARGS) | set(int_first))
+    for key, default in int_first.items():
+        # Trainer annotates these Union[float, int]: "4" would parse as 4.0 and "1" as 100%.
+        # Annotated keeps typing's Union cache from handing back Trainer's float-first Union.
+        parser.add_argument(f"--trainer.{key}", type=Optional[Union[int, Annotated[float, "fraction"]]], default=default)
     trainer_args = _trainer_signature_defaults()
     trainer_defaults = {}
     for key, value in run.trainer.items():
@@ -114,6 +120,14 @@ class _Missing:
 def _trainer_signature_defaults() -> dict:
     parameters = inspect.signature(L.Trainer.__init__).parameters
     return {name: p.default for name, p in parameters.items() if name != "self"}
+
+
+def _int_or_float_args() -> dict:
+    parameters = inspect.signature(L.Trainer.__init__).parameters
+    return {
+        name: p.default for name, p in parameters.items()
+        if set(typing.get_args(p.annotation)) >= {int, float}
+    }
 
 
 def _recipe_spec(argv: list[str]) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from titan_lightning.callbacks import TrainingMetrics
@@ -127,6 +128,8 @@ def build_trainer(run: Run) -> L.Trainer:
     callbacks = list(kwargs.get("callbacks") or [])
     if not any(isinstance(c, TrainingMetrics) for c in callbacks):
         callbacks.append(TrainingMetrics())
+    if kwargs.get("enable_checkpointing", True) and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        callbacks.append(ModelCheckpoint(dirpath=folder / "checkpoints"))
     kwargs["callbacks"] = callbacks
     trainer = L.Trainer(**kwargs)
     if job is not None:

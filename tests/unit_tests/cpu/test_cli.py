@@ -63,14 +63,14 @@ def test_print_config_shows_the_resolved_run_with_overrides(workdir, capsys):
 
 def test_saved_config_reproduces_the_run(workdir, capsys):
     assert cli.main(["fit", "--recipe", "recipes.llama3:debugmodel", "--job.training.seed", "5",
-                     "--trainer.max_steps", "9", "--print_config"]) == 0
+                     "--trainer.max_steps", "30", "--print_config"]) == 0
     saved = capsys.readouterr().out
     (workdir / "run.yaml").write_text(saved)
     command, run, trainer = cli.prepare(["fit", "--config", "run.yaml"])
     assert command == "fit"
     assert run.job.training.seed == 5
     assert run.datamodule.job is run.job
-    assert trainer.max_steps == 9
+    assert trainer.max_steps == 30
     assert cli.main(["fit", "--config", "run.yaml", "--print_config"]) == 0
     assert capsys.readouterr().out == saved
 
@@ -83,6 +83,14 @@ def test_overrides_win_over_the_recipe(workdir):
     assert run.module.job.lr_schedule.warmup_steps == 2
     # Untouched recipe values survive.
     assert run.job.training.seq_len == build_run("recipes.llama3:debugmodel").job.training.seq_len
+
+
+def test_whole_numbers_stay_batch_counts_not_fractions(workdir):
+    _, run, trainer = cli.prepare(["fit", "--recipe", "recipes.llama3:debugmodel",
+                                   "--trainer.limit_val_batches", "1", "--trainer.limit_train_batches", "0.5"])
+    assert run.trainer["limit_val_batches"] == 1 and isinstance(run.trainer["limit_val_batches"], int)
+    assert trainer.limit_val_batches == 1
+    assert trainer.limit_train_batches == 0.5
 
 
 @pytest.mark.parametrize(
@@ -100,7 +108,9 @@ def test_overrides_win_over_the_recipe(workdir):
         (["fit", "--recipe", "my_recipes:good", "--job.training.seed", "abc"], "job.training.seed: Expected a <class 'int'>. Got value: abc"),
         (["fit", "--recipe", "my_recipes:good", "--job.optimizer.lr", "-1"], "optimizer.lr=-1.0 must be > 0"),
         (["fit", "--recipe", "my_recipes:good", "--job.parallelism.tp", "2"],
-         "must equal the world size 1"),
+         "world size 1 is not divisible by dp_replicate*tp*pp*cp = 1*2*1*1 = 2"),
+        (["fit", "--recipe", "my_recipes:good", "--job.parallelism.dp_shard", "2"],
+         "dp_replicate*dp_shard*tp*pp*cp = 1*2*1*1*1 = 2 must equal the world size 1"),
         (["fit", "--recipe", "my_recipes:good", "--trainer.max_steps", "5"],
          "lr_schedule.warmup_steps=10 must be <= trainer.max_steps=5"),
     ],
