@@ -107,6 +107,15 @@ def run_dir(run: Run, root: Optional[str]) -> Path:
     return Path(os.environ[RUN_DIR_ENV])
 
 
+def _validate_vocab(run: Run, job: JobConfig) -> None:
+    tokenizer = getattr(run.datamodule, "tokenizer", None)
+    if tokenizer is not None and tokenizer.vocab_size > job.model.vocab_size:
+        raise ConfigError(
+            f"the data's tokenizer has {tokenizer.vocab_size} tokens, more than model.vocab_size="
+            f"{job.model.vocab_size}; use a model vocab_size >= {tokenizer.vocab_size}"
+        )
+
+
 def build_trainer(run: Run) -> L.Trainer:
     """Validate the run and build its Trainer. Nothing is written and nothing is spawned."""
     kwargs = dict(run.trainer)
@@ -134,5 +143,6 @@ def build_trainer(run: Run) -> L.Trainer:
     trainer = L.Trainer(**kwargs)
     if job is not None:
         validate_job(job, world_size=trainer.world_size, max_steps=trainer.max_steps)
+        _validate_vocab(run, job)
         trainer.accumulate_grad_batches = gradient_accumulation_steps(job, trainer.world_size)
     return trainer

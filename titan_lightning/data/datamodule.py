@@ -15,7 +15,7 @@ from titan_lightning.data.dataset import (
     split_documents,
     tokenize_documents,
 )
-from titan_lightning.data.tokenizer import CORPUS_PATH, load_tokenizer, shipped_asset
+from titan_lightning.data.tokenizer import CORPUS_PATH, Tokenizer, load_tokenizer, shipped_asset
 
 
 class TextDataModule(L.LightningDataModule):
@@ -31,13 +31,21 @@ class TextDataModule(L.LightningDataModule):
     def __init__(self, job: JobConfig) -> None:
         super().__init__()
         self.job = job
-        self.tokenizer = load_tokenizer(job.data.tokenizer_path)
+        self._tokenizer: Optional[tuple[Optional[str], Tokenizer]] = None
         self._train: Optional[TokenWindows] = None
         self._val: Optional[TokenWindows] = None
         # Samples this rank had consumed when the current train loader was built, and the
         # Trainer that loader serves with its trained-batch count then (None: no Trainer).
         self._start = 0
         self._counter: Optional[tuple[L.Trainer, int]] = None
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer ``job.data.tokenizer_path`` names, loaded once per path."""
+        path = self.job.data.tokenizer_path
+        if self._tokenizer is None or self._tokenizer[0] != path:
+            self._tokenizer = (path, load_tokenizer(path))
+        return self._tokenizer[1]
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self._train is not None:

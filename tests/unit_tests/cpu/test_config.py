@@ -117,6 +117,14 @@ def test_tokens_per_step_derives_accumulation_and_must_fit_dp_degree():
         validate_job(job, world_size=16)
 
 
+def test_sequence_must_fit_the_model_context():
+    from titan_lightning.models.llama3 import Llama3Job, llama3_args
+
+    job = Llama3Job(model=llama3_args("debugmodel"), training=TrainingConfig(seq_len=4096, tokens_per_microbatch_per_dp_rank=4096))
+    with pytest.raises(ConfigError, match=r"training.seq_len=4096 must be <= model.max_seq_len=2048"):
+        validate_job(job, world_size=1)
+
+
 def test_schedule_must_fit_in_max_steps():
     job = JobConfig(lr_schedule=LRScheduleConfig(warmup_steps=10, decay_ratio=0.5))
     validate_job(job, world_size=1, max_steps=20)

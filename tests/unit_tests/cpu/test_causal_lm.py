@@ -1,0 +1,128 @@
+"""The shared LightningModule: loss, determinism, clipping, precision, safety checks."""
+
+import math
+
+import lightning as L
+import pytest
+import torch
+
+from recipes.tests import features
+from titan_lightning.config import ConfigError
+from titan_lightning.models.causal_lm import IGNORE_INDEX, cross_entropy_loss
+from titan_lightning.recipe import RUN_DIR_ENV, build_trainer
+
+
+class Record(L.Callback):
+    """Loss and grad norm after every optimizer step."""
+
+    def __init__(self):
+        self.losses, self.grad_norms = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.losses.append(trainer.callback_metrics["train/loss"].item())
+            self.grad_norms.append(pl_module.last_grad_norm.item())
+
+
+@pytest.fixture(autouse=True)
+def run_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "run"))
+
+
+def fit(run, max_steps=3):
+    record = Record()
+    run.trainer.update(max_steps=max_steps, callbacks=[record], accelerator="cpu", devices=1)
+    trainer = build_trainer(run)
+    trainer.fit(run.module, datamodule=run.datamodule)
+    return record, trainer
+
+
+def test_loss_is_mean_over_tokens_whose_label_is_not_ignored():
+    logits = torch.randn(2, 5, 11)
+    labels = torch.randint(0, 11, (2, 5))
+    labels[0, :3] = IGNORE_INDEX
+    keep = labels != IGNORE_INDEX
+    by_hand = -torch.log_softmax(logits, -1)[keep].gather(1, labels[keep][:, None]).mean()
+    assert torch.allclose(cross_entropy_loss(logits, labels), by_hand)
+
+
+def test_reruns_are_bitwise_identical_and_seed_matters():
+    first, _ = fit(features.llama3_debugmodel())
+    second, _ = fit(features.llama3_debugmodel())
+    assert first.losses == second.losses
+    assert first.grad_norms == second.grad_norms
+    other = features.llama3_debugmodel()
+    other.job.training.seed = 1
+    third, _ = fit(other)
+    assert third.losses != first.losses
+    assert first.losses[0] == pytest.approx(math.log(2048), abs=1.0)
+
+
+def test_grad_norm_is_logged_before_clipping_and_grads_are_clipped():
+    run = features.llama3_debugmodel()
+    run.job.training.max_grad_norm = 1e-3
+    record, trainer = fit(run, max_steps=1)
+    assert record.grad_norms[0] > 1e-3  # the pre-clip norm is what is logged
+    # Lightning zeroes grads at the start of the next step, so the last step's clipped grads remain.
+    grads = [p.grad for p in run.module.model.parameters() if p.grad is not None]
+    assert grads
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    assert total.item() == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_gradient_accumulation_comes_from_tokens_per_step():
+    record, trainer = fit(features.llama3_debugmodel_accumulation(), max_steps=2)
+    assert trainer.accumulate_grad_batches == 2
+    assert trainer.global_step == 2
+    assert len(record.losses) == 2
+
+
+def test_bf16_compute_with_fp32_params_trains():
+    run = features.llama3_debugmodel_bf16()
+    record, _ = fit(run, max_steps=2)
+    assert all(math.isfinite(x) for x in record.losses)
+    assert all(p.dtype == torch.float32 for p in run.module.model.parameters())
+
+
+def test_full_bf16_parameters():
+    run = features.llama3_debugmodel()
+    run.job.training.dtype = "bfloat16"
+    run.job.training.mixed_precision_param = "bfloat16"
+    record, _ = fit(run, max_steps=1)
+    assert all(p.dtype == torch.bfloat16 for p in run.module.model.parameters())
+    assert run.module.model.rope_cache.dtype == torch.float32
+    assert math.isfinite(record.losses[0])
+
+
+def test_non_finite_loss_stops_before_the_optimizer_step():
+    run = features.llama3_debugmodel()
+
+    class Poison(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 1:
+                with torch.no_grad():
+                    pl_module.model.output.weight.fill_(float("nan"))
+                self.snapshot = {n: p.detach().clone() for n, p in pl_module.model.named_parameters()}
+
+    poison = Poison()
+    run.trainer.update(max_steps=3, callbacks=[poison], accelerator="cpu", devices=1)
+    trainer = build_trainer(run)
+    with pytest.raises(FloatingPointError, match="non-finite training loss nan at step 2; stopping before the optimizer step"):
+        trainer.fit(run.module, datamodule=run.datamodule)
+    for name, param in run.module.model.named_parameters():
+        assert torch.allclose(param, poison.snapshot[name], equal_nan=True, rtol=0, atol=0), name
+    assert trainer.global_step == 1
+
+
+def test_trainer_arguments_owned_by_the_job_are_refused():
+    run = features.llama3_debugmodel()
+    run.trainer["gradient_clip_val"] = 1.0
+    with pytest.raises(ConfigError, match=r"trainer.gradient_clip_val=1.0 is set by job.training.max_grad_norm"):
+        build_trainer(run)
+
+
+def test_tokenizer_larger_than_model_vocab_is_refused():
+    run = features.llama3_debugmodel()
+    run.job.model.vocab_size = 1024
+    with pytest.raises(ConfigError, match=r"tokenizer has 2048 tokens, more than model.vocab_size=1024"):
+        build_trainer(run)
