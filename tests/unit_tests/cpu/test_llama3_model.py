@@ -134,6 +134,19 @@ def test_init_on_meta_then_cpu_equals_init_of_a_cpu_model():
     assert torch.equal(direct.rope_cache, from_meta.rope_cache)
 
 
+def test_init_ignores_the_default_device():
+    """Lightning runs configure_model under a default-device context (cuda on a GPU)."""
+    args = llama3_args("debugmodel")
+    plain = materialized(args, seed=7)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    with torch.device("meta"):  # a foreign default device while the weights are drawn
+        model.init_weights(7)
+    assert_same_weights(plain, model)
+    assert torch.equal(plain.rope_cache, model.rope_cache)
+
+
 def test_init_in_bfloat16_is_the_float32_init_rounded():
     args = llama3_args("debugmodel")
     full, half = materialized(args, seed=1), materialized(args, seed=1, dtype=torch.bfloat16)

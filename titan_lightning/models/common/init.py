@@ -35,7 +35,7 @@ def param_generator(seed: int, fqn: str) -> torch.Generator:
 def init_params(module: nn.Module, seed: int, law: InitLaw) -> None:
     for fqn, param in module.named_parameters():
         fqn = canonical_fqn(fqn)
-        full = torch.empty(param.shape, dtype=torch.float32)
+        full = torch.empty(param.shape, dtype=torch.float32, device="cpu")  # whatever the default device
         law(fqn, full, param_generator(seed, fqn))
         if isinstance(param, DTensor):
             # src_data_rank=None: no communication, each rank cuts its own chunk.
