@@ -7,7 +7,7 @@ Every message names the fields, their values and what would be valid.
 from typing import Optional
 
 from titan_lightning.config.job import JobConfig
-from titan_lightning.config.parallelism import LOOPED_PP_SCHEDULES
+from titan_lightning.config.parallelism import LOOPED_PP_SCHEDULES, ParallelismConfig
 
 
 class ConfigError(ValueError):
@@ -23,7 +23,11 @@ def validate_job(job: JobConfig, *, world_size: int, max_steps: Optional[int] = 
 
 
 def validate_parallelism(job: JobConfig, world_size: int) -> None:
-    p = job.parallelism
+    validate_degrees(job.parallelism, world_size)
+
+
+def validate_degrees(p: ParallelismConfig, world_size: int) -> None:
+    """Degrees against the world size; needs nothing but the parallelism section."""
     fixed = p.fixed_degrees
     if p.dp_shard == -1:
         if world_size % fixed:

@@ -1,0 +1,146 @@
+"""ParallelDims: parallel degrees + world size -> a named DeviceMesh.
+
+Mesh dims, outermost to innermost: pp, dp_replicate, dp_shard, cp, tp. Only dims with a
+degree above 1 exist (disabled dims cost no process groups). Flattened views:
+
+    dp           dp_replicate x dp_shard   data loading (ranks that see different batches)
+    dp_shard_cp  dp_shard x cp             FSDP sharding
+    dp_cp        dp_replicate x dp_shard x cp   loss and metric reduction
+
+Experts (ep) borrow ranks from dp_shard x cp x tp; their mesh arrives with the EP work.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from titan_lightning.config import ConfigError, ParallelismConfig
+from titan_lightning.config.validation import validate_degrees
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+FLATTENED = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Resolved degrees of one run (dp_shard=-1 already replaced), validated on creation."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, config: ParallelismConfig, world_size: int) -> "ParallelDims":
+        validate_degrees(config, world_size)
+        return cls(
+            dp_replicate=config.dp_replicate,
+            dp_shard=config.resolved_dp_shard(world_size),
+            cp=config.cp,
+            tp=config.tp,
+            pp=config.pp,
+            ep=config.ep,
+            world_size=world_size,
+        )
+
+    def __post_init__(self) -> None:
+        product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+        if product != self.world_size:
+            raise ConfigError(
+                f"pp*dp_replicate*dp_shard*cp*tp = {self.pp}*{self.dp_replicate}*{self.dp_shard}*{self.cp}*{self.tp}"
+                f" = {product} must equal the world size {self.world_size}"
+            )
+
+    def degree(self, dim: str) -> int:
+        return getattr(self, dim)
+
+    @property
+    def enabled_dims(self) -> tuple[str, ...]:
+        return tuple(dim for dim in MESH_DIMS if self.degree(dim) > 1)
+
+    @property
+    def dp_degree(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard * self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    def describe(self) -> str:
+        """The `# parallelism:` line of golden files: FSDP=2, TP=2 ... (or 'single device')."""
+        names = {"dp_replicate": "DP", "dp_shard": "FSDP", "cp": "CP", "tp": "TP", "pp": "PP"}
+        parts = [f"{names[d]}={self.degree(d)}" for d in ("dp_replicate", "dp_shard", "tp", "cp", "pp") if self.degree(d) > 1]
+        if self.ep > 1:
+            parts.append(f"EP={self.ep}")
+        return ", ".join(parts) or "single device"
+
+    def build_mesh(self, device_type: str) -> "Mesh":
+        dims = self.enabled_dims
+        if not dims:
+            return Mesh(self, init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",)), {})
+        mesh = init_device_mesh(device_type, tuple(self.degree(d) for d in dims), mesh_dim_names=dims)
+        views = {dim: mesh[dim] for dim in dims}
+        for name, parts in FLATTENED.items():
+            present = tuple(d for d in parts if d in dims)
+            if len(present) > 1:
+                # Kept here: slicing a flattened dim back out of the root mesh is deprecated.
+                views[name] = mesh[present]._flatten(mesh_dim_name=name)
+        return Mesh(self, mesh, views)
+
+
+class Mesh:
+    """The DeviceMesh of a run plus name lookup that knows about disabled dims.
+
+    ``get(name)`` returns the sub-mesh of a mesh dim or flattened view, or None when
+    every dim it spans has degree 1 (nothing to communicate over).
+    """
+
+    def __init__(self, dims: ParallelDims, device_mesh: DeviceMesh, views: dict[str, DeviceMesh]) -> None:
+        self.dims = dims
+        self.device_mesh = device_mesh
+        self._views = views
+
+    def get(self, name: str) -> Optional[DeviceMesh]:
+        parts = FLATTENED.get(name, (name,))
+        present = tuple(d for d in parts if self.dims.degree(d) > 1)
+        if not present:
+            return None
+        # One enabled dim is that dim's mesh; several were flattened under `name` by build_mesh.
+        return self._views[present[0] if len(present) == 1 else name]
+
+    def rank_and_size(self, name: str) -> tuple[int, int]:
+        """(local rank, size) of this process in a dim or view; (0, 1) when disabled."""
+        sub = self.get(name)
+        return (0, 1) if sub is None else (sub.get_local_rank(), sub.size())
