@@ -53,3 +53,35 @@ def llama3_70b() -> Run:
 
 def llama3_405b() -> Run:
     return _size("405B")
+
+
+def _debug_layout(**degrees) -> Run:
+    """The baseline on a parallel layout, with the same global batch (so the same losses)."""
+    run = debugmodel()
+    for name, value in degrees.items():
+        setattr(run.job.parallelism, name, value)
+    p = run.job.parallelism
+    run.job.training.tokens_per_microbatch_per_dp_rank //= p.dp_replicate * max(p.dp_shard, 1)
+    return run
+
+
+# The debug model on parallel layouts; launch with the matching world size, e.g.
+#   titan-lightning fit --recipe recipes.llama3:fsdp2_tp2 --trainer.devices 4 --trainer.accelerator cpu
+def fsdp2() -> Run:
+    return _debug_layout(dp_shard=2)
+
+
+def ddp2() -> Run:
+    return _debug_layout(dp_replicate=2, dp_shard=1)
+
+
+def hsdp2x2() -> Run:
+    return _debug_layout(dp_replicate=2, dp_shard=2)
+
+
+def tp2() -> Run:
+    return _debug_layout(dp_shard=1, tp=2)
+
+
+def fsdp2_tp2() -> Run:
+    return _debug_layout(dp_shard=2, tp=2)

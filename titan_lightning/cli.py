@@ -29,7 +29,8 @@ from titan_lightning.recipe import Run, RecipeError, build_run, build_trainer
 SUBCOMMANDS = ("fit", "validate", "test")
 OPTIONS = ("--recipe", "--config", "--print_config", "--job", "--trainer")
 # Trainer arguments that hold objects: a recipe sets them, the command line does not.
-_OBJECT_ARGS = ("callbacks", "logger", "plugins", "strategy")
+# (`strategy` is on the command line as a registry name or a class path, see build_parser.)
+_OBJECT_ARGS = ("callbacks", "logger", "plugins")
 
 
 class UsageError(ValueError):
@@ -82,7 +83,10 @@ def build_parser(run: Run) -> ArgumentParser:
         parser.add_argument("--job", type=type(run.job), default=run.job, help="the run's JobConfig")
     # Method arguments, not class arguments: the CLI builds the Trainer itself.
     int_first = _int_or_float_args()
-    parser.add_method_arguments(L.Trainer, "__init__", "trainer", skip=set(_OBJECT_ARGS) | set(int_first))
+    skip = set(_OBJECT_ARGS) | set(int_first)
+    if not isinstance(run.trainer.get("strategy", "auto"), str):
+        skip.add("strategy")  # an object from the recipe stays as it is
+    parser.add_method_arguments(L.Trainer, "__init__", "trainer", skip=skip)
     for key, default in int_first.items():
         # Trainer annotates these Union[float, int]: "4" would parse as 4.0 and "1" as 100%.
         # Annotated keeps typing's Union cache from handing back Trainer's float-first Union.
@@ -92,7 +96,7 @@ def build_parser(run: Run) -> ArgumentParser:
     for key, value in run.trainer.items():
         if key not in trainer_args:
             raise RecipeError(f"recipe trainer argument {key!r} is not an argument of lightning.Trainer")
-        if key not in _OBJECT_ARGS:  # objects stay with the recipe, not on the command line
+        if key not in _OBJECT_ARGS and not (key == "strategy" and not isinstance(value, str)):
             trainer_defaults[f"trainer.{key}"] = value
     parser.set_defaults(trainer_defaults)
     return parser
@@ -104,7 +108,7 @@ def apply_namespace(run: Run, parser: ArgumentParser, namespace) -> None:
     if run.job is not None:
         run.set_job(init.job)
     defaults = _trainer_signature_defaults()
-    trainer = {k: v for k, v in run.trainer.items() if k in _OBJECT_ARGS}
+    trainer = {k: v for k, v in run.trainer.items() if k in _OBJECT_ARGS or not isinstance(v, (str, int, float, bool, type(None), list, dict))}
     for key, value in vars(init.trainer).items():
         if key not in defaults:
             continue  # jsonargparse bookkeeping, not a Trainer argument

@@ -23,6 +23,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from titan_lightning.callbacks import TrainingMetrics
 from titan_lightning.config import ConfigError, JobConfig, validate_job
 from titan_lightning.config.validation import gradient_accumulation_steps
+from titan_lightning.strategies import TitanStrategy
 
 RUN_DIR_ENV = "TITAN_LIGHTNING_RUN_DIR"
 
@@ -126,6 +127,8 @@ def build_trainer(run: Run) -> L.Trainer:
             if value != default:
                 raise ConfigError(f"trainer.{key}={value!r} is set by {instead}; set that instead")
         kwargs["deterministic"] = job.training.deterministic or None
+        if kwargs.get("strategy", "auto") == "auto":
+            kwargs["strategy"] = TitanStrategy()  # degrees from job.parallelism
         L.seed_everything(job.training.seed, verbose=False)
     folder = run_dir(run, kwargs.get("default_root_dir"))
     kwargs["default_root_dir"] = str(folder)

@@ -34,3 +34,66 @@ def llama3_debugmodel_bf16() -> Run:
     run = llama3_debugmodel()
     run.job.training.mixed_precision_param = "bfloat16"
     return run
+
+
+def _layout(**degrees) -> Run:
+    """The baseline on a parallel layout, with the same global batch (so the same losses)."""
+    run = llama3_debugmodel()
+    for name, value in degrees.items():
+        setattr(run.job.parallelism, name, value)
+    p = run.job.parallelism
+    run.job.training.tokens_per_microbatch_per_dp_rank //= p.dp_replicate * max(p.dp_shard, 1)
+    return run
+
+
+# Layouts, named by degree. The world size comes from the launch (--trainer.devices N).
+def llama3_fsdp2() -> Run:
+    return _layout(dp_shard=2)
+
+
+def llama3_fsdp4() -> Run:
+    return _layout(dp_shard=4)
+
+
+def llama3_ddp2() -> Run:
+    return _layout(dp_replicate=2, dp_shard=1)
+
+
+def llama3_ddp4() -> Run:
+    return _layout(dp_replicate=4, dp_shard=1)
+
+
+def llama3_hsdp2x2() -> Run:
+    return _layout(dp_replicate=2, dp_shard=2)
+
+
+def llama3_tp2() -> Run:
+    return _layout(dp_shard=1, tp=2)
+
+
+def llama3_tp4() -> Run:
+    return _layout(dp_shard=1, tp=4)
+
+
+def llama3_tp2_no_sp() -> Run:
+    return _layout(dp_shard=1, tp=2, sequence_parallel=False)
+
+
+def llama3_tp4_no_sp() -> Run:
+    return _layout(dp_shard=1, tp=4, sequence_parallel=False)
+
+
+def llama3_fsdp2_tp2() -> Run:
+    return _layout(dp_shard=2, tp=2)
+
+
+def llama3_hsdp2x2_tp2() -> Run:
+    """fsdp2_tp2 replicated twice: 8 ranks."""
+    return _layout(dp_replicate=2, dp_shard=2, tp=2)
+
+
+def llama3_fsdp2_tp2_bf16() -> Run:
+    """bf16 parameters in compute, fp32 reduce (FSDP mixed precision)."""
+    run = llama3_fsdp2_tp2()
+    run.job.training.mixed_precision_param = "bfloat16"
+    return run

@@ -13,6 +13,7 @@ PP_SCHEDULES = (
 )
 LOOPED_PP_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
 CP_LOAD_BALANCERS = ("headtail", "ptrr")
+FSDP_RESHARD_POLICIES = ("default", "always", "never")
 
 
 @dataclass(kw_only=True)
@@ -24,12 +25,18 @@ class ParallelismConfig:
     dp_shard: int = -1
     tp: int = 1
     sequence_parallel: bool = True
+    # Vocab-sharded logits go straight into the loss (full logits are never gathered).
+    loss_parallel: bool = True
     pp: int = 1
     pp_schedule: str = "1F1B"
     pp_microbatches: int = 1
     cp: int = 1
     cp_load_balancer: Optional[str] = "headtail"
     ep: int = 1
+    # FSDP: free the unsharded parameters after forward ("default": every block but the
+    # last, whose backward runs first), always, or never (more memory, less communication).
+    fsdp_reshard_after_forward: str = "default"
+    fsdp_cpu_offload: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_microbatches"):
@@ -40,6 +47,11 @@ class ParallelismConfig:
             raise ValueError(f"parallelism.dp_shard={self.dp_shard!r} must be -1 (the rest) or an integer >= 1")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"parallelism.pp_schedule={self.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
+        if self.fsdp_reshard_after_forward not in FSDP_RESHARD_POLICIES:
+            raise ValueError(
+                f"parallelism.fsdp_reshard_after_forward={self.fsdp_reshard_after_forward!r} is not one of "
+                f"{', '.join(FSDP_RESHARD_POLICIES)}"
+            )
         if self.cp_load_balancer is not None and self.cp_load_balancer not in CP_LOAD_BALANCERS:
             raise ValueError(
                 f"parallelism.cp_load_balancer={self.cp_load_balancer!r} is not one of "

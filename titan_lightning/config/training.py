@@ -24,6 +24,8 @@ class TrainingConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     # dtype the forward and backward compute in (bf16 autocast / FSDP param dtype).
     mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
+    # dtype gradients are reduced in across data-parallel ranks (FSDP).
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     # None: no clipping (the grad norm is still computed and logged).
     max_grad_norm: Optional[float] = 1.0
 

@@ -15,6 +15,9 @@ class ConfigError(ValueError):
 
 
 def validate_job(job: JobConfig, *, world_size: int, max_steps: Optional[int] = None) -> None:
+    # Recipes derive runs by assigning fields, which skips __post_init__: run it again.
+    for section in (job.model, job.training, job.parallelism, job.optimizer, job.lr_schedule, job.data):
+        section.__post_init__()
     validate_parallelism(job, world_size)
     validate_model_parallelism(job)
     validate_batch(job, world_size)

@@ -7,6 +7,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from titan_lightning.config import JobConfig
 from titan_lightning.optim import build_lr_scheduler, build_optimizer
@@ -15,10 +17,18 @@ IGNORE_INDEX = -100
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy over the tokens whose label is not IGNORE_INDEX, in fp32."""
+    """Mean cross entropy over the tokens whose label is not IGNORE_INDEX, in fp32.
+
+    Vocab-sharded logits (a DTensor, from loss parallel) give a replicated DTensor loss;
+    the strategy runs this and the backward inside ``loss_parallel()``.
+    """
     return F.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="mean"
     )
+
+
+def _local(loss: torch.Tensor) -> torch.Tensor:
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 class CausalLMModule(L.LightningModule):
@@ -56,8 +66,13 @@ class CausalLMModule(L.LightningModule):
         self.model.to_empty(device=device)
         self.model.init_weights(self.job.training.seed)
 
+    # Module names (relative to this LightningModule) -> tensor-parallel styles; set by families.
+    tp_plan: Optional[dict[str, str]] = None
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.job.training.mixed_precision_param == "bfloat16" and self.job.training.dtype == "float32":
+        t = self.job.training
+        # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does it.
+        if t.mixed_precision_param == "bfloat16" and t.dtype == "float32" and not isinstance(self.model, FSDPModule):
             with torch.autocast(device_type=input_ids.device.type, dtype=torch.bfloat16):
                 return self.model(input_ids)
         return self.model(input_ids)
@@ -66,16 +81,17 @@ class CausalLMModule(L.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = cross_entropy_loss(self(batch["input_ids"]), batch["labels"])
-        if not torch.isfinite(loss):
+        value = _local(loss).detach()
+        if not torch.isfinite(value):
             raise FloatingPointError(
-                f"non-finite training loss {loss.item()} at step {self.trainer.global_step + 1}; "
+                f"non-finite training loss {value.item()} at step {self.trainer.global_step + 1}; "
                 f"stopping before the optimizer step"
             )
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("train/loss", value, prog_bar=True, sync_dist=True)
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss = cross_entropy_loss(self(batch["input_ids"]), batch["labels"])
+        loss = _local(cross_entropy_loss(self(batch["input_ids"]), batch["labels"]))
         self.val_loss.update(loss, weight=(batch["labels"] != IGNORE_INDEX).sum())
 
     def on_validation_epoch_end(self) -> None:

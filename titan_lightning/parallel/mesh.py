@@ -13,6 +13,7 @@ Experts (ep) borrow ranks from dp_shard x cp x tp; their mesh arrives with the E
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan_lightning.config import ConfigError, ParallelismConfig
@@ -144,3 +145,26 @@ class Mesh:
         """(local rank, size) of this process in a dim or view; (0, 1) when disabled."""
         sub = self.get(name)
         return (0, 1) if sub is None else (sub.get_local_rank(), sub.size())
+
+
+def release_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions, which hold on to the meshes they saw.
+
+    A mesh equal to an old one (same shape and names) would otherwise get results that
+    point at the old, destroyed process groups: a process that runs several process-group
+    lifetimes (tests, notebooks, fit then validate) calls this when a group is destroyed.
+    These caches are torch internals, so each is cleared only where it exists.
+    """
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in (getattr(propagator, "propagate_op_sharding", None), getattr(propagator, "_propagate_tensor_meta_cached", None)):
+        for clear in (getattr(cached, "cache_clear", None), getattr(getattr(cached, "cache", None), "cache_clear", None)):
+            if clear is not None:
+                clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
+    if native is not None:
+        native()
+    gen = getattr(_redistribute, "_gen_transform_infos", None)
+    if gen is not None and hasattr(gen, "cache_clear"):
+        gen.cache_clear()

@@ -132,3 +132,10 @@ def test_schedule_must_fit_in_max_steps():
         validate_job(job, world_size=1, max_steps=5)
     with pytest.raises(ConfigError, match=r"decay_ratio=0.5 \* max_steps=16 = 8\) exceed trainer.max_steps=16"):
         validate_job(job, world_size=1, max_steps=16)
+
+
+def test_fields_changed_after_construction_are_checked_again():
+    job = JobConfig()
+    job.training.seq_len = 100  # no longer divides tokens_per_microbatch_per_dp_rank
+    with pytest.raises(ValueError, match=r"tokens_per_microbatch_per_dp_rank=8192 must be a multiple of training.seq_len=100"):
+        validate_job(job, world_size=1)

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from titan_lightning.config import JobConfig
 from titan_lightning.models.causal_lm import CausalLMModule
 from titan_lightning.models.llama3.model import Llama3Args, Transformer
+from titan_lightning.models.llama3.parallelize import TP_PLAN
 
 
 @dataclass(kw_only=True)
@@ -16,6 +17,7 @@ class Llama3Module(CausalLMModule):
     """Llama 3 (dense, GQA, RoPE with Llama-3 frequency scaling, SwiGLU)."""
 
     job: Llama3Job
+    tp_plan = {f"model.{name}": style for name, style in TP_PLAN.items()}
 
     def build_model(self) -> Transformer:
         return Transformer(self.job.model)

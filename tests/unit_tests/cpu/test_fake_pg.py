@@ -1,0 +1,128 @@
+"""FakePGStrategy: one process simulates a world size; same mesh, same parallelisms."""
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+
+from recipes.tests import features
+from titan_lightning.config import ConfigError
+from titan_lightning.recipe import RUN_DIR_ENV, build_trainer
+from titan_lightning.strategies import FakePGStrategy
+
+
+@pytest.fixture(autouse=True)
+def run_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "run"))
+    yield
+    if dist.is_initialized():  # a failed run may leave its group behind
+        dist.destroy_process_group()
+
+
+def fake_fit(recipe, world_size, *, rank=0, steps=1, **degrees):
+    run = recipe()
+    for name, value in degrees.items():
+        setattr(run.job.parallelism, name, value)
+    p = run.job.parallelism
+    dp = p.dp_replicate * (p.dp_shard if p.dp_shard > 0 else world_size // (p.dp_replicate * p.tp))
+    # Keep one sequence per data-parallel rank whatever the simulated size.
+    run.job.training.tokens_per_microbatch_per_dp_rank = run.job.training.seq_len
+    strategy = FakePGStrategy(world_size=world_size, rank=rank)
+    run.trainer.update(max_steps=steps, accelerator="cpu", devices=1, strategy=strategy)
+    trainer = build_trainer(run)
+    trainer.fit(run.module, datamodule=run.datamodule)
+    return strategy, trainer, dp
+
+
+# (degrees, world sizes)
+LAYOUTS = {
+    "fsdp": dict(dp_shard=-1),
+    "ddp": dict(dp_replicate=-1, dp_shard=1),
+    "hsdp": dict(dp_replicate=2, dp_shard=-1),
+    "tp": dict(dp_shard=1, tp=-1),
+    "tp_no_sp": dict(dp_shard=1, tp=-1, sequence_parallel=False),
+    "fsdp_tp": dict(dp_shard=-1, tp=2),
+    "hsdp_tp": dict(dp_replicate=2, dp_shard=-1, tp=2),
+}
+
+
+def _degrees(layout: str, world_size: int) -> dict:
+    degrees = dict(LAYOUTS[layout])
+    if degrees.get("dp_replicate") == -1:
+        degrees["dp_replicate"] = world_size
+    if degrees.get("tp") == -1:
+        degrees["tp"] = min(world_size, 16)  # the debug model has 16 heads
+        if degrees["tp"] < world_size:
+            degrees["dp_shard"] = world_size // 16
+    return degrees
+
+
+@pytest.mark.parametrize("world_size", [8, 64])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_runs_at_simulated_world_size(layout, world_size, capsys):
+    strategy, trainer, _ = fake_fit(features.llama3_debugmodel, world_size, **_degrees(layout, world_size))
+    assert trainer.global_step == 1
+    assert strategy.dims.world_size == world_size
+    assert strategy.memory["parameters"] > 0 and strategy.memory["optimizer_state"] > 0
+    assert f"[fake_pg] world_size={world_size} rank=0" in capsys.readouterr().out
+    assert not dist.is_initialized()  # torn down
+
+
+def test_memory_per_rank_shrinks_with_dp_shard():
+    memory = {}
+    for world_size in (2, 8, 32):
+        strategy, _, _ = fake_fit(features.llama3_debugmodel, world_size, dp_shard=-1)
+        memory[world_size] = strategy.memory
+    for kind in ("parameters", "gradients", "optimizer_state"):
+        assert memory[2][kind] > memory[8][kind] > memory[32][kind], kind
+        # Sharded tensors shrink about linearly (norm weights are tiny, padding is per shard).
+        assert memory[2][kind] / memory[8][kind] == pytest.approx(4, rel=0.05), kind
+
+
+def test_simulated_rank_is_selectable_and_sees_its_data_shard():
+    seen = {}
+
+    def record(run):
+        class Seen(L.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                seen["sampler"] = trainer.distributed_sampler_kwargs
+                seen["input_ids"] = batch["input_ids"].clone()
+        run.trainer["callbacks"] = [Seen()]
+        return run
+
+    strategy, _, _ = fake_fit(lambda: record(features.llama3_debugmodel()), 4, rank=3, dp_shard=4)
+    assert strategy.global_rank == 3
+    assert seen["sampler"] == {"num_replicas": 4, "rank": 3}
+    rank3_batch = seen["input_ids"]
+    fake_fit(lambda: record(features.llama3_debugmodel()), 4, rank=0, dp_shard=4)
+    assert seen["sampler"] == {"num_replicas": 4, "rank": 0}
+    assert not torch.equal(seen["input_ids"], rank3_batch)
+
+
+def test_fake_pg_refuses_checkpointing():
+    run = features.llama3_debugmodel()
+    run.trainer.update(enable_checkpointing=True, max_steps=1, strategy=FakePGStrategy(world_size=2), accelerator="cpu", devices=1)
+    run.job.parallelism.dp_shard = 2
+    run.job.training.tokens_per_microbatch_per_dp_rank = 128
+    trainer = build_trainer(run)
+    with pytest.raises(ConfigError, match="checkpointing cannot run under the fake process group"):
+        trainer.fit(run.module, datamodule=run.datamodule)
+
+
+def test_fake_pg_refuses_pipeline_parallel_before_work():
+    with pytest.raises(ConfigError, match=r"parallelism.pp=2: pipeline parallelism cannot run under the fake process group"):
+        L.Trainer(strategy=FakePGStrategy(world_size=2, pp=2, dp_shard=1), accelerator="cpu", devices=1, logger=False)
+
+
+def test_bad_rank_or_world_size():
+    with pytest.raises(ValueError, match=r"FakePGStrategy\(rank=4\) must be in \[0, world_size=4\)"):
+        FakePGStrategy(world_size=4, rank=4)
+    with pytest.raises(ValueError, match=r"FakePGStrategy\(world_size=0\) must be >= 1"):
+        FakePGStrategy(world_size=0)
+
+
+def test_registry_name_simulates_devices_times_nodes():
+    trainer = L.Trainer(strategy="fake_pg", accelerator="cpu", devices=8, logger=False)
+    assert isinstance(trainer.strategy, FakePGStrategy)
+    assert trainer.strategy.world_size == 8
+    assert trainer.strategy.launcher is None

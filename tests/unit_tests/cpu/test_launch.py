@@ -1,0 +1,141 @@
+"""Real multi-process runs (gloo on CPU) started one process per rank, torchrun-style, that never hang."""
+
+import importlib
+import math
+import os
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from titan_lightning.testing import LaunchFailed, LaunchTimeout, launch, rank_env, run_single
+
+launch_module = importlib.import_module("titan_lightning.testing.launch")  # the package's `launch` is the function
+
+FIT = ["fit", "--recipe", "recipes.tests.features:llama3_debugmodel", "--trainer.max_steps", "3"]
+FIT += ["--trainer.accelerator", "cpu"]
+
+# Recipes only these tests need, importable by the workers through PYTHONPATH.
+BROKEN_RECIPES = textwrap.dedent("""
+    import os
+    import time
+
+    from recipes.tests.features import llama3_debugmodel
+
+    def fails_on_rank_1():
+        if os.environ["RANK"] == "1":
+            raise RuntimeError("rank 1 fails on purpose")
+        return llama3_debugmodel()
+
+    def hangs_on_rank_1():
+        if os.environ["RANK"] == "1":
+            time.sleep(3600)
+        return llama3_debugmodel()
+""")
+
+
+@pytest.fixture
+def launch_broken(tmp_path):
+    """Launch two ranks of ``fit`` on a recipe of BROKEN_RECIPES."""
+    folder = tmp_path / "recipes_path"
+    folder.mkdir()
+    (folder / "broken_recipes.py").write_text(BROKEN_RECIPES)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+
+    def launch_recipe(name, *, timeout):
+        argv = ["fit", "--recipe", f"broken_recipes:{name}", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
+        return launch(argv, 2, out_dir=tmp_path / "out", timeout=timeout, env=env)
+
+    return launch_recipe
+
+
+def assert_all_gone(pids):
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)  # each rank led its own process group: nothing of it is left
+
+
+def test_rank_env_is_torchrun_style_without_cuda(tmp_path):
+    env = rank_env(1, 4, port=12345, out_dir=tmp_path)
+    assert {k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")} == {
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "12345", "WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1",
+        "NODE_RANK": "0",
+    }
+    assert env["TORCHELASTIC_RUN_ID"]  # Lightning: processes are created externally, rank from RANK
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+    assert rank_env(0, 1, port=1, out_dir=tmp_path, env={"CUDA_VISIBLE_DEVICES": "0"})["CUDA_VISIBLE_DEVICES"] == "0"
+    assert rank_env(0, 1, port=1, out_dir=tmp_path, env={"RANK": "3"})["RANK"] == "0"  # the rank's variables win
+
+
+@pytest.mark.multi_process
+def test_single_rank_run_records_every_step_and_reruns_are_bitwise_identical(tmp_path):
+    with ThreadPoolExecutor(2) as pool:  # two launches at once: separate ports, folders and processes
+        first, second = pool.map(lambda name: run_single(FIT, out_dir=tmp_path / name, timeout=120), ["a", "b"])
+    rank0 = first.ranks[0]
+    assert (rank0["rank"], rank0["world_size"], rank0["steps"]) == (0, 1, [1, 2, 3])
+    assert all(math.isfinite(x) for x in rank0["losses"] + rank0["grad_norms"])
+    assert second.ranks[0]["losses"] == rank0["losses"]
+    assert second.ranks[0]["grad_norms"] == rank0["grad_norms"]
+    assert_all_gone(first.pids + second.pids)
+
+
+@pytest.mark.multi_process
+def test_two_ranks_with_lightning_ddp_are_rank_0_and_1_of_2_and_log_the_same_synced_loss(tmp_path):
+    argv = FIT + ["--trainer.strategy", "ddp", "--trainer.devices", "2"]
+    result = launch(argv, 2, out_dir=tmp_path, timeout=120)
+    assert result.returncodes == [0, 0]
+    rank0, rank1 = result.ranks
+    assert [r["rank"] for r in result.ranks] == [0, 1]
+    assert [r["world_size"] for r in result.ranks] == [2, 2]
+    # Detected as launched externally: neither rank spawned processes of its own.
+    assert {r["strategy"] for r in result.ranks} == {"DDPStrategy"}
+    assert {r["cluster_environment"] for r in result.ranks} == {"TorchElasticEnvironment"}
+    assert rank0["steps"] == rank1["steps"] == [1, 2, 3]
+    assert all(math.isfinite(x) for x in rank0["losses"] + rank1["losses"])
+    assert rank0["losses"] == rank1["losses"]  # train/loss is logged with sync_dist=True
+    assert_all_gone(result.pids)
+
+
+@pytest.mark.multi_process
+def test_a_failing_rank_ends_the_launch_at_once_with_its_log_and_kills_the_others(tmp_path, launch_broken):
+    start = time.monotonic()
+    with pytest.raises(LaunchFailed, match=r"on 2 rank\(s\) failed \(rank 1 exited 1\)") as caught:
+        launch_broken("fails_on_rank_1", timeout=120)
+    assert time.monotonic() - start < 60  # rank 0 waits for rank 1 forever; it was not waited for
+    assert "RuntimeError: rank 1 fails on purpose" in str(caught.value)
+    assert (tmp_path / "out" / "rank1.error").read_text().rstrip().endswith("RuntimeError: rank 1 fails on purpose")
+    assert caught.value.result.returncodes[1] == 1
+    assert_all_gone(caught.value.result.pids)
+
+
+@pytest.mark.multi_process
+def test_a_hanging_rank_hits_the_timeout_shows_where_it_hangs_and_leaves_nothing_alive(launch_broken):
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout, match=r"did not finish within timeout=10 s") as caught:
+        launch_broken("hangs_on_rank_1", timeout=10)
+    assert time.monotonic() - start < 10 + 10  # the timeout, then stacks and SIGKILL: no waiting for the ranks
+    message = str(caught.value)
+    assert "broken_recipes:hangs_on_rank_1" in message
+    # Each rank printed its stacks before it was killed (rank 1 in hangs_on_rank_1 once it got there).
+    assert message.count("in _run_module_as_main") == 2  # the outermost frame of each main thread
+    assert caught.value.result.returncodes == [-9, -9]
+    assert isinstance(caught.value, TimeoutError)
+    assert_all_gone(caught.value.result.pids)
+
+
+@pytest.mark.multi_process
+def test_an_interrupted_launch_kills_every_rank(tmp_path, monkeypatch):
+    started = []
+
+    def interrupt(procs, deadline):
+        started.extend(p.pid for p in procs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch_module, "_wait", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        launch(FIT, 2, out_dir=tmp_path, timeout=120)
+    assert len(started) == 2
+    assert_all_gone(started)

@@ -1,0 +1,122 @@
+"""Data parallelism: FSDP2 / HSDP (``fully_shard``) and DDP (composable ``replicate``).
+
+FSDP units, in forward order: the token embeddings, each transformer block, the final
+norm with the output head, then the root (whatever is left). A model that is not a Llama
+passes its blocks; ``find_repeated_blocks`` finds them in a model that knows nothing of us.
+Apply FSDP after TP, activation checkpointing and compile.
+"""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable.replicate import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+RESHARD_AFTER_FORWARD = ("default", "always", "never")
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: str = "default",
+    cpu_offload: bool = False,
+    blocks: Optional[list[nn.Module]] = None,
+) -> nn.Module:
+    """Shard ``model`` over ``mesh``: 1-D (dp_shard_cp) for FSDP, 2-D (dp_replicate, dp_shard_cp) for HSDP.
+
+    ``reshard_after_forward``: "default" frees every unit's gathered weights after its
+    forward except the last unit's (the head, or the last block), whose backward comes
+    right away; "always" frees all of them; "never" keeps all of them until backward.
+    ``blocks`` defaults to ``model.layers`` when the model has one, else to
+    ``find_repeated_blocks(model)``.
+    """
+    if reshard_after_forward not in RESHARD_AFTER_FORWARD:
+        raise ValueError(
+            f"parallelism.fsdp_reshard_after_forward={reshard_after_forward!r} is not one of "
+            f"{', '.join(RESHARD_AFTER_FORWARD)}"
+        )
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"FSDP mesh has {mesh.ndim} dims {mesh.mesh_dim_names}; pass 1 (dp_shard_cp) "
+            f"or 2 (dp_replicate, dp_shard_cp) for HSDP"
+        )
+    config = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
+    if cpu_offload:
+        config["offload_policy"] = CPUOffloadPolicy()
+
+    units = _fsdp_units(model, _default_blocks(model) if blocks is None else blocks)
+    for i, unit in enumerate(units):
+        last = i == len(units) - 1
+        reshard = {"always": True, "never": False, "default": not last}[reshard_after_forward]
+        fully_shard(unit, **config, reshard_after_forward=reshard)
+    fully_shard(model, **config, reshard_after_forward=reshard_after_forward != "never")
+    return model
+
+
+def _fsdp_units(model: nn.Module, blocks: list[nn.Module]) -> list:
+    """The modules (or module groups) to shard on their own, in forward order."""
+    embeddings = getattr(model, "tok_embeddings", None)
+    head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
+    units = [embeddings] if embeddings is not None else []
+    units.extend(blocks)
+    if head:
+        units.append(head)
+    return units
+
+
+def _default_blocks(model: nn.Module) -> list[nn.Module]:
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, nn.ModuleDict):
+        return list(layers.values())
+    if isinstance(layers, nn.ModuleList):
+        return list(layers)
+    return find_repeated_blocks(model)
+
+
+def apply_ddp(model: nn.Module, dp_replicate_mesh: DeviceMesh) -> nn.Module:
+    """Replicate ``model`` over the 1-D ``dp_replicate_mesh`` and all-reduce (average) its gradients.
+
+    For DDP alone: the mesh must span the world (DDP does not compose with TP or FSDP here;
+    HSDP is ``apply_fsdp`` with a 2-D mesh). Parameters stay plain tensors. The wrapper
+    starts on the first forward, so a model may be replicated on the meta device and
+    materialized afterwards.
+    """
+    if dp_replicate_mesh.ndim != 1:
+        raise ValueError(
+            f"DDP mesh has {dp_replicate_mesh.ndim} dims {dp_replicate_mesh.mesh_dim_names}; "
+            f"pass the 1-D dp_replicate mesh"
+        )
+    world = dist.get_world_size()
+    if dp_replicate_mesh.size() != world:
+        raise ValueError(
+            f"DDP over parallelism.dp_replicate={dp_replicate_mesh.size()} ranks of a world of {world}: "
+            f"DDP does not compose with other parallelisms; use dp_shard (FSDP/HSDP) with them"
+        )
+    replicate(model, device_mesh=dp_replicate_mesh, bucket_cap_mb=100)
+    return model
+
+
+def find_repeated_blocks(module: nn.Module) -> list[nn.Module]:
+    """The children of the largest ModuleList/ModuleDict made of >= 2 modules of one class.
+
+    Largest means the most parameter elements (works on the meta device); modules without
+    parameters are not candidates. Empty when there is none.
+    """
+    best: list[nn.Module] = []
+    best_size = 0
+    for container in module.modules():
+        if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        children = list(container.children())
+        if len(children) < 2 or len({type(c) for c in children}) != 1:
+            continue
+        size = sum(p.numel() for p in container.parameters())
+        if size > best_size:
+            best, best_size = children, size
+    return best

@@ -1,0 +1,43 @@
+"""One parallelism each, for users who want exactly that: FSDP2 (with HSDP/DDP) or TP."""
+
+from typing import Any, Optional
+
+from titan_lightning.config import ParallelismConfig
+from titan_lightning.strategies.titan import TitanStrategy
+
+
+class FSDP2Strategy(TitanStrategy):
+    """Fully sharded data parallel (FSDP2) over ``dp_shard`` ranks, replicated over ``dp_replicate``.
+
+    ``FSDP2Strategy()`` shards over every rank; ``dp_replicate=2`` makes it HSDP, and
+    ``dp_shard=1, dp_replicate=N`` is DDP. Repeated blocks of a user's own module are
+    found and sharded automatically.
+    """
+
+    strategy_name = "fsdp2"
+    scope = ("dp_replicate", "dp_shard")
+
+    def __init__(self, **kwargs: Any) -> None:
+        fsdp_fields = ("dp_replicate", "dp_shard", "fsdp_reshard_after_forward", "fsdp_cpu_offload")
+        degrees = {name: kwargs.pop(name) for name in fsdp_fields if name in kwargs}
+        super().__init__(parallelism=ParallelismConfig(**degrees) if degrees else None, **kwargs)
+
+
+class TensorParallelStrategy(TitanStrategy):
+    """Tensor parallel (with sequence and loss parallel) over ``tp`` ranks, every rank by default."""
+
+    strategy_name = "tensor_parallel"
+    scope = ("tp",)
+
+    def __init__(
+        self, *, tp: Optional[int] = None, sequence_parallel: bool = True, loss_parallel: bool = True, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self._tp_options = dict(tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        if tp is not None:
+            self._parallelism = self.default_parallelism()
+
+    def default_parallelism(self) -> ParallelismConfig:
+        options = dict(self._tp_options)
+        options["tp"] = options["tp"] or self.num_nodes * max(self.num_processes, 1)
+        return ParallelismConfig(dp_shard=1, **options)

@@ -1,0 +1,240 @@
+"""TitanStrategy: N-D parallelism (FSDP2/HSDP/DDP, TP; CP, PP, EP to come) as one Lightning strategy.
+
+The strategy owns the device mesh and applies each parallelism to the module in a fixed
+order: TP, then the CP and EP slots, then activation checkpointing and compile, then
+FSDP (or DDP); then it materializes the meta-device model with its deterministic init.
+The LightningModule's code is the same on every layout.
+
+Degrees come from the module's ``job.parallelism`` when it has one (every titan_lightning
+model does), else from the strategy's own arguments: ``TitanStrategy(dp_shard=2, tp=2)``.
+"""
+
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Generator, Optional, Union
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from titan_lightning.config import ConfigError, ParallelismConfig
+from titan_lightning.config.validation import validate_degrees
+from titan_lightning.parallel.fsdp import apply_ddp, apply_fsdp, find_repeated_blocks
+from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_caches
+from titan_lightning.parallel.tensor import apply_tp
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Degrees this strategy can apply today; the others arrive with their own strategies.
+_NOT_YET = {"cp": "context parallelism", "pp": "pipeline parallelism", "ep": "expert parallelism"}
+
+
+class TitanStrategy(ModelParallelStrategy):
+    """Composable N-D parallelism for any LightningModule.
+
+    Args:
+        parallelism: degrees and options; mutually exclusive with keyword degrees.
+        mixed_precision_param, mixed_precision_reduce: FSDP dtypes for modules without a
+            ``job`` (titan_lightning modules take them from ``job.training``).
+        **degrees: fields of ``ParallelismConfig`` (``dp_shard=2, tp=2``).
+    """
+
+    strategy_name = "titan"
+    # CausalLMModule leaves the meta-device model for the strategy to shard, then materialize.
+    materializes_model = True
+
+    def __init__(
+        self,
+        parallelism: Optional[ParallelismConfig] = None,
+        *,
+        mixed_precision_param: str = "float32",
+        mixed_precision_reduce: str = "float32",
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        save_distributed_checkpoint: bool = True,
+        **degrees: Any,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        if parallelism is not None and degrees:
+            raise ValueError("TitanStrategy takes either parallelism=ParallelismConfig(...) or degrees, not both")
+        for name, value in (("mixed_precision_param", mixed_precision_param), ("mixed_precision_reduce", mixed_precision_reduce)):
+            if value not in _DTYPES:
+                raise ValueError(f"TitanStrategy({name}={value!r}): expected one of {', '.join(_DTYPES)}")
+        self._parallelism = parallelism if parallelism is not None else (ParallelismConfig(**degrees) if degrees else None)
+        self._mixed_precision = (mixed_precision_param, mixed_precision_reduce)
+        self.dims: Optional[ParallelDims] = None
+        self.mesh: Optional[Mesh] = None
+
+    # -- configuration ---------------------------------------------------------------------
+
+    # Degrees this strategy applies; the single-parallelism strategies narrow it.
+    scope = ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
+
+    def parallelism(self, module: Optional[L.LightningModule] = None) -> ParallelismConfig:
+        """The degrees in force: the module's job if it has one, else the strategy's own."""
+        module = module if module is not None else self.lightning_module
+        job = getattr(module, "job", None)
+        if job is not None:
+            if self._parallelism is not None and self._parallelism != job.parallelism:
+                raise ConfigError(
+                    f"{type(self).__name__} was given degrees {self._parallelism} but the module's "
+                    f"job.parallelism is {job.parallelism}; set the degrees in one place (the job)"
+                )
+            config = job.parallelism
+        else:
+            config = self._parallelism if self._parallelism is not None else self.default_parallelism()
+        for name in ("dp_replicate", "tp", "cp", "pp", "ep"):
+            if name not in self.scope and getattr(config, name) > 1:
+                raise ConfigError(
+                    f"{type(self).__name__} does not apply parallelism.{name}={getattr(config, name)}; "
+                    f"use TitanStrategy to combine parallelisms"
+                )
+        return config
+
+    def default_parallelism(self) -> ParallelismConfig:
+        """Degrees without a job or explicit ones: FSDP over every rank."""
+        return ParallelismConfig()
+
+    def _precision_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        job = getattr(self.lightning_module, "job", None)
+        names = (job.training.mixed_precision_param, job.training.mixed_precision_reduce) if job else self._mixed_precision
+        return _DTYPES[names[0]], _DTYPES[names[1]]
+
+    def _configure_launcher(self) -> None:
+        # Runs in Trainer.__init__, before any process is spawned: reject bad degrees now.
+        # (A module's job is validated by build_trainer; the module is not attached yet.)
+        config = self._parallelism if self._parallelism is not None else self.default_parallelism()
+        self._check_degrees(config, self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    def _check_degrees(self, config: ParallelismConfig, world_size: int) -> None:
+        validate_degrees(config, world_size)
+        for field, what in _NOT_YET.items():
+            if getattr(config, field) > 1:
+                raise ConfigError(
+                    f"parallelism.{field}={getattr(config, field)}: {what} is not available in "
+                    f"{type(self).__name__} yet; set parallelism.{field}=1"
+                )
+
+    # -- process groups and mesh -----------------------------------------------------------
+
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        config = self.parallelism()
+        self._check_degrees(config, self.world_size)
+        self.dims = ParallelDims.from_config(config, self.world_size)
+        self.mesh = self.dims.build_mesh(self.root_device.type)
+        self._device_mesh = self.mesh.device_mesh
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """Ranks that must see different batches: the data-parallel ones (TP/CP ranks share)."""
+        rank, size = self.mesh.rank_and_size("dp")
+        return {"num_replicas": size, "rank": rank}
+
+    # -- model -----------------------------------------------------------------------------
+
+    def setup(self, trainer: L.Trainer) -> None:
+        self.accelerator.setup(trainer)
+        self.parallelize(self.lightning_module)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def parallelize(self, module: L.LightningModule) -> None:
+        """TP -> (CP, EP slots) -> (AC, compile) -> FSDP/DDP -> materialize, in this order."""
+        dims, config = self.dims, self.parallelism(module)
+        inner = getattr(module, "model", None) if hasattr(module, "materialize") else None
+        if dims.tp_enabled:
+            plan = getattr(module, "tp_plan", None)
+            if not plan:
+                raise ConfigError(
+                    f"parallelism.tp={dims.tp} needs a tensor-parallel plan, and {type(module).__name__} declares "
+                    f"none: give it a `tp_plan` attribute mapping module names (relative to the LightningModule, "
+                    f"'*' for layer indices) to styles such as 'colwise' and 'rowwise' (see titan_lightning/parallel/tensor.py)"
+                )
+            apply_tp(module, self.mesh.get("tp"), plan, sequence_parallel=config.sequence_parallel,
+                     loss_parallel=config.loss_parallel)
+        param_dtype, reduce_dtype = self._precision_dtypes()
+        target = inner if inner is not None else module
+        if dims.fsdp_enabled:
+            blocks = None if inner is not None else find_repeated_blocks(module)
+            apply_fsdp(target, self._fsdp_mesh(), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                       reshard_after_forward=config.fsdp_reshard_after_forward,
+                       cpu_offload=config.fsdp_cpu_offload, blocks=blocks)
+        elif dims.dp_replicate_enabled:
+            self._apply_ddp(target)
+        if inner is not None:
+            module.materialize(self.root_device)
+        else:
+            _materialize_distributed_module(module, self.root_device)
+
+    def _apply_ddp(self, module: torch.nn.Module) -> None:
+        apply_ddp(module, self.mesh.get("dp_replicate"))
+
+    def _fsdp_mesh(self):
+        if self.dims.dp_replicate_enabled:  # HSDP: replicate across, shard within
+            return self.mesh.device_mesh["dp_replicate", "dp_shard"]
+        return self.mesh.get("dp_shard_cp")
+
+    @property
+    def loss_parallel_enabled(self) -> bool:
+        return self.dims is not None and self.dims.tp_enabled and self.parallelism().loss_parallel
+
+    def _loss_parallel(self):
+        return loss_parallel() if self.loss_parallel_enabled else nullcontext()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_parallel():
+            return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_parallel():
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_parallel():
+            return super().test_step(*args, **kwargs)
+
+    def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
+        # Loss parallel needs its context around backward too, not only the loss.
+        with self._loss_parallel():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    # -- collectives -----------------------------------------------------------------------
+
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
+        """Reduce over the data-parallel x CP ranks (TP ranks hold equal values) by default."""
+        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+            return tensor
+        if group is None:
+            loss_mesh = self.mesh.get("dp_cp") if self.mesh is not None else None
+            if loss_mesh is None:
+                return tensor
+            group = loss_mesh.get_group()
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def teardown(self) -> None:
+        super().teardown()
+        if _distributed_is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+            release_dtensor_caches()
+        self.mesh = None

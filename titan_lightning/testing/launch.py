@@ -1,0 +1,218 @@
+"""Run a ``titan-lightning`` command on N real processes, torchrun-style, and never hang.
+
+Lightning's own launcher re-executes ``sys.argv``, which inside pytest is pytest. Here each
+rank is a ``python -m titan_lightning.testing.worker`` process of its own, in its own
+session, with the environment torchrun would give it. ``TORCHELASTIC_RUN_ID`` makes
+Lightning pick ``TorchElasticEnvironment``: the processes are external (nothing is spawned),
+rank and world size come from ``RANK`` and ``WORLD_SIZE``, and ``devices * num_nodes`` must
+equal ``WORLD_SIZE``.
+
+When a rank fails the others are killed at once (they would wait in a collective forever);
+when the timeout passes all are killed, after each has printed its Python stacks.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+WORKER = "titan_lightning.testing.worker"
+# Torch threads per rank (default 1: the test machines have 2 cores shared by up to 8 ranks).
+THREADS_ENV = "TITAN_LIGHTNING_WORKER_THREADS"
+TAIL_LINES = 50
+_POLL_S = 0.05
+_STACK_DUMP_S = 0.5  # time given to hung ranks to print their stacks before SIGKILL
+
+
+@dataclass(kw_only=True)
+class LaunchResult:
+    """What the ranks of one launch left behind: exit codes, ``rank{r}.json`` and logs."""
+
+    argv: list[str]
+    world_size: int
+    out_dir: Path
+    pids: list[int]
+    returncodes: list[Optional[int]]
+    # The parsed rank{r}.json of each rank; None where a rank wrote none.
+    ranks: list[Optional[dict]]
+
+    def log(self, rank: int) -> str:
+        path = self.out_dir / f"rank{rank}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def log_tail(self, rank: int, lines: int = TAIL_LINES) -> str:
+        return "\n".join(self.log(rank).splitlines()[-lines:])
+
+    def log_tails(self, ranks: Optional[list[int]] = None, lines: int = TAIL_LINES) -> str:
+        """The last ``lines`` of each rank's log (all ranks by default), each under a header."""
+        ranks = range(self.world_size) if ranks is None else ranks
+        return "\n".join(
+            f"--- rank {rank} (exit {self.returncodes[rank]}), last {lines} lines of "
+            f"{self.out_dir / f'rank{rank}.log'} ---\n{self.log_tail(rank, lines)}"
+            for rank in ranks
+        )
+
+
+class LaunchError(Exception):
+    """A launch that did not succeed; ``result`` holds the pids, exit codes and logs."""
+
+    def __init__(self, message: str, result: LaunchResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class LaunchFailed(LaunchError, RuntimeError):
+    """A rank exited with a non-zero status; the other ranks were killed."""
+
+
+class LaunchTimeout(LaunchError, TimeoutError):
+    """The ranks did not all finish in time; all were killed."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (another process may still take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_env(rank: int, world_size: int, *, port: int, out_dir: Path, env: Optional[dict] = None) -> dict[str, str]:
+    """The environment of one rank: this process's, the test defaults, ``env``, then the rank's variables.
+
+    Test defaults (``env`` may override them): no CUDA, unbuffered output, one torch thread,
+    and one run folder under ``out_dir`` for all ranks. The rank's variables always win.
+    """
+    from titan_lightning.recipe import RUN_DIR_ENV  # here: importing the launcher costs no torch/lightning
+
+    base = {key: value for key, value in os.environ.items() if not key.startswith("TORCHELASTIC_")}
+    threads = (env or {}).get(THREADS_ENV, os.environ.get(THREADS_ENV, "1"))
+    defaults = {
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONUNBUFFERED": "1",
+        THREADS_ENV: threads,
+        "OMP_NUM_THREADS": threads,  # also keeps Lightning from choosing a thread count itself
+        RUN_DIR_ENV: str(out_dir / "run"),
+    }
+    if os.path.exists("/sys/class/net/lo"):
+        defaults["GLOO_SOCKET_IFNAME"] = "lo"  # all ranks are local; do not trust the hostname's address
+    ranks = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world_size),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "NODE_RANK": "0",
+        "TORCHELASTIC_RUN_ID": f"titan-lightning-{port}",
+    }
+    return {**base, **defaults, **(env or {}), **ranks}
+
+
+def launch(
+    argv: list[str], world_size: int, *, out_dir: Path, timeout: float, env: Optional[dict] = None
+) -> LaunchResult:
+    """Run ``titan-lightning *argv`` on ``world_size`` processes; each writes ``out_dir/rank{r}.{json,log}``.
+
+    Raises ``LaunchFailed`` (a RuntimeError) when a rank exits non-zero and ``LaunchTimeout``
+    (a TimeoutError) when they are not all done after ``timeout`` seconds; both carry the
+    tails of the logs. No process of the launch outlives this call, whatever happens.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for rank in range(world_size):
+        for suffix in ("json", "error", "log"):
+            (out_dir / f"rank{rank}.{suffix}").unlink(missing_ok=True)
+    command = [sys.executable, "-m", WORKER, "--out", str(out_dir), "--", *argv]
+    port = free_port()
+    envs = [rank_env(rank, world_size, port=port, out_dir=out_dir, env=env) for rank in range(world_size)]
+    procs: list[subprocess.Popen] = []
+    deadline = time.monotonic() + timeout
+    try:
+        for rank in range(world_size):
+            with open(out_dir / f"rank{rank}.log", "wb") as log:  # the child keeps its own descriptor
+                procs.append(subprocess.Popen(
+                    command, env=envs[rank], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                ))
+        failed, running = _wait(procs, deadline)
+        if running:
+            _dump_stacks([procs[rank] for rank in running])
+    finally:
+        _kill(procs)
+    result = LaunchResult(
+        argv=list(argv), world_size=world_size, out_dir=out_dir, pids=[p.pid for p in procs],
+        returncodes=[p.returncode for p in procs],
+        ranks=[_read_json(out_dir / f"rank{rank}.json") for rank in range(world_size)],
+    )
+    shown = " ".join(argv)
+    if running:
+        raise LaunchTimeout(
+            f"`{shown}` on {world_size} rank(s) did not finish within timeout={timeout} s; "
+            f"ranks {running} were still running and were killed\n{result.log_tails()}",
+            result,
+        )
+    if failed:
+        codes = ", ".join(f"rank {r} exited {result.returncodes[r]}" for r in failed)
+        raise LaunchFailed(
+            f"`{shown}` on {world_size} rank(s) failed ({codes}); the other ranks were killed\n"
+            f"{result.log_tails(failed)}",
+            result,
+        )
+    return result
+
+
+def run_single(argv: list[str], *, out_dir: Path, timeout: float, env: Optional[dict] = None) -> LaunchResult:
+    """The single-process reference run of ``argv``."""
+    return launch(argv, 1, out_dir=out_dir, timeout=timeout, env=env)
+
+
+def _wait(procs: list[subprocess.Popen], deadline: float) -> tuple[list[int], list[int]]:
+    """Poll until all exit 0, one exits non-zero, or the deadline; return (failed, running) ranks."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+        running = [rank for rank, code in enumerate(codes) if code is None]
+        if failed or not running:
+            return failed, []
+        if time.monotonic() >= deadline:
+            return [], running
+        time.sleep(_POLL_S)
+
+
+def _dump_stacks(procs: list[subprocess.Popen]) -> None:
+    # The worker registers faulthandler on SIGUSR1; one still importing simply dies of it.
+    for proc in procs:
+        _signal(proc.pid, signal.SIGUSR1, group=False)
+    time.sleep(_STACK_DUMP_S)
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL every rank's process group (leftover children too) and reap the ranks."""
+    for proc in procs:
+        _signal(proc.pid, signal.SIGKILL, group=True)
+    for proc in procs:
+        proc.wait()
+
+
+def _signal(pid: int, sig: int, *, group: bool) -> None:
+    try:
+        (os.killpg if group else os.kill)(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # already gone (PermissionError: macOS answers so for a group of zombies)
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    if not path.exists():
+        return None
+    with open(path) as f:
+        return json.load(f)
