@@ -1,6 +1,7 @@
 """Optimizer and warmup-stable-decay learning-rate schedule built from the config."""
 
 import math
+import warnings
 from typing import Callable, Iterable
 
 import torch
@@ -30,8 +31,15 @@ def wsd_lambda(config: LRScheduleConfig, max_steps: int) -> Callable[[int], floa
     the last ``decay_steps`` fall towards ``min_lr_factor`` along the chosen curve (the
     factor reaches it one step after the end, so the last step still trains).
     """
-    warmup = config.warmup_steps
-    decay = max_steps - warmup if config.decay_ratio is None else round(config.decay_ratio * max_steps)
+    decay = None if config.decay_ratio is None else round(config.decay_ratio * max_steps)
+    warmup = min(config.warmup_steps, max_steps - (decay or 0))
+    if warmup < config.warmup_steps:
+        # As torchtitan does: a quick debugging run keeps its decay and warms up for less.
+        warnings.warn(
+            f"lr_schedule.warmup_steps={config.warmup_steps} plus {decay or 0} decay steps exceed "
+            f"trainer.max_steps={max_steps}; warming up for {warmup} steps instead"
+        )
+    decay = max_steps - warmup if decay is None else decay
     stable_end = max_steps - decay
 
     def factor(step: int) -> float:

@@ -138,7 +138,7 @@ def build_trainer(run: Run) -> L.Trainer:
             CSVLogger(save_dir=folder, name="csv", version=""),
         ]
     callbacks = list(kwargs.get("callbacks") or [])
-    if not any(isinstance(c, TrainingMetrics) for c in callbacks):
+    if job is not None and not any(isinstance(c, TrainingMetrics) for c in callbacks):
         callbacks.append(TrainingMetrics())
     if kwargs.get("enable_checkpointing", True) and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
         callbacks.append(ModelCheckpoint(dirpath=folder / "checkpoints"))
@@ -148,4 +148,6 @@ def build_trainer(run: Run) -> L.Trainer:
         validate_job(job, world_size=trainer.world_size, max_steps=trainer.max_steps)
         _validate_vocab(run, job)
         trainer.accumulate_grad_batches = gradient_accumulation_steps(job, trainer.world_size)
+    if isinstance(trainer.strategy, TitanStrategy):
+        trainer.strategy.check_module(run.module)
     return trainer

@@ -102,17 +102,6 @@ def gradient_accumulation_steps(job: JobConfig, world_size: int) -> int:
 
 
 def validate_schedule(job: JobConfig, max_steps: int) -> None:
-    s = job.lr_schedule
+    """The schedule is defined in steps; a too-long warmup is shortened (see optim.wsd_lambda)."""
     if max_steps < 1:
         raise ConfigError(f"trainer.max_steps={max_steps} must be >= 1")
-    if s.warmup_steps > max_steps:
-        raise ConfigError(
-            f"lr_schedule.warmup_steps={s.warmup_steps} must be <= trainer.max_steps={max_steps}"
-        )
-    if s.decay_ratio is not None:
-        decay = round(s.decay_ratio * max_steps)
-        if s.warmup_steps + decay > max_steps:
-            raise ConfigError(
-                f"lr_schedule.warmup_steps={s.warmup_steps} plus decay steps "
-                f"(decay_ratio={s.decay_ratio} * max_steps={max_steps} = {decay}) exceed trainer.max_steps={max_steps}"
-            )

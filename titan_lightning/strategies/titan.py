@@ -86,7 +86,9 @@ class TitanStrategy(ModelParallelStrategy):
         module = module if module is not None else self.lightning_module
         job = getattr(module, "job", None)
         if job is not None:
-            if self._parallelism is not None and self._parallelism != job.parallelism:
+            # A default-constructed config is what class-path parsers pass for "not given".
+            explicit = self._parallelism is not None and self._parallelism != ParallelismConfig()
+            if explicit and self._parallelism != job.parallelism:
                 raise ConfigError(
                     f"{type(self).__name__} was given degrees {self._parallelism} but the module's "
                     f"job.parallelism is {job.parallelism}; set the degrees in one place (the job)"
@@ -115,8 +117,13 @@ class TitanStrategy(ModelParallelStrategy):
         # Runs in Trainer.__init__, before any process is spawned: reject bad degrees now.
         # (A module's job is validated by build_trainer; the module is not attached yet.)
         config = self._parallelism if self._parallelism is not None else self.default_parallelism()
-        self._check_degrees(config, self.num_nodes * self.num_processes)
+        if config != ParallelismConfig() or self._parallelism is None:
+            self._check_degrees(config, self.num_nodes * self.num_processes)
         super()._configure_launcher()
+
+    def check_module(self, module: L.LightningModule) -> None:
+        """Everything that can be checked before launch once the module is known."""
+        self._check_degrees(self.parallelism(module), self.world_size)
 
     def _check_degrees(self, config: ParallelismConfig, world_size: int) -> None:
         validate_degrees(config, world_size)

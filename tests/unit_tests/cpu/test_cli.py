@@ -111,8 +111,8 @@ def test_whole_numbers_stay_batch_counts_not_fractions(workdir):
          "world size 1 is not divisible by dp_replicate*tp*pp*cp = 1*2*1*1 = 2"),
         (["fit", "--recipe", "my_recipes:good", "--job.parallelism.dp_shard", "2"],
          "dp_replicate*dp_shard*tp*pp*cp = 1*2*1*1*1 = 2 must equal the world size 1"),
-        (["fit", "--recipe", "my_recipes:good", "--trainer.max_steps", "5"],
-         "lr_schedule.warmup_steps=10 must be <= trainer.max_steps=5"),
+        (["fit", "--recipe", "my_recipes:good", "--trainer.max_steps", "0"],
+         "trainer.max_steps=0 must be >= 1"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_nothing_written(workdir, capsys, argv, message):

@@ -58,3 +58,12 @@ def test_adamw_implementation(implementation):
     param.grad = torch.ones(3)
     optimizer.step()
     assert torch.all(param < 1)
+
+
+def test_warmup_longer_than_the_run_is_shortened_with_a_warning():
+    with pytest.warns(UserWarning, match=r"warmup_steps=10 plus 2 decay steps exceed trainer.max_steps=4; warming up for 2"):
+        f = wsd_lambda(LRScheduleConfig(warmup_steps=10, decay_ratio=0.5), max_steps=4)
+    assert [f(s) for s in range(4)] == pytest.approx([1 / 3, 2 / 3, 1.0, 0.5])
+    with pytest.warns(UserWarning, match=r"warming up for 3 steps"):
+        f = wsd_lambda(LRScheduleConfig(warmup_steps=10), max_steps=3)
+    assert [f(s) for s in range(3)] == pytest.approx([0.25, 0.5, 0.75])

@@ -73,3 +73,50 @@ def test_bf16_mixed_precision_fsdp_tp_is_close_to_fp32(reference, tmp_path):
 def test_single_process_losses_are_finite_and_fall(reference):
     assert all(math.isfinite(x) for x in reference["losses"])
     assert reference["losses"][-1] < reference["losses"][0]
+
+
+USER_ENV = {"PYTHONPATH": str(Path(__file__).parent)}
+
+
+@pytest.mark.multi_process
+@pytest.mark.parametrize("recipe", ["fsdp2", "titan_dp_shard2"])
+def test_users_own_module_shards_its_repeated_blocks_and_matches_one_process(recipe, tmp_path):
+    single = run_single(["fit", "--recipe", "user_module:single"], out_dir=tmp_path / "single", timeout=300, env=USER_ENV)
+    result = launch(["fit", "--recipe", f"user_module:{recipe}", "--trainer.devices", "2"], 2,
+                    out_dir=tmp_path / "multi", timeout=300, env=USER_ENV)
+    expected = single.ranks[0]["losses"]
+    for rank in result.ranks:
+        assert len(rank["losses"]) == 3
+        for loss, ref in zip(rank["losses"], expected):
+            assert _relative(loss, ref) < 1e-5
+        # 4 blocks + the root
+        assert rank["metrics"]["fsdp_units"] == 5.0
+
+
+@pytest.mark.multi_process
+@pytest.mark.slow
+def test_lightning_launcher_runs_the_cli_on_four_ranks(tmp_path):
+    """The README command: Lightning's own launcher re-executes titan-lightning per rank."""
+    import csv
+    import os
+    import subprocess
+
+    def fit(recipe, *extra):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "TITAN_LIGHTNING_RUN_DIR"))}
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        folder = tmp_path / recipe
+        folder.mkdir()
+        subprocess.run(
+            ["titan-lightning", "fit", "--recipe", f"recipes.llama3:{recipe}", "--trainer.max_steps", "3",
+             "--trainer.accelerator", "cpu", "--trainer.enable_checkpointing", "false",
+             "--trainer.limit_val_batches", "0", *extra],
+            cwd=folder, env=env, check=True, timeout=420, capture_output=True,
+        )
+        (metrics,) = folder.glob("runs/*/*/csv/metrics.csv")
+        return [float(r["train/loss"]) for r in csv.DictReader(open(metrics)) if r.get("train/loss")]
+
+    single = fit("debugmodel")
+    parallel = fit("fsdp2_tp2", "--trainer.devices", "4")
+    assert len(parallel) == 3
+    for loss, ref in zip(parallel, single):
+        assert _relative(loss, ref) < 1e-5
