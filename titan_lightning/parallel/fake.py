@@ -20,6 +20,64 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
+class deterministic_reduce_scatter:
+    """While active, a reduce-scatter under the fake group writes "as if every rank held
+    this rank's input": the rank's own chunk (times the group size for a sum).
+
+    torch's fake group leaves reduce-scatter outputs unwritten, so FSDP gradients and
+    sequence-parallel activations would be whatever memory held (NaN on some versions and
+    devices). This patches the module-level entry points FSDP2 and DTensor call, under
+    the names each supported torch version uses, and restores them on exit.
+    """
+
+    _DIST = ("reduce_scatter_single", "reduce_scatter_tensor")
+    _FUNCOL = ("reduce_scatter_single", "reduce_scatter_tensor")
+
+    def __enter__(self):
+        from torch.distributed import _functional_collectives as funcol
+
+        self._saved = []
+        for module, names, wrap in ((dist, self._DIST, _wrap_dist), (funcol, self._FUNCOL, _wrap_funcol)):
+            for name in names:
+                original = getattr(module, name, None)
+                if original is not None:
+                    self._saved.append((module, name, original))
+                    setattr(module, name, wrap(original))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, name, original in self._saved:
+            setattr(module, name, original)
+
+
+def _own_chunk(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    return tensor.chunk(size, dim=dim)[dist.get_rank(group)], size
+
+
+def _wrap_dist(original):
+    def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, **kwargs):
+        work = original(output, input, op=op, group=group, async_op=async_op, **kwargs)
+        chunk, size = _own_chunk(input, group)
+        output.copy_(chunk.reshape(output.shape) * (size if op == dist.ReduceOp.SUM else 1))
+        return work
+
+    return reduce_scatter
+
+
+def _wrap_funcol(original):
+    from torch.distributed import _functional_collectives as funcol
+
+    def reduce_scatter(self, reduceOp, scatter_dim, group, tag=""):
+        funcol.wait_tensor(original(self, reduceOp, scatter_dim, group, tag))  # keeps its checks
+        pg = funcol._resolve_group(group, tag) if hasattr(funcol, "_resolve_group") else group
+        pg = dist.distributed_c10d._resolve_process_group(pg) if isinstance(pg, str) else pg
+        chunk, size = _own_chunk(self, pg, dim=scatter_dim)
+        return chunk.contiguous() * (size if reduceOp.lower() == "sum" else 1)
+
+    return reduce_scatter
+
+
 def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     total = 0
     for t in tensors:

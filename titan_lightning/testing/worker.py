@@ -29,27 +29,9 @@ import torch.distributed as dist  # noqa: E402
 from titan_lightning.cli import prepare  # noqa: E402
 from titan_lightning.recipe import RUN_DIR_ENV  # noqa: E402
 from titan_lightning.testing.launch import THREADS_ENV  # noqa: E402
+from titan_lightning.testing.record import RecordSteps  # noqa: E402
 
 USAGE = "usage: python -m titan_lightning.testing.worker --out DIR -- fit|validate|test --recipe MOD:FN [overrides]"
-
-
-class RecordSteps(L.Callback):
-    """Step, loss (``train/loss`` as logged, so synced across ranks) and grad norm per optimizer step."""
-
-    def __init__(self) -> None:
-        self.steps: list[int] = []
-        self.losses: list[float] = []
-        self.grad_norms: list[float | None] = []
-
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches:
-            return
-        self.steps.append(trainer.global_step)
-        self.losses.append(trainer.callback_metrics["train/loss"].item())
-        norm = getattr(pl_module, "last_grad_norm", None)
-        self.grad_norms.append(None if norm is None else norm.item())
 
 
 def main(argv: list[str]) -> None:

@@ -10,18 +10,7 @@ from recipes.tests import features
 from titan_lightning.config import ConfigError
 from titan_lightning.models.causal_lm import IGNORE_INDEX, cross_entropy_loss
 from titan_lightning.recipe import RUN_DIR_ENV, build_trainer
-
-
-class Record(L.Callback):
-    """Loss and grad norm after every optimizer step."""
-
-    def __init__(self):
-        self.losses, self.grad_norms = [], []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
-            self.losses.append(trainer.callback_metrics["train/loss"].item())
-            self.grad_norms.append(pl_module.last_grad_norm.item())
+from titan_lightning.testing.record import RecordSteps
 
 
 @pytest.fixture(autouse=True)
@@ -30,7 +19,7 @@ def run_folder(tmp_path, monkeypatch):
 
 
 def fit(run, max_steps=3):
-    record = Record()
+    record = RecordSteps()
     run.trainer.update(max_steps=max_steps, callbacks=[record], accelerator="cpu", devices=1)
     trainer = build_trainer(run)
     trainer.fit(run.module, datamodule=run.datamodule)

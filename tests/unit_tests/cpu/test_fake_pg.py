@@ -1,5 +1,7 @@
 """FakePGStrategy: one process simulates a world size; same mesh, same parallelisms."""
 
+import math
+
 import lightning as L
 import pytest
 import torch
@@ -9,6 +11,7 @@ from recipes.tests import features
 from titan_lightning.config import ConfigError
 from titan_lightning.recipe import RUN_DIR_ENV, build_trainer
 from titan_lightning.strategies import FakePGStrategy
+from titan_lightning.testing.record import RecordSteps
 
 
 @pytest.fixture(autouse=True)
@@ -28,9 +31,12 @@ def fake_fit(recipe, world_size, *, rank=0, steps=1, **degrees):
     # Keep one sequence per data-parallel rank whatever the simulated size.
     run.job.training.tokens_per_microbatch_per_dp_rank = run.job.training.seq_len
     strategy = FakePGStrategy(world_size=world_size, rank=rank)
+    record = RecordSteps()
     run.trainer.update(max_steps=steps, accelerator="cpu", devices=1, strategy=strategy)
+    run.trainer["callbacks"] = [*run.trainer.get("callbacks", []), record]
     trainer = build_trainer(run)
     trainer.fit(run.module, datamodule=run.datamodule)
+    strategy.losses = record.losses
     return strategy, trainer, dp
 
 
@@ -126,3 +132,29 @@ def test_registry_name_simulates_devices_times_nodes():
     assert isinstance(trainer.strategy, FakePGStrategy)
     assert trainer.strategy.world_size == 8
     assert trainer.strategy.launcher is None
+
+
+def test_reduce_scatter_under_fake_pg_is_deterministic():
+    """torch's fake group leaves reduce-scatter outputs unwritten; ours write this rank's chunk."""
+    from torch.distributed import _functional_collectives as funcol
+
+    from titan_lightning.parallel.fake import deterministic_reduce_scatter, init_fake_process_group
+
+    init_fake_process_group(rank=1, world_size=4)
+    original = dist.reduce_scatter_tensor
+    data = torch.arange(8.0)
+    with deterministic_reduce_scatter():
+        out = torch.full((2,), float("nan"))
+        dist.reduce_scatter_tensor(out, data, op=dist.ReduceOp.SUM)
+        assert out.tolist() == [8.0, 12.0]  # chunk 1 = [2, 3], as if 4 ranks held it
+        group = dist.group.WORLD
+        functional = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+        assert funcol.wait_tensor(functional(data, "avg", 0, group)).tolist() == [2.0, 3.0]
+    assert dist.reduce_scatter_tensor is original  # restored on exit
+
+
+def test_fake_runs_are_bitwise_reproducible():
+    first, _, _ = fake_fit(features.llama3_debugmodel, 8, steps=2, dp_shard=4, tp=2)
+    second, _, _ = fake_fit(features.llama3_debugmodel, 8, steps=2, dp_shard=4, tp=2)
+    assert first.memory == second.memory
+    assert first.losses == second.losses and all(map(math.isfinite, first.losses))
