@@ -1,6 +1,23 @@
-"""titan_lightning: torchtitan-grade N-D parallelism behind PyTorch Lightning's Trainer."""
+"""titan_lightning: torchtitan-grade N-D parallelism behind PyTorch Lightning's Trainer.
 
-from titan_lightning.recipe import Run
-from titan_lightning.strategies import FakePGStrategy, FSDP2Strategy, TensorParallelStrategy, TitanStrategy
+``from titan_lightning import TitanStrategy``; the names load lazily, so tools such as the
+test worker can start (and install signal handlers) before torch and lightning import.
+"""
 
-__all__ = ["FSDP2Strategy", "FakePGStrategy", "Run", "TensorParallelStrategy", "TitanStrategy"]
+import importlib
+
+_EXPORTS = {
+    "Run": "titan_lightning.recipe",
+    "TitanStrategy": "titan_lightning.strategies",
+    "FSDP2Strategy": "titan_lightning.strategies",
+    "TensorParallelStrategy": "titan_lightning.strategies",
+    "FakePGStrategy": "titan_lightning.strategies",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'titan_lightning' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -55,6 +55,19 @@ def _own_chunk(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     return tensor.chunk(size, dim=dim)[dist.get_rank(group)], size
 
 
+def _process_group(group) -> dist.ProcessGroup:
+    """Every form functional collectives accept: a mesh, (mesh, dim), a group or its name."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        return group.get_group()
+    if isinstance(group, tuple) and isinstance(group[0], DeviceMesh):
+        return group[0].get_group(group[1])
+    if isinstance(group, str):
+        return dist.distributed_c10d._resolve_process_group(group)
+    return group
+
+
 def _wrap_dist(original):
     def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, **kwargs):
         work = original(output, input, op=op, group=group, async_op=async_op, **kwargs)
@@ -70,9 +83,7 @@ def _wrap_funcol(original):
 
     def reduce_scatter(self, reduceOp, scatter_dim, group, tag=""):
         funcol.wait_tensor(original(self, reduceOp, scatter_dim, group, tag))  # keeps its checks
-        pg = funcol._resolve_group(group, tag) if hasattr(funcol, "_resolve_group") else group
-        pg = dist.distributed_c10d._resolve_process_group(pg) if isinstance(pg, str) else pg
-        chunk, size = _own_chunk(self, pg, dim=scatter_dim)
+        chunk, size = _own_chunk(self, _process_group(group), dim=scatter_dim)
         return chunk.contiguous() * (size if reduceOp.lower() == "sum" else 1)
 
     return reduce_scatter

@@ -5,6 +5,7 @@ titan_lightning.testing.launch, each with a hard timeout; none outlives its test
 """
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,7 @@ def test_single_process_losses_are_finite_and_fall(reference):
     assert reference["losses"][-1] < reference["losses"][0]
 
 
-USER_ENV = {"PYTHONPATH": str(Path(__file__).parent)}
+USER_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
 
 
 @pytest.mark.multi_process
@@ -98,7 +99,6 @@ def test_users_own_module_shards_its_repeated_blocks_and_matches_one_process(rec
 def test_lightning_launcher_runs_the_cli_on_four_ranks(tmp_path):
     """The README command: Lightning's own launcher re-executes titan-lightning per rank."""
     import csv
-    import os
     import subprocess
 
     def fit(recipe, *extra):
