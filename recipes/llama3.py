@@ -55,14 +55,20 @@ def llama3_405b() -> Run:
     return _size("405B")
 
 
-def _debug_layout(**degrees) -> Run:
-    """The baseline on a parallel layout, with the same global batch (so the same losses)."""
-    run = debugmodel()
+def on_layout(run: Run, **degrees) -> Run:
+    """``run`` on a parallel layout with the same global batch, so the same per-step losses.
+
+    The data-parallel degree must be explicit (``dp_shard=-1`` would depend on the launch).
+    """
     for name, value in degrees.items():
         setattr(run.job.parallelism, name, value)
     p = run.job.parallelism
     run.job.training.tokens_per_microbatch_per_dp_rank //= p.dp_replicate * max(p.dp_shard, 1)
     return run
+
+
+def _debug_layout(**degrees) -> Run:
+    return on_layout(debugmodel(), **degrees)
 
 
 # The debug model on parallel layouts; launch with the matching world size, e.g.

@@ -3,7 +3,7 @@
 Small, deterministic and quick on 2 CPU cores: 10 steps of the Llama 3 debug model.
 """
 
-from recipes.llama3 import llama3
+from recipes.llama3 import llama3, on_layout
 from titan_lightning.config import LRScheduleConfig, TrainingConfig
 from titan_lightning.recipe import Run
 
@@ -37,13 +37,7 @@ def llama3_debugmodel_bf16() -> Run:
 
 
 def _layout(**degrees) -> Run:
-    """The baseline on a parallel layout, with the same global batch (so the same losses)."""
-    run = llama3_debugmodel()
-    for name, value in degrees.items():
-        setattr(run.job.parallelism, name, value)
-    p = run.job.parallelism
-    run.job.training.tokens_per_microbatch_per_dp_rank //= p.dp_replicate * max(p.dp_shard, 1)
-    return run
+    return on_layout(llama3_debugmodel(), **degrees)
 
 
 # Layouts, named by degree. The world size comes from the launch (--trainer.devices N).
