@@ -1,0 +1,81 @@
+"""Every integration entry is well formed: unique names, valid recipes, ngpu = degrees, goldens present."""
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+from titan_lightning.config import validate_job
+from titan_lightning.parallel.mesh import ParallelDims
+from titan_lightning.testing.entries import TestEntry, validate_fake_pg_compatibility
+
+SUITES = ("features", "models")
+ASSETS = Path(__file__).resolve().parents[2] / "assets" / "losses"
+ENTRIES = [(suite, e) for suite in SUITES for e in importlib.import_module(f"tests.integration_tests.{suite}").ENTRIES]
+
+
+def test_names_are_unique_within_each_suite():
+    for suite in SUITES:
+        names = [e.name for s, e in ENTRIES if s == suite]
+        assert len(names) == len(set(names)), suite
+
+
+@pytest.mark.parametrize("suite, entry", ENTRIES, ids=[f"{s}-{e.name}" for s, e in ENTRIES])
+def test_entry_recipes_are_valid_and_ngpu_is_the_product_of_degrees(suite, entry):
+    assert all(spec.startswith(f"recipes.tests.{suite}:") for spec in entry.recipes), "recipes live in recipes/tests/<suite>.py"
+    for run in entry.runs():
+        validate_job(run.job, world_size=entry.ngpu, max_steps=run.trainer["max_steps"])
+        dims = ParallelDims.from_config(run.job.parallelism, entry.ngpu)
+        assert dims.pp * dims.dp_replicate * dims.dp_shard * dims.cp * dims.tp == entry.ngpu
+    if entry.seed_recipe is not None:
+        seed = TestEntry(recipes=(entry.seed_recipe,), name="seed", description="").runs()[0]
+        validate_job(seed.job, world_size=1, max_steps=seed.trainer["max_steps"])
+    for mode in ("fake_pg", "real_pg"):
+        path = entry.golden_path(mode, ASSETS)
+        if path is not None and not (mode == "fake_pg" and entry.use_real_pg):
+            assert path.exists(), f"golden file {path} named by entry {entry.name} is missing"
+    if not entry.use_real_pg:
+        validate_fake_pg_compatibility(entry)
+
+
+def _entry(**kwargs):
+    defaults = dict(recipes=("recipes.tests.features:llama3_debugmodel",), name="e", description="d")
+    return TestEntry(**{**defaults, **kwargs})
+
+
+def test_fake_pg_refuses_checkpointing_save_resume_and_pipeline(monkeypatch):
+    with pytest.raises(ValueError, match=r"runs 2 recipes \(save then resume\).*mark it use_real_pg=True"):
+        validate_fake_pg_compatibility(_entry(recipes=("recipes.tests.features:llama3_debugmodel",) * 2))
+    validate_fake_pg_compatibility(_entry(recipes=("recipes.tests.features:llama3_debugmodel",) * 2, use_real_pg=True))
+    with pytest.raises(ValueError, match=r"recipe recipes.llama3:debugmodel checkpoints"):
+        validate_fake_pg_compatibility(_entry(recipes=("recipes.llama3:debugmodel",)))
+
+    from recipes.tests import features
+
+    def piped():
+        run = features.llama3_debugmodel()
+        run.job.parallelism.pp = 2
+        return run
+
+    monkeypatch.setattr(features, "llama3_piped", piped, raising=False)
+    with pytest.raises(ValueError, match=r"parallelism.pp=2; pipeline parallelism cannot run under the fake process group"):
+        validate_fake_pg_compatibility(_entry(recipes=("recipes.tests.features:llama3_piped",)))
+
+    def gloo():
+        from titan_lightning.strategies import TitanStrategy
+
+        run = features.llama3_debugmodel()
+        run.trainer["strategy"] = TitanStrategy(process_group_backend="gloo")
+        return run
+
+    monkeypatch.setattr(features, "llama3_gloo", gloo, raising=False)
+    with pytest.raises(ValueError, match=r"asks for the 'gloo' backend explicitly"):
+        validate_fake_pg_compatibility(_entry(recipes=("recipes.tests.features:llama3_gloo",)))
+
+
+def test_entry_rules():
+    with pytest.raises(ValueError, match=r"runs exactly one recipe, got 2"):
+        _entry(recipes=("a:b", "c:d"), golden_numerics_path="x.txt")
+    with pytest.raises(ValueError, match=r"entry name 'a-b' must be an identifier"):
+        _entry(name="a-b")
+    assert _entry(golden_numerics_path="{execution_mode}/x.txt").golden_path("real_pg", Path("/g")) == Path("/g/real_pg/x.txt")
