@@ -84,8 +84,8 @@ def build_parser(run: Run) -> ArgumentParser:
     # Method arguments, not class arguments: the CLI builds the Trainer itself.
     int_first = _int_or_float_args()
     skip = set(_OBJECT_ARGS) | set(int_first)
-    if not isinstance(run.trainer.get("strategy", "auto"), str):
-        skip.add("strategy")  # an object from the recipe stays as it is
+    if _kept_by_recipe("strategy", run.trainer.get("strategy", "auto")):
+        skip.add("strategy")
     parser.add_method_arguments(L.Trainer, "__init__", "trainer", skip=skip)
     for key, default in int_first.items():
         # Trainer annotates these Union[float, int]: "4" would parse as 4.0 and "1" as 100%.
@@ -96,7 +96,7 @@ def build_parser(run: Run) -> ArgumentParser:
     for key, value in run.trainer.items():
         if key not in trainer_args:
             raise RecipeError(f"recipe trainer argument {key!r} is not an argument of lightning.Trainer")
-        if key not in _OBJECT_ARGS and not (key == "strategy" and not isinstance(value, str)):
+        if not _kept_by_recipe(key, value):
             trainer_defaults[f"trainer.{key}"] = value
     parser.set_defaults(trainer_defaults)
     return parser
@@ -108,17 +108,18 @@ def apply_namespace(run: Run, parser: ArgumentParser, namespace) -> None:
     if run.job is not None:
         run.set_job(init.job)
     defaults = _trainer_signature_defaults()
-    trainer = {k: v for k, v in run.trainer.items() if k in _OBJECT_ARGS or not isinstance(v, (str, int, float, bool, type(None), list, dict))}
+    trainer = {k: v for k, v in run.trainer.items() if _kept_by_recipe(k, v)}
     for key, value in vars(init.trainer).items():
         if key not in defaults:
             continue  # jsonargparse bookkeeping, not a Trainer argument
-        if key in run.trainer or value != defaults.get(key, _Missing):
+        if key in run.trainer or value != defaults[key]:
             trainer[key] = value
     run.trainer = trainer
 
 
-class _Missing:
-    pass
+def _kept_by_recipe(key: str, value) -> bool:
+    """Objects a recipe sets stay as they are; the command line neither shows nor overrides them."""
+    return key in _OBJECT_ARGS or (key == "strategy" and not isinstance(value, str))
 
 
 def _trainer_signature_defaults() -> dict:

@@ -9,26 +9,25 @@ _R = "recipes.tests.features"
 _SEED = f"{_R}:llama3_debugmodel"
 
 
-def _layout(recipe: str, ngpu: int, description: str) -> TestEntry:
-    return TestEntry(recipes=(f"{_R}:{recipe}",), name=recipe, description=description, ngpu=ngpu, seed_recipe=_SEED)
+def _entry(recipe: str, description: str, ngpu: int = 1) -> TestEntry:
+    seed = _SEED if ngpu > 1 else None  # a parallel layout must reproduce the one-process run
+    return TestEntry(recipes=(f"{_R}:{recipe}",), name=recipe, description=description, ngpu=ngpu, seed_recipe=seed)
 
 
 ENTRIES = [
-    TestEntry(recipes=(_SEED,), name="llama3_debugmodel", description="one process, fp32, deterministic"),
-    TestEntry(recipes=(f"{_R}:llama3_debugmodel_accumulation",), name="llama3_debugmodel_accumulation",
-              description="two microbatches per step from tokens_per_step"),
-    TestEntry(recipes=(f"{_R}:llama3_debugmodel_bf16",), name="llama3_debugmodel_bf16",
-              description="bf16 autocast over fp32 parameters"),
-    _layout("llama3_fsdp2", 2, "FSDP2 over 2 ranks"),
-    _layout("llama3_fsdp4", 4, "FSDP2 over 4 ranks"),
-    _layout("llama3_ddp2", 2, "DDP over 2 ranks"),
-    _layout("llama3_ddp4", 4, "DDP over 4 ranks"),
-    _layout("llama3_hsdp2x2", 4, "HSDP: 2 replicas of FSDP2"),
-    _layout("llama3_tp2", 2, "TP2 with sequence and loss parallel"),
-    _layout("llama3_tp4", 4, "TP4 with sequence and loss parallel"),
-    _layout("llama3_tp2_no_sp", 2, "TP2 without sequence parallel"),
-    _layout("llama3_tp4_no_sp", 4, "TP4 without sequence parallel"),
-    _layout("llama3_fsdp2_tp2", 4, "FSDP2 x TP2"),
-    _layout("llama3_hsdp2x2_tp2", 8, "2 replicas of FSDP2 x TP2"),
-    _layout("llama3_fsdp2_tp2_bf16", 4, "FSDP2 x TP2, bf16 parameters in compute, fp32 reduce"),
+    _entry("llama3_debugmodel", "one process, fp32, deterministic"),
+    _entry("llama3_debugmodel_accumulation", "two microbatches per step from tokens_per_step"),
+    _entry("llama3_debugmodel_bf16", "bf16 autocast over fp32 parameters"),
+    _entry("llama3_fsdp2", "FSDP2 over 2 ranks", 2),
+    _entry("llama3_fsdp4", "FSDP2 over 4 ranks", 4),
+    _entry("llama3_ddp2", "DDP over 2 ranks", 2),
+    _entry("llama3_ddp4", "DDP over 4 ranks", 4),
+    _entry("llama3_hsdp2x2", "HSDP: 2 replicas of FSDP2", 4),
+    _entry("llama3_tp2", "TP2 with sequence and loss parallel", 2),
+    _entry("llama3_tp4", "TP4 with sequence and loss parallel", 4),
+    _entry("llama3_tp2_no_sp", "TP2 without sequence parallel", 2),
+    _entry("llama3_tp4_no_sp", "TP4 without sequence parallel", 4),
+    _entry("llama3_fsdp2_tp2", "FSDP2 x TP2", 4),
+    _entry("llama3_hsdp2x2_tp2", "2 replicas of FSDP2 x TP2", 8),
+    _entry("llama3_fsdp2_tp2_bf16", "FSDP2 x TP2, bf16 parameters in compute, fp32 reduce", 4),
 ]

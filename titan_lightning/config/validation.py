@@ -79,10 +79,10 @@ def validate_model_parallelism(job: JobConfig) -> None:
 
 
 def validate_batch(job: JobConfig, world_size: int) -> None:
-    t, p = job.training, job.parallelism
+    t = job.training
     if t.tokens_per_step is None:
         return
-    dp = p.dp_replicate * p.resolved_dp_shard(world_size)
+    dp = _dp_degree(job.parallelism, world_size)
     per_step_unit = t.tokens_per_microbatch_per_dp_rank * dp
     if t.tokens_per_step % per_step_unit:
         raise ConfigError(
@@ -92,12 +92,16 @@ def validate_batch(job: JobConfig, world_size: int) -> None:
         )
 
 
+def _dp_degree(p: ParallelismConfig, world_size: int) -> int:
+    return p.dp_replicate * p.resolved_dp_shard(world_size)
+
+
 def gradient_accumulation_steps(job: JobConfig, world_size: int) -> int:
     """Microbatches per optimizer step on each data-parallel rank."""
-    t, p = job.training, job.parallelism
+    t = job.training
     if t.tokens_per_step is None:
         return 1
-    dp = p.dp_replicate * p.resolved_dp_shard(world_size)
+    dp = _dp_degree(job.parallelism, world_size)
     return t.tokens_per_step // (t.tokens_per_microbatch_per_dp_rank * dp)
 
 

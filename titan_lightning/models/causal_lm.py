@@ -109,19 +109,19 @@ class CausalLMModule(L.LightningModule):
         self.val_loss.update(loss, weight=(batch["labels"] != IGNORE_INDEX).sum())
 
     def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()
-        self.val_loss.reset()
-        self.log("val/loss", loss, prog_bar=True)
-        self.log("val/ppl", torch.exp(loss))
+        self._log_eval("val", prog_bar=True)
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.validation_step(batch, batch_idx)
 
     def on_test_epoch_end(self) -> None:
+        self._log_eval("test")
+
+    def _log_eval(self, prefix: str, prog_bar: bool = False) -> None:
         loss = self.val_loss.compute()
         self.val_loss.reset()
-        self.log("test/loss", loss)
-        self.log("test/ppl", torch.exp(loss))
+        self.log(f"{prefix}/loss", loss, prog_bar=prog_bar)
+        self.log(f"{prefix}/ppl", torch.exp(loss))
 
     # -- optimization ----------------------------------------------------------------------
 

@@ -117,8 +117,7 @@ class TitanStrategy(ModelParallelStrategy):
         # Runs in Trainer.__init__, before any process is spawned: reject bad degrees now.
         # (A module's job is validated by build_trainer; the module is not attached yet.)
         config = self._parallelism if self._parallelism is not None else self.default_parallelism()
-        if config != ParallelismConfig() or self._parallelism is None:
-            self._check_degrees(config, self.num_nodes * self.num_processes)
+        self._check_degrees(config, self.num_nodes * self.num_processes)
         super()._configure_launcher()
 
     def check_module(self, module: L.LightningModule) -> None:
