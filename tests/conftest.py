@@ -18,3 +18,15 @@ def _restore_environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+def pytest_collection_modifyitems(config, items):
+    """``gpu`` tests need a visible GPU, ``multi_gpu`` tests two: skipped, with the reason, otherwise."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        if "multi_gpu" in item.keywords and count < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs several GPUs, {count} visible"))
+        elif "gpu" in item.keywords and count < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a GPU, none visible"))

@@ -6,6 +6,7 @@ written with ``repr`` so reading one back gives the same float and runs compare 
     # config: llama3_debugmodel
     # ngpu: 1
     # parallelism: single device
+    # hardware: cpu
     # step loss grad_norm
     1 7.62591552734375 3.9124813079833984
 
@@ -14,6 +15,7 @@ A file without a ``# step`` line is a legacy ``<step> <loss>`` file: only losses
 
 import math
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,19 @@ import lightning as L
 COLUMNS = ("step", "loss", "grad_norm")
 LEGACY_COLUMNS = ("step", "loss")
 _REGENERATE = 'regenerate it with GoldenNumerics(..., mode="export") (the runner\'s --export-numerics)'
+
+
+def hardware_class(device_type: str) -> str:
+    """The hardware class numbers belong to: ``cpu``, or the first visible GPU's name without
+    its vendor, in lower case (``NVIDIA H200`` -> ``h200``). Exact equality holds within a class."""
+    if device_type == "cpu":
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device type {device_type!r} but no GPU is visible")
+    name = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(0).lower()).strip("_")
+    return re.sub(r"^(nvidia|amd)_", "", name)
 
 
 @dataclass
@@ -92,14 +107,18 @@ def read_golden(path: Union[str, Path]) -> Golden:
     return golden
 
 
-def check_header(golden: Golden, *, ngpu: int, parallelism: str) -> None:
-    """Refuse a golden file recorded on another world size or layout than this entry's.
+def check_header(golden: Golden, *, ngpu: int, parallelism: str, hardware: Optional[str] = None) -> None:
+    """Refuse a golden file recorded on another world size, layout (or hardware class) than this run's.
 
-    Legacy files have no header and pass; a headed file must carry both lines.
+    Legacy files have no header and pass; a headed file must carry the ngpu and parallelism
+    lines; its hardware line, when it has one, must equal ``hardware`` when that is given.
     """
     if golden.legacy:
         return
-    for key, expected in (("ngpu", str(ngpu)), ("parallelism", parallelism)):
+    expectations = [("ngpu", str(ngpu)), ("parallelism", parallelism)]
+    if hardware is not None and "hardware" in golden.header:
+        expectations.append(("hardware", hardware))
+    for key, expected in expectations:
         found = golden.header.get(key)
         if found is None:
             raise ValueError(f"{golden.path}: has no '# {key}:' line; expected '# {key}: {expected}'; {_REGENERATE}")
@@ -167,6 +186,9 @@ class GoldenNumerics(L.Callback):
             if not self.path.is_file():
                 raise FileNotFoundError(f"golden numerics file {self.path} does not exist; {_REGENERATE}")
             self.golden = read_golden(self.path)
+            header = self.header(trainer, pl_module)
+            check_header(self.golden, ngpu=int(header["ngpu"]), parallelism=header["parallelism"],
+                         hardware=header["hardware"])
         if self._needs_grad_norm and not hasattr(pl_module, "last_grad_norm"):
             raise AttributeError(
                 f"GoldenNumerics needs the global grad norm, and {type(pl_module).__name__} has no "
@@ -242,4 +264,5 @@ class GoldenNumerics(L.Callback):
             "config": self.config_name or type(pl_module).__name__,
             "ngpu": str(trainer.world_size),
             "parallelism": dims.describe() if dims is not None else "single device",
+            "hardware": hardware_class(trainer.strategy.root_device.type),
         }

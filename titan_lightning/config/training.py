@@ -20,6 +20,9 @@ class TrainingConfig:
     tokens_per_step: Optional[int] = None
     # Deterministic algorithms, fixed CPU thread count, bitwise-identical reruns.
     deterministic: bool = False
+    # Torch threads per process on CPU; None: torch's choice, or 1 in deterministic mode
+    # (a reduction split over another number of threads sums in another order).
+    cpu_threads: Optional[int] = None
     # dtype the parameters are stored in ("bfloat16" is full-bf16 training).
     dtype: Literal["float32", "bfloat16"] = "float32"
     # dtype the forward and backward compute in (bf16 autocast / FSDP param dtype).
@@ -44,6 +47,8 @@ class TrainingConfig:
                     f"training.tokens_per_step={self.tokens_per_step} must be a multiple of "
                     f"training.tokens_per_microbatch_per_dp_rank={self.tokens_per_microbatch_per_dp_rank}"
                 )
+        if self.cpu_threads is not None:
+            _positive("training.cpu_threads", self.cpu_threads)
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"training.max_grad_norm={self.max_grad_norm} must be > 0, or None to disable clipping")
         if self.dtype == "bfloat16" and self.mixed_precision_param == "float32":

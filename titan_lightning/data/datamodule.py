@@ -34,6 +34,7 @@ class TextDataModule(L.LightningDataModule):
         self._tokenizer: Optional[tuple[Optional[str], Tokenizer]] = None
         self._train: Optional[TokenWindows] = None
         self._val: Optional[TokenWindows] = None
+        self._short_split: Optional[str] = None  # why the val split has no window, when it has none
         # Samples this rank had consumed when the current train loader was built, and the
         # Trainer that loader serves with its trained-batch count then (None: no Trainer).
         self._start = 0
@@ -60,13 +61,22 @@ class TextDataModule(L.LightningDataModule):
         streams = {name: tokenize_documents(docs, self.tokenizer) for name, docs in splits.items()}
         for name, tokens in streams.items():
             if len(tokens) < seq_len + 1:
-                raise ValueError(
+                self._short_split = (
                     f"the {name} split of {str(path)!r} (data.val_fraction={data.val_fraction}) has "
                     f"{len(tokens)} tokens, fewer than one window of training.seq_len + 1 = {seq_len + 1}"
                 )
+                if name == "train" or self._will_validate(stage):
+                    raise ValueError(self._short_split)
         self._train = TokenWindows(streams["train"], seq_len)
-        self._val = TokenWindows(streams["val"], seq_len)
-        self._check_val_covers_dp()
+        self._val = None if self._short_split else TokenWindows(streams["val"], seq_len)
+        if self._will_validate(stage):
+            self._check_val_covers_dp()
+
+    def _will_validate(self, stage: Optional[str]) -> bool:
+        # Checked at setup, before any step, when validation will run; a run with
+        # limit_val_batches=0 (long sequences on the small shipped corpus) needs no val split.
+        trainer = self.trainer
+        return trainer is None or (stage in (None, "fit", "validate") and trainer.limit_val_batches != 0)
 
     def train_dataloader(self) -> DataLoader:
         train = self._require_setup(self._train)
@@ -84,6 +94,8 @@ class TextDataModule(L.LightningDataModule):
         return self._loader(stream)
 
     def val_dataloader(self) -> DataLoader:
+        if self._train is not None and self._val is None:
+            raise ValueError(self._short_split)
         val = self._require_setup(self._val)
         self._check_val_covers_dp()
         dp_size, dp_rank = self._dp()

@@ -20,33 +20,46 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
-class deterministic_reduce_scatter:
-    """While active, a reduce-scatter under the fake group writes "as if every rank held
-    this rank's input": the rank's own chunk (times the group size for a sum).
+class deterministic_collectives:
+    """While active, collectives under the fake group write "as if every rank held this
+    rank's input": a reduce-scatter returns the rank's own chunk (times the group size for
+    a sum), an all-gather returns the rank's input repeated once per rank.
 
-    torch's fake group leaves reduce-scatter outputs unwritten, so FSDP gradients and
+    torch's fake group leaves these outputs unwritten, so FSDP parameters, gradients and
     sequence-parallel activations would be whatever memory held (NaN on some versions and
-    devices). This patches the module-level entry points FSDP2 and DTensor call, under
-    the names each supported torch version uses, and restores them on exit.
+    devices, allocator-dependent garbage on others). This patches the module-level entry
+    points FSDP2 and DTensor call, under the names each supported torch version uses
+    (``all_gather_into_tensor``/``all_gather_tensor`` on 2.11, ``all_gather_single`` on
+    2.13), and restores them on exit.
     """
 
-    _DIST = ("reduce_scatter_single", "reduce_scatter_tensor")
-    _FUNCOL = ("reduce_scatter_single", "reduce_scatter_tensor")
+    _DIST = {
+        "reduce_scatter_single": "_wrap_dist_reduce_scatter",
+        "reduce_scatter_tensor": "_wrap_dist_reduce_scatter",
+        "all_gather_single": "_wrap_dist_all_gather",
+        "all_gather_into_tensor": "_wrap_dist_all_gather",
+    }
+    _FUNCOL = {
+        "reduce_scatter_single": "_wrap_funcol_reduce_scatter",
+        "reduce_scatter_tensor": "_wrap_funcol_reduce_scatter",
+        "all_gather_single": "_wrap_funcol_all_gather",
+        "all_gather_tensor": "_wrap_funcol_all_gather",
+    }
 
     def __enter__(self):
         from torch.distributed import _functional_collectives as funcol
 
         self._saved = []
-        for module, names, wrap in ((dist, self._DIST, _wrap_dist), (funcol, self._FUNCOL, _wrap_funcol)):
-            for name in names:
+        for module, names in ((dist, self._DIST), (funcol, self._FUNCOL)):
+            for name, wrapper in names.items():
                 original = getattr(module, name, None)
                 if original is not None:
                     self._saved.append((module, name, original))
-                    setattr(module, name, wrap(original))
+                    setattr(module, name, globals()[wrapper](original))
         return self
 
     def __exit__(self, *exc) -> None:
-        for module, name, original in self._saved:
+        for module, name, original in reversed(self._saved):
             setattr(module, name, original)
 
 
@@ -68,7 +81,7 @@ def _process_group(group) -> dist.ProcessGroup:
     return group
 
 
-def _wrap_dist(original):
+def _wrap_dist_reduce_scatter(original):
     def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, **kwargs):
         work = original(output, input, op=op, group=group, async_op=async_op, **kwargs)
         chunk, size = _own_chunk(input, group)
@@ -78,7 +91,7 @@ def _wrap_dist(original):
     return reduce_scatter
 
 
-def _wrap_funcol(original):
+def _wrap_funcol_reduce_scatter(original):
     from torch.distributed import _functional_collectives as funcol
 
     def reduce_scatter(self, reduceOp, scatter_dim, group, tag=""):
@@ -87,6 +100,28 @@ def _wrap_funcol(original):
         return chunk.contiguous() * (size if reduceOp.lower() == "sum" else 1)
 
     return reduce_scatter
+
+
+def _wrap_dist_all_gather(original):
+    def all_gather(output_tensor, input_tensor, group=None, async_op=False, **kwargs):
+        source = input_tensor.detach().clone()  # FSDP's input is a view into the output
+        work = original(output_tensor, input_tensor, group=group, async_op=async_op, **kwargs)
+        size = dist.get_world_size(group)
+        output_tensor.view(size, -1).copy_(source.reshape(1, -1).expand(size, -1))
+        return work
+
+    return all_gather
+
+
+def _wrap_funcol_all_gather(original):
+    from torch.distributed import _functional_collectives as funcol
+
+    def all_gather(self, gather_dim, group, tag=""):
+        funcol.wait_tensor(original(self, gather_dim, group, tag))  # keeps its checks
+        size = dist.get_world_size(_process_group(group))
+        return torch.cat([self] * size, dim=gather_dim)
+
+    return all_gather
 
 
 def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:

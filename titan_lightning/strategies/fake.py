@@ -7,7 +7,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from titan_lightning.config import ConfigError, ParallelismConfig
-from titan_lightning.parallel.fake import deterministic_reduce_scatter, init_fake_process_group, memory_report
+from titan_lightning.parallel.fake import deterministic_collectives, init_fake_process_group, memory_report
 from titan_lightning.strategies.titan import TitanStrategy
 
 
@@ -67,7 +67,7 @@ class FakePGStrategy(TitanStrategy):
         self.accelerator.setup_device(self.root_device)
         self._process_group_backend = "fake"
         init_fake_process_group(self._fake_rank, self.world_size)
-        self._collectives = deterministic_reduce_scatter().__enter__()
+        self._collectives = deterministic_collectives().__enter__()
 
     def teardown(self) -> None:
         super().teardown()

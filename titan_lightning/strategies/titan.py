@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_lightning.config import ConfigError, ParallelismConfig
 from titan_lightning.config.validation import validate_degrees
+from titan_lightning.parallel.determinism import set_determinism
 from titan_lightning.parallel.fsdp import apply_ddp, apply_fsdp, find_repeated_blocks
 from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_caches
 from titan_lightning.parallel.tensor import apply_tp
@@ -143,6 +144,18 @@ class TitanStrategy(ModelParallelStrategy):
         self.mesh = self.dims.build_mesh(self.root_device.type)
         self._device_mesh = self.mesh.device_mesh
         self.lightning_module._device_mesh = self._device_mesh
+        self._set_determinism()
+
+    def _set_determinism(self) -> None:
+        # Only modules that carry a job (every titan_lightning model) say how to seed.
+        job = getattr(self.lightning_module, "job", None)
+        if job is None:
+            return
+        pp_rank, pp = self.mesh.rank_and_size("pp")
+        self._determinism = set_determinism(
+            job.training.seed, deterministic=job.training.deterministic, device_type=self.root_device.type,
+            pp_rank=pp_rank, pp=pp, cpu_threads=job.training.cpu_threads,
+        )
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
@@ -239,6 +252,9 @@ class TitanStrategy(ModelParallelStrategy):
 
     def teardown(self) -> None:
         super().teardown()
+        if getattr(self, "_determinism", None) is not None:
+            self._determinism.restore()
+            self._determinism = None
         if _distributed_is_initialized():
             dist.barrier()
             dist.destroy_process_group()

@@ -4,6 +4,7 @@ An entry names the recipes it runs; the recipes live in ``recipes/tests/<suite>.
 the lists of entries in ``tests/integration_tests/<suite>.py``.
 """
 
+import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -11,6 +12,7 @@ from typing import Optional
 from titan_lightning.recipe import Run, build_run
 
 EXECUTION_MODES = ("fake_pg", "real_pg")
+GOLDEN_FIELDS = {"execution_mode", "hardware"}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -24,8 +26,12 @@ class TestEntry:
     description: str
     ngpu: int = 1  # the logical world size
     use_real_pg: bool = False  # needs real communication: never run under the fake group
-    golden_numerics_path: Optional[str] = None  # may contain {execution_mode}
+    # Relative to tests/assets/losses; may contain {execution_mode} and {hardware} ("cpu", "h200", ...).
+    golden_numerics_path: Optional[str] = None
     seed_recipe: Optional[str] = None  # the one-process run whose losses this must equal
+    # How close to the seed run a real-PG run must stay (relative, per step).
+    loss_rtol: float = 1e-5
+    grad_norm_rtol: float = 1e-4
     timeout: float = 600.0
     disabled: bool = False
     skip_rocm: bool = False
@@ -41,15 +47,25 @@ class TestEntry:
             raise ValueError(
                 f"entry {self.name!r}: an entry with golden numerics runs exactly one recipe, got {len(self.recipes)}"
             )
+        if self.golden_numerics_path is not None:
+            fields = {f for _, f, _, _ in string.Formatter().parse(self.golden_numerics_path) if f is not None}
+            if fields - GOLDEN_FIELDS:
+                raise ValueError(
+                    f"entry {self.name!r}: golden_numerics_path={self.golden_numerics_path!r} uses "
+                    f"{sorted(fields - GOLDEN_FIELDS)}; only {{execution_mode}} and {{hardware}} are known"
+                )
+        if not (self.loss_rtol >= 0 and self.grad_norm_rtol >= 0):
+            raise ValueError(f"entry {self.name!r}: loss_rtol and grad_norm_rtol must be >= 0")
         if self.timeout <= 0:
             raise ValueError(f"entry {self.name!r}: timeout={self.timeout} must be > 0")
 
-    def golden_path(self, execution_mode: str, root: Path) -> Optional[Path]:
+    def golden_path(self, execution_mode: str, root: Path, hardware: str = "cpu") -> Optional[Path]:
+        """The golden file of this entry in one execution mode on one hardware class."""
         if execution_mode not in EXECUTION_MODES:
             raise ValueError(f"execution_mode={execution_mode!r} is not one of {', '.join(EXECUTION_MODES)}")
         if self.golden_numerics_path is None:
             return None
-        return root / self.golden_numerics_path.format(execution_mode=execution_mode)
+        return root / self.golden_numerics_path.format(execution_mode=execution_mode, hardware=hardware)
 
     def runs(self) -> list[Run]:
         return [build_run(spec) for spec in self.recipes]

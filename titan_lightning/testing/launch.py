@@ -117,13 +117,20 @@ def rank_env(rank: int, world_size: int, *, port: int, out_dir: Path, env: Optio
 
 
 def launch(
-    argv: list[str], world_size: int, *, out_dir: Path, timeout: float, env: Optional[dict] = None
+    argv: list[str],
+    world_size: int,
+    *,
+    out_dir: Path,
+    timeout: float,
+    env: Optional[dict] = None,
+    worker_options: Optional[list[str]] = None,
 ) -> LaunchResult:
     """Run ``titan-lightning *argv`` on ``world_size`` processes; each writes ``out_dir/rank{r}.{json,log}``.
 
     Raises ``LaunchFailed`` (a RuntimeError) when a rank exits non-zero and ``LaunchTimeout``
     (a TimeoutError) when they are not all done after ``timeout`` seconds; both carry the
     tails of the logs. No process of the launch outlives this call, whatever happens.
+    ``worker_options`` go to the worker before ``--`` (golden numerics, seed checkpoint).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
@@ -132,7 +139,7 @@ def launch(
     for rank in range(world_size):
         for suffix in ("json", "error", "log"):
             (out_dir / f"rank{rank}.{suffix}").unlink(missing_ok=True)
-    command = [sys.executable, "-m", WORKER, "--out", str(out_dir), "--", *argv]
+    command = [sys.executable, "-m", WORKER, "--out", str(out_dir), *(worker_options or []), "--", *argv]
     port = free_port()
     envs = [rank_env(rank, world_size, port=port, out_dir=out_dir, env=env) for rank in range(world_size)]
     procs: list[subprocess.Popen] = []
@@ -171,9 +178,12 @@ def launch(
     return result
 
 
-def run_single(argv: list[str], *, out_dir: Path, timeout: float, env: Optional[dict] = None) -> LaunchResult:
+def run_single(
+    argv: list[str], *, out_dir: Path, timeout: float, env: Optional[dict] = None,
+    worker_options: Optional[list[str]] = None,
+) -> LaunchResult:
     """The single-process reference run of ``argv``."""
-    return launch(argv, 1, out_dir=out_dir, timeout=timeout, env=env)
+    return launch(argv, 1, out_dir=out_dir, timeout=timeout, env=env, worker_options=worker_options)
 
 
 def _wait(procs: list[subprocess.Popen], deadline: float) -> tuple[list[int], list[int]]:

@@ -1,15 +1,20 @@
-"""One rank of a launched run: ``python -m titan_lightning.testing.worker --out DIR -- fit --recipe MOD:FN ...``.
+"""One rank of a launched run: ``python -m titan_lightning.testing.worker --out DIR [options] -- fit --recipe MOD:FN ...``.
 
 Runs the command as ``titan-lightning`` would, recording loss and grad norm after every
 optimizer step, and writes ``DIR/rank{r}.json``::
 
     {"rank", "world_size", "strategy", "cluster_environment", "steps", "losses", "grad_norms", "metrics"}
 
-or, when anything raises, ``DIR/rank{r}.error`` with the traceback (exit status 1). The
+Options (before ``--``): ``--golden PATH --golden-mode compare|export --golden-config NAME``
+add a GoldenNumerics callback; ``--seed-checkpoint PATH`` loads a full-model seed
+checkpoint into the parallelized model before the first step.
+
+Or, when anything raises, ``DIR/rank{r}.error`` with the traceback (exit status 1). The
 process ends with ``os._exit`` after a barrier and ``destroy_process_group``: gloo workers
 otherwise abort in interpreter shutdown now and then. SIGUSR1 prints every thread's stack.
 """
 
+import argparse
 import faulthandler
 import json
 import os
@@ -17,7 +22,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 # Before torch and lightning: a rank stuck even in an import prints its stack instead of dying of SIGUSR1.
 faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -31,16 +36,20 @@ from titan_lightning.recipe import RUN_DIR_ENV  # noqa: E402
 from titan_lightning.testing.launch import THREADS_ENV  # noqa: E402
 from titan_lightning.testing.record import RecordSteps  # noqa: E402
 
-USAGE = "usage: python -m titan_lightning.testing.worker --out DIR -- fit|validate|test --recipe MOD:FN [overrides]"
+USAGE = (
+    "usage: python -m titan_lightning.testing.worker --out DIR [--golden PATH --golden-mode compare|export "
+    "--golden-config NAME] [--seed-checkpoint PATH] -- fit|validate|test --recipe MOD:FN [overrides]"
+)
 
 
 def main(argv: list[str]) -> None:
-    out, command_argv = _parse(argv)
+    options, command_argv = _parse(argv)
+    out = Path(options.out)
     torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
     os.environ.setdefault(RUN_DIR_ENV, str(out / "run"))
     rank = int(os.environ.get("RANK", "0"))
     try:
-        report = run_command(command_argv)
+        report = run_command(command_argv, callbacks=callbacks(options))
         _write(out / f"rank{report['rank']}.json", json.dumps(report))
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
@@ -53,14 +62,28 @@ def main(argv: list[str]) -> None:
     _exit(0)
 
 
-def run_command(argv: list[str]) -> dict[str, Any]:
-    """Run one command in this process and return what the rank reports."""
+def callbacks(options: argparse.Namespace) -> list[L.Callback]:
+    """The callbacks the worker's options ask for."""
+    extra: list[L.Callback] = []
+    if options.seed_checkpoint:
+        from titan_lightning.testing.seed_checkpoint import LoadSeedCheckpoint
+
+        extra.append(LoadSeedCheckpoint(options.seed_checkpoint))
+    if options.golden:
+        from titan_lightning.callbacks.golden import GoldenNumerics
+
+        extra.append(GoldenNumerics(options.golden, mode=options.golden_mode, config_name=options.golden_config))
+    return extra
+
+
+def run_command(argv: list[str], callbacks: Optional[list[L.Callback]] = None) -> dict[str, Any]:
+    """Run one command in this process (with ``callbacks`` added) and return what the rank reports."""
     prepared = prepare(argv)
     if prepared is None:
         raise SystemExit(f"`{' '.join(argv)}` only prints; nothing to run")
     command, run, trainer = prepared
     record = RecordSteps()
-    trainer.callbacks.append(record)
+    trainer.callbacks.extend([record, *(callbacks or [])])
     getattr(trainer, command)(run.module, datamodule=run.datamodule)
     environment = getattr(trainer.strategy, "cluster_environment", None)
     return {
@@ -75,11 +98,26 @@ def run_command(argv: list[str]) -> dict[str, Any]:
     }
 
 
-def _parse(argv: list[str]) -> tuple[Path, list[str]]:
-    if len(argv) < 4 or argv[0] != "--out" or argv[2] != "--":
-        print(f"{USAGE}\ngot: {argv}", file=sys.stderr)
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        print(f"{USAGE}\n{message}", file=sys.stderr)
         _exit(2)
-    return Path(argv[1]), argv[3:]
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    if "--" not in argv:
+        _Parser().error(f"no '--' before the command; got: {argv}")
+    split = argv.index("--")
+    parser = _Parser(prog="python -m titan_lightning.testing.worker", add_help=False)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--golden")
+    parser.add_argument("--golden-mode", choices=("compare", "export"), default="compare")
+    parser.add_argument("--golden-config")
+    parser.add_argument("--seed-checkpoint")
+    options = parser.parse_args(argv[:split])
+    if not argv[split + 1:]:
+        parser.error("no command after '--'")
+    return options, argv[split + 1:]
 
 
 def _write(path: Path, text: str) -> None:

@@ -138,12 +138,12 @@ def test_reduce_scatter_under_fake_pg_is_deterministic():
     """torch's fake group leaves reduce-scatter outputs unwritten; ours write this rank's chunk."""
     from torch.distributed import _functional_collectives as funcol
 
-    from titan_lightning.parallel.fake import deterministic_reduce_scatter, init_fake_process_group
+    from titan_lightning.parallel.fake import deterministic_collectives, init_fake_process_group
 
     init_fake_process_group(rank=1, world_size=4)
     original = dist.reduce_scatter_tensor
     data = torch.arange(8.0)
-    with deterministic_reduce_scatter():
+    with deterministic_collectives():
         out = torch.full((2,), float("nan"))
         dist.reduce_scatter_tensor(out, data, op=dist.ReduceOp.SUM)
         assert out.tolist() == [8.0, 12.0]  # chunk 1 = [2, 3], as if 4 ranks held it
@@ -151,6 +151,26 @@ def test_reduce_scatter_under_fake_pg_is_deterministic():
         functional = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
         assert funcol.wait_tensor(functional(data, "avg", 0, group)).tolist() == [2.0, 3.0]
     assert dist.reduce_scatter_tensor is original  # restored on exit
+
+
+def test_all_gather_under_fake_pg_repeats_this_ranks_input():
+    """torch's fake group leaves all-gather outputs unwritten (allocator garbage); ours repeat the input."""
+    from torch.distributed import _functional_collectives as funcol
+
+    from titan_lightning.parallel.fake import deterministic_collectives, init_fake_process_group
+
+    init_fake_process_group(rank=2, world_size=3)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    functional = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    with deterministic_collectives():
+        out = torch.full((6,), float("nan"))
+        slot = out[4:]  # FSDP2 passes a view of its own slot as the input
+        slot.copy_(torch.tensor([5.0, 6.0]))
+        gather(out, slot)
+        assert out.tolist() == [5.0, 6.0] * 3
+        x = torch.tensor([[1.0, 2.0]])
+        assert funcol.wait_tensor(functional(x, 0, dist.group.WORLD)).tolist() == [[1.0, 2.0]] * 3
+        assert funcol.wait_tensor(functional(x, 1, dist.group.WORLD)).tolist() == [[1.0, 2.0] * 3]
 
 
 def test_fake_runs_are_bitwise_reproducible():

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import lightning as L
 import pytest
+import torch
 
 from recipes.tests import features
 from titan_lightning.callbacks.golden import GoldenNumerics, check_header, read_golden, write_golden
@@ -56,13 +57,15 @@ def edited(exported, tmp_path, edit):
 def test_export_writes_a_self_describing_file_whose_values_round_trip_exactly(exported):
     path, record = exported
     lines = path.read_text().splitlines()
-    assert lines[:4] == [
-        "# config: llama3_debugmodel", "# ngpu: 1", "# parallelism: single device", "# step loss grad_norm",
+    assert lines[:5] == [
+        "# config: llama3_debugmodel", "# ngpu: 1", "# parallelism: single device", "# hardware: cpu",
+        "# step loss grad_norm",
     ]
     rows = zip(record.steps, record.losses, record.grad_norms)
-    assert lines[4:] == [f"{step} {loss!r} {norm!r}" for step, loss, norm in rows]
+    assert lines[5:] == [f"{step} {loss!r} {norm!r}" for step, loss, norm in rows]
     golden = read_golden(path)
-    assert golden.header == {"config": "llama3_debugmodel", "ngpu": "1", "parallelism": "single device"}
+    assert golden.header == {"config": "llama3_debugmodel", "ngpu": "1", "parallelism": "single device",
+                             "hardware": "cpu"}
     assert golden.steps == [1, 2, 3]
     assert golden.losses == record.losses
     assert golden.grad_norms == record.grad_norms
@@ -72,11 +75,12 @@ def test_export_writes_a_self_describing_file_whose_values_round_trip_exactly(ex
 def test_the_header_names_the_module_class_by_default_and_the_strategy_layout():
     layout = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=4)
     module = features.llama3_debugmodel().module
-    trainer = SimpleNamespace(world_size=4, strategy=SimpleNamespace(dims=layout))
+    cpu = torch.device("cpu")
+    trainer = SimpleNamespace(world_size=4, strategy=SimpleNamespace(dims=layout, root_device=cpu))
     assert GoldenNumerics("g.txt", mode="export").header(trainer, module) == {
-        "config": "Llama3Module", "ngpu": "4", "parallelism": "FSDP=2, TP=2",
+        "config": "Llama3Module", "ngpu": "4", "parallelism": "FSDP=2, TP=2", "hardware": "cpu",
     }
-    no_dims = SimpleNamespace(world_size=1, strategy=object())
+    no_dims = SimpleNamespace(world_size=1, strategy=SimpleNamespace(root_device=cpu))
     assert GoldenNumerics("g.txt", config_name="x").header(no_dims, module)["parallelism"] == "single device"
 
 
@@ -163,6 +167,17 @@ def test_check_header_refuses_another_world_size_or_layout(exported):
         check_header(golden, ngpu=8, parallelism="single device")
     with pytest.raises(ValueError, match=r"'# parallelism: single device' but this run has parallelism 'FSDP=2, TP=2'"):
         check_header(golden, ngpu=1, parallelism="FSDP=2, TP=2")
+    check_header(golden, ngpu=1, parallelism="single device", hardware="cpu")
+    with pytest.raises(ValueError, match=r"'# hardware: cpu' but this run has hardware 'h200'"):
+        check_header(golden, ngpu=1, parallelism="single device", hardware="h200")
+
+
+def test_compare_refuses_at_setup_a_file_of_another_layout(exported, tmp_path):
+    path = edited(exported, tmp_path, lambda lines: [line.replace("# ngpu: 1", "# ngpu: 4") for line in lines])
+    start, record, _ = prepare(GoldenNumerics(path))
+    with pytest.raises(ValueError, match=r"'# ngpu: 4' but this run has ngpu '1'"):
+        start()
+    assert record.steps == []  # refused before the first step
 
 
 def test_a_malformed_line_names_the_file_and_line(tmp_path):

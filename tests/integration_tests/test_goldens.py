@@ -1,0 +1,39 @@
+"""Golden numbers are stable: each golden entry exported twice gives identical files, equal to the committed one.
+
+Runs on CPU (the hardware class whose goldens are committed), in both execution modes.
+"""
+
+import pytest
+
+from tests.integration_tests import load_suite
+from titan_lightning.testing.integration import GOLDEN_ROOT, run_entry
+
+GOLDEN_ENTRIES = [e for suite in ("features", "models") for e in load_suite(suite) if e.golden_numerics_path]
+CASES = [
+    pytest.param(entry, mode, marks=[getattr(pytest.mark, mode)] + ([pytest.mark.multi_process] if mode == "real_pg" else []),
+                 id=f"{entry.name}-{mode}")
+    for entry in GOLDEN_ENTRIES
+    for mode in ("fake_pg", "real_pg")
+    if not (mode == "fake_pg" and entry.use_real_pg)
+]
+
+
+def test_there_are_goldens_in_both_modes():
+    assert {c.values[1] for c in CASES} == {"fake_pg", "real_pg"} and len(GOLDEN_ENTRIES) >= 2
+
+
+@pytest.mark.parametrize("entry, mode", CASES)
+def test_two_exports_are_identical_to_the_committed_golden(entry, mode, tmp_path):
+    committed = entry.golden_path(mode, GOLDEN_ROOT, "cpu")
+    files = []
+    for attempt in (1, 2):
+        out = tmp_path / f"export{attempt}.txt"
+        result = run_entry(entry, mode, tmp_path / f"run{attempt}", accelerator="cpu", export=True,
+                           in_process=mode == "fake_pg", golden_out=out)
+        assert result.golden_status == "exported"
+        files.append(out.read_text())
+    assert files[0] == files[1], f"{entry.name} ({mode}): two exports differ"
+    assert files[0] == committed.read_text(), (
+        f"{entry.name} ({mode}): the export differs from {committed}; regenerate with the command in "
+        f"tests/integration_tests/run_tests.py if the change is intended"
+    )

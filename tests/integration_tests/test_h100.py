@@ -1,0 +1,15 @@
+"""The `h100` suite under pytest: every entry in each execution mode it supports (see suite.py)."""
+
+import pytest
+
+from tests.integration_tests.suite import SeedRuns, params, run_test
+
+
+@pytest.fixture(scope="module")
+def seeds(tmp_path_factory):
+    return SeedRuns(tmp_path_factory.mktemp("seeds"))
+
+
+@pytest.mark.parametrize("entry, mode", params("h100"))
+def test_h100(entry, mode, seeds, tmp_path):
+    run_test(entry, mode, tmp_path, seeds)
