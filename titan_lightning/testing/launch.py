@@ -124,13 +124,15 @@ def launch(
     timeout: float,
     env: Optional[dict] = None,
     worker_options: Optional[list[str]] = None,
+    cwd: Optional[Path] = None,
 ) -> LaunchResult:
     """Run ``titan-lightning *argv`` on ``world_size`` processes; each writes ``out_dir/rank{r}.{json,log}``.
 
     Raises ``LaunchFailed`` (a RuntimeError) when a rank exits non-zero and ``LaunchTimeout``
     (a TimeoutError) when they are not all done after ``timeout`` seconds; both carry the
     tails of the logs. No process of the launch outlives this call, whatever happens.
-    ``worker_options`` go to the worker before ``--`` (golden numerics, seed checkpoint).
+    ``worker_options`` go to the worker before ``--`` (golden numerics, seed checkpoint);
+    ``cwd`` is the ranks' working directory (another checkout's code, for loss compare).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
@@ -148,7 +150,7 @@ def launch(
         for rank in range(world_size):
             with open(out_dir / f"rank{rank}.log", "wb") as log:  # the child keeps its own descriptor
                 procs.append(subprocess.Popen(
-                    command, env=envs[rank], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    command, env=envs[rank], cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     start_new_session=True,
                 ))
         failed, running = _wait(procs, deadline)

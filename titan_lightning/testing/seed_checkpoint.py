@@ -8,9 +8,10 @@ each layout's own initialization would do::
 
 The file is safetensors, keyed by the names of the module's ``model`` (fp32 as initialized).
 Loading shards each full tensor locally (no communication), so it works under real and fake
-process groups alike.
+process groups alike. From a shell: ``python -m titan_lightning.testing.seed_checkpoint RECIPE PATH``.
 """
 
+import sys
 from pathlib import Path
 from typing import Union
 
@@ -73,3 +74,9 @@ class LoadSeedCheckpoint(L.Callback):
         if not self.path.is_file():
             raise FileNotFoundError(f"seed checkpoint {self.path} does not exist")
         load_full_state_dict(pl_module.model, load_file(str(self.path)), source=str(self.path))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m titan_lightning.testing.seed_checkpoint MODULE:FUNCTION PATH")
+    print(create_seed_checkpoint(sys.argv[1], sys.argv[2]))
