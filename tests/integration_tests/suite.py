@@ -117,11 +117,11 @@ def run_test(entry: TestEntry, mode: str, out_dir: Path, seeds: SeedRuns) -> Ent
 
 def compare_with_seed(entry: TestEntry, got: dict, seed: dict) -> None:
     assert len(got["losses"]) == len(seed["losses"]), f"{entry.name}: {len(got['losses'])} steps, seed ran {len(seed['losses'])}"
-    for name, rtol in (("losses", entry.loss_rtol), ("grad_norms", entry.grad_norm_rtol)):
+    for name, singular, rtol in (("losses", "loss", entry.loss_rtol), ("grad_norms", "grad_norm", entry.grad_norm_rtol)):
         for step, (value, reference) in enumerate(zip(got[name], seed[name]), start=1):
             error = abs(value - reference) / max(abs(reference), 1e-12)
             assert error <= rtol, (
-                f"{entry.name} step {step}: {name[:-1]} {value!r} vs seed run {entry.seed_recipe} {reference!r} "
+                f"{entry.name} step {step}: {singular} {value!r} vs seed run {entry.seed_recipe} {reference!r} "
                 f"(relative {error:.2e} > {rtol:.0e})"
             )
 

@@ -98,7 +98,8 @@ def worktree(commit: Optional[str]) -> Iterator[Path]:
                           capture_output=True, text=True)
     if done.returncode:
         shutil.rmtree(folder, ignore_errors=True)
-        raise CompareError(f"cannot check out commit {commit!r}: {done.stderr.strip().splitlines()[-1:]}")
+        reason = (done.stderr.strip().splitlines() or ["git worktree add failed"])[-1]
+        raise CompareError(f"cannot check out commit {commit!r}: {reason}")
     try:
         yield target
     finally:
@@ -145,12 +146,12 @@ def compare(baseline: dict, test: dict, *, rtol: Optional[float]) -> tuple[str, 
         failure = f"the runs have different steps: baseline {baseline['steps']}, test {test['steps']}"
     for i, step in enumerate(test["steps"][: len(baseline["steps"])]):
         cells = [f"{step:>4}"]
-        for name in ("losses", "grad_norms"):
+        for name, singular in (("losses", "loss"), ("grad_norms", "grad_norm")):
             a, b = baseline[name][i], test[name][i]
             diff = abs(a - b) / max(abs(a), 1e-12)
             cells += [f"{a!r:>20}", f"{b!r:>20}", f"{diff:>9.2e}"]
             if rtol is not None and failure is None and (a != b if rtol == 0 else diff > rtol):
-                failure = (f"step {step}: {name[:-1]} differs: baseline {a!r}, test {b!r} "
+                failure = (f"step {step}: {singular} differs: baseline {a!r}, test {b!r} "
                            f"(relative {diff:.2e}{'' if rtol == 0 else f' > rtol {rtol:.0e}'})")
         lines.append("  ".join(cells))
     return "\n".join(lines), failure
