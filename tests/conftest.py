@@ -2,7 +2,14 @@
 
 import os
 
-import pytest
+# Before anything imports torch and runs a kernel: the CPU kernel paths golden numbers are
+# recorded with (see titan_lightning/testing/launch.py). That module imports no torch.
+from titan_lightning.testing.launch import PORTABLE_CPU_ENV
+
+for _key, _value in PORTABLE_CPU_ENV.items():
+    os.environ.setdefault(_key, _value)
+
+import pytest  # noqa: E402
 
 # Set by Lightning or torch.distributed inside a test process (e.g. MASTER_PORT picked by
 # LightningEnvironment); a later test's subprocesses must not inherit them.

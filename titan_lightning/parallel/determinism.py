@@ -73,3 +73,4 @@ def set_determinism(
     if device_type == "cpu" and threads is not None:
         torch.set_num_threads(threads)
     return previous
+

@@ -26,6 +26,12 @@ WORKER = "titan_lightning.testing.worker"
 # Torch threads per rank (default 1: the test machines have 2 cores shared by up to 8 ranks).
 THREADS_ENV = "TITAN_LIGHTNING_WORKER_THREADS"
 TAIL_LINES = 50
+# CPU kernel paths pinned so golden numbers hold on every x86 CPU with AVX2 (the hardware
+# class "cpu"): ATen's vectorized kernels, MKL (conditional numerical reproducibility) and
+# oneDNN otherwise pick AVX-512 or AMX code where the CPU has it, which sums in another
+# order. Each library reads its variable when it starts, so they must be in the environment
+# before torch computes anything: set for every launched rank, and by tests/conftest.py.
+PORTABLE_CPU_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 _POLL_S = 0.05
 _STACK_DUMP_S = 0.5  # time given to hung ranks to print their stacks before SIGKILL
 
@@ -86,13 +92,15 @@ def rank_env(rank: int, world_size: int, *, port: int, out_dir: Path, env: Optio
     """The environment of one rank: this process's, the test defaults, ``env``, then the rank's variables.
 
     Test defaults (``env`` may override them): no CUDA, unbuffered output, one torch thread,
-    and one run folder under ``out_dir`` for all ranks. The rank's variables always win.
+    CPU kernels pinned to AVX2 (``PORTABLE_CPU_ENV``: goldens hold across x86 CPUs), and
+    one run folder under ``out_dir`` for all ranks. The rank's variables always win.
     """
     from titan_lightning.recipe import RUN_DIR_ENV  # here: importing the launcher costs no torch/lightning
 
     base = {key: value for key, value in os.environ.items() if not key.startswith("TORCHELASTIC_")}
     threads = (env or {}).get(THREADS_ENV, os.environ.get(THREADS_ENV, "1"))
     defaults = {
+        **{key: os.environ.get(key, value) for key, value in PORTABLE_CPU_ENV.items()},
         "CUDA_VISIBLE_DEVICES": "",
         "PYTHONUNBUFFERED": "1",
         THREADS_ENV: threads,
