@@ -7,6 +7,7 @@ written with ``repr`` so reading one back gives the same float and runs compare 
     # ngpu: 1
     # parallelism: single device
     # hardware: cpu
+    # torch: 2.13.0
     # step loss grad_norm
     1 7.62591552734375 3.9124813079833984
 
@@ -39,6 +40,13 @@ def hardware_class(device_type: str) -> str:
         raise RuntimeError(f"device type {device_type!r} but no GPU is visible")
     name = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(0).lower()).strip("_")
     return re.sub(r"^(nvidia|amd)_", "", name)
+
+
+def torch_version() -> str:
+    """The running torch's release (``2.13.0``, no local build tag): exact numbers hold within one."""
+    import torch
+
+    return torch.__version__.split("+")[0]
 
 
 @dataclass
@@ -239,11 +247,14 @@ class GoldenNumerics(L.Callback):
         quantities = [("loss", golden.losses[index], loss)]
         if golden.grad_norms is not None:
             quantities.append(("grad_norm", golden.grad_norms[index], norm))
+        recorded = golden.header.get("torch")
+        other_torch = f" (the file was recorded with torch {recorded}, this is {torch_version()})" if (
+            recorded and recorded != torch_version()) else ""
         for name, expected, got in quantities:
             if got != expected:
                 raise AssertionError(
                     f"golden numerics {self.path}: step {step} {name} differs: expected {expected!r}, got {got!r} "
-                    f"(difference {got - expected:+.3e}); if the change is intended, {_REGENERATE}"
+                    f"(difference {got - expected:+.3e}){other_torch}; if the change is intended, {_REGENERATE}"
                 )
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -265,4 +276,5 @@ class GoldenNumerics(L.Callback):
             "ngpu": str(trainer.world_size),
             "parallelism": dims.describe() if dims is not None else "single device",
             "hardware": hardware_class(trainer.strategy.root_device.type),
+            "torch": torch_version(),
         }

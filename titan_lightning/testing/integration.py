@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from titan_lightning.callbacks.golden import check_header, hardware_class, read_golden
+from titan_lightning.callbacks.golden import check_header, hardware_class, read_golden, torch_version
 from titan_lightning.data.tokenizer import ASSETS_DIR
 from titan_lightning.testing.entries import EXECUTION_MODES, TestEntry, validate_fake_pg_compatibility
 from titan_lightning.testing.launch import launch
@@ -36,15 +36,19 @@ def entry_parallelism(entry: TestEntry) -> str:
 
 
 def check_golden(entry: TestEntry, mode: str, hardware: str, root: Path = GOLDEN_ROOT) -> Optional[Path]:
-    """The entry's golden file for ``mode`` and ``hardware`` if it exists, after checking its header.
+    """The entry's golden file for ``mode`` and ``hardware`` if it can be compared, after checking its header.
 
-    None when the entry has no golden or the file for this hardware class is not there yet.
+    None when the entry has no golden, the file for this hardware class is not there yet,
+    or it was recorded with another torch release (exact numbers hold within one release).
     Raises ValueError when the file describes another world size or layout than the entry.
     """
     path = entry.golden_path(mode, root, hardware)
     if path is None or not path.exists():
         return None
-    check_header(read_golden(path), ngpu=entry.ngpu, parallelism=entry_parallelism(entry), hardware=hardware)
+    golden = read_golden(path)
+    check_header(golden, ngpu=entry.ngpu, parallelism=entry_parallelism(entry), hardware=hardware)
+    if golden.header.get("torch", torch_version()) != torch_version():
+        return None
     return path
 
 
@@ -65,7 +69,8 @@ class EntryResult:
 
     ranks: list[dict]
     golden: Optional[Path] = None
-    # "compared", "exported", "none" (the entry has no golden), or "missing" (none for this hardware yet).
+    # "compared", "exported", "none" (the entry has no golden), "missing" (none for this hardware
+    # yet) or "other_torch" (recorded with another torch release: not comparable).
     golden_status: str = "none"
     logs: list[Path] = field(default_factory=list)
 
@@ -106,7 +111,7 @@ def run_entry(
             result.golden, result.golden_status = path, "compared"
             golden_options = ["--golden", str(path), "--golden-mode", "compare"]
         else:
-            result.golden, result.golden_status = path, "missing"
+            result.golden, result.golden_status = path, "other_torch" if path.exists() else "missing"
         if golden_options:
             golden_options += ["--golden-config", entry.name]
     world_size = 1 if mode == "fake_pg" else entry.ngpu

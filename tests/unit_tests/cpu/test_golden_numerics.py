@@ -57,15 +57,16 @@ def edited(exported, tmp_path, edit):
 def test_export_writes_a_self_describing_file_whose_values_round_trip_exactly(exported):
     path, record = exported
     lines = path.read_text().splitlines()
-    assert lines[:5] == [
+    release = torch.__version__.split("+")[0]
+    assert lines[:6] == [
         "# config: llama3_debugmodel", "# ngpu: 1", "# parallelism: single device", "# hardware: cpu",
-        "# step loss grad_norm",
+        f"# torch: {release}", "# step loss grad_norm",
     ]
     rows = zip(record.steps, record.losses, record.grad_norms)
-    assert lines[5:] == [f"{step} {loss!r} {norm!r}" for step, loss, norm in rows]
+    assert lines[6:] == [f"{step} {loss!r} {norm!r}" for step, loss, norm in rows]
     golden = read_golden(path)
     assert golden.header == {"config": "llama3_debugmodel", "ngpu": "1", "parallelism": "single device",
-                             "hardware": "cpu"}
+                             "hardware": "cpu", "torch": release}
     assert golden.steps == [1, 2, 3]
     assert golden.losses == record.losses
     assert golden.grad_norms == record.grad_norms
@@ -79,6 +80,7 @@ def test_the_header_names_the_module_class_by_default_and_the_strategy_layout():
     trainer = SimpleNamespace(world_size=4, strategy=SimpleNamespace(dims=layout, root_device=cpu))
     assert GoldenNumerics("g.txt", mode="export").header(trainer, module) == {
         "config": "Llama3Module", "ngpu": "4", "parallelism": "FSDP=2, TP=2", "hardware": "cpu",
+        "torch": torch.__version__.split("+")[0],
     }
     no_dims = SimpleNamespace(world_size=1, strategy=SimpleNamespace(root_device=cpu))
     assert GoldenNumerics("g.txt", config_name="x").header(no_dims, module)["parallelism"] == "single device"
@@ -115,6 +117,17 @@ def test_an_edited_step_1_loss_fails_at_step_1_with_both_values(exported, tmp_pa
     with pytest.raises(AssertionError, match=re.escape(f"step 1 loss differs: expected {wrong!r}, got {true_loss!r}")):
         start()
     assert trainer.global_step == 1
+
+
+def test_a_mismatch_names_the_torch_release_the_file_was_recorded_with(exported, tmp_path):
+    def edit(lines):
+        lines = [line.replace("# torch: ", "# torch: 0.0.") for line in lines]
+        return [f"1 {float(line.split()[1]) + 1e-6!r} {line.split()[2]}" if line.startswith("1 ") else line
+                for line in lines]
+
+    start, _, _ = prepare(GoldenNumerics(edited(exported, tmp_path, edit)))
+    with pytest.raises(AssertionError, match=r"\(the file was recorded with torch 0\.0\.[0-9.]+, this is "):
+        start()
 
 
 def test_a_legacy_step_loss_file_compares_losses_only(exported, tmp_path):
