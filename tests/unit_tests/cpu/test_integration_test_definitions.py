@@ -1,6 +1,5 @@
 """Every integration entry is well formed: unique names, valid recipes, ngpu = degrees, goldens present."""
 
-import importlib
 from pathlib import Path
 
 import pytest
@@ -9,9 +8,10 @@ from titan_lightning.config import validate_job
 from titan_lightning.parallel.mesh import ParallelDims
 from titan_lightning.testing.entries import TestEntry, validate_fake_pg_compatibility
 
-SUITES = ("features", "models")
+from tests.integration_tests import HARDWARE_SUITES, SUITES, load_suite
+
 ASSETS = Path(__file__).resolve().parents[2] / "assets" / "losses"
-ENTRIES = [(suite, e) for suite in SUITES for e in importlib.import_module(f"tests.integration_tests.{suite}").ENTRIES]
+ENTRIES = [(suite, e) for suite in SUITES for e in load_suite(suite)]
 
 
 def test_names_are_unique_within_each_suite():
@@ -34,8 +34,16 @@ def test_entry_recipes_are_valid_and_ngpu_is_the_product_of_degrees(suite, entry
         path = entry.golden_path(mode, ASSETS)
         if path is not None and not (mode == "fake_pg" and entry.use_real_pg):
             assert path.exists(), f"golden file {path} named by entry {entry.name} is missing"
+    if suite in HARDWARE_SUITES:
+        assert entry.use_real_pg, f"hardware suite {suite} runs real PG only: mark {entry.name} use_real_pg=True"
     if not entry.use_real_pg:
         validate_fake_pg_compatibility(entry)
+
+
+def test_every_suite_has_entries_and_an_unknown_suite_is_named():
+    assert all(load_suite(suite) for suite in SUITES)
+    with pytest.raises(ValueError, match=r"unknown test suite 'nope'; expected one of features, models, h100, b200"):
+        load_suite("nope")
 
 
 def _entry(**kwargs):
