@@ -2,12 +2,7 @@
 
 import pytest
 
-from tests.integration_tests.suite import SeedRuns, params, run_test
-
-
-@pytest.fixture(scope="module")
-def seeds(tmp_path_factory):
-    return SeedRuns(tmp_path_factory.mktemp("seeds"))
+from tests.integration_tests.suite import params, run_test
 
 
 @pytest.mark.parametrize("entry, mode", params("features"))
