@@ -133,6 +133,7 @@ def launch(
     env: Optional[dict] = None,
     worker_options: Optional[list[str]] = None,
     cwd: Optional[Path] = None,
+    module: str = WORKER,
 ) -> LaunchResult:
     """Run ``titan-lightning *argv`` on ``world_size`` processes; each writes ``out_dir/rank{r}.{json,log}``.
 
@@ -141,6 +142,8 @@ def launch(
     tails of the logs. No process of the launch outlives this call, whatever happens.
     ``worker_options`` go to the worker before ``--`` (golden numerics, seed checkpoint);
     ``cwd`` is the ranks' working directory (another checkout's code, for loss compare).
+    ``module`` is what each rank runs (``python -m module --out DIR [options] -- argv``):
+    the CLI worker, or ``titan_lightning.testing.spawn`` to run a plain function.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
@@ -149,7 +152,7 @@ def launch(
     for rank in range(world_size):
         for suffix in ("json", "error", "log"):
             (out_dir / f"rank{rank}.{suffix}").unlink(missing_ok=True)
-    command = [sys.executable, "-m", WORKER, "--out", str(out_dir), *(worker_options or []), "--", *argv]
+    command = [sys.executable, "-m", module, "--out", str(out_dir), *(worker_options or []), "--", *argv]
     port = free_port()
     envs = [rank_env(rank, world_size, port=port, out_dir=out_dir, env=env) for rank in range(world_size)]
     procs: list[subprocess.Popen] = []
