@@ -12,6 +12,9 @@ _EXPORTS = {
     "FSDP2Strategy": "titan_lightning.strategies",
     "TensorParallelStrategy": "titan_lightning.strategies",
     "FakePGStrategy": "titan_lightning.strategies",
+    "ContextParallelStrategy": "titan_lightning.strategies",
+    "ContextParallelTransform": "titan_lightning.transforms",
+    "apply_transforms": "titan_lightning.transforms",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -6,6 +6,7 @@ Small, deterministic and quick on 2 CPU cores: 10 steps of the Llama 3 debug mod
 from recipes.llama3 import llama3, on_layout
 from titan_lightning.config import LRScheduleConfig, TrainingConfig
 from titan_lightning.recipe import Run
+from titan_lightning.transforms import ContextParallelTransform, apply_transforms
 
 
 def llama3_debugmodel() -> Run:
@@ -91,3 +92,48 @@ def llama3_fsdp2_tp2_bf16() -> Run:
     run = llama3_fsdp2_tp2()
     run.job.training.mixed_precision_param = "bfloat16"
     return run
+
+
+# Context parallel: the debug model's attention swapped for a CP backend (apply_transforms).
+def _cp(attention: str = "allgather", **degrees) -> Run:
+    run = apply_transforms(llama3_debugmodel(), [ContextParallelTransform(attention=attention, cp=degrees.pop("cp"))])
+    return on_layout(run, **degrees)
+
+
+def llama3_cp2() -> Run:
+    """CP2, all-gather K/V, headtail load balancing (FSDP over the CP ranks)."""
+    return _cp(cp=2, dp_shard=1)
+
+
+def llama3_cp2_ring() -> Run:
+    return _cp("ring", cp=2, dp_shard=1)
+
+
+def llama3_cp2_ulysses() -> Run:
+    return _cp("ulysses", cp=2, dp_shard=1)
+
+
+def llama3_cp4() -> Run:
+    return _cp(cp=4, dp_shard=1)
+
+
+def llama3_cp4_ring() -> Run:
+    return _cp("ring", cp=4, dp_shard=1)
+
+
+def llama3_cp4_ulysses() -> Run:
+    return _cp("ulysses", cp=4, dp_shard=1)
+
+
+def llama3_fsdp2_cp2() -> Run:
+    return _cp(cp=2, dp_shard=2)
+
+
+def llama3_hsdp2_cp2() -> Run:
+    """2 replicas, each FSDP over its 2 CP ranks: 4 ranks."""
+    return _cp(cp=2, dp_replicate=2, dp_shard=1)
+
+
+def llama3_fsdp2_tp2_cp2() -> Run:
+    """FSDP2 x TP2 x CP2: 8 ranks."""
+    return _cp(cp=2, dp_shard=2, tp=2)

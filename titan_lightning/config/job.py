@@ -7,6 +7,10 @@ from titan_lightning.config.optimizer import LRScheduleConfig, OptimizerConfig
 from titan_lightning.config.parallelism import ParallelismConfig
 from titan_lightning.config.training import TrainingConfig
 
+# Attention implementations; all but "sdpa" are context parallel (parallel/context.py).
+CP_ATTENTIONS = ("allgather", "ring", "ulysses")
+ATTENTIONS = ("sdpa", *CP_ATTENTIONS)
+
 
 @dataclass(kw_only=True)
 class ModelArgs:
@@ -15,8 +19,14 @@ class ModelArgs:
     vocab_size: int = 2048
     n_heads: int = 16
     n_kv_heads: int = 16
+    # "sdpa": causal attention over the local sequence (no context parallelism); a
+    # context-parallel backend ("allgather", "ring", "ulysses") is set by
+    # ContextParallelTransform and needs parallelism.cp > 1.
+    attention: str = "sdpa"
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"model.attention={self.attention!r} is not one of {', '.join(ATTENTIONS)}")
         for name in ("vocab_size", "n_heads", "n_kv_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -6,7 +6,7 @@ Every message names the fields, their values and what would be valid.
 
 from typing import Optional
 
-from titan_lightning.config.job import JobConfig
+from titan_lightning.config.job import CP_ATTENTIONS, JobConfig
 from titan_lightning.config.parallelism import LOOPED_PP_SCHEDULES, ParallelismConfig
 
 
@@ -70,11 +70,43 @@ def validate_model_parallelism(job: JobConfig) -> None:
     max_seq_len = getattr(m, "max_seq_len", None)
     if max_seq_len is not None and seq_len > max_seq_len:
         raise ConfigError(f"training.seq_len={seq_len} must be <= model.max_seq_len={max_seq_len}")
-    divisor = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sequence_parallel and p.tp > 1 else 1)
-    if seq_len % divisor:
+    validate_context_parallel(job)
+
+
+def validate_context_parallel(job: JobConfig) -> None:
+    """CP degree, the model's attention and the sequence length agree."""
+    p, m, seq_len = job.parallelism, job.model, job.training.seq_len
+    attention = getattr(m, "attention", "sdpa")
+    if p.cp > 1 and attention not in CP_ATTENTIONS:
         raise ConfigError(
-            f"training.seq_len={seq_len} must be divisible by {divisor} "
-            f"(2*cp with cp={p.cp}, times tp={p.tp} with sequence_parallel={p.sequence_parallel})"
+            f"parallelism.cp={p.cp} needs a context-parallel attention, but model.attention={attention!r} "
+            f"cannot do CP; apply ContextParallelTransform(attention=...) with one of {', '.join(CP_ATTENTIONS)}"
+        )
+    if p.cp == 1 and attention in CP_ATTENTIONS:
+        raise ConfigError(
+            f"model.attention={attention!r} is a context-parallel attention but parallelism.cp=1; "
+            f"set parallelism.cp > 1 or model.attention='sdpa'"
+        )
+    if p.cp > 1 and p.cp_load_balancer == "ptrr":
+        raise ConfigError(
+            "parallelism.cp_load_balancer='ptrr' balances block-masked (flex) attention, which these "
+            "attentions do not use; use 'headtail' (causal) or None"
+        )
+    if attention == "ulysses":
+        for name in ("n_heads", "n_kv_heads"):
+            heads = getattr(m, name)
+            if heads % (p.tp * p.cp):
+                raise ConfigError(
+                    f"model.attention='ulysses' shards heads over tp*cp: model.{name}={heads} must be divisible "
+                    f"by parallelism.tp*cp = {p.tp}*{p.cp} = {p.tp * p.cp}; use allgather or ring attention instead"
+                )
+    cp_part = 2 * p.cp if p.cp > 1 and p.cp_load_balancer == "headtail" else p.cp
+    divisor = cp_part * (p.tp if p.sequence_parallel and p.tp > 1 else 1)
+    if seq_len % divisor:
+        balancer = " (2*cp with the headtail load balancer)" if cp_part == 2 * p.cp and p.cp > 1 else ""
+        raise ConfigError(
+            f"training.seq_len={seq_len} must be divisible by {divisor}: {cp_part} for cp={p.cp}{balancer}, "
+            f"times tp={p.tp} with sequence_parallel={p.sequence_parallel}"
         )
 
 

@@ -271,3 +271,31 @@ def _ulysses_attention(q, k, v, cp: ContextParallel) -> torch.Tensor:
         is_causal=True,
     )
     return _to_sequence(out.transpose(1, 2), cp, local)
+
+
+def apply_context_parallel(model: torch.nn.Module, mesh, load_balancer: Optional[str]) -> ContextParallel:
+    """Give every attention module of ``model`` the CP group; refuse models that cannot do CP.
+
+    Attention modules are those with ``backend`` and ``cp`` attributes (models/common/attention.py).
+    All must use one context-parallel backend.
+    """
+    from titan_lightning.config import ConfigError
+
+    modules = [m for m in model.modules() if hasattr(m, "backend") and hasattr(m, "cp")]
+    size = mesh.size()
+    if not modules:
+        raise ConfigError(f"parallelism.cp={size}: {type(model).__name__} has no attention module that can do CP")
+    backends = sorted({m.backend for m in modules})
+    non_cp = [b for b in backends if b not in BACKENDS]
+    if non_cp:
+        raise ConfigError(
+            f"parallelism.cp={size} but the model has attention {non_cp[0]!r}, which cannot do CP; "
+            f"apply ContextParallelTransform(attention=...) with one of {', '.join(BACKENDS)}"
+        )
+    if len(backends) > 1:
+        raise ConfigError(f"one model mixes the context-parallel attentions {backends}; use one backend")
+    context = ContextParallel(group=mesh.get_group(), rank=mesh.get_local_rank(), size=size,
+                              load_balancer=load_balancer)
+    for module in modules:
+        module.cp = context
+    return context

@@ -5,6 +5,7 @@ sharding and the program logic of any world size on one device. Its numbers are 
 deterministic synthetic contract, not real training values.
 """
 
+import math
 from typing import Iterable
 
 import torch
@@ -23,7 +24,8 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
 class deterministic_collectives:
     """While active, collectives under the fake group write "as if every rank held this
     rank's input": a reduce-scatter returns the rank's own chunk (times the group size for
-    a sum), an all-gather returns the rank's input repeated once per rank.
+    a sum), an all-gather returns the rank's input repeated once per rank, an all-to-all
+    returns the rank's own input (cycled to the output's size where the splits differ).
 
     torch's fake group leaves these outputs unwritten, so FSDP parameters, gradients and
     sequence-parallel activations would be whatever memory held (NaN on some versions and
@@ -44,6 +46,7 @@ class deterministic_collectives:
         "reduce_scatter_tensor": "_wrap_funcol_reduce_scatter",
         "all_gather_single": "_wrap_funcol_all_gather",
         "all_gather_tensor": "_wrap_funcol_all_gather",
+        "all_to_all_single": "_wrap_funcol_all_to_all",
     }
 
     def __enter__(self):
@@ -122,6 +125,22 @@ def _wrap_funcol_all_gather(original):
         return torch.cat([self] * size, dim=gather_dim)
 
     return all_gather
+
+
+def _wrap_funcol_all_to_all(original):
+    from torch.distributed import _functional_collectives as funcol
+
+    def all_to_all(self, output_split_sizes, input_split_sizes, group, tag=""):
+        funcol.wait_tensor(original(self, output_split_sizes, input_split_sizes, group, tag))  # keeps its checks
+        rows = self.shape[0] if output_split_sizes is None else sum(output_split_sizes)
+        shape = (rows, *self.shape[1:])
+        flat = self.reshape(-1)
+        need = rows * math.prod(self.shape[1:])
+        if flat.numel() == 0 or need == 0:
+            return self.new_zeros(shape)
+        return flat.repeat(-(-need // flat.numel()))[:need].reshape(shape)
+
+    return all_to_all
 
 
 def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -1,4 +1,4 @@
-"""One parallelism each, for users who want exactly that: FSDP2 (with HSDP/DDP) or TP."""
+"""One parallelism each, for users who want exactly that: FSDP2 (with HSDP/DDP), TP or CP."""
 
 from typing import Any, Optional
 
@@ -40,4 +40,27 @@ class TensorParallelStrategy(TitanStrategy):
     def default_parallelism(self) -> ParallelismConfig:
         options = dict(self._tp_options)
         options["tp"] = options["tp"] or self.num_nodes * max(self.num_processes, 1)
+        return ParallelismConfig(dp_shard=1, **options)
+
+
+class ContextParallelStrategy(TitanStrategy):
+    """Context parallel over ``cp`` ranks (every rank by default): each holds a load-balanced
+    slice of every sequence; parameters are FSDP-sharded over the same ranks, as in torchtitan.
+
+    The module's attention must be context parallel (``model.attention`` one of allgather,
+    ring, ulysses; see ``ContextParallelTransform``).
+    """
+
+    strategy_name = "context_parallel"
+    scope = ("cp",)
+
+    def __init__(self, *, cp: Optional[int] = None, cp_load_balancer: Optional[str] = "headtail", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._cp_options = dict(cp=cp, cp_load_balancer=cp_load_balancer)
+        if cp is not None:
+            self._parallelism = self.default_parallelism()
+
+    def default_parallelism(self) -> ParallelismConfig:
+        options = dict(self._cp_options)
+        options["cp"] = options["cp"] or self.num_nodes * max(self.num_processes, 1)
         return ParallelismConfig(dp_shard=1, **options)

@@ -1,4 +1,4 @@
-"""TitanStrategy: N-D parallelism (FSDP2/HSDP/DDP, TP; CP, PP, EP to come) as one Lightning strategy.
+"""TitanStrategy: N-D parallelism (FSDP2/HSDP/DDP, TP, CP; PP, EP to come) as one Lightning strategy.
 
 The strategy owns the device mesh and applies each parallelism to the module in a fixed
 order: TP, then the CP and EP slots, then activation checkpointing and compile, then
@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_lightning.config import ConfigError, ParallelismConfig
 from titan_lightning.config.validation import validate_degrees
+from titan_lightning.parallel.context import apply_context_parallel
 from titan_lightning.parallel.determinism import set_determinism
 from titan_lightning.parallel.fsdp import apply_ddp, apply_fsdp, find_repeated_blocks
 from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_caches
@@ -34,7 +35,7 @@ from titan_lightning.parallel.tensor import apply_tp
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Degrees this strategy can apply today; the others arrive with their own strategies.
-_NOT_YET = {"cp": "context parallelism", "pp": "pipeline parallelism", "ep": "expert parallelism"}
+_NOT_YET = {"pp": "pipeline parallelism", "ep": "expert parallelism"}
 
 
 class TitanStrategy(ModelParallelStrategy):
@@ -191,8 +192,11 @@ class TitanStrategy(ModelParallelStrategy):
                 )
             apply_tp(module, self.mesh.get("tp"), plan, sequence_parallel=config.sequence_parallel,
                      loss_parallel=config.loss_parallel)
-        param_dtype, reduce_dtype = self._precision_dtypes()
         target = inner if inner is not None else module
+        self._cp = None
+        if dims.cp > 1:
+            self._cp = apply_context_parallel(target, self.mesh.get("cp"), config.cp_load_balancer)
+        param_dtype, reduce_dtype = self._precision_dtypes()
         if dims.fsdp_enabled:
             blocks = None if inner is not None else find_repeated_blocks(module)
             apply_fsdp(target, self._fsdp_mesh(), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
@@ -209,8 +213,9 @@ class TitanStrategy(ModelParallelStrategy):
         apply_ddp(module, self.mesh.get("dp_replicate"))
 
     def _fsdp_mesh(self):
-        if self.dims.dp_replicate_enabled:  # HSDP: replicate across, shard within
-            return self.mesh.device_mesh["dp_replicate", "dp_shard"]
+        if self.dims.dp_replicate_enabled:  # HSDP: replicate across, shard within (dp_shard x cp)
+            shard = [d for d in ("dp_shard", "cp") if self.dims.degree(d) > 1]
+            return self.mesh.device_mesh["dp_replicate", "dp_shard_cp" if len(shard) == 2 else shard[0]]
         return self.mesh.get("dp_shard_cp")
 
     @property
@@ -220,17 +225,29 @@ class TitanStrategy(ModelParallelStrategy):
     def _loss_parallel(self):
         return loss_parallel() if self.loss_parallel_enabled else nullcontext()
 
+    def _shard_sequence(self, args: tuple) -> tuple:
+        """Under CP, each rank keeps its slice of every [B, S, ...] tensor of the batch (dim 1)."""
+        cp = getattr(self, "_cp", None)
+        if cp is None or not args:
+            return args
+        batch = args[0]
+        if isinstance(batch, dict):
+            batch = {k: cp.shard(v) if isinstance(v, Tensor) and v.dim() >= 2 else v for k, v in batch.items()}
+        elif isinstance(batch, Tensor) and batch.dim() >= 2:
+            batch = cp.shard(batch)
+        return (batch, *args[1:])
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._loss_parallel():
-            return super().training_step(*args, **kwargs)
+            return super().training_step(*self._shard_sequence(args), **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._loss_parallel():
-            return super().validation_step(*args, **kwargs)
+            return super().validation_step(*self._shard_sequence(args), **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._loss_parallel():
-            return super().test_step(*args, **kwargs)
+            return super().test_step(*self._shard_sequence(args), **kwargs)
 
     def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
         # Loss parallel needs its context around backward too, not only the loss.

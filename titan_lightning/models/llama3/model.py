@@ -76,7 +76,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: Llama3Args):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads)
+        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads, args.attention)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
