@@ -88,7 +88,7 @@ def _job(**parallelism) -> JobConfig:
             r"parallelism.pp_microbatches=1 must be >= parallelism.pp=2 for the looped schedule Interleaved1F1B",
         ),
         (dict(tp=32), 32, r"model.n_heads=16 must be divisible by parallelism.tp=32"),
-        (dict(cp=3, dp_shard=1), 3, r"training.seq_len=64 must be divisible by 6 \(2\*cp with cp=3"),
+        (dict(cp=3, dp_shard=1), 3, r"parallelism.cp=3 needs a context-parallel attention, but model.attention='sdpa'"),
     ],
 )
 def test_cross_section_rule_names_fields_and_values(parallelism, world_size, message):
@@ -103,7 +103,9 @@ def test_dp_shard_minus_one_takes_the_rest():
 
 
 def test_ep_borrows_ranks_from_dp_shard_cp_tp():
-    validate_job(_job(dp_shard=2, cp=2, tp=2, ep=8), world_size=8)
+    job = _job(dp_shard=2, cp=2, tp=2, ep=8)
+    job.model.attention = "allgather"
+    validate_job(job, world_size=8)
 
 
 def test_tokens_per_step_derives_accumulation_and_must_fit_dp_degree():

@@ -48,3 +48,76 @@ def test_attention_matches_full_causal_attention_in_fp64(backend, balancer, cp, 
     for rank, errors in enumerate(results):
         for name in ("out", "dq", "dk", "dv"):
             assert errors[name] < 1e-10, f"rank {rank}: {name} differs by {errors[name]:.2e}"
+
+
+# -- configuration: transforms and validation ----------------------------------------------
+
+from recipes.tests import features  # noqa: E402
+from titan_lightning.config import ConfigError, validate_job  # noqa: E402
+from titan_lightning.transforms import ContextParallelTransform, apply_transforms  # noqa: E402
+
+
+def _cp_run(attention="allgather", **degrees):
+    run = features.llama3_debugmodel()
+    run.job.model.attention = attention
+    for name, value in degrees.items():
+        setattr(run.job.parallelism, name, value)
+    return run
+
+
+@pytest.mark.parametrize("attention, degrees, message", [
+    ("sdpa", dict(cp=2, dp_shard=1),
+     r"parallelism.cp=2 needs a context-parallel attention, but model.attention='sdpa' cannot do CP"),
+    ("ring", dict(cp=1), r"model.attention='ring' is a context-parallel attention but parallelism.cp=1"),
+    ("allgather", dict(cp=2, dp_shard=1, cp_load_balancer="ptrr"), r"cp_load_balancer='ptrr' balances block-masked"),
+    ("ulysses", dict(cp=4, tp=8, dp_shard=1),
+     r"model.attention='ulysses' shards heads over tp\*cp: model.n_heads=16 must be divisible by parallelism.tp\*cp = 8\*4 = 32"),
+])
+def test_validation_refuses_cp_attention_mismatches_by_name(attention, degrees, message):
+    run = _cp_run(attention, **degrees)
+    p = run.job.parallelism
+    with pytest.raises(ConfigError, match=message):
+        validate_job(run.job, world_size=p.fixed_degrees * max(p.dp_shard, 1))
+
+
+def test_sequence_length_must_split_into_2cp_chunks_times_tp_with_sp():
+    run = _cp_run(cp=4, dp_shard=1)
+    run.job.training.seq_len = 132  # divisible by 4, not by 2*cp = 8
+    run.job.training.tokens_per_microbatch_per_dp_rank = 528
+    with pytest.raises(ConfigError, match=r"training.seq_len=132 must be divisible by 8: 8 for cp=4 \(2\*cp with the headtail"):
+        validate_job(run.job, world_size=4)
+    run.job.parallelism.cp_load_balancer = None
+    validate_job(run.job, world_size=4)  # contiguous slices need only cp
+    run = _cp_run(cp=2, tp=2, dp_shard=1)
+    run.job.training.seq_len = 132  # 4 | 132 (2*cp) and 2 | 132 (tp), but 8 does not
+    run.job.training.tokens_per_microbatch_per_dp_rank = 528
+    with pytest.raises(ConfigError, match=r"must be divisible by 8: 4 for cp=2 .* times tp=2 with sequence_parallel=True"):
+        validate_job(run.job, world_size=4)
+
+
+def test_apply_transforms_copies_validates_and_leaves_the_original_untouched_on_failure():
+    base = features.llama3_debugmodel()
+    ring = apply_transforms(base, [ContextParallelTransform(attention="ring", cp=2)])
+    assert (ring.job.model.attention, ring.job.parallelism.cp) == ("ring", 2)
+    assert (base.job.model.attention, base.job.parallelism.cp) == ("sdpa", 1)
+    assert ring.module is not base.module and ring.datamodule.job is ring.job  # one job per run, shared
+    with pytest.raises(ConfigError, match=r"model.n_heads=16 must be divisible by parallelism.tp\*cp = 1\*32"):
+        apply_transforms(base, [ContextParallelTransform(attention="ulysses", cp=32)])
+    assert (base.job.model.attention, base.job.parallelism.cp) == ("sdpa", 1)
+    with pytest.raises(ValueError, match=r"ContextParallelTransform\(attention='flash'\): expected one of allgather"):
+        ContextParallelTransform(attention="flash")
+
+
+def test_a_model_mixing_cp_backends_is_refused_when_parallelized():
+    from titan_lightning.parallel.context import apply_context_parallel
+    from titan_lightning.models.common.attention import Attention
+
+    class FakeMesh:
+        def size(self):
+            return 2
+
+    model = torch.nn.ModuleList([Attention(8, 2, 2, "ring"), Attention(8, 2, 2, "ulysses")])
+    with pytest.raises(ConfigError, match=r"one model mixes the context-parallel attentions \['ring', 'ulysses'\]"):
+        apply_context_parallel(model, FakeMesh(), "headtail")
+    with pytest.raises(ConfigError, match=r"has attention 'sdpa', which cannot do CP"):
+        apply_context_parallel(torch.nn.ModuleList([Attention(8, 2, 2)]), FakeMesh(), "headtail")
