@@ -4,6 +4,7 @@ from titan_lightning.config import LRScheduleConfig, OptimizerConfig, TrainingCo
 from titan_lightning.data.datamodule import TextDataModule
 from titan_lightning.models.llama3 import Llama3Job, Llama3Module, llama3_args
 from titan_lightning.recipe import Run
+from titan_lightning.transforms import ContextParallelTransform, apply_transforms
 
 
 def llama3(flavor: str, **job_sections) -> Run:
@@ -91,3 +92,53 @@ def tp2() -> Run:
 
 def fsdp2_tp2() -> Run:
     return _debug_layout(dp_shard=2, tp=2)
+
+
+# Context parallel: the debug model with a CP attention (allgather unless named).
+def _debug_cp(attention: str = "allgather", **degrees) -> Run:
+    run = apply_transforms(debugmodel(), [ContextParallelTransform(attention=attention, cp=degrees.pop("cp"))])
+    return on_layout(run, **degrees)
+
+
+def cp2() -> Run:
+    return _debug_cp(cp=2, dp_shard=1)
+
+
+def cp4() -> Run:
+    return _debug_cp(cp=4, dp_shard=1)
+
+
+def cp2_ring() -> Run:
+    return _debug_cp("ring", cp=2, dp_shard=1)
+
+
+def cp2_ulysses() -> Run:
+    return _debug_cp("ulysses", cp=2, dp_shard=1)
+
+
+def fsdp2_cp2() -> Run:
+    return _debug_cp(cp=2, dp_shard=2)
+
+
+def hsdp2_cp2() -> Run:
+    return _debug_cp(cp=2, dp_replicate=2, dp_shard=1)
+
+
+def fsdp2_tp2_cp2() -> Run:
+    return _debug_cp(cp=2, dp_shard=2, tp=2)
+
+
+def llama3_8b_fsdp8_cp8() -> Run:
+    """Llama 3 8B at 131,072-token sequences on 64 GPUs: FSDP8 x CP8, one sequence per FSDP rank.
+
+    Each CP rank holds 16,384 tokens of every sequence (headtail), all-gather K/V attention.
+    Dry run in one process: ``--trainer.strategy FakePGStrategy --trainer.strategy.world_size 64``.
+    """
+    run = llama3_8b()
+    run.job.training.seq_len = run.job.training.tokens_per_microbatch_per_dp_rank = 131072
+    run = apply_transforms(run, [ContextParallelTransform(attention="allgather", cp=8)], world_size=64)
+    run.job.parallelism.dp_shard = 8
+    # The shipped corpus (128k tokens) is shorter than one sequence: repeat it; no val split.
+    run.job.data.repeat_to_fit = True
+    run.trainer.update(limit_val_batches=0, num_sanity_val_steps=0)
+    return run

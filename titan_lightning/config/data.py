@@ -13,6 +13,9 @@ class DataConfig:
     # Share of the corpus (its tail) held out for validation.
     val_fraction: float = 0.05
     num_workers: int = 0
+    # Repeat the training tokens until one window of seq_len + 1 fits: long-context dry
+    # runs and benchmarks on a corpus shorter than one sequence (the shipped one is 128k tokens).
+    repeat_to_fit: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:

@@ -4,6 +4,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
+import numpy as np
 from torch.utils.data import DataLoader
 
 from titan_lightning.config import JobConfig
@@ -59,6 +60,9 @@ class TextDataModule(L.LightningDataModule):
             raise ValueError(f"data.dataset_path={str(path)!r}: {error}") from error
         splits = {"train": train_docs, "val": val_docs}
         streams = {name: tokenize_documents(docs, self.tokenizer) for name, docs in splits.items()}
+        if data.repeat_to_fit and 0 < len(streams["train"]) < seq_len + 1:
+            train = streams["train"]
+            streams["train"] = np.tile(train, -(-(seq_len + 1) // len(train)))
         for name, tokens in streams.items():
             if len(tokens) < seq_len + 1:
                 self._short_split = (

@@ -121,3 +121,17 @@ def test_a_model_mixing_cp_backends_is_refused_when_parallelized():
         apply_context_parallel(model, FakeMesh(), "headtail")
     with pytest.raises(ConfigError, match=r"has attention 'sdpa', which cannot do CP"):
         apply_context_parallel(torch.nn.ModuleList([Attention(8, 2, 2)]), FakeMesh(), "headtail")
+
+
+def test_the_long_context_recipe_validates_at_world_size_64_and_its_data_fits_one_sequence():
+    from recipes.llama3 import llama3_8b_fsdp8_cp8
+
+    run = llama3_8b_fsdp8_cp8()
+    validate_job(run.job, world_size=64, max_steps=run.trainer["max_steps"])
+    p = run.job.parallelism
+    assert (p.dp_shard, p.cp, run.job.training.seq_len, run.job.model.attention) == (8, 8, 131072, "allgather")
+    from types import SimpleNamespace
+
+    run.datamodule.trainer = SimpleNamespace(limit_val_batches=run.trainer["limit_val_batches"])
+    run.datamodule.setup("fit")  # the train split is repeated to one 131,073-token window; no val split
+    assert len(run.datamodule._train) >= 1
