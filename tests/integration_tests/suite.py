@@ -96,8 +96,8 @@ def run_test(entry: TestEntry, mode: str, out_dir: Path, seeds: SeedRuns) -> Ent
         pytest.skip(f"{entry.name} needs {entry.ngpu} GPUs, {_gpu_count()} visible")  # only without -m "not multi_gpu"
     result = run_entry(entry, mode, out_dir, accelerator=accelerator(), in_process=mode == "fake_pg",
                        env=gpu_env(entry.ngpu))
-    if result.golden_status in ("missing", "other_torch"):
-        why = "recorded with another torch release" if result.golden_status == "other_torch" else "missing"
+    if result.golden_status in ("missing", "not_comparable"):
+        why = "recorded on another torch or CPU" if result.golden_status == "not_comparable" else "missing"
         message = (f"{entry.name}: the {mode} golden {result.golden} is {why}, not compared; export it with "
                    f"python -m tests.integration_tests.run_tests OUT --test_name {entry.name} "
                    f"--execution_mode {mode} --export-numerics")

@@ -8,6 +8,7 @@ written with ``repr`` so reading one back gives the same float and runs compare 
     # parallelism: single device
     # hardware: cpu
     # torch: 2.13.0
+    # cpu: AuthenticAMD
     # step loss grad_norm
     1 7.62591552734375 3.9124813079833984
 
@@ -40,6 +41,32 @@ def hardware_class(device_type: str) -> str:
         raise RuntimeError(f"device type {device_type!r} but no GPU is visible")
     name = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(0).lower()).strip("_")
     return re.sub(r"^(nvidia|amd)_", "", name)
+
+
+def cpu_vendor() -> str:
+    """The CPU vendor (``GenuineIntel``, ``AuthenticAMD``; else the machine type): CPU goldens hold
+    within one vendor (same kernel paths, pinned by the test launcher), not necessarily across."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine() or "unknown"
+
+
+def comparable(golden: "Golden", hardware: str) -> Optional[str]:
+    """None when ``golden`` can be compared exactly here, else why not (another torch release or CPU vendor)."""
+    recorded = golden.header.get("torch")
+    if recorded is not None and recorded != torch_version():
+        return f"recorded with torch {recorded}, this is torch {torch_version()}"
+    vendor = golden.header.get("cpu")
+    if hardware == "cpu" and vendor is not None and vendor != cpu_vendor():
+        return f"recorded on a {vendor} CPU, this is {cpu_vendor()}"
+    return None
 
 
 def torch_version() -> str:
@@ -247,9 +274,8 @@ class GoldenNumerics(L.Callback):
         quantities = [("loss", golden.losses[index], loss)]
         if golden.grad_norms is not None:
             quantities.append(("grad_norm", golden.grad_norms[index], norm))
-        recorded = golden.header.get("torch")
-        other_torch = f" (the file was recorded with torch {recorded}, this is {torch_version()})" if (
-            recorded and recorded != torch_version()) else ""
+        why = comparable(golden, golden.header.get("hardware", "cpu"))
+        other_torch = f" (the file was {why})" if why else ""
         for name, expected, got in quantities:
             if got != expected:
                 raise AssertionError(
@@ -271,10 +297,14 @@ class GoldenNumerics(L.Callback):
 
     def header(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, str]:
         dims = getattr(trainer.strategy, "dims", None)
-        return {
+        hardware = hardware_class(trainer.strategy.root_device.type)
+        header = {
             "config": self.config_name or type(pl_module).__name__,
             "ngpu": str(trainer.world_size),
             "parallelism": dims.describe() if dims is not None else "single device",
-            "hardware": hardware_class(trainer.strategy.root_device.type),
+            "hardware": hardware,
             "torch": torch_version(),
         }
+        if hardware == "cpu":
+            header["cpu"] = cpu_vendor()
+        return header

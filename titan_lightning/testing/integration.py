@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from titan_lightning.callbacks.golden import check_header, hardware_class, read_golden, torch_version
+from titan_lightning.callbacks.golden import check_header, comparable, hardware_class, read_golden
 from titan_lightning.data.tokenizer import ASSETS_DIR
 from titan_lightning.testing.entries import EXECUTION_MODES, TestEntry, validate_fake_pg_compatibility
 from titan_lightning.testing.launch import launch
@@ -39,7 +39,7 @@ def check_golden(entry: TestEntry, mode: str, hardware: str, root: Path = GOLDEN
     """The entry's golden file for ``mode`` and ``hardware`` if it can be compared, after checking its header.
 
     None when the entry has no golden, the file for this hardware class is not there yet,
-    or it was recorded with another torch release (exact numbers hold within one release).
+    or it was recorded with another torch release or (CPU) CPU vendor: exact numbers hold within one.
     Raises ValueError when the file describes another world size or layout than the entry.
     """
     path = entry.golden_path(mode, root, hardware)
@@ -47,7 +47,7 @@ def check_golden(entry: TestEntry, mode: str, hardware: str, root: Path = GOLDEN
         return None
     golden = read_golden(path)
     check_header(golden, ngpu=entry.ngpu, parallelism=entry_parallelism(entry), hardware=hardware)
-    if golden.header.get("torch", torch_version()) != torch_version():
+    if comparable(golden, hardware) is not None:
         return None
     return path
 
@@ -70,7 +70,7 @@ class EntryResult:
     ranks: list[dict]
     golden: Optional[Path] = None
     # "compared", "exported", "none" (the entry has no golden), "missing" (none for this hardware
-    # yet) or "other_torch" (recorded with another torch release: not comparable).
+    # yet) or "not_comparable" (recorded with another torch release or CPU vendor).
     golden_status: str = "none"
     logs: list[Path] = field(default_factory=list)
 
@@ -111,7 +111,7 @@ def run_entry(
             result.golden, result.golden_status = path, "compared"
             golden_options = ["--golden", str(path), "--golden-mode", "compare"]
         else:
-            result.golden, result.golden_status = path, "other_torch" if path.exists() else "missing"
+            result.golden, result.golden_status = path, "not_comparable" if path.exists() else "missing"
         if golden_options:
             golden_options += ["--golden-config", entry.name]
     world_size = 1 if mode == "fake_pg" else entry.ngpu

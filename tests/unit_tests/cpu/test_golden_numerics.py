@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from recipes.tests import features
-from titan_lightning.callbacks.golden import GoldenNumerics, check_header, read_golden, write_golden
+from titan_lightning.callbacks.golden import GoldenNumerics, check_header, cpu_vendor, read_golden, write_golden
 from titan_lightning.parallel.mesh import ParallelDims
 from titan_lightning.recipe import RUN_DIR_ENV, build_trainer
 from titan_lightning.testing.record import RecordSteps
@@ -58,15 +58,16 @@ def test_export_writes_a_self_describing_file_whose_values_round_trip_exactly(ex
     path, record = exported
     lines = path.read_text().splitlines()
     release = torch.__version__.split("+")[0]
-    assert lines[:6] == [
+    vendor = cpu_vendor()
+    assert lines[:7] == [
         "# config: llama3_debugmodel", "# ngpu: 1", "# parallelism: single device", "# hardware: cpu",
-        f"# torch: {release}", "# step loss grad_norm",
+        f"# torch: {release}", f"# cpu: {vendor}", "# step loss grad_norm",
     ]
     rows = zip(record.steps, record.losses, record.grad_norms)
-    assert lines[6:] == [f"{step} {loss!r} {norm!r}" for step, loss, norm in rows]
+    assert lines[7:] == [f"{step} {loss!r} {norm!r}" for step, loss, norm in rows]
     golden = read_golden(path)
     assert golden.header == {"config": "llama3_debugmodel", "ngpu": "1", "parallelism": "single device",
-                             "hardware": "cpu", "torch": release}
+                             "hardware": "cpu", "torch": release, "cpu": vendor}
     assert golden.steps == [1, 2, 3]
     assert golden.losses == record.losses
     assert golden.grad_norms == record.grad_norms
@@ -80,7 +81,7 @@ def test_the_header_names_the_module_class_by_default_and_the_strategy_layout():
     trainer = SimpleNamespace(world_size=4, strategy=SimpleNamespace(dims=layout, root_device=cpu))
     assert GoldenNumerics("g.txt", mode="export").header(trainer, module) == {
         "config": "Llama3Module", "ngpu": "4", "parallelism": "FSDP=2, TP=2", "hardware": "cpu",
-        "torch": torch.__version__.split("+")[0],
+        "torch": torch.__version__.split("+")[0], "cpu": cpu_vendor(),
     }
     no_dims = SimpleNamespace(world_size=1, strategy=SimpleNamespace(root_device=cpu))
     assert GoldenNumerics("g.txt", config_name="x").header(no_dims, module)["parallelism"] == "single device"
@@ -128,6 +129,18 @@ def test_a_mismatch_names_the_torch_release_the_file_was_recorded_with(exported,
     start, _, _ = prepare(GoldenNumerics(edited(exported, tmp_path, edit)))
     with pytest.raises(AssertionError, match=r"\(the file was recorded with torch 0\.0\.[0-9.]+, this is "):
         start()
+
+
+def test_a_golden_from_another_cpu_vendor_or_torch_is_not_comparable():
+    from titan_lightning.callbacks.golden import Golden, comparable, torch_version
+
+    here = {"torch": torch_version(), "cpu": cpu_vendor()}
+    assert comparable(Golden(path=None, header=here), "cpu") is None
+    other_cpu = {**here, "cpu": "SomeOtherVendor"}
+    assert comparable(Golden(path=None, header=other_cpu), "cpu") == f"recorded on a SomeOtherVendor CPU, this is {cpu_vendor()}"
+    assert comparable(Golden(path=None, header=other_cpu), "h200") is None  # the CPU vendor matters on CPU only
+    old = {**here, "torch": "2.0.0"}
+    assert comparable(Golden(path=None, header=old), "h200").startswith("recorded with torch 2.0.0")
 
 
 def test_a_legacy_step_loss_file_compares_losses_only(exported, tmp_path):
