@@ -94,10 +94,14 @@ def fsdp2_tp2() -> Run:
     return _debug_layout(dp_shard=2, tp=2)
 
 
+def with_cp(run: Run, attention: str = "allgather", *, cp: int, **degrees) -> Run:
+    """``run`` with a context-parallel attention over ``cp`` ranks, then ``on_layout(**degrees)``."""
+    return on_layout(apply_transforms(run, [ContextParallelTransform(attention=attention, cp=cp)]), **degrees)
+
+
 # Context parallel: the debug model with a CP attention (allgather unless named).
 def _debug_cp(attention: str = "allgather", **degrees) -> Run:
-    run = apply_transforms(debugmodel(), [ContextParallelTransform(attention=attention, cp=degrees.pop("cp"))])
-    return on_layout(run, **degrees)
+    return with_cp(debugmodel(), attention, **degrees)
 
 
 def cp2() -> Run:

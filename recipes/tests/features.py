@@ -3,10 +3,9 @@
 Small, deterministic and quick on 2 CPU cores: 10 steps of the Llama 3 debug model.
 """
 
-from recipes.llama3 import llama3, on_layout
+from recipes.llama3 import llama3, on_layout, with_cp
 from titan_lightning.config import LRScheduleConfig, TrainingConfig
 from titan_lightning.recipe import Run
-from titan_lightning.transforms import ContextParallelTransform, apply_transforms
 
 
 def llama3_debugmodel() -> Run:
@@ -96,8 +95,7 @@ def llama3_fsdp2_tp2_bf16() -> Run:
 
 # Context parallel: the debug model's attention swapped for a CP backend (apply_transforms).
 def _cp(attention: str = "allgather", **degrees) -> Run:
-    run = apply_transforms(llama3_debugmodel(), [ContextParallelTransform(attention=attention, cp=degrees.pop("cp"))])
-    return on_layout(run, **degrees)
+    return with_cp(llama3_debugmodel(), attention, **degrees)
 
 
 def llama3_cp2() -> Run:

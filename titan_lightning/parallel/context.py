@@ -20,7 +20,7 @@ deterministic values (parallel/fake.py patches the entry points used here).
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -71,16 +71,29 @@ class ContextParallel:
     rank: int
     size: int
     load_balancer: Optional[str] = "headtail"
+    # Index tensors per (what, local_len, device, rank): every attention layer of every step
+    # asks for the same ones.
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def _cached(self, key: tuple, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
 
     def positions(self, local_len: int, device: torch.device, rank: Optional[int] = None) -> torch.Tensor:
         """Global positions of the ``local_len`` tokens of ``rank`` (default: this rank)."""
         rank = self.rank if rank is None else rank
-        return shard_positions(local_len * self.size, self.size, rank, self.load_balancer, device)
+        return self._cached(("positions", local_len, device, rank), lambda: shard_positions(
+            local_len * self.size, self.size, rank, self.load_balancer, device))
 
     def gathered_order(self, local_len: int, device: torch.device) -> torch.Tensor:
         """The permutation that sorts the ranks' slices, concatenated in rank order, by position."""
-        every = torch.cat([self.positions(local_len, device, r) for r in range(self.size)])
-        return torch.argsort(every)
+        return self._cached(("order", local_len, device), lambda: torch.argsort(
+            torch.cat([self.positions(local_len, device, r) for r in range(self.size)])))
+
+    def runs(self, local_len: int, device: torch.device) -> list[tuple[int, int, int]]:
+        """This rank's contiguous runs of positions (computed once: it reads the positions on the host)."""
+        return self._cached(("runs", local_len, device), lambda: _runs(self.positions(local_len, device)))
 
     def shard(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's slice of a full-sequence tensor (tokens, labels) along ``dim``."""
@@ -201,7 +214,7 @@ def _allgather_attention(q, k, v, cp: ContextParallel) -> torch.Tensor:
     v_all = _repeat_kv(_AllGather.apply(v, 1, cp.group)[:, order], n_rep).transpose(1, 2)
     q = q.transpose(1, 2)
     outs = []
-    for start, end, global_end in _runs(cp.positions(local, q.device)):
+    for start, end, global_end in cp.runs(local, q.device):
         # Queries at positions [global_end - (end - start), global_end) see keys [0, global_end).
         mask = causal_lower_right(end - start, global_end)
         outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k_all[:, :, :global_end],

@@ -23,27 +23,37 @@ class FSDP2Strategy(TitanStrategy):
         super().__init__(parallelism=ParallelismConfig(**degrees) if degrees else None, **kwargs)
 
 
-class TensorParallelStrategy(TitanStrategy):
+class _OneDegreeStrategy(TitanStrategy):
+    """A strategy of one degree (``_degree``) that takes every rank unless given; dp_shard=1."""
+
+    _degree: str
+
+    def __init__(self, options: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._options = options
+        if options[self._degree] is not None:
+            self._parallelism = self.default_parallelism()
+
+    def default_parallelism(self) -> ParallelismConfig:
+        options = dict(self._options)
+        options[self._degree] = options[self._degree] or self.num_nodes * max(self.num_processes, 1)
+        return ParallelismConfig(dp_shard=1, **options)
+
+
+class TensorParallelStrategy(_OneDegreeStrategy):
     """Tensor parallel (with sequence and loss parallel) over ``tp`` ranks, every rank by default."""
 
     strategy_name = "tensor_parallel"
     scope = ("tp",)
+    _degree = "tp"
 
     def __init__(
         self, *, tp: Optional[int] = None, sequence_parallel: bool = True, loss_parallel: bool = True, **kwargs: Any
     ) -> None:
-        super().__init__(**kwargs)
-        self._tp_options = dict(tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-        if tp is not None:
-            self._parallelism = self.default_parallelism()
-
-    def default_parallelism(self) -> ParallelismConfig:
-        options = dict(self._tp_options)
-        options["tp"] = options["tp"] or self.num_nodes * max(self.num_processes, 1)
-        return ParallelismConfig(dp_shard=1, **options)
+        super().__init__(dict(tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel), **kwargs)
 
 
-class ContextParallelStrategy(TitanStrategy):
+class ContextParallelStrategy(_OneDegreeStrategy):
     """Context parallel over ``cp`` ranks (every rank by default): each holds a load-balanced
     slice of every sequence; parameters are FSDP-sharded over the same ranks, as in torchtitan.
 
@@ -53,14 +63,7 @@ class ContextParallelStrategy(TitanStrategy):
 
     strategy_name = "context_parallel"
     scope = ("cp",)
+    _degree = "cp"
 
     def __init__(self, *, cp: Optional[int] = None, cp_load_balancer: Optional[str] = "headtail", **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._cp_options = dict(cp=cp, cp_load_balancer=cp_load_balancer)
-        if cp is not None:
-            self._parallelism = self.default_parallelism()
-
-    def default_parallelism(self) -> ParallelismConfig:
-        options = dict(self._cp_options)
-        options["cp"] = options["cp"] or self.num_nodes * max(self.num_processes, 1)
-        return ParallelismConfig(dp_shard=1, **options)
+        super().__init__(dict(cp=cp, cp_load_balancer=cp_load_balancer), **kwargs)
