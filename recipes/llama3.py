@@ -142,6 +142,8 @@ def llama3_8b_fsdp8_cp8() -> Run:
     run.job.training.seq_len = run.job.training.tokens_per_microbatch_per_dp_rank = 131072
     run = apply_transforms(run, [ContextParallelTransform(attention="allgather", cp=8)], world_size=64)
     run.job.parallelism.dp_shard = 8
+    # 16,384 tokens x 32 blocks of activations do not fit one GPU without recomputation.
+    run.job.activation_checkpoint.mode = "full"
     # The shipped corpus (128k tokens) is shorter than one sequence: repeat it; no val split.
     run.job.data.repeat_to_fit = True
     run.trainer.update(limit_val_batches=0, num_sanity_val_steps=0)

@@ -93,6 +93,21 @@ def llama3_fsdp2_tp2_bf16() -> Run:
     return run
 
 
+def llama3_fsdp2_ac_full() -> Run:
+    """Full activation checkpointing under FSDP2: every block's forward runs again in the backward."""
+    run = llama3_fsdp2()
+    run.job.activation_checkpoint.mode = "full"
+    return run
+
+
+def llama3_fsdp2_tp2_ac_op() -> Run:
+    """Per-op selective activation checkpointing with DTensor (TP) ops inside each block."""
+    run = llama3_fsdp2_tp2()
+    run.job.activation_checkpoint.mode = "selective"
+    run.job.activation_checkpoint.selective_ac_option = "op"
+    return run
+
+
 # Context parallel: the debug model's attention swapped for a CP backend (apply_transforms).
 def _cp(attention: str = "allgather", **degrees) -> Run:
     return with_cp(llama3_debugmodel(), attention, **degrees)

@@ -38,6 +38,8 @@ ENTRIES = [
     # bf16 compute vs the fp32 seed: measured 2.5e-4 (loss) / 2.2e-3 (grad norm) apart.
     _entry("llama3_fsdp2_tp2_bf16", "FSDP2 x TP2, bf16 parameters in compute, fp32 reduce", 4,
            loss_rtol=1e-2, grad_norm_rtol=5e-2),
+    _entry("llama3_fsdp2_ac_full", "FSDP2 with full activation checkpointing", 2),
+    _entry("llama3_fsdp2_tp2_ac_op", "FSDP2 x TP2 with per-op selective activation checkpointing", 4),
     _entry("llama3_cp2", "CP2, all-gather K/V, headtail", 2, golden=True),
     _entry("llama3_cp2_ring", "CP2, ring attention", 2),
     _entry("llama3_cp2_ulysses", "CP2, Ulysses all-to-all", 2),

@@ -1,3 +1,4 @@
+from titan_lightning.config.activation_checkpoint import ActivationCheckpointConfig
 from titan_lightning.config.data import DataConfig
 from titan_lightning.config.job import JobConfig, ModelArgs
 from titan_lightning.config.optimizer import LRScheduleConfig, OptimizerConfig
@@ -6,6 +7,7 @@ from titan_lightning.config.training import TrainingConfig
 from titan_lightning.config.validation import ConfigError, validate_job
 
 __all__ = [
+    "ActivationCheckpointConfig",
     "ConfigError",
     "DataConfig",
     "JobConfig",

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 
+from titan_lightning.config.activation_checkpoint import ActivationCheckpointConfig
 from titan_lightning.config.data import DataConfig
 from titan_lightning.config.optimizer import LRScheduleConfig, OptimizerConfig
 from titan_lightning.config.parallelism import ParallelismConfig
@@ -47,3 +48,4 @@ class JobConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)

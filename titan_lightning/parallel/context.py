@@ -225,17 +225,21 @@ def _allgather_attention(q, k, v, cp: ContextParallel) -> torch.Tensor:
 def _ring_attention(q, k, v, cp: ContextParallel) -> torch.Tensor:
     local, n_rep = q.shape[1], q.shape[2] // k.shape[2]
     q_pos = cp.positions(local, q.device)
-    qt = q.transpose(1, 2)  # [B, H, S, D]
+    # Scores, softmax statistics and the running output in fp32 at least (as flash kernels
+    # do): bf16 log-sum-exp merging would lose the low bits of every block.
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qt = q.transpose(1, 2).to(acc)  # [B, H, S, D]
     scale = 1.0 / math.sqrt(q.shape[-1])
     # A large finite negative, not -inf: fully masked rows then carry weight exp(-huge) == 0
     # and finite gradients.
-    masked = torch.finfo(q.dtype).min / 2
+    masked = torch.finfo(acc).min / 2
     out = lse = None
     block_k, block_v = k, v
     for step in range(cp.size):
         source = (cp.rank - step) % cp.size
         k_pos = cp.positions(local, q.device, source)
-        kt, vt = _repeat_kv(block_k, n_rep).transpose(1, 2), _repeat_kv(block_v, n_rep).transpose(1, 2)
+        kt = _repeat_kv(block_k, n_rep).transpose(1, 2).to(acc)
+        vt = _repeat_kv(block_v, n_rep).transpose(1, 2).to(acc)
         scores = (qt @ kt.transpose(-2, -1)) * scale
         scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], masked)
         block_lse = torch.logsumexp(scores, dim=-1, keepdim=True)

@@ -50,7 +50,7 @@ def apply_fsdp(
     if cpu_offload:
         config["offload_policy"] = CPUOffloadPolicy()
 
-    units = _fsdp_units(model, _default_blocks(model) if blocks is None else blocks)
+    units = _fsdp_units(model, model_blocks(model) if blocks is None else blocks)
     for i, unit in enumerate(units):
         last = i == len(units) - 1
         reshard = {"always": True, "never": False, "default": not last}[reshard_after_forward]
@@ -70,7 +70,8 @@ def _fsdp_units(model: nn.Module, blocks: list[nn.Module]) -> list:
     return units
 
 
-def _default_blocks(model: nn.Module) -> list[nn.Module]:
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: ``model.layers`` when it has one, else the repeated blocks."""
     layers = getattr(model, "layers", None)
     if isinstance(layers, nn.ModuleDict):
         return list(layers.values())

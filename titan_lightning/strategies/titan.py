@@ -27,9 +27,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_lightning.config import ConfigError, ParallelismConfig
 from titan_lightning.config.validation import validate_degrees
+from titan_lightning.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_lightning.parallel.context import apply_context_parallel
 from titan_lightning.parallel.determinism import set_determinism
-from titan_lightning.parallel.fsdp import apply_ddp, apply_fsdp, find_repeated_blocks
+from titan_lightning.parallel.fsdp import apply_ddp, apply_fsdp, find_repeated_blocks, model_blocks
 from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_caches
 from titan_lightning.parallel.tensor import apply_tp
 
@@ -196,9 +197,13 @@ class TitanStrategy(ModelParallelStrategy):
         self._cp = None
         if dims.cp > 1:
             self._cp = apply_context_parallel(target, self.mesh.get("cp"), config.cp_load_balancer)
+        blocks = None if inner is not None else find_repeated_blocks(module)
+        ac = getattr(getattr(module, "job", None), "activation_checkpoint", None)
+        if ac is not None and ac.mode != "none":
+            apply_activation_checkpointing(model_blocks(target) if blocks is None else blocks, ac.mode,
+                                           ac.selective_ac_option)
         param_dtype, reduce_dtype = self._precision_dtypes()
         if dims.fsdp_enabled:
-            blocks = None if inner is not None else find_repeated_blocks(module)
             apply_fsdp(target, self._fsdp_mesh(), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                        reshard_after_forward=config.fsdp_reshard_after_forward,
                        cpu_offload=config.fsdp_cpu_offload, blocks=blocks)

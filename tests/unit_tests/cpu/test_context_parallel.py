@@ -135,3 +135,19 @@ def test_the_long_context_recipe_validates_at_world_size_64_and_its_data_fits_on
     run.datamodule.trainer = SimpleNamespace(limit_val_batches=run.trainer["limit_val_batches"])
     run.datamodule.setup("fit")  # the train split is repeated to one 131,073-token window; no val split
     assert len(run.datamodule._train) >= 1
+
+
+def test_thread_ranks_exchange_real_data_like_process_ranks():
+    # The helper the GPU CP tests use (one device, several ranks): checked here on CPU.
+    from cp_cases import attention_parity
+    from titan_lightning.testing.threaded import run_threaded
+
+    results = run_threaded(attention_parity, 2, backend="allgather", load_balancer="headtail", n_heads=4,
+                           n_kv_heads=2, seq_len=32)
+    assert len(results) == 2 and all(e[n] < 1e-10 for e in results for n in ("out", "dq", "dk", "dv"))
+    low = run_threaded(attention_parity, 2, backend="ring", load_balancer="headtail", n_heads=4, n_kv_heads=2,
+                       seq_len=64, dtype="bfloat16")
+    for errors in low:  # bf16 ring merges in fp32: about as close as unsharded bf16 attention
+        assert errors["out"] <= 4 * errors["baseline_out"] + 1e-3 * errors["scale"]
+    with pytest.raises(RuntimeError, match=r"thread rank 0 of 2 failed: ValueError.*context-parallel attention backend 'nope' is not one of"):
+        run_threaded(attention_parity, 2, backend="nope", load_balancer="headtail", n_heads=4, n_kv_heads=2, seq_len=32)

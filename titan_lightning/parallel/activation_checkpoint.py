@@ -1,0 +1,76 @@
+"""Activation checkpointing per transformer block: none, full, selective.
+
+- ``full``: every block keeps only its inputs; its forward runs again in the backward.
+- ``selective`` with ``selective_ac_option="N"`` (an integer): every N-th block is fully
+  checkpointed (blocks N-1, 2N-1, ... counting from 0), the others keep everything.
+- ``selective`` with ``"op"``: every block is checkpointed, but the outputs of the
+  expensive ops (matmuls, attention kernels, reduce-scatters) are saved and only the cheap
+  elementwise work is recomputed.
+
+Applied after TP/CP and before FSDP (as torchtitan does): the block's own forward is
+wrapped, so parameter names, the state dict and FSDP's per-block hooks are unchanged.
+"""
+
+from functools import partial
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from titan_lightning.config.activation_checkpoint import MODES
+
+
+def _saved_ops() -> set:
+    aten = torch.ops.aten
+    names = ["mm.default", "addmm.default", "bmm.default", "_scaled_dot_product_efficient_attention.default",
+             "_scaled_dot_product_flash_attention.default", "_scaled_dot_product_cudnn_attention.default",
+             "_scaled_dot_product_flash_attention_for_cpu.default", "_efficient_attention_forward.default",
+             "_grouped_mm.default"]
+    ops = set()
+    for name in names:
+        packet, _, overload = name.partition(".")
+        if hasattr(aten, packet):
+            ops.add(getattr(getattr(aten, packet), overload))
+    functional = getattr(torch.ops, "_c10d_functional", None)
+    if functional is not None and hasattr(functional, "reduce_scatter_tensor"):
+        ops.add(functional.reduce_scatter_tensor.default)
+    return ops
+
+
+def _op_policy(saved: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_context():
+    return create_selective_checkpoint_contexts(partial(_op_policy, _saved_ops()))
+
+
+def checkpoint_block(block: nn.Module, per_op: bool = False) -> None:
+    """Make ``block``'s forward recompute in the backward (saving matmul outputs if ``per_op``)."""
+    forward = block.forward
+    extra = {"context_fn": _op_context} if per_op else {}
+
+    def checkpointed(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+
+    block.forward = checkpointed
+    block.activation_checkpoint = "op" if per_op else "full"
+
+
+def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str, selective_ac_option: str = "op") -> int:
+    """Checkpoint ``blocks`` per ``mode``; returns how many blocks were wrapped."""
+    if mode not in MODES:
+        raise ValueError(f"activation_checkpoint.mode={mode!r} is not one of {', '.join(MODES)}")
+    if mode == "none":
+        return 0
+    blocks = list(blocks)
+    if mode == "full" or selective_ac_option == "op":
+        for block in blocks:
+            checkpoint_block(block, per_op=mode == "selective")
+        return len(blocks)
+    every = int(selective_ac_option)
+    chosen = blocks[every - 1::every]
+    for block in chosen:
+        checkpoint_block(block)
+    return len(chosen)
