@@ -1,4 +1,7 @@
-"""Functions run on each rank by test_context_parallel.py (through titan_lightning.testing.spawn)."""
+"""Functions run on each rank by test_context_parallel.py (through titan_lightning.testing.spawn) and
+by the GPU CP tests (thread ranks)."""
+
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -19,37 +22,52 @@ def _full_attention(q, k, v, weight):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def make_inputs(*, n_heads: int, n_kv_heads: int, seq_len: int, batch: int = 2, head_dim: int = 8,
+                device: str = "cpu") -> tuple:
+    """q, k, v and the output weighting (the loss is sum(out * weight)), fp64, the same on every rank."""
+    g = torch.Generator().manual_seed(1234)
+    shapes = [(batch, seq_len, h, head_dim) for h in (n_heads, n_kv_heads, n_kv_heads, n_heads)]
+    return tuple(torch.randn(s, generator=g, dtype=torch.float64).to(device) for s in shapes)
+
+
+def references(inputs: tuple, dtype: str = "float64") -> dict:
+    """The fp64 reference (out, dq, dk, dv) and, in a lower ``dtype``, unsharded attention in that dtype."""
+    return {"reference": _full_attention(*inputs), "low": in_precision(inputs, dtype)}
+
+
+def in_precision(inputs: tuple, dtype: str) -> Optional[tuple]:
+    """Unsharded attention (out, dq, dk, dv) computed in ``dtype``; None for fp64 (the reference itself)."""
+    low_dtype = getattr(torch, dtype)
+    return None if low_dtype == torch.float64 else _full_attention(*(t.to(low_dtype) for t in inputs))
+
+
 def attention_parity(rank: int, world_size: int, *, backend: str, load_balancer, n_heads: int, n_kv_heads: int,
                      seq_len: int, batch: int = 2, head_dim: int = 8, device: str = "cpu",
-                     dtype: str = "float64") -> dict:
+                     dtype: str = "float64", precomputed: Optional[dict] = None) -> dict:
     """Largest error of this rank's CP attention output and q/k/v gradients against full causal attention.
 
     The reference is fp64. In a lower precision ``baseline_*`` is the error of unsharded
-    attention in that precision, the yardstick for the CP error.
+    attention in that precision, the yardstick for the CP error. ``precomputed``: the
+    ``references`` of the same inputs (thread ranks share them; computed by the caller).
     """
-    dtype = getattr(torch, dtype)
-    g = torch.Generator().manual_seed(1234)
-    q = torch.randn(batch, seq_len, n_heads, head_dim, generator=g, dtype=torch.float64)
-    k = torch.randn(batch, seq_len, n_kv_heads, head_dim, generator=g, dtype=torch.float64)
-    v = torch.randn(batch, seq_len, n_kv_heads, head_dim, generator=g, dtype=torch.float64)
-    weight = torch.randn(batch, seq_len, n_heads, head_dim, generator=g, dtype=torch.float64)
-    q, k, v, weight = (t.to(device) for t in (q, k, v, weight))
-    reference = _full_attention(q, k, v, weight)
-
+    inputs = make_inputs(n_heads=n_heads, n_kv_heads=n_kv_heads, seq_len=seq_len, batch=batch, head_dim=head_dim,
+                         device=device)
+    refs = precomputed if precomputed is not None else references(inputs, dtype)
+    low_dtype = getattr(torch, dtype)
+    q, k, v, weight = inputs
     cp = ContextParallel(group=dist.group.WORLD, rank=rank, size=world_size, load_balancer=load_balancer)
-    local = [cp.shard(t.to(dtype)).requires_grad_() for t in (q, k, v)]
+    local = [cp.shard(t.to(low_dtype)).requires_grad_() for t in (q, k, v)]
     out = context_parallel_attention(*local, cp, backend)
-    (out * cp.shard(weight.to(dtype))).sum().backward()
+    (out * cp.shard(weight.to(low_dtype))).sum().backward()
 
     def error(a, b):
         return (a.double() - b).abs().max().item()
 
     names = ("out", "dq", "dk", "dv")
     errors = {name: error(mine, cp.shard(ref)) for name, mine, ref in
-              zip(names, (out, *(t.grad for t in local)), reference)}
-    errors["scale"] = reference[0].abs().max().item()
-    if dtype != torch.float64:
-        low = _full_attention(q.to(dtype), k.to(dtype), v.to(dtype), weight.to(dtype))
+              zip(names, (out, *(t.grad for t in local)), refs["reference"])}
+    errors["scale"] = refs["reference"][0].abs().max().item()
+    if refs["low"] is not None:
         errors.update({f"baseline_{name}": error(cp.shard(mine), cp.shard(ref))
-                       for name, mine, ref in zip(names, low, reference)})
+                       for name, mine, ref in zip(names, refs["low"], refs["reference"])})
     return errors
