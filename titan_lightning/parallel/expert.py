@@ -1,0 +1,119 @@
+"""Expert parallelism: the routed experts of every MoE layer sharded over the ``ep`` ranks.
+
+Rank i of the ep group holds experts [i * E/ep, (i + 1) * E/ep) (the expert weights become
+DTensors sharded on dim 0 over the ep mesh). In each MoE layer the router runs on the
+rank's own tokens; then
+
+    1. the per-expert token counts are exchanged (all-to-all), so every rank knows how many
+       tokens it receives for each of its experts from each rank (uneven splits);
+    2. the tokens, sorted by global expert, go to the ranks holding their experts
+       (all-to-all with those splits), are regrouped by local expert and computed;
+    3. the outputs take the reverse way (all-to-all) back into the original order.
+
+Both token all-to-alls are autograd functions whose backward is the reverse exchange, so
+gradients reach the tokens' own ranks and each expert's weights get the gradient of
+exactly the tokens routed to it, from every rank.
+
+The ep ranks are taken from dp_shard x cp x tp (ep innermost); the experts are then
+FSDP-sharded over the remaining ``efsdp = dp_shard * cp * tp / ep`` ranks (and replicated
+over dp_replicate), while the dense layers shard over dp_shard x cp as usual.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Shard, distribute_tensor
+
+
+def _funcol():
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol
+
+
+def _all_to_all(x: torch.Tensor, output_splits, input_splits, group) -> torch.Tensor:
+    funcol = _funcol()
+    return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), output_splits, input_splits, group))
+
+
+class _AllToAllV(torch.autograd.Function):
+    """All-to-all with uneven splits; the gradient takes the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+@dataclass
+class ExpertParallel:
+    """The ep group of one rank; ``run`` is what GroupedExperts calls under EP."""
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+
+    def run(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``x`` [N, dim] sorted by global expert, ``counts`` [E] -> the experts' outputs, same order."""
+        n_local = counts.numel() // self.size
+        # received[j, e]: tokens rank j sends to my local expert e.
+        received = _all_to_all(counts.to(torch.int64), None, None, self.group).view(self.size, n_local)
+        input_splits = counts.view(self.size, n_local).sum(dim=1).tolist()
+        matrix = received.tolist()
+        output_splits = [sum(row) for row in matrix]
+        tokens = _AllToAllV.apply(x, output_splits, input_splits, self.group)
+        # Arrived grouped by (source rank, local expert); the experts want (local expert, source rank).
+        order = _expert_major_order(matrix, x.device)
+        local_counts = received.sum(dim=0)
+        out = experts.compute(tokens[order], local_counts)
+        back = torch.empty_like(out).index_copy_(0, order, out)
+        return _AllToAllV.apply(back, input_splits, output_splits, self.group)
+
+
+def _expert_major_order(matrix: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Indices that reorder rows grouped (rank, expert) into (expert, rank) order."""
+    starts, offset = [], 0
+    for row in matrix:
+        starts.append([])
+        for count in row:
+            starts[-1].append(offset)
+            offset += count
+    pieces = [torch.arange(starts[j][e], starts[j][e] + matrix[j][e], device=device)
+              for e in range(len(matrix[0]) if matrix else 0) for j in range(len(matrix))]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def grouped_experts(model: nn.Module) -> list[nn.Module]:
+    """Every routed-expert module (models/common/moe.py GroupedExperts) in ``model``."""
+    from titan_lightning.models.common.moe import GroupedExperts
+
+    return [m for m in model.modules() if isinstance(m, GroupedExperts)]
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh) -> ExpertParallel:
+    """Shard every MoE layer's routed experts over ``ep_mesh`` (dim 0) and route through it."""
+    from titan_lightning.config import ConfigError
+
+    modules = grouped_experts(model)
+    size = ep_mesh.size()
+    if not modules:
+        raise ConfigError(f"parallelism.ep={size}: {type(model).__name__} has no MoE layer to shard")
+    for module in modules:
+        if module.num_experts % size:
+            raise ConfigError(
+                f"parallelism.ep={size} must divide the number of experts ({module.num_experts})"
+            )
+    context = ExpertParallel(group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank(), size=size)
+    for module in modules:
+        for name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.ep = context
+    return context
