@@ -10,6 +10,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from titan_lightning.config import JobConfig
+from titan_lightning.models.common.moe import update_expert_bias
 from titan_lightning.optim import build_lr_scheduler, build_optimizer
 
 IGNORE_INDEX = -100
@@ -31,13 +32,21 @@ def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
     fp32 accumulation over a large tensor is off by ~1e-5 relative on CPU, and differently
     for each way the tensor is split; in float64 every layout agrees with one process.
+    Gradients live on several meshes under expert parallelism (dense and expert weights):
+    each mesh's part is reduced over its own ranks, then the parts are combined.
     """
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    norms = torch.stack([torch.linalg.vector_norm(g, 2.0, dtype=torch.float64) for g in grads])
-    total = torch.linalg.vector_norm(norms, 2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    groups: dict = {}
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    parts = []
+    for members in groups.values():
+        norms = torch.stack([torch.linalg.vector_norm(g, 2.0, dtype=torch.float64) for g in members])
+        part = torch.linalg.vector_norm(norms, 2.0)
+        parts.append(part.full_tensor() if isinstance(part, DTensor) else part)
+    total = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts), 2.0)
     return total.float()
 
 
@@ -132,6 +141,11 @@ class CausalLMModule(L.LightningModule):
             raise ValueError(f"trainer.max_steps={max_steps} must be >= 1: the LR schedule is defined in steps")
         scheduler = build_lr_scheduler(optimizer, self.job.lr_schedule, max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        # MoE load balancing: move each layer's expert bias toward the under-used experts.
+        update_expert_bias(self.model)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip to ``training.max_grad_norm`` and log the pre-clip global grad norm.

@@ -27,6 +27,7 @@ def apply_fsdp(
     reshard_after_forward: str = "default",
     cpu_offload: bool = False,
     blocks: Optional[list[nn.Module]] = None,
+    expert_mesh: Optional[DeviceMesh] = None,
 ) -> nn.Module:
     """Shard ``model`` over ``mesh``: 1-D (dp_shard_cp) for FSDP, 2-D (dp_replicate, dp_shard_cp) for HSDP.
 
@@ -34,7 +35,9 @@ def apply_fsdp(
     forward except the last unit's (the head, or the last block), whose backward comes
     right away; "always" frees all of them; "never" keeps all of them until backward.
     ``blocks`` defaults to ``model.layers`` when the model has one, else to
-    ``find_repeated_blocks(model)``.
+    ``find_repeated_blocks(model)``. ``expert_mesh`` (under expert parallelism): the routed
+    experts are sharded over it first, each MoE layer's experts as their own unit, so the
+    dense units around them leave their (ep-sharded) weights alone.
     """
     if reshard_after_forward not in RESHARD_AFTER_FORWARD:
         raise ValueError(
@@ -50,6 +53,12 @@ def apply_fsdp(
     if cpu_offload:
         config["offload_policy"] = CPUOffloadPolicy()
 
+    if expert_mesh is not None:
+        from titan_lightning.parallel.expert import grouped_experts
+
+        expert_config = {**config, "mesh": expert_mesh}
+        for experts in grouped_experts(model):
+            fully_shard(experts, **expert_config, reshard_after_forward=reshard_after_forward != "never")
     units = _fsdp_units(model, model_blocks(model) if blocks is None else blocks)
     for i, unit in enumerate(units):
         last = i == len(units) - 1

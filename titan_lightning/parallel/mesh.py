@@ -7,7 +7,10 @@ degree above 1 exist (disabled dims cost no process groups). Flattened views:
     dp_shard_cp  dp_shard x cp             FSDP sharding
     dp_cp        dp_replicate x dp_shard x cp   loss and metric reduction
 
-Experts (ep) borrow ranks from dp_shard x cp x tp; their mesh arrives with the EP work.
+Experts (ep > 1) live on a second mesh over the same ranks, the sparse mesh
+(pp, dp_replicate, efsdp, ep): the ep ranks are taken from dp_shard x cp x tp (innermost,
+contiguous ranks), and routed experts are FSDP-sharded over the rest, efsdp = dp_shard *
+cp * tp / ep. ``get("ep")`` and ``get("efsdp")`` read it.
 """
 
 from dataclasses import dataclass
@@ -68,6 +71,11 @@ class ParallelDims:
         return tuple(dim for dim in MESH_DIMS if self.degree(dim) > 1)
 
     @property
+    def efsdp(self) -> int:
+        """Ranks the routed experts are FSDP-sharded over (dp_shard * cp * tp / ep)."""
+        return self.dp_shard * self.cp * self.tp // self.ep
+
+    @property
     def dp_degree(self) -> int:
         return self.dp_replicate * self.dp_shard
 
@@ -118,6 +126,14 @@ class ParallelDims:
             if len(present) > 1:
                 # Kept here: slicing a flattened dim back out of the root mesh is deprecated.
                 views[name] = mesh[present]._flatten(mesh_dim_name=name)
+        if self.ep_enabled:
+            # efsdp stays even at degree 1: expert FSDP and the ep-sharded weights then form
+            # the 2-D (efsdp, ep) layout FSDP expects of DTensor parameters.
+            sparse_dims = tuple(d for d in ("pp", "dp_replicate") if self.degree(d) > 1) + ("efsdp", "ep")
+            sparse = init_device_mesh(device_type, tuple(self.degree(d) for d in sparse_dims),
+                                      mesh_dim_names=sparse_dims)
+            views.update({f"sparse:{dim}": sparse[dim] for dim in sparse_dims})
+            views["sparse"] = sparse
         return Mesh(self, mesh, views)
 
 
@@ -134,12 +150,21 @@ class Mesh:
         self._views = views
 
     def get(self, name: str) -> Optional[DeviceMesh]:
+        if name in ("ep", "efsdp"):
+            return self._views.get(f"sparse:{name}") if self.dims.ep_enabled else None
         parts = FLATTENED.get(name, (name,))
         present = tuple(d for d in parts if self.dims.degree(d) > 1)
         if not present:
             return None
         # One enabled dim is that dim's mesh; several were flattened under `name` by build_mesh.
         return self._views[present[0] if len(present) == 1 else name]
+
+    def expert_fsdp_mesh(self) -> Optional[DeviceMesh]:
+        """The mesh routed experts are FSDP-sharded over: (dp_replicate, efsdp) or (efsdp,)."""
+        sparse = self._views.get("sparse")
+        if sparse is None:
+            return None
+        return sparse["dp_replicate", "efsdp"] if self.dims.dp_replicate_enabled else sparse["efsdp"]
 
     def rank_and_size(self, name: str) -> tuple[int, int]:
         """(local rank, size) of this process in a dim or view; (0, 1) when disabled."""

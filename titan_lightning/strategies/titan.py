@@ -1,4 +1,4 @@
-"""TitanStrategy: N-D parallelism (FSDP2/HSDP/DDP, TP, CP; PP, EP to come) as one Lightning strategy.
+"""TitanStrategy: N-D parallelism (FSDP2/HSDP/DDP, TP, CP, EP; PP to come) as one Lightning strategy.
 
 The strategy owns the device mesh and applies each parallelism to the module in a fixed
 order: TP, then the CP and EP slots, then activation checkpointing and compile, then
@@ -30,13 +30,14 @@ from titan_lightning.config.validation import validate_degrees
 from titan_lightning.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_lightning.parallel.context import apply_context_parallel
 from titan_lightning.parallel.determinism import set_determinism
+from titan_lightning.parallel.expert import apply_expert_parallel
 from titan_lightning.parallel.fsdp import apply_ddp, apply_fsdp, find_repeated_blocks, model_blocks
 from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_caches
 from titan_lightning.parallel.tensor import apply_tp
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Degrees this strategy can apply today; the others arrive with their own strategies.
-_NOT_YET = {"pp": "pipeline parallelism", "ep": "expert parallelism"}
+_NOT_YET = {"pp": "pipeline parallelism"}
 
 
 class TitanStrategy(ModelParallelStrategy):
@@ -197,6 +198,13 @@ class TitanStrategy(ModelParallelStrategy):
         self._cp = None
         if dims.cp > 1:
             self._cp = apply_context_parallel(target, self.mesh.get("cp"), config.cp_load_balancer)
+        if dims.ep_enabled:
+            if not dims.fsdp_enabled and dims.dp_replicate_enabled:
+                raise ConfigError(
+                    f"parallelism.ep={dims.ep} with dp_replicate={dims.dp_replicate} and no FSDP (dp_shard*cp = 1) "
+                    f"is not supported: replicate the experts with HSDP instead (dp_shard > 1)"
+                )
+            apply_expert_parallel(target, self.mesh.get("ep"))
         blocks = None if inner is not None else find_repeated_blocks(module)
         ac = getattr(getattr(module, "job", None), "activation_checkpoint", None)
         if ac is not None and ac.mode != "none":
@@ -206,7 +214,8 @@ class TitanStrategy(ModelParallelStrategy):
         if dims.fsdp_enabled:
             apply_fsdp(target, self._fsdp_mesh(), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                        reshard_after_forward=config.fsdp_reshard_after_forward,
-                       cpu_offload=config.fsdp_cpu_offload, blocks=blocks)
+                       cpu_offload=config.fsdp_cpu_offload, blocks=blocks,
+                       expert_mesh=self.mesh.expert_fsdp_mesh() if dims.ep_enabled else None)
         elif dims.dp_replicate_enabled:
             self._apply_ddp(target)
         if inner is not None:

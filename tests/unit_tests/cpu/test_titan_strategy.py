@@ -42,8 +42,8 @@ def test_unknown_reshard_policy_is_refused():
 
 
 def test_parallelism_not_available_yet_is_refused_before_spawn():
-    with pytest.raises(ConfigError, match=r"parallelism.ep=2: expert parallelism is not available in TitanStrategy yet"):
-        _trainer(TitanStrategy(dp_shard=2, ep=2), devices=2)
+    with pytest.raises(ConfigError, match=r"parallelism.pp=2: pipeline parallelism is not available in TitanStrategy yet"):
+        _trainer(TitanStrategy(dp_shard=1, pp=2), devices=2)
 
 
 def test_tp_that_does_not_divide_the_heads_fails_on_the_command_line(capsys):

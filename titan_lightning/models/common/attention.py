@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_lightning.models.common.norms import RMSNorm
 from titan_lightning.models.common.rope import apply_rope
 from titan_lightning.parallel.context import ContextParallel, context_parallel_attention
 
@@ -15,27 +16,46 @@ class Attention(nn.Module):
     counted from the projection outputs, so the module also runs on the local heads of a
     tensor-parallel shard of wq/wk/wv/wo.
 
+    ``head_dim`` defaults to ``dim // n_heads``; Qwen 3 sets it independently of ``dim``.
+    ``qk_norm_eps`` turns on QK-norm (Qwen 3): an RMSNorm over each head's features of the
+    queries (``q_norm``) and the keys (``k_norm``), before RoPE; one weight of [head_dim]
+    is shared by all heads. None (the default) means no QK-norm, and no such submodules.
+
     ``attention`` is "sdpa" or a context-parallel backend ("allgather", "ring", "ulysses");
     a strategy with cp > 1 sets ``cp`` (the group and the slicing), and then the module's
     input is this rank's slice of the sequence: RoPE takes the slice's global positions.
     """
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, attention: str = "sdpa"):
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        attention: str = "sdpa",
+        *,
+        head_dim: Optional[int] = None,
+        qk_norm_eps: Optional[float] = None,
+    ):
         super().__init__()
         self.backend = attention
         self.cp: Optional[ContextParallel] = None
-        self.head_dim = dim // n_heads
+        self.head_dim = head_dim if head_dim is not None else dim // n_heads
         self.n_rep = n_heads // n_kv_heads
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        qk_norm = qk_norm_eps is not None
+        self.q_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
         B, S, _ = x.shape
         q = self.wq(x).view(B, S, -1, self.head_dim)
         k = self.wk(x).view(B, S, -1, self.head_dim)
         v = self.wv(x).view(B, S, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.cp is not None:
             rope_cache = rope_cache.index_select(0, self.cp.positions(S, x.device))
             q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)

@@ -119,13 +119,13 @@ class GroupedExperts(nn.Module):
             return self.ep.run(self, x, counts)
         return self.compute(x, counts)
 
-    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's expert weights as plain tensors (the local shard under EP)."""
-        return _local(self.w1), _local(self.w2), _local(self.w3)
+    def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's expert weights as plain tensors in ``dtype`` (the local shard under EP)."""
+        return tuple(_local(w).to(dtype) for w in (self.w1, self.w2, self.w3))
 
     def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The local experts on their tokens (``counts`` over the local experts)."""
-        w1, w2, w3 = self.weights()
+        w1, w2, w3 = self.weights(x.dtype)
         if grouped_mm_available(x):
             return _grouped_swiglu(x, counts, w1, w2, w3)
         return _looped_swiglu(x, counts, w1, w2, w3)
@@ -140,7 +140,6 @@ def _looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
 
 def _grouped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
     h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
     h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
     return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets).type_as(x)
