@@ -16,6 +16,12 @@ stands for a layer index). This file knows *how* each style is sharded:
                          projections; the other inputs (RoPE tables, masks) pass through
     output               the LM head, colwise over the vocab; the logits come back whole,
                          or stay a vocab-sharded DTensor for loss parallelism
+    moe                  a mixture-of-experts layer under sequence parallelism: it takes the
+                         local sequence shard as a plain tensor and returns one (its tokens
+                         are this rank's own; the routed experts are expert-parallel)
+    moe_replicated       a per-token module inside an MoE layer (router gate, shared
+                         experts): weights replicated on the TP mesh, run on the rank's own
+                         tokens (dim 0), gradients summed over the TP ranks
 
 Every parameter of a sharded module becomes a DTensor on the TP mesh, norms included, so
 one grad-norm and one optimizer path serve the whole model.
@@ -73,6 +79,18 @@ def _prepare_block_input(module: nn.Module, sp: bool, loss_parallel: bool) -> Op
     return PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest))
 
 
+def _moe(module: nn.Module, sp: bool, loss_parallel: bool) -> ParallelStyle:
+    if not sp:
+        # Every TP rank would route the same tokens to the experts: their gradients would count
+        # each token tp times. Checked before launch (config.validation); this is the backstop.
+        raise ValueError("an MoE layer under tensor parallelism needs parallelism.sequence_parallel=True")
+    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True)
+
+
+def _moe_replicated(module: nn.Module, sp: bool, loss_parallel: bool) -> ParallelStyle:
+    return SequenceParallel(sequence_dim=0, use_local_output=True)
+
+
 def _output(module: nn.Module, sp: bool, loss_parallel: bool) -> ParallelStyle:
     return ColwiseParallel(
         input_layouts=_activation(sp),
@@ -119,6 +137,8 @@ STYLES: dict[str, StyleFactory] = {
     "norm": _norm,
     "prepare_block_input": _prepare_block_input,
     "output": _output,
+    "moe": _moe,
+    "moe_replicated": _moe_replicated,
 }
 
 # The weight dimension each style splits across the TP ranks (nn.Linear weights are [out, in]).
