@@ -72,6 +72,28 @@ def validate_model_parallelism(job: JobConfig) -> None:
     if max_seq_len is not None and seq_len > max_seq_len:
         raise ConfigError(f"training.seq_len={seq_len} must be <= model.max_seq_len={max_seq_len}")
     validate_context_parallel(job)
+    validate_expert_parallel(job)
+
+
+def validate_expert_parallel(job: JobConfig) -> None:
+    """EP needs MoE layers whose experts split evenly; MoE under TP needs EP and sequence parallelism."""
+    p, moe = job.parallelism, getattr(job.model, "moe", None)
+    if moe is None:
+        if p.ep > 1:
+            raise ConfigError(f"parallelism.ep={p.ep} needs a mixture-of-experts model, and model.moe is None")
+        return
+    if moe.num_experts % p.ep:
+        raise ConfigError(f"parallelism.ep={p.ep} must divide model.moe.num_experts={moe.num_experts}")
+    if p.tp > 1 and not p.sequence_parallel:
+        raise ConfigError(
+            f"MoE layers with parallelism.tp={p.tp} need parallelism.sequence_parallel=True: without it every "
+            f"TP rank routes the same tokens and the experts' gradients count each token {p.tp} times"
+        )
+    if p.tp > 1 and p.ep == 1:
+        raise ConfigError(
+            f"MoE layers with parallelism.tp={p.tp} need parallelism.ep > 1 (experts sharded over ranks that "
+            f"hold distinct tokens); tensor-parallel experts (ep=1) are not implemented"
+        )
 
 
 def validate_context_parallel(job: JobConfig) -> None:

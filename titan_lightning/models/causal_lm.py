@@ -39,7 +39,7 @@ def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32)
     groups: dict = {}
     for g in grads:
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        key = g.device_mesh if isinstance(g, DTensor) else None
         groups.setdefault(key, []).append(g)
     parts = []
     for members in groups.values():

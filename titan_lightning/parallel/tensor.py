@@ -16,6 +16,9 @@ stands for a layer index). This file knows *how* each style is sharded:
                          projections; the other inputs (RoPE tables, masks) pass through
     output               the LM head, colwise over the vocab; the logits come back whole,
                          or stay a vocab-sharded DTensor for loss parallelism
+    replicate            replicated weights on the replicated (whole-sequence) input, with or
+                         without sequence parallelism (e.g. MLA's low-rank projections and
+                         their norms, inside the attention after the sequence all-gather)
     moe                  a mixture-of-experts layer under sequence parallelism: it takes the
                          local sequence shard as a plain tensor and returns one (its tokens
                          are this rank's own; the routed experts are expert-parallel)
@@ -137,6 +140,7 @@ STYLES: dict[str, StyleFactory] = {
     "norm": _norm,
     "prepare_block_input": _prepare_block_input,
     "output": _output,
+    "replicate": lambda module, sp, loss_parallel: ReplicateParallel(),
     "moe": _moe,
     "moe_replicated": _moe_replicated,
 }

@@ -163,9 +163,11 @@ class MoE(nn.Module):
                              persistent=False)
 
     def reset_buffers(self) -> None:
-        """Zero the bias and the counts (after ``to_empty``, which leaves them undefined)."""
-        self.expert_bias.zero_()
-        self.tokens_per_expert.zero_()
+        """Zero the bias and the counts, in fp32 (after ``to_empty``, which leaves them undefined,
+        or a cast of the whole model to bf16, which would round the bias updates away)."""
+        device = self.expert_bias.device
+        self.expert_bias = torch.zeros(self.args.num_experts, dtype=torch.float32, device=device)
+        self.tokens_per_expert = torch.zeros(self.args.num_experts, dtype=torch.float32, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
