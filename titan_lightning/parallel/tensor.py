@@ -19,6 +19,9 @@ stands for a layer index). This file knows *how* each style is sharded:
     replicate            replicated weights on the replicated (whole-sequence) input, with or
                          without sequence parallelism (e.g. MLA's low-rank projections and
                          their norms, inside the attention after the sequence all-gather)
+    head_norm            a norm over each head's features (QK-norm) on [B, S, H_local, D]:
+                         weights replicated, the input taken as sharded on the heads (dim
+                         2), so the weight gradient sums the TP ranks' heads
     moe                  a mixture-of-experts layer under sequence parallelism: it takes the
                          local sequence shard as a plain tensor and returns one (its tokens
                          are this rank's own; the routed experts are expert-parallel)
@@ -141,6 +144,7 @@ STYLES: dict[str, StyleFactory] = {
     "prepare_block_input": _prepare_block_input,
     "output": _output,
     "replicate": lambda module, sp, loss_parallel: ReplicateParallel(),
+    "head_norm": lambda module, sp, loss_parallel: SequenceParallel(sequence_dim=2, use_local_output=True),
     "moe": _moe,
     "moe_replicated": _moe_replicated,
 }

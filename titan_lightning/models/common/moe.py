@@ -33,6 +33,15 @@ from titan_lightning.models.common.feedforward import FeedForward
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
+# Tensor-parallel plan entries for MoE layers at ``layers.*.moe`` (parallel/tensor.py styles):
+# under sequence parallelism each TP rank routes its own tokens (the routed experts are
+# expert-parallel); the router gate and the shared experts are replicated per-token modules.
+MOE_TP_PLAN: dict[str, str] = {
+    "layers.*.moe": "moe",
+    "layers.*.moe.router.gate": "moe_replicated",
+    "layers.*.moe.shared_experts.*": "moe_replicated",
+}
+
 
 @dataclass(kw_only=True)
 class MoEArgs:
@@ -154,8 +163,9 @@ class MoE(nn.Module):
         self.router = TokenChoiceTopKRouter(dim, args.num_experts, args.top_k, args.score_func,
                                             args.route_norm, args.route_scale)
         self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
-        self.shared_experts = (FeedForward(dim, args.hidden_dim * args.num_shared_experts)
-                               if args.num_shared_experts else None)
+        # Registered even when absent (a None slot), so plans naming it skip it instead of failing.
+        self.register_module("shared_experts", FeedForward(dim, args.hidden_dim * args.num_shared_experts)
+                             if args.num_shared_experts else None)
         self.load_balance_coeff = args.load_balance_coeff
         self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32),
                              persistent=args.load_balance_coeff is not None)

@@ -1,0 +1,23 @@
+"""Qwen 3 as a LightningModule."""
+
+from dataclasses import dataclass, field
+
+from titan_lightning.config import JobConfig
+from titan_lightning.models.causal_lm import CausalLMModule
+from titan_lightning.models.qwen3.model import Qwen3Args, Transformer
+from titan_lightning.models.qwen3.parallelize import TP_PLAN
+
+
+@dataclass(kw_only=True)
+class Qwen3Job(JobConfig):
+    model: Qwen3Args = field(default_factory=Qwen3Args)
+
+
+class Qwen3Module(CausalLMModule):
+    """Qwen 3 (GQA with QK-norm, RoPE, SwiGLU or top-k mixture of experts)."""
+
+    job: Qwen3Job
+    tp_plan = {f"model.{name}": style for name, style in TP_PLAN.items()}
+
+    def build_model(self) -> Transformer:
+        return Transformer(self.job.model)
