@@ -251,6 +251,7 @@ def _math_scores(q, k, causal: bool, scale: float) -> torch.Tensor:
 def _pair_forward(kernel: str, q, k, v, causal: bool, scale: float):
     """(out [B, H, S, Dv] in q's dtype, lse [B, H, S] fp32 or fp64, saved state for the backward)."""
     aten = torch.ops.aten
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if kernel == "cpu_flash":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse, ()
@@ -267,6 +268,9 @@ def _pair_forward(kernel: str, q, k, v, causal: bool, scale: float):
 def _pair_backward(kernel: str, grad, q, k, v, out, lse, state, causal: bool, scale: float):
     """Gradients of q, k, v of one pair, given the merged output and log-sum-exp of q's rows."""
     aten = torch.ops.aten
+    # Chunks are views into the whole local sequence; the kernels want dense inputs (the CUDA
+    # flash backward reads the log-sum-exp as contiguous rows).
+    grad, q, k, v, out, lse = (t.contiguous() for t in (grad, q, k, v, out, lse))
     if kernel == "cpu_flash":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, causal, scale=scale)
