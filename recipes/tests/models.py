@@ -1,5 +1,9 @@
-"""Runs the `models` integration suite trains: one small run per model family."""
+"""Runs the `models` integration suite trains: one small run per model family, and the MoE
+families on expert-parallel layouts (entries in tests/integration_tests/models.py)."""
 
+import recipes.deepseek_v3 as deepseek_v3
+import recipes.qwen3 as qwen3
+from recipes.llama3 import on_layout, with_cp
 from recipes.tests import features
 from titan_lightning.recipe import Run
 
@@ -7,3 +11,55 @@ from titan_lightning.recipe import Run
 def llama3_debugmodel() -> Run:
     """Llama 3 debug model, one process (the features suite's baseline)."""
     return features.llama3_debugmodel()
+
+
+def _for_tests(run: Run) -> Run:
+    """5 deterministic steps of 4 sequences of 128 tokens, nothing written: quick on 2 CPU cores."""
+    t = run.job.training
+    t.seq_len, t.tokens_per_microbatch_per_dp_rank, t.deterministic, t.seed = 128, 512, True, 0
+    run.job.lr_schedule.warmup_steps = 1
+    run.trainer.update(
+        max_steps=5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    return run
+
+
+def qwen3_debugmodel() -> Run:
+    return _for_tests(qwen3.debugmodel())
+
+
+def qwen3_moe_debugmodel() -> Run:
+    return _for_tests(qwen3.debugmodel_moe())
+
+
+def deepseek_v3_debugmodel() -> Run:
+    return _for_tests(deepseek_v3.debugmodel())
+
+
+def qwen3_moe_fsdp2_ep2() -> Run:
+    return on_layout(qwen3_moe_debugmodel(), dp_shard=2, ep=2)
+
+
+def qwen3_moe_fsdp2_tp2_cp2_ep8() -> Run:
+    """The front-page layout (recipes.qwen3:fsdp2_tp2_cp2_ep8) on the test budget."""
+    return with_cp(qwen3_moe_debugmodel(), "allgather", cp=2, dp_shard=2, tp=2, ep=8)
+
+
+def deepseek_v3_fsdp2_ep2() -> Run:
+    return on_layout(deepseek_v3_debugmodel(), dp_shard=2, ep=2)
+
+
+def deepseek_v3_tp2_ep2() -> Run:
+    """TP2 (sequence parallel, MLA heads split) x EP2 over the same 2 ranks."""
+    return on_layout(deepseek_v3_debugmodel(), dp_shard=1, tp=2, ep=2)
+
+
+def deepseek_v3_fsdp4_ep2() -> Run:
+    """Experts over 2 ranks, FSDP-sharded over the other 2 (efsdp=2)."""
+    return on_layout(deepseek_v3_debugmodel(), dp_shard=4, ep=2)
+
+
+def deepseek_v3_hsdp2_fsdp2_ep2() -> Run:
+    """HSDP + EP: two replicas of fsdp2_ep2, the experts replicated across them."""
+    return on_layout(deepseek_v3_debugmodel(), dp_replicate=2, dp_shard=2, ep=2)

@@ -1,8 +1,29 @@
-"""The `models` suite: breadth, each model family trained end to end."""
+"""The `models` suite: breadth, each model family trained end to end, the MoE families also on
+expert-parallel layouts. Recipes: recipes/tests/models.py. A layout's seed run is its
+family's one-process run: under real PG it must reproduce its per-step loss and grad norm
+(fp32: 1e-5 / 1e-4; the routing is deterministic, so the same experts are chosen)."""
 
 from titan_lightning.testing.entries import TestEntry
 
+_R = "recipes.tests.models"
+
+
+def _entry(recipe: str, description: str, ngpu: int = 1, seed: str = None, *, golden: bool = False) -> TestEntry:
+    return TestEntry(recipes=(f"{_R}:{recipe}",), name=recipe, description=description, ngpu=ngpu,
+                     seed_recipe=f"{_R}:{seed}" if seed else None,
+                     golden_numerics_path=f"{{execution_mode}}/{{hardware}}/{recipe}.txt" if golden else None)
+
+
 ENTRIES = [
-    TestEntry(recipes=("recipes.tests.models:llama3_debugmodel",), name="llama3_debugmodel",
-              description="Llama 3 debug model, one process"),
+    _entry("llama3_debugmodel", "Llama 3 debug model, one process"),
+    _entry("qwen3_debugmodel", "Qwen 3 dense debug model (QK-norm), one process"),
+    _entry("qwen3_moe_debugmodel", "Qwen 3 MoE debug model (64 experts, top-8), one process"),
+    _entry("deepseek_v3_debugmodel", "DeepSeek V3 debug model (MLA, 8 routed + 2 shared experts), one process"),
+    _entry("qwen3_moe_fsdp2_ep2", "Qwen 3 MoE: FSDP2, experts over EP2", 2, "qwen3_moe_debugmodel"),
+    _entry("qwen3_moe_fsdp2_tp2_cp2_ep8", "Qwen 3 MoE: FSDP2 x TP2 x CP2 dense, EP8 experts", 8,
+           "qwen3_moe_debugmodel", golden=True),
+    _entry("deepseek_v3_fsdp2_ep2", "DeepSeek V3: FSDP2, experts over EP2", 2, "deepseek_v3_debugmodel", golden=True),
+    _entry("deepseek_v3_tp2_ep2", "DeepSeek V3: TP2 (MLA heads) x EP2", 2, "deepseek_v3_debugmodel"),
+    _entry("deepseek_v3_fsdp4_ep2", "DeepSeek V3: FSDP4, experts over EP2 x efsdp2", 4, "deepseek_v3_debugmodel"),
+    _entry("deepseek_v3_hsdp2_fsdp2_ep2", "DeepSeek V3: HSDP 2x2, experts over EP2", 4, "deepseek_v3_debugmodel"),
 ]

@@ -59,9 +59,11 @@ def apply_fsdp(
         expert_config = {**config, "mesh": expert_mesh}
         for experts in grouped_experts(model):
             fully_shard(experts, **expert_config, reshard_after_forward=reshard_after_forward != "never")
-            # An expert's gradient already sums the tokens of every rank that routed to it, so
-            # average it over the dense data-parallel ranks (mesh's), not the expert FSDP ones.
-            experts.set_gradient_divide_factor(float(mesh.size()))
+            # An expert's gradient already sums the tokens of every rank that routed to it, so it
+            # must be averaged over the dense data-parallel ranks (mesh), while FSDP divides by the
+            # expert FSDP ranks: scale the rest in autograd (a custom divide factor would need
+            # PREMUL_SUM, which gloo lacks).
+            experts.grad_scale = expert_mesh.size() / mesh.size()
     units = _fsdp_units(model, model_blocks(model) if blocks is None else blocks)
     for i, unit in enumerate(units):
         last = i == len(units) - 1

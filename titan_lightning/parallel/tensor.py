@@ -22,6 +22,9 @@ stands for a layer index). This file knows *how* each style is sharded:
     head_norm            a norm over each head's features (QK-norm) on [B, S, H_local, D]:
                          weights replicated, the input taken as sharded on the heads (dim
                          2), so the weight gradient sums the TP ranks' heads
+    head_shared          an identity marking a replicated tensor that head-local (TP-sharded)
+                         work consumes directly, not through a colwise projection: its
+                         gradient is summed over the TP ranks (e.g. MLA's rotary key)
     moe                  a mixture-of-experts layer under sequence parallelism: it takes the
                          local sequence shard as a plain tensor and returns one (its tokens
                          are this rank's own; the routed experts are expert-parallel)
@@ -43,7 +46,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -105,6 +108,21 @@ def _output(module: nn.Module, sp: bool, loss_parallel: bool) -> ParallelStyle:
     )
 
 
+class HeadShared(ParallelStyle):
+    """Identity forward; in the backward, the gradient is summed over the TP ranks.
+
+    Each rank's heads contribute part of the gradient of a tensor they all read; read as a
+    Partial DTensor and redistributed to Replicate, the parts add up.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, None, _replicate_inputs, _partial_grad_output)
+
+
+def _partial_grad_output(module: nn.Module, output, mesh: DeviceMesh):
+    return output.to_local(grad_placements=[Partial()]) if isinstance(output, DTensor) else output
+
+
 class ReplicateParallel(ParallelStyle):
     """Weights replicated on the TP mesh; inputs and outputs are replicated local tensors.
 
@@ -144,6 +162,7 @@ STYLES: dict[str, StyleFactory] = {
     "prepare_block_input": _prepare_block_input,
     "output": _output,
     "replicate": lambda module, sp, loss_parallel: ReplicateParallel(),
+    "head_shared": lambda module, sp, loss_parallel: HeadShared(),
     "head_norm": lambda module, sp, loss_parallel: SequenceParallel(sequence_dim=2, use_local_output=True),
     "moe": _moe,
     "moe_replicated": _moe_replicated,

@@ -110,6 +110,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts in stacked weights; tokens arrive sorted by expert."""
 
@@ -121,6 +134,8 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         # Set by expert parallelism (parallel/expert.py): dispatch, compute locally, combine.
         self.ep = None
+        # Factor on the weights' gradients (set with expert FSDP: parallel/fsdp.py).
+        self.grad_scale = 1.0
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, dim] sorted by expert, ``counts`` [num_experts] tokens per expert -> [N, dim]."""
@@ -130,7 +145,10 @@ class GroupedExperts(nn.Module):
 
     def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's expert weights as plain tensors in ``dtype`` (the local shard under EP)."""
-        return tuple(_local(w).to(dtype) for w in (self.w1, self.w2, self.w3))
+        weights = [_local(w).to(dtype) for w in (self.w1, self.w2, self.w3)]
+        if self.grad_scale != 1.0:
+            weights = [_ScaleGrad.apply(w, self.grad_scale) for w in weights]
+        return tuple(weights)
 
     def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The local experts on their tokens (``counts`` over the local experts)."""

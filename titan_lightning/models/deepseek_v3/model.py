@@ -168,6 +168,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_norm = RMSNorm(args.kv_lora_rank, args.norm_eps)
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
+        # The rotary key is shared by every head; a no-op here, it is where tensor parallelism
+        # sums its gradient over the ranks' local heads (the "head_shared" TP style).
+        self.k_pe_shared = nn.Identity()
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
         B, S, _ = x.shape
@@ -181,7 +184,7 @@ class MultiHeadLatentAttention(nn.Module):
         if self.cp is not None:
             rope_cache = rope_cache.index_select(0, self.cp.positions(S, x.device))
         q = torch.cat([q_nope, apply_rope(q_pe, rope_cache)], dim=-1)
-        k_pe = apply_rope(k_pe.unsqueeze(2), rope_cache)  # [B, S, 1, rope]: one key for every head
+        k_pe = apply_rope(self.k_pe_shared(k_pe).unsqueeze(2), rope_cache)  # [B, S, 1, rope]: one key for every head
         k = torch.cat([k_nope, k_pe.expand(-1, -1, H, -1)], dim=-1)
         if self.cp is not None:
             # The CP backends scale scores by (nope + rope)^-0.5: the YaRN correction rides on q.

@@ -7,6 +7,8 @@ Like Llama 3's (models/llama3/parallelize.py), with MLA's projections:
     wo                 rowwise: reduce-scatter back onto the sequence (SP) or all-reduce
     wq_a, q_norm,      replicated: the latents are small and kv_norm/q_norm need all of
     wkv_a, kv_norm     their features; every rank computes them on the gathered sequence
+    k_pe_shared        head_shared: the rotary key serves every head, so its gradient is the
+                       sum over all ranks' heads (an all-reduce in the backward)
 
 The ``replicate`` style is ``ReplicateParallel`` whether or not sequence parallelism is on
 (the input is the block input that ``prepare_block_input`` already gathered). MoE layers
@@ -36,6 +38,7 @@ def deepseek_v3_tp_plan(args: DeepSeekV3Args) -> dict[str, str]:
         **_QUERY[args.q_lora_rank > 0],
         "layers.*.attention.wkv_a": "replicate",
         "layers.*.attention.kv_norm": "replicate",
+        "layers.*.attention.k_pe_shared": "head_shared",
         "layers.*.attention.wkv_b": "colwise",
         "layers.*.attention.wo": "rowwise",
         "layers.*.ffn_norm": "norm",
