@@ -13,6 +13,7 @@ _EXPORTS = {
     "TensorParallelStrategy": "titan_lightning.strategies",
     "FakePGStrategy": "titan_lightning.strategies",
     "ContextParallelStrategy": "titan_lightning.strategies",
+    "ExpertParallelStrategy": "titan_lightning.strategies",
     "ContextParallelTransform": "titan_lightning.transforms",
     "apply_transforms": "titan_lightning.transforms",
 }

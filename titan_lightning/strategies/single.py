@@ -1,4 +1,4 @@
-"""One parallelism each, for users who want exactly that: FSDP2 (with HSDP/DDP), TP or CP."""
+"""One parallelism each, for users who want exactly that: FSDP2 (with HSDP/DDP), TP, CP or EP."""
 
 from typing import Any, Optional
 
@@ -67,3 +67,23 @@ class ContextParallelStrategy(_OneDegreeStrategy):
 
     def __init__(self, *, cp: Optional[int] = None, cp_load_balancer: Optional[str] = "headtail", **kwargs: Any) -> None:
         super().__init__(dict(cp=cp, cp_load_balancer=cp_load_balancer), **kwargs)
+
+
+class ExpertParallelStrategy(TitanStrategy):
+    """Expert parallel over ``ep`` ranks (every rank by default) on top of FSDP over every rank:
+    the dense layers are FSDP-sharded as usual; each MoE layer's routed experts are split
+    ``ep`` ways and FSDP-sharded over the remaining ``world / ep`` ranks, and tokens reach
+    their experts by all-to-all. The module's model must have MoE layers (models/common/moe.py).
+    """
+
+    strategy_name = "expert_parallel"
+    scope = ("dp_shard", "ep")
+
+    def __init__(self, *, ep: Optional[int] = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._ep = ep
+        if ep is not None:
+            self._parallelism = self.default_parallelism()
+
+    def default_parallelism(self) -> ParallelismConfig:
+        return ParallelismConfig(ep=self._ep or self.num_nodes * max(self.num_processes, 1))

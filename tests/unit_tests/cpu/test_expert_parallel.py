@@ -32,3 +32,42 @@ def test_dispatch_then_combine_is_the_identity_for_uneven_counts():
     assert all(r["equal"] for r in results)
     # rank 1 holds experts 2, 3 and gets (r + 1) * (e % 3) tokens for each from every rank r
     assert results[1]["received"] == (sum((r + 1) * (2 + 0) for r in range(3)), [6 * 2, 0])
+
+
+def test_expert_parallel_strategy_spreads_experts_over_every_rank_and_checks_before_spawn():
+    import lightning as L
+
+    from titan_lightning import ExpertParallelStrategy
+    from titan_lightning.config import ConfigError
+
+    def trainer(strategy, devices):
+        return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+    strategy = trainer(ExpertParallelStrategy(), 4).strategy
+    assert (strategy.default_parallelism().ep, strategy.default_parallelism().dp_shard) == (4, -1)
+    assert trainer("expert_parallel", 2).strategy.default_parallelism().ep == 2  # registry name
+    with pytest.raises(ConfigError, match=r"parallelism.ep=3 must divide dp_shard\*cp\*tp = 4\*1\*1 = 4"):
+        trainer(ExpertParallelStrategy(ep=3), 4)
+
+
+def test_ep_and_moe_settings_are_validated_by_name():
+    from recipes.tests import models
+    from titan_lightning.config import ConfigError, validate_job
+
+    def check(run, message, world):
+        with pytest.raises(ConfigError, match=message):
+            validate_job(run.job, world_size=world)
+
+    dense = models.qwen3_debugmodel()
+    dense.job.parallelism.dp_shard, dense.job.parallelism.ep = 2, 2
+    check(dense, r"parallelism.ep=2 needs a mixture-of-experts model, and model.moe is None", 2)
+    moe = models.qwen3_moe_debugmodel()
+    moe.job.parallelism.dp_shard, moe.job.parallelism.tp = 1, 2
+    check(moe, r"MoE layers with parallelism.tp=2 need parallelism.ep > 1 .* tensor-parallel experts \(ep=1\) are not implemented", 2)
+    moe.job.parallelism.sequence_parallel = False
+    check(moe, r"MoE layers with parallelism.tp=2 need parallelism.sequence_parallel=True", 2)
+    odd = models.deepseek_v3_debugmodel()  # 8 experts
+    odd.job.parallelism.dp_shard, odd.job.parallelism.ep = 3, 3
+    odd.job.training.tokens_per_microbatch_per_dp_rank = 128
+    check(odd, r"parallelism.ep=3 must divide model.moe.num_experts=8", 3)
