@@ -50,6 +50,10 @@ def deepseek_v3_fsdp2_ep2() -> Run:
     return on_layout(deepseek_v3_debugmodel(), dp_shard=2, ep=2)
 
 
+def deepseek_v3_fsdp4_ep4() -> Run:
+    return on_layout(deepseek_v3_debugmodel(), dp_shard=4, ep=4)
+
+
 def deepseek_v3_tp2_ep2() -> Run:
     """TP2 (sequence parallel, MLA heads split) x EP2 over the same 2 ranks."""
     return on_layout(deepseek_v3_debugmodel(), dp_shard=1, tp=2, ep=2)

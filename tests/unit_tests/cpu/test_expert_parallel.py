@@ -71,3 +71,18 @@ def test_ep_and_moe_settings_are_validated_by_name():
     odd.job.parallelism.dp_shard, odd.job.parallelism.ep = 3, 3
     odd.job.training.tokens_per_microbatch_per_dp_rank = 128
     check(odd, r"parallelism.ep=3 must divide model.moe.num_experts=8", 3)
+
+
+@pytest.mark.slow
+def test_a_235b_scale_layout_runs_a_step_under_the_fake_process_group(tmp_path, monkeypatch, capsys):
+    # World 256 in one process: FSDP64 x TP4 dense, EP64 (one expert per rank, efsdp 4).
+    from titan_lightning import cli
+    from titan_lightning.recipe import RUN_DIR_ENV
+
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
+    argv = ["fit", "--recipe", "recipes.qwen3:moe_235b_a22b_layout", "--trainer.strategy", "FakePGStrategy",
+            "--trainer.strategy.world_size", "256", "--trainer.max_steps", "1", "--trainer.accelerator", "cpu",
+            "--trainer.enable_checkpointing", "false", "--trainer.limit_val_batches", "0",
+            "--trainer.num_sanity_val_steps", "0"]
+    assert cli.main(argv) == 0
+    assert "[fake_pg] world_size=256 rank=0 FSDP=64, TP=4, EP=64" in capsys.readouterr().out
