@@ -67,3 +67,13 @@ def deepseek_v3_fsdp4_ep2() -> Run:
 def deepseek_v3_hsdp2_fsdp2_ep2() -> Run:
     """HSDP + EP: two replicas of fsdp2_ep2, the experts replicated across them."""
     return on_layout(deepseek_v3_debugmodel(), dp_replicate=2, dp_shard=2, ep=2)
+
+
+def qwen3_moe_tp2() -> Run:
+    """Tensor-parallel experts (ep=1): each TP rank holds half of every expert's hidden dim."""
+    return on_layout(qwen3_moe_debugmodel(), dp_shard=1, tp=2)
+
+
+def deepseek_v3_fsdp2_tp2() -> Run:
+    """FSDP2 x TP2, the routed experts tensor-parallel (ep=1), shared experts per token."""
+    return on_layout(deepseek_v3_debugmodel(), dp_shard=2, tp=2)

@@ -24,6 +24,8 @@ ENTRIES = [
            "qwen3_moe_debugmodel", golden=True),
     _entry("deepseek_v3_fsdp2_ep2", "DeepSeek V3: FSDP2, experts over EP2", 2, "deepseek_v3_debugmodel", golden=True),
     _entry("deepseek_v3_tp2_ep2", "DeepSeek V3: TP2 (MLA heads) x EP2", 2, "deepseek_v3_debugmodel"),
+    _entry("deepseek_v3_fsdp2_tp2", "DeepSeek V3: FSDP2 x TP2, tensor-parallel experts (ep=1)", 4,
+           "deepseek_v3_debugmodel"),
     _entry("deepseek_v3_fsdp4_ep4", "DeepSeek V3: FSDP4, experts over EP4 (2 each)", 4, "deepseek_v3_debugmodel"),
     _entry("deepseek_v3_fsdp4_ep2", "DeepSeek V3: FSDP4, experts over EP2 x efsdp2", 4, "deepseek_v3_debugmodel"),
     _entry("deepseek_v3_hsdp2_fsdp2_ep2", "DeepSeek V3: HSDP 2x2, experts over EP2", 4, "deepseek_v3_debugmodel"),

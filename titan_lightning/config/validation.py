@@ -76,7 +76,8 @@ def validate_model_parallelism(job: JobConfig) -> None:
 
 
 def validate_expert_parallel(job: JobConfig) -> None:
-    """EP needs MoE layers whose experts split evenly; MoE under TP needs EP and sequence parallelism."""
+    """EP needs MoE layers whose experts split evenly; MoE under TP needs sequence parallelism,
+    and with ep=1 (tensor-parallel experts) a hidden dim that splits over tp."""
     p, moe = job.parallelism, getattr(job.model, "moe", None)
     if moe is None:
         if p.ep > 1:
@@ -89,10 +90,11 @@ def validate_expert_parallel(job: JobConfig) -> None:
             f"MoE layers with parallelism.tp={p.tp} need parallelism.sequence_parallel=True: without it every "
             f"TP rank routes the same tokens and the experts' gradients count each token {p.tp} times"
         )
-    if p.tp > 1 and p.ep == 1:
+    hidden = getattr(moe, "hidden_dim", None)
+    if p.tp > 1 and p.ep == 1 and hidden is not None and hidden % p.tp:
         raise ConfigError(
-            f"MoE layers with parallelism.tp={p.tp} need parallelism.ep > 1 (experts sharded over ranks that "
-            f"hold distinct tokens); tensor-parallel experts (ep=1) are not implemented"
+            f"parallelism.tp={p.tp} with ep=1 splits the experts' hidden dim: model.moe.hidden_dim={hidden} "
+            f"must be divisible by {p.tp}"
         )
 
 

@@ -14,6 +14,11 @@ Both token all-to-alls are autograd functions whose backward is the reverse exch
 gradients reach the tokens' own ranks and each expert's weights get the gradient of
 exactly the tokens routed to it, from every rank.
 
+With tensor parallelism and ep = 1 the experts are tensor-parallel instead (``ExpertTensorParallel``):
+each TP rank holds a slice of every expert's hidden dim, gathers the routed tokens of the TP
+group (under sequence parallelism each rank routes its own), computes its partial outputs
+and reduce-scatters them back.
+
 The ep ranks are taken from dp_shard x cp x tp (ep innermost); the experts are then
 FSDP-sharded over the remaining ``efsdp = dp_shard * cp * tp / ep`` ranks (and replicated
 over dp_replicate), while the dense layers shard over dp_shard x cp as usual.
@@ -25,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
+
+from titan_lightning.parallel.context import _AllGather, _all_gather, _reduce_scatter
 
 
 def _funcol():
@@ -116,4 +123,55 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> ExpertParallel:
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         module.ep = context
+    return context
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Sum over the group and keep this rank's chunk of dim 0; the gradient is all-gathered."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, 0, ctx.group), None
+
+
+@dataclass
+class ExpertTensorParallel:
+    """The TP group of one rank when the experts are tensor-parallel (``MoE.etp``)."""
+
+    group: dist.ProcessGroup
+    size: int
+
+    def gather(self, tokens: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor):
+        """Every TP rank's routed tokens [T * tp, dim], their scores and experts (rank order)."""
+        return (_AllGather.apply(tokens, 0, self.group), _AllGather.apply(scores, 0, self.group),
+                _all_gather(experts, 0, self.group))
+
+    def scatter(self, partial: torch.Tensor) -> torch.Tensor:
+        """Partial outputs of all gathered tokens -> the summed outputs of this rank's tokens."""
+        return _ReduceScatter.apply(partial, self.group)
+
+
+def apply_expert_tensor_parallel(model: nn.Module, tp_mesh) -> ExpertTensorParallel:
+    """Split every MoE layer's routed experts over ``tp_mesh`` along their hidden dim."""
+    from titan_lightning.config import ConfigError
+    from titan_lightning.models.common.moe import moe_modules
+
+    layers, size = moe_modules(model), tp_mesh.size()
+    if not layers:
+        raise ConfigError(f"expert tensor parallelism over tp={size}: {type(model).__name__} has no MoE layer")
+    context = ExpertTensorParallel(group=tp_mesh.get_group(), size=size)
+    for layer in layers:
+        experts = layer.experts
+        if experts.w1.shape[1] % size:
+            raise ConfigError(f"parallelism.tp={size} must divide the experts' hidden dim ({experts.w1.shape[1]})")
+        for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):  # w1/w3 [E, hidden, dim], w2 [E, dim, hidden]
+            param = getattr(experts, name)
+            sharded = distribute_tensor(param.data, tp_mesh, [Shard(dim)], src_data_rank=None)
+            experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        layer.etp = context
     return context

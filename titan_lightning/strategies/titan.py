@@ -30,7 +30,7 @@ from titan_lightning.config.validation import validate_degrees
 from titan_lightning.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_lightning.parallel.context import apply_context_parallel
 from titan_lightning.parallel.determinism import set_determinism
-from titan_lightning.parallel.expert import apply_expert_parallel
+from titan_lightning.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel, grouped_experts
 from titan_lightning.parallel.fsdp import apply_ddp, apply_fsdp, find_repeated_blocks, model_blocks
 from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_caches
 from titan_lightning.parallel.tensor import apply_tp
@@ -205,6 +205,8 @@ class TitanStrategy(ModelParallelStrategy):
                     f"is not supported: replicate the experts with HSDP instead (dp_shard > 1)"
                 )
             apply_expert_parallel(target, self.mesh.get("ep"))
+        elif dims.tp_enabled and grouped_experts(target):
+            apply_expert_tensor_parallel(target, self.mesh.get("tp"))
         blocks = None if inner is not None else find_repeated_blocks(module)
         ac = getattr(getattr(module, "job", None), "activation_checkpoint", None)
         if ac is not None and ac.mode != "none":

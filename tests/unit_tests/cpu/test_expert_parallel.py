@@ -64,7 +64,8 @@ def test_ep_and_moe_settings_are_validated_by_name():
     check(dense, r"parallelism.ep=2 needs a mixture-of-experts model, and model.moe is None", 2)
     moe = models.qwen3_moe_debugmodel()
     moe.job.parallelism.dp_shard, moe.job.parallelism.tp = 1, 2
-    check(moe, r"MoE layers with parallelism.tp=2 need parallelism.ep > 1 .* tensor-parallel experts \(ep=1\) are not implemented", 2)
+    moe.job.model.moe.hidden_dim = 63
+    check(moe, r"parallelism.tp=2 with ep=1 splits the experts' hidden dim: model.moe.hidden_dim=63 must be divisible by 2", 2)
     moe.job.parallelism.sequence_parallel = False
     check(moe, r"MoE layers with parallelism.tp=2 need parallelism.sequence_parallel=True", 2)
     odd = models.deepseek_v3_debugmodel()  # 8 experts

@@ -12,8 +12,9 @@ and auxiliary-loss-free load balancing.
 Expert weights are stacked: ``w1``/``w3`` [E, hidden, dim], ``w2`` [E, dim, hidden] (each
 slice is a Hugging Face per-expert ``Linear.weight``). Expert parallelism sets
 ``GroupedExperts.ep``; it then receives this rank's sorted tokens with the per-expert
-counts over all experts and exchanges them with the ranks that hold those experts
-(parallel/expert.py).
+counts over all experts and exchanges them with the ranks that hold those experts.
+Expert tensor parallelism (tp > 1, ep = 1) sets ``MoE.etp``: the experts' hidden dim is
+split over the TP ranks, which gather each other's routed tokens (parallel/expert.py).
 
 Load balancing (DeepSeek V3's auxiliary-loss-free method): every training forward adds
 its per-expert token counts to ``tokens_per_expert``; after each optimizer step
@@ -185,6 +186,8 @@ class MoE(nn.Module):
         self.register_module("shared_experts", FeedForward(dim, args.hidden_dim * args.num_shared_experts)
                              if args.num_shared_experts else None)
         self.load_balance_coeff = args.load_balance_coeff
+        # Set by expert tensor parallelism (parallel/expert.py, tp > 1 with ep = 1).
+        self.etp = None
         self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32),
                              persistent=args.load_balance_coeff is not None)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32),
@@ -205,6 +208,19 @@ class MoE(nn.Module):
         if torch.is_grad_enabled():
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        if self.etp is None:
+            routed = self.route(tokens, scores, experts, counts)
+        else:  # tensor-parallel experts: every TP rank computes its slice of every rank's tokens
+            routed = self.etp.scatter(self.route(*self.etp.gather(tokens, scores, experts)))
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(tokens)
+        return routed.reshape(shape)
+
+    def route(self, tokens: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor,
+              counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Each token through its top-k experts, weighted by its scores: [T, dim] -> [T, dim]."""
+        if counts is None:
+            counts = torch.bincount(experts.flatten(), minlength=self.args.num_experts)
         k = scores.shape[-1]
         order = torch.argsort(experts.flatten(), stable=True)  # (token, slot) pairs sorted by expert
         routed = tokens[order // k]
@@ -212,14 +228,10 @@ class MoE(nn.Module):
             routed = (routed.float() * scores.flatten()[order, None]).to(routed.dtype)
         out = self.experts(routed, counts)
         # Back to (token, slot) order, then a fixed-order weighted sum over the k slots.
-        unsorted = torch.empty_like(out).index_copy_(0, order, out).view(-1, k, shape[-1])
+        unsorted = torch.empty_like(out).index_copy_(0, order, out).view(-1, k, tokens.shape[-1])
         if self.args.score_before_experts:
-            combined = unsorted.sum(dim=1)
-        else:
-            combined = (unsorted.float() * scores[..., None]).sum(dim=1).to(out.dtype)
-        if self.shared_experts is not None:
-            combined = combined + self.shared_experts(tokens)
-        return combined.reshape(shape)
+            return unsorted.sum(dim=1)
+        return (unsorted.float() * scores[..., None]).sum(dim=1).to(out.dtype)
 
 
 def moe_modules(model: nn.Module) -> list[MoE]:
