@@ -1,6 +1,6 @@
 """Per-step parity of every parallel layout with the single-process run (CPU, gloo).
 
-    python benchmarks/parity.py [--steps 5] [--out /tmp/parity] [--only cp]
+    python benchmarks/parity.py [--steps 5] [--out /tmp/parity] [--only cp|moe]
 
 Prints one row per layout: world size, max relative loss / grad-norm difference over
 the steps, and the wall time of the launch (process start-up included).
@@ -22,26 +22,42 @@ CP_LAYOUTS = [
     ("llama3_cp4_ulysses", 4), ("llama3_fsdp2_cp2", 4), ("llama3_hsdp2_cp2", 4), ("llama3_fsdp2_tp2_cp2", 8),
 ]
 
+# (recipe in recipes.tests.models, world size, its one-process run)
+MOE_LAYOUTS = [
+    ("qwen3_moe_fsdp2_ep2", 2, "qwen3_moe_debugmodel"), ("qwen3_moe_tp2", 2, "qwen3_moe_debugmodel"),
+    ("qwen3_moe_fsdp2_tp2_cp2_ep8", 8, "qwen3_moe_debugmodel"),
+    ("deepseek_v3_fsdp2_ep2", 2, "deepseek_v3_debugmodel"), ("deepseek_v3_tp2_ep2", 2, "deepseek_v3_debugmodel"),
+    ("deepseek_v3_fsdp4_ep4", 4, "deepseek_v3_debugmodel"), ("deepseek_v3_fsdp4_ep2", 4, "deepseek_v3_debugmodel"),
+    ("deepseek_v3_hsdp2_fsdp2_ep2", 4, "deepseek_v3_debugmodel"), ("deepseek_v3_fsdp2_tp2", 4, "deepseek_v3_debugmodel"),
+]
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("/tmp/parity"))
-    parser.add_argument("--only", choices=("all", "cp"), default="all", help="cp: the context-parallel layouts only")
+    parser.add_argument("--only", choices=("all", "cp", "moe"), default="all",
+                        help="cp: the context-parallel layouts only; moe: the MoE / expert-parallel ones")
     args = parser.parse_args()
     fit = ["fit", "--trainer.accelerator", "cpu", "--trainer.max_steps", str(args.steps)]
-    ref = run_single([*fit, "--recipe", "recipes.tests.features:llama3_debugmodel", "--trainer.devices", "1"],
-                     out_dir=args.out / "reference", timeout=600).ranks[0]
+    dense = [(f"recipes.tests.features:{r}", w, "recipes.tests.features:llama3_debugmodel")
+             for r, w in {"all": LAYOUTS + CP_LAYOUTS, "cp": CP_LAYOUTS, "moe": []}[args.only]]
+    moe = [(f"recipes.tests.models:{r}", w, f"recipes.tests.models:{s}") for r, w, s in MOE_LAYOUTS]
+    references = {}
     print(f"| layout | world | max rel. loss diff | max rel. grad-norm diff | wall s |")
     print(f"|---|---|---|---|---|")
-    for recipe, world in (CP_LAYOUTS if args.only == "cp" else LAYOUTS + CP_LAYOUTS):
+    for recipe, world, seed in dense + (moe if args.only in ("all", "moe") else []):
+        if seed not in references:
+            references[seed] = run_single([*fit, "--recipe", seed, "--trainer.devices", "1"],
+                                          out_dir=args.out / seed.replace(":", "_"), timeout=600).ranks[0]
+        ref = references[seed]
         start = time.perf_counter()
-        got = launch([*fit, "--recipe", f"recipes.tests.features:{recipe}", "--trainer.devices", str(world)], world,
-                     out_dir=args.out / recipe, timeout=900).ranks[0]
+        got = launch([*fit, "--recipe", recipe, "--trainer.devices", str(world)], world,
+                     out_dir=args.out / recipe.replace(":", "_"), timeout=900).ranks[0]
         wall = time.perf_counter() - start
         loss = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
         norm = max(abs(a - b) / abs(b) for a, b in zip(got["grad_norms"], ref["grad_norms"]))
-        print(f"| {recipe.removeprefix('llama3_')} | {world} | {loss:.1e} | {norm:.1e} | {wall:.0f} |", flush=True)
+        print(f"| {recipe.split(':')[1].removeprefix('llama3_')} | {world} | {loss:.1e} | {norm:.1e} | {wall:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

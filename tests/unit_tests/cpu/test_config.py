@@ -103,9 +103,12 @@ def test_dp_shard_minus_one_takes_the_rest():
 
 
 def test_ep_borrows_ranks_from_dp_shard_cp_tp():
-    job = _job(dp_shard=2, cp=2, tp=2, ep=8)
+    from titan_lightning.models.qwen3 import Qwen3Job, qwen3_args
+
+    job = Qwen3Job(model=qwen3_args("debugmodel_moe"), training=_job().training,
+                   parallelism=ParallelismConfig(dp_shard=2, cp=2, tp=2, ep=8))
     job.model.attention = "allgather"
-    validate_job(job, world_size=8)
+    validate_job(job, world_size=8)  # ep=8 = dp_shard*cp*tp: efsdp 1
 
 
 def test_tokens_per_step_derives_accumulation_and_must_fit_dp_degree():
