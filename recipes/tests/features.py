@@ -150,3 +150,52 @@ def llama3_hsdp2_cp2() -> Run:
 def llama3_fsdp2_tp2_cp2() -> Run:
     """FSDP2 x TP2 x CP2: 8 ranks."""
     return _cp(cp=2, dp_shard=2, tp=2)
+
+
+# Pipeline parallel (real process groups only: the fake group moves no data between stages).
+# The local batch (4 sequences, or 2 with dp_shard=2) splits into pp_microbatches.
+def _pp(schedule: str = "1F1B", microbatches: int = 2, **degrees) -> Run:
+    return _layout(pp_schedule=schedule, pp_microbatches=microbatches, **degrees)
+
+
+def llama3_pp2() -> Run:
+    """Two stages (embedding + 3 blocks | 3 blocks + head), 1F1B over 2 microbatches."""
+    return _pp(pp=2, dp_shard=1)
+
+
+def llama3_pp2_gpipe() -> Run:
+    return _pp("GPipe", 4, pp=2, dp_shard=1)
+
+
+def llama3_pp2_fsdp2() -> Run:
+    """pp2 x FSDP2: 4 ranks; each stage FSDP-sharded over its 2 ranks."""
+    return _pp(pp=2, dp_shard=2)
+
+
+def llama3_pp2_tp2() -> Run:
+    """pp2 x TP2 with GPipe: 4 ranks; hidden states cross stages sharded on the sequence."""
+    return _pp("GPipe", 2, pp=2, dp_shard=1, tp=2)
+
+
+def llama3_pp2_fsdp2_tp2() -> Run:
+    """pp2 x FSDP2 x TP2: 8 ranks."""
+    return _pp(pp=2, dp_shard=2, tp=2)
+
+
+def llama3_pp2_interleaved() -> Run:
+    """Interleaved 1F1B, 2 stages per rank (4 stages of the 6 blocks), 4 microbatches."""
+    return _pp("Interleaved1F1B", 4, pp=2, dp_shard=1)
+
+
+def llama3_pp2_looped_bfs() -> Run:
+    return _pp("LoopedBFS", 4, pp=2, dp_shard=1)
+
+
+def llama3_pp2_zero_bubble() -> Run:
+    """Interleaved zero bubble: input and weight gradients computed as separate actions."""
+    return _pp("InterleavedZeroBubble", 4, pp=2, dp_shard=1)
+
+
+def llama3_pp2_zbv() -> Run:
+    """Zero bubble with V-shaped placement: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2."""
+    return _pp("ZBVZeroBubble", 4, pp=2, dp_shard=1)

@@ -12,6 +12,8 @@ PP_SCHEDULES = (
     "ZBVZeroBubble",
 )
 LOOPED_PP_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
+# Schedules whose two stages per rank sit in a V (rank r: stages r and 2*pp-1-r).
+V_PP_SCHEDULES = ("ZBVZeroBubble",)
 CP_LOAD_BALANCERS = ("headtail", "ptrr")
 FSDP_RESHARD_POLICIES = ("default", "always", "never")
 
@@ -29,7 +31,17 @@ class ParallelismConfig:
     loss_parallel: bool = True
     pp: int = 1
     pp_schedule: str = "1F1B"
+    # Microbatches the local batch is split into for the pipeline (per step, per dp rank).
     pp_microbatches: int = 1
+    # Stages per pipeline rank; None: 1 for GPipe/1F1B, 2 for the looped schedules.
+    pp_stages_per_rank: Optional[int] = None
+    # Automatic split: the embedding and the output head count as this many layers each.
+    pp_first_stage_weight: int = 1
+    pp_last_stage_weight: int = 1
+    # Explicit split: module names per stage, e.g. [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]].
+    pp_stage_modules: Optional[list[list[str]]] = None
+    # A schedule from a CSV file (torch's compute-only format, one row of actions per rank).
+    pp_schedule_csv: Optional[str] = None
     cp: int = 1
     cp_load_balancer: Optional[str] = "headtail"
     ep: int = 1
@@ -39,7 +51,9 @@ class ParallelismConfig:
     fsdp_cpu_offload: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_microbatches"):
+        for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_microbatches", "pp_stages_per_rank"):
+            if name == "pp_stages_per_rank" and self.pp_stages_per_rank is None:
+                continue
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallelism.{name}={value!r} must be an integer >= 1")
@@ -47,6 +61,10 @@ class ParallelismConfig:
             raise ValueError(f"parallelism.dp_shard={self.dp_shard!r} must be -1 (the rest) or an integer >= 1")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"parallelism.pp_schedule={self.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
+        for name in ("pp_first_stage_weight", "pp_last_stage_weight"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"parallelism.{name}={value!r} must be an integer >= 0")
         if self.fsdp_reshard_after_forward not in FSDP_RESHARD_POLICIES:
             raise ValueError(
                 f"parallelism.fsdp_reshard_after_forward={self.fsdp_reshard_after_forward!r} is not one of "
@@ -57,6 +75,17 @@ class ParallelismConfig:
                 f"parallelism.cp_load_balancer={self.cp_load_balancer!r} is not one of "
                 f"{', '.join(CP_LOAD_BALANCERS)} or None"
             )
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages on each pipeline rank (1 for GPipe/1F1B unless set, else 2 unless set)."""
+        if self.pp_stages_per_rank is not None:
+            return self.pp_stages_per_rank
+        return 2 if self.pp_schedule in LOOPED_PP_SCHEDULES else 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
 
     @property
     def fixed_degrees(self) -> int:

@@ -7,7 +7,10 @@ Every message names the fields, their values and what would be valid.
 from typing import Optional
 
 from titan_lightning.config.job import CP_ATTENTIONS, JobConfig
-from titan_lightning.config.parallelism import LOOPED_PP_SCHEDULES, ParallelismConfig
+import os
+import warnings
+
+from titan_lightning.config.parallelism import LOOPED_PP_SCHEDULES, V_PP_SCHEDULES, ParallelismConfig
 
 
 class ConfigError(ValueError):
@@ -52,10 +55,55 @@ def validate_degrees(p: ParallelismConfig, world_size: int) -> None:
         raise ConfigError(
             f"parallelism.ep={p.ep} must divide dp_shard*cp*tp = {dp_shard}*{p.cp}*{p.tp} = {sparse}"
         )
-    if p.pp_schedule in LOOPED_PP_SCHEDULES and p.pp > 1 and p.pp_microbatches < p.pp:
+    validate_pipeline_degrees(p)
+
+
+def validate_pipeline_degrees(p: ParallelismConfig) -> None:
+    """Schedule, stages per rank and microbatches agree (what needs only the parallelism section)."""
+    if p.pp == 1:
+        return
+    looped = p.pp_schedule in LOOPED_PP_SCHEDULES
+    spr = p.stages_per_rank
+    if p.pp_schedule_csv is not None:
+        if not os.path.isfile(p.pp_schedule_csv):
+            raise ConfigError(f"parallelism.pp_schedule_csv={p.pp_schedule_csv!r} is not a file")
+    elif looped and spr < 2:
+        raise ConfigError(
+            f"parallelism.pp_schedule={p.pp_schedule!r} is a looped schedule and needs several stages per rank, "
+            f"but parallelism.pp_stages_per_rank={spr}; set it to 2 or more, or use GPipe or 1F1B"
+        )
+    elif not looped and spr != 1:
+        raise ConfigError(
+            f"parallelism.pp_schedule={p.pp_schedule!r} runs one stage per rank, but parallelism.pp_stages_per_rank="
+            f"{spr}; use a looped schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) for {spr}"
+        )
+    if p.pp_schedule in V_PP_SCHEDULES and spr != 2:
+        raise ConfigError(
+            f"parallelism.pp_schedule={p.pp_schedule!r} places 2 stages per rank in a V; "
+            f"parallelism.pp_stages_per_rank={spr} must be 2"
+        )
+    if p.pp_schedule == "1F1B" and p.pp_microbatches < p.pp:
+        raise ConfigError(
+            f"parallelism.pp_microbatches={p.pp_microbatches} must be >= parallelism.pp={p.pp} for the 1F1B "
+            f"schedule (torch requires a microbatch per stage); use more microbatches or GPipe"
+        )
+    if looped and p.pp_microbatches < p.pp:
         raise ConfigError(
             f"parallelism.pp_microbatches={p.pp_microbatches} must be >= parallelism.pp={p.pp} "
             f"for the looped schedule {p.pp_schedule}"
+        )
+    if p.pp_schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, p.pp_microbatches // p.pp)
+        if p.pp_microbatches % rounds:
+            raise ConfigError(
+                f"parallelism.pp_microbatches={p.pp_microbatches} must be a multiple of the {rounds} rounds "
+                f"(microbatches // pp) of {p.pp_schedule} with pp={p.pp}"
+            )
+    if p.pp_microbatches < p.num_stages:
+        warnings.warn(
+            f"parallelism.pp_microbatches={p.pp_microbatches} is fewer than the {p.num_stages} pipeline stages "
+            f"(pp={p.pp} x {spr} per rank): the pipeline idles most of each step; use at least {p.num_stages}",
+            stacklevel=3,
         )
 
 
@@ -73,6 +121,32 @@ def validate_model_parallelism(job: JobConfig) -> None:
         raise ConfigError(f"training.seq_len={seq_len} must be <= model.max_seq_len={max_seq_len}")
     validate_context_parallel(job)
     validate_expert_parallel(job)
+    validate_pipeline(job)
+
+
+def validate_pipeline(job: JobConfig) -> None:
+    """Stages against the model's layers, microbatches against the local batch."""
+    p = job.parallelism
+    if p.pp == 1:
+        return
+    n_layers = getattr(job.model, "n_layers", None)
+    if n_layers is not None and p.num_stages > n_layers:
+        raise ConfigError(
+            f"parallelism.pp={p.pp} x {p.stages_per_rank} stages per rank = {p.num_stages} stages is more than "
+            f"model.n_layers={n_layers}; use fewer stages"
+        )
+    if p.pp_stage_modules is not None and len(p.pp_stage_modules) != p.num_stages:
+        raise ConfigError(
+            f"parallelism.pp_stage_modules lists {len(p.pp_stage_modules)} stages, but pp={p.pp} x "
+            f"{p.stages_per_rank} stages per rank = {p.num_stages}"
+        )
+    batch = job.training.microbatch_size
+    if batch % p.pp_microbatches:
+        raise ConfigError(
+            f"parallelism.pp_microbatches={p.pp_microbatches} must divide the local batch of {batch} sequences "
+            f"(training.tokens_per_microbatch_per_dp_rank={job.training.tokens_per_microbatch_per_dp_rank} / "
+            f"seq_len={job.training.seq_len})"
+        )
 
 
 def validate_expert_parallel(job: JobConfig) -> None:

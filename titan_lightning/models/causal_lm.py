@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from titan_lightning.config import JobConfig
 from titan_lightning.models.common.moe import update_expert_bias
 from titan_lightning.optim import build_lr_scheduler, build_optimizer
+from titan_lightning.parallel.pipeline import PipelinePlan
 
 IGNORE_INDEX = -100
 
@@ -27,16 +28,21 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     )
 
 
-def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+def global_grad_norm(grads: list[torch.Tensor], pp_group: Optional[torch.distributed.ProcessGroup] = None) -> torch.Tensor:
     """The 2-norm of all gradients together, over every shard, accumulated in float64.
 
     fp32 accumulation over a large tensor is off by ~1e-5 relative on CPU, and differently
     for each way the tensor is split; in float64 every layout agrees with one process.
     Gradients live on several meshes under expert parallelism (dense and expert weights):
-    each mesh's part is reduced over its own ranks, then the parts are combined.
+    each mesh's part is reduced over its own ranks, then the parts are combined. Under
+    pipeline parallelism each rank holds some stages' gradients: ``pp_group`` sums the
+    squares over the stages.
     """
     if not grads:
-        return torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float64)
+        if pp_group is not None:
+            torch.distributed.all_reduce(total, group=pp_group)
+        return total.float()
     groups: dict = {}
     for g in grads:
         key = g.device_mesh if isinstance(g, DTensor) else None
@@ -47,6 +53,10 @@ def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         part = torch.linalg.vector_norm(norms, 2.0)
         parts.append(part.full_tensor() if isinstance(part, DTensor) else part)
     total = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts), 2.0)
+    if pp_group is not None:
+        squares = total.square()
+        torch.distributed.all_reduce(squares, group=pp_group)
+        total = squares.sqrt()
     return total.float()
 
 
@@ -91,6 +101,8 @@ class CausalLMModule(L.LightningModule):
 
     # Module names (relative to this LightningModule) -> tensor-parallel styles; set by families.
     tp_plan: Optional[dict[str, str]] = None
+    # What a pipeline split cuts: model.layers (a ModuleDict), embeddings first, norm and head last.
+    pipeline_plan: PipelinePlan = PipelinePlan()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         t = self.job.training
@@ -144,8 +156,17 @@ class CausalLMModule(L.LightningModule):
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
-        # MoE load balancing: move each layer's expert bias toward the under-used experts.
-        update_expert_bias(self.model)
+        # MoE load balancing: move each layer's expert bias toward the under-used experts; the
+        # counts are summed over the ranks that hold the same layers (one stage's under PP).
+        pipeline = self._pipeline()
+        if pipeline is None:
+            update_expert_bias(self.model)
+        else:
+            update_expert_bias(self.model, pipeline.stage_group, reduce=pipeline.stage_group is not None)
+
+    def _pipeline(self):
+        trainer = self._trainer
+        return getattr(trainer.strategy, "pipeline", None) if trainer is not None else None
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip to ``training.max_grad_norm`` and log the pre-clip global grad norm.
@@ -154,7 +175,8 @@ class CausalLMModule(L.LightningModule):
         """
         max_norm = self.job.training.max_grad_norm
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm = global_grad_norm(grads)
+        pipeline = self._pipeline()
+        norm = global_grad_norm(grads, pp_group=pipeline.pp_group if pipeline is not None else None)
         if not torch.isfinite(norm):
             raise FloatingPointError(
                 f"non-finite gradient norm {norm.item()} at step {self.trainer.global_step + 1}; "

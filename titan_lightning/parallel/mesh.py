@@ -6,6 +6,7 @@ degree above 1 exist (disabled dims cost no process groups). Flattened views:
     dp           dp_replicate x dp_shard   data loading (ranks that see different batches)
     dp_shard_cp  dp_shard x cp             FSDP sharding
     dp_cp        dp_replicate x dp_shard x cp   loss and metric reduction
+    stage        every dim but pp               (pp > 1 only) ranks holding the same layers
 
 Experts (ep > 1) live on a second mesh over the same ranks, the sparse mesh
 (pp, dp_replicate, efsdp, ep): the ep ranks are taken from dp_shard x cp x tp (innermost,
@@ -27,6 +28,8 @@ FLATTENED = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    # Under pipeline parallelism: the ranks of one stage (they hold the same layers).
+    "stage": ("dp_replicate", "dp_shard", "cp", "tp"),
 }
 
 
@@ -123,6 +126,8 @@ class ParallelDims:
         views = {dim: mesh[dim] for dim in dims}
         for name, parts in FLATTENED.items():
             present = tuple(d for d in parts if d in dims)
+            if name == "stage" and not self.pp_enabled:
+                continue
             if len(present) > 1:
                 # Kept here: slicing a flattened dim back out of the root mesh is deprecated.
                 views[name] = mesh[present]._flatten(mesh_dim_name=name)
@@ -152,6 +157,8 @@ class Mesh:
     def get(self, name: str) -> Optional[DeviceMesh]:
         if name in ("ep", "efsdp"):
             return self._views.get(f"sparse:{name}") if self.dims.ep_enabled else None
+        if name == "stage" and not self.dims.pp_enabled:
+            return None
         parts = FLATTENED.get(name, (name,))
         present = tuple(d for d in parts if self.dims.degree(d) > 1)
         if not present:

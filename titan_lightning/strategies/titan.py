@@ -1,9 +1,11 @@
-"""TitanStrategy: N-D parallelism (FSDP2/HSDP/DDP, TP, CP, EP; PP to come) as one Lightning strategy.
+"""TitanStrategy: N-D parallelism (FSDP2/HSDP/DDP, TP, CP, PP, EP) as one Lightning strategy.
 
 The strategy owns the device mesh and applies each parallelism to the module in a fixed
-order: TP, then the CP and EP slots, then activation checkpointing and compile, then
-FSDP (or DDP); then it materializes the meta-device model with its deterministic init.
-The LightningModule's code is the same on every layout.
+order: the pipeline split first (each rank keeps its stages), then TP, the CP and EP
+slots, activation checkpointing and compile, then FSDP (or DDP, per stage under PP); then
+it materializes the meta-device model with its deterministic init. The LightningModule's
+code is the same on every layout; under PP the strategy runs the schedule (see
+titan_lightning/parallel/pipeline.py).
 
 Degrees come from the module's ``job.parallelism`` when it has one (every titan_lightning
 model does), else from the strategy's own arguments: ``TitanStrategy(dp_shard=2, tp=2)``.
@@ -26,6 +28,7 @@ from torch import Tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_lightning.config import ConfigError, ParallelismConfig
+from titan_lightning.config.parallelism import V_PP_SCHEDULES
 from titan_lightning.config.validation import validate_degrees
 from titan_lightning.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_lightning.parallel.context import apply_context_parallel
@@ -33,11 +36,18 @@ from titan_lightning.parallel.determinism import set_determinism
 from titan_lightning.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel, grouped_experts
 from titan_lightning.parallel.fsdp import apply_ddp, apply_fsdp, find_repeated_blocks, model_blocks
 from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_caches
+from titan_lightning.parallel.pipeline import (
+    PipelinePlan,
+    PipelineRunner,
+    check_stage_modules,
+    split_layers,
+    split_model,
+    stage_ids,
+    stage_module_names,
+)
 from titan_lightning.parallel.tensor import apply_tp
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# Degrees this strategy can apply today; the others arrive with their own strategies.
-_NOT_YET = {"pp": "pipeline parallelism"}
 
 
 class TitanStrategy(ModelParallelStrategy):
@@ -79,6 +89,7 @@ class TitanStrategy(ModelParallelStrategy):
         self._mixed_precision = (mixed_precision_param, mixed_precision_reduce)
         self.dims: Optional[ParallelDims] = None
         self.mesh: Optional[Mesh] = None
+        self.pipeline: Optional[PipelineRunner] = None
 
     # -- configuration ---------------------------------------------------------------------
 
@@ -130,12 +141,6 @@ class TitanStrategy(ModelParallelStrategy):
 
     def _check_degrees(self, config: ParallelismConfig, world_size: int) -> None:
         validate_degrees(config, world_size)
-        for field, what in _NOT_YET.items():
-            if getattr(config, field) > 1:
-                raise ConfigError(
-                    f"parallelism.{field}={getattr(config, field)}: {what} is not available in "
-                    f"{type(self).__name__} yet; set parallelism.{field}=1"
-                )
 
     # -- process groups and mesh -----------------------------------------------------------
 
@@ -181,9 +186,10 @@ class TitanStrategy(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def parallelize(self, module: L.LightningModule) -> None:
-        """TP -> (CP, EP slots) -> (AC, compile) -> FSDP/DDP -> materialize, in this order."""
+        """PP split -> TP -> (CP, EP slots) -> (AC, compile) -> FSDP/DDP -> materialize, in this order."""
         dims, config = self.dims, self.parallelism(module)
         inner = getattr(module, "model", None) if hasattr(module, "materialize") else None
+        stages = self._split_pipeline(module, config) if dims.pp_enabled else None
         if dims.tp_enabled:
             plan = getattr(module, "tp_plan", None)
             if not plan:
@@ -213,17 +219,72 @@ class TitanStrategy(ModelParallelStrategy):
             apply_activation_checkpointing(model_blocks(target) if blocks is None else blocks, ac.mode,
                                            ac.selective_ac_option)
         param_dtype, reduce_dtype = self._precision_dtypes()
+        # Under PP each stage is sharded on its own: the stage is FSDP's root, as the schedule expects.
+        roots = [(target, blocks)] if stages is None else [(stage, model_blocks(stage)) for stage in stages]
         if dims.fsdp_enabled:
-            apply_fsdp(target, self._fsdp_mesh(), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                       reshard_after_forward=config.fsdp_reshard_after_forward,
-                       cpu_offload=config.fsdp_cpu_offload, blocks=blocks,
-                       expert_mesh=self.mesh.expert_fsdp_mesh() if dims.ep_enabled else None)
+            for root, root_blocks in roots:
+                apply_fsdp(root, self._fsdp_mesh(), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                           reshard_after_forward=config.fsdp_reshard_after_forward,
+                           cpu_offload=config.fsdp_cpu_offload, blocks=root_blocks,
+                           expert_mesh=self.mesh.expert_fsdp_mesh() if dims.ep_enabled else None)
         elif dims.dp_replicate_enabled:
+            if stages is not None:
+                raise ConfigError(
+                    f"parallelism.pp={dims.pp} with dp_replicate={dims.dp_replicate} and no FSDP (dp_shard*cp = 1) "
+                    f"is not supported: use HSDP (dp_shard > 1) or FSDP with pipeline parallelism"
+                )
             self._apply_ddp(target)
         if inner is not None:
             module.materialize(self.root_device)
         else:
             _materialize_distributed_module(module, self.root_device)
+        if stages is not None:
+            self._build_pipeline(module, config, stages)
+
+    def _pipeline_plan(self, module: L.LightningModule) -> PipelinePlan:
+        plan = getattr(module, "pipeline_plan", None)
+        if plan is None:
+            raise ConfigError(
+                f"parallelism.pp={self.dims.pp} needs a pipeline plan, and {type(module).__name__} declares none: "
+                f"give it a `pipeline_plan = PipelinePlan(model=..., layers=..., first=..., last=...)` attribute "
+                f"(see titan_lightning/parallel/pipeline.py)"
+            )
+        return plan
+
+    def _split_pipeline(self, module: L.LightningModule, config: ParallelismConfig) -> list[torch.nn.Module]:
+        """Cut the module's model into stages and keep this rank's (views of the trimmed model)."""
+        plan = self._pipeline_plan(module)
+        model = getattr(module, plan.model, None)
+        if model is None:
+            raise ConfigError(f"pipeline plan: {type(module).__name__}.{plan.model} is None; build the model first")
+        layers = getattr(model, plan.layers, None)
+        keys = list(layers.keys()) if isinstance(layers, torch.nn.ModuleDict) else []
+        num_stages = config.num_stages
+        if config.pp_stage_modules is not None:
+            names = [list(stage) for stage in config.pp_stage_modules]
+            check_stage_modules(plan, keys, names, num_stages)
+        else:
+            if not keys:
+                raise ConfigError(
+                    f"pipeline parallelism needs {type(model).__name__}.{plan.layers} to be an nn.ModuleDict of blocks"
+                )
+            split = split_layers(len(keys), num_stages, first_weight=config.pp_first_stage_weight,
+                                 last_weight=config.pp_last_stage_weight)
+            names = stage_module_names(plan, keys, split)
+        pp_rank, pp = self.mesh.rank_and_size("pp")
+        placement = "v" if config.pp_schedule in V_PP_SCHEDULES else "loop"
+        local = stage_ids(pp_rank, pp, config.stages_per_rank, placement)
+        self._pipeline_layout = (names, local, placement)
+        return split_model(model, plan, names, local)
+
+    def _build_pipeline(self, module: L.LightningModule, config: ParallelismConfig, stages: list) -> None:
+        names, local, placement = self._pipeline_layout
+        stage_mesh = self.mesh.get("stage")
+        self.pipeline = PipelineRunner(
+            module, self._pipeline_plan(module), stages, local, len(names), self.mesh.get("pp"), self.root_device,
+            schedule=config.pp_schedule, microbatches=config.pp_microbatches, placement=placement,
+            schedule_csv=config.pp_schedule_csv, stage_group=None if stage_mesh is None else stage_mesh.get_group(),
+        )
 
     def _apply_ddp(self, module: torch.nn.Module) -> None:
         apply_ddp(module, self.mesh.get("dp_replicate"))
@@ -253,19 +314,41 @@ class TitanStrategy(ModelParallelStrategy):
             batch = cp.shard(batch)
         return (batch, *args[1:])
 
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+    def _step(self, hook: str, args: tuple, kwargs: dict) -> Any:
+        args = self._shard_sequence(args)
         with self._loss_parallel():
-            return super().training_step(*self._shard_sequence(args), **kwargs)
+            if self.pipeline is None:
+                return getattr(super(), hook)(*args, **kwargs)
+            if kwargs:
+                raise TypeError(f"pipeline parallelism passes the batch positionally to {hook}; got {sorted(kwargs)}")
+            context = self.precision_plugin.train_step_context() if hook == "training_step" else nullcontext()
+            with context:
+                return self.pipeline.run(hook, *args)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("training_step", args, kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_parallel():
-            return super().validation_step(*self._shard_sequence(args), **kwargs)
+        return self._step("validation_step", args, kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_parallel():
-            return super().test_step(*self._shard_sequence(args), **kwargs)
+        return self._step("test_step", args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:
+            raise NotImplementedError("predict under pipeline parallelism is not supported; predict with pp=1")
+        return super().predict_step(*args, **kwargs)
 
     def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
+        if self.pipeline is not None:
+            # The schedule ran backward inside training_step; put its gradients back (Lightning
+            # zeroed in between) and run the hooks, but no second backward.
+            self.pipeline.restore_grads()
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+            closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+            self.post_backward(closure_loss)
+            return closure_loss
         # Loss parallel needs its context around backward too, not only the loss.
         with self._loss_parallel():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -293,3 +376,4 @@ class TitanStrategy(ModelParallelStrategy):
             dist.destroy_process_group()
             release_dtensor_caches()
         self.mesh = None
+        self.pipeline = None

@@ -239,17 +239,17 @@ def moe_modules(model: nn.Module) -> list[MoE]:
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> None:
+def update_expert_bias(model: nn.Module, group: Optional[dist.ProcessGroup] = None, *, reduce: bool = True) -> None:
     """After an optimizer step: move every MoE's ``expert_bias`` toward balance, reset the counts.
 
     The counts are summed over ``group`` (every rank whose tokens these experts saw) first, so
-    the bias stays identical on all ranks. ``delta = coeff * sign(mean - count)``, centred.
+    the bias stays identical on all ranks; ``reduce=False``: this rank alone saw them. ``delta = coeff * sign(mean - count)``, centred.
     """
     layers = [m for m in moe_modules(model) if m.load_balance_coeff is not None]
     if not layers:
         return
     counts = torch.stack([m.tokens_per_expert for m in layers])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(counts, group=group)
     for layer, count in zip(layers, counts):
         delta = layer.load_balance_coeff * torch.sign(count.mean() - count)
