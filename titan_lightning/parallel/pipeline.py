@@ -572,8 +572,24 @@ def warn_few_microbatches(schedule: str, microbatches: int, num_stages: int) -> 
         )
 
 
-def balanced_split_report(layers_per_stage: list[list[int]]) -> str:
-    return ", ".join(f"stage {s}: {len(ix)} layers" for s, ix in enumerate(layers_per_stage))
+def describe_split(stages: list[list[str]], config: Any, placement: str) -> str:
+    """One line: schedule, stages, placement, microbatches and each stage's modules."""
+    parts = []
+    for s, names in enumerate(stages):
+        items, run = [], []
+        for name in names + [""]:
+            if "." in name:
+                run.append(name.rsplit(".", 1)[-1])
+                continue
+            if run:
+                items.append(f"layers {run[0]}-{run[-1]}" if len(run) > 1 else f"layer {run[0]}")
+                run = []
+            if name:
+                items.append(name)
+        parts.append(f"{s}: {' + '.join(items)}")
+    name = config.pp_schedule if config.pp_schedule_csv is None else config.pp_schedule_csv
+    return (f"{name}, {len(stages)} stages ({config.stages_per_rank} per rank, {placement}), "
+            f"{config.pp_microbatches} microbatches; stage " + "; ".join(parts))
 
 
 __all__ = [

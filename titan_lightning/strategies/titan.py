@@ -40,6 +40,7 @@ from titan_lightning.parallel.pipeline import (
     PipelinePlan,
     PipelineRunner,
     check_stage_modules,
+    describe_split,
     split_layers,
     split_model,
     stage_ids,
@@ -275,6 +276,8 @@ class TitanStrategy(ModelParallelStrategy):
         placement = "v" if config.pp_schedule in V_PP_SCHEDULES else "loop"
         local = stage_ids(pp_rank, pp, config.stages_per_rank, placement)
         self._pipeline_layout = (names, local, placement)
+        if self.global_rank == 0:
+            print(f"[pipeline] {describe_split(names, config, placement)}", flush=True)
         return split_model(model, plan, names, local)
 
     def _build_pipeline(self, module: L.LightningModule, config: ParallelismConfig, stages: list) -> None:
