@@ -77,3 +77,13 @@ def qwen3_moe_tp2() -> Run:
 def deepseek_v3_fsdp2_tp2() -> Run:
     """FSDP2 x TP2, the routed experts tensor-parallel (ep=1), shared experts per token."""
     return on_layout(deepseek_v3_debugmodel(), dp_shard=2, tp=2)
+
+
+def qwen3_moe_pp2_fsdp2_ep2() -> Run:
+    """Pipeline x experts: 2 stages (1F1B, 2 microbatches), each FSDP2 with its experts over EP2 (4 ranks)."""
+    return on_layout(qwen3_moe_debugmodel(), pp=2, dp_shard=2, ep=2, pp_microbatches=2)
+
+
+def deepseek_v3_pp2_ep2() -> Run:
+    """DeepSeek V3 on 2 stages (the dense first layer in stage 0), experts over EP2 within each (4 ranks)."""
+    return on_layout(deepseek_v3_debugmodel(), pp=2, dp_shard=2, ep=2, pp_microbatches=2)

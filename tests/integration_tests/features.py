@@ -49,4 +49,15 @@ ENTRIES = [
     _entry("llama3_fsdp2_cp2", "FSDP2 x CP2", 4),
     _entry("llama3_hsdp2_cp2", "2 replicas of FSDP over CP2", 4),
     _entry("llama3_fsdp2_tp2_cp2", "FSDP2 x TP2 x CP2", 8, golden=True),
+    # Pipeline parallel: real process groups only (the fake group moves no activations between stages).
+    _entry("llama3_pp2", "PP2, 1F1B, 2 microbatches", 2, golden=True, use_real_pg=True),
+    _entry("llama3_pp2_gpipe", "PP2, GPipe, 4 microbatches", 2, use_real_pg=True),
+    _entry("llama3_pp2_fsdp2", "PP2 x FSDP2, each stage sharded", 4, use_real_pg=True),
+    _entry("llama3_pp2_tp2", "PP2 x TP2, GPipe", 4, use_real_pg=True),
+    _entry("llama3_pp2_fsdp2_tp2", "PP2 x FSDP2 x TP2", 8, golden=True, use_real_pg=True),
+    _entry("llama3_pp2_interleaved", "PP2, Interleaved 1F1B, 2 stages per rank", 2, golden=True, use_real_pg=True),
+    _entry("llama3_pp2_looped_bfs", "PP2, looped BFS, 2 stages per rank", 2, use_real_pg=True),
+    _entry("llama3_pp2_zero_bubble", "PP2, interleaved zero bubble (split input/weight backward)", 2,
+           use_real_pg=True),
+    _entry("llama3_pp2_zbv", "PP2, zero bubble with V placement", 2, use_real_pg=True),
 ]

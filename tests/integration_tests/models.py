@@ -8,10 +8,12 @@ from titan_lightning.testing.entries import TestEntry
 _R = "recipes.tests.models"
 
 
-def _entry(recipe: str, description: str, ngpu: int = 1, seed: str = None, *, golden: bool = False) -> TestEntry:
+def _entry(recipe: str, description: str, ngpu: int = 1, seed: str = None, *, golden: bool = False,
+           **kwargs) -> TestEntry:
     return TestEntry(recipes=(f"{_R}:{recipe}",), name=recipe, description=description, ngpu=ngpu,
                      seed_recipe=f"{_R}:{seed}" if seed else None,
-                     golden_numerics_path=f"{{execution_mode}}/{{hardware}}/{recipe}.txt" if golden else None)
+                     golden_numerics_path=f"{{execution_mode}}/{{hardware}}/{recipe}.txt" if golden else None,
+                     **kwargs)
 
 
 ENTRIES = [
@@ -29,4 +31,8 @@ ENTRIES = [
     _entry("deepseek_v3_fsdp4_ep4", "DeepSeek V3: FSDP4, experts over EP4 (2 each)", 4, "deepseek_v3_debugmodel"),
     _entry("deepseek_v3_fsdp4_ep2", "DeepSeek V3: FSDP4, experts over EP2 x efsdp2", 4, "deepseek_v3_debugmodel"),
     _entry("deepseek_v3_hsdp2_fsdp2_ep2", "DeepSeek V3: HSDP 2x2, experts over EP2", 4, "deepseek_v3_debugmodel"),
+    _entry("qwen3_moe_pp2_fsdp2_ep2", "Qwen 3 MoE: PP2 x FSDP2, experts over EP2 in each stage", 4,
+           "qwen3_moe_debugmodel", golden=True, use_real_pg=True),
+    _entry("deepseek_v3_pp2_ep2", "DeepSeek V3: PP2 x FSDP2, experts over EP2 in each stage", 4,
+           "deepseek_v3_debugmodel", use_real_pg=True),
 ]

@@ -43,13 +43,18 @@ def create_seed_checkpoint(recipe: str, path: Union[str, Path]) -> Path:
 
 
 @torch.no_grad()
-def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], *, source: str = "state dict") -> None:
+def load_full_state_dict(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], *, source: str = "state dict", partial: bool = False
+) -> None:
     """Copy full tensors into ``model``'s parameters and buffers, sharding DTensors locally.
 
-    Every key of the model must be in ``state`` with the same global shape, and no other key.
+    Every key of the model must be in ``state`` with the same global shape, and no other key;
+    ``partial=True`` (a pipeline rank, which holds some stages) lets ``state`` have more.
     """
     own = model.state_dict(keep_vars=True)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if partial:
+        unexpected = []
     if missing or unexpected:
         raise KeyError(f"{source} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name, target in own.items():
@@ -73,7 +78,8 @@ class LoadSeedCheckpoint(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.path.is_file():
             raise FileNotFoundError(f"seed checkpoint {self.path} does not exist")
-        load_full_state_dict(pl_module.model, load_file(str(self.path)), source=str(self.path))
+        partial = getattr(trainer.strategy, "pipeline", None) is not None
+        load_full_state_dict(pl_module.model, load_file(str(self.path)), source=str(self.path), partial=partial)
 
 
 if __name__ == "__main__":
