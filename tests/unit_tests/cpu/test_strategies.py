@@ -83,3 +83,30 @@ def test_lightning_launcher_runs_the_cli_on_four_ranks(tmp_path):
     assert len(parallel) == 3
     for loss, ref in zip(parallel, single):
         assert _relative(loss, ref) < 1e-5
+
+
+@pytest.mark.multi_process
+def test_users_own_module_trains_and_validates_on_two_pipeline_stages(tmp_path):
+    """The same training_step, split over 2 stages: losses match one process; validation
+    (sanity check included) runs forward-only and every rank logs the last stage's numbers."""
+    single = run_single(["fit", "--recipe", "user_module:pipeline_single"], out_dir=tmp_path / "single", timeout=300,
+                        env=USER_ENV)
+    result = launch(["fit", "--recipe", "user_module:pipeline_pp2", "--trainer.devices", "2"], 2,
+                    out_dir=tmp_path / "pp2", timeout=300, env=USER_ENV)
+    expected = single.ranks[0]
+    for rank in result.ranks:
+        assert len(rank["losses"]) == 3
+        for loss, ref in zip(rank["losses"], expected["losses"]):
+            assert _relative(loss, ref) < 1e-6
+        assert _relative(rank["metrics"]["val/loss"], expected["metrics"]["val/loss"]) < 1e-6
+
+
+@pytest.mark.multi_process
+def test_pipeline_without_a_plan_names_the_missing_attribute(tmp_path):
+    from titan_lightning.testing.launch import LaunchFailed
+
+    with pytest.raises(LaunchFailed) as failed:
+        launch(["fit", "--recipe", "user_module:pipeline_no_plan", "--trainer.devices", "2"], 2,
+               out_dir=tmp_path / "pp2", timeout=300, env=USER_ENV)
+    assert "declares none: give it a `pipeline_plan" in str(failed.value) + "".join(
+        p.read_text() for p in (tmp_path / "pp2").glob("rank*.error"))

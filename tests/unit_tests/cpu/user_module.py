@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, TensorDataset
 
+from titan_lightning.parallel.pipeline import PipelinePlan
 from titan_lightning.recipe import Run
 from titan_lightning.strategies import FSDP2Strategy, TitanStrategy
 
@@ -75,3 +76,59 @@ def titan_dp_shard2() -> Run:
 def titan_tp2() -> Run:
     """Asks for TP on a module that declares no plan."""
     return Run(module=UserModule(batch_size=8), trainer=dict(_TRAINER, strategy=TitanStrategy(dp_shard=1, tp=2)))
+
+
+# A user's module for pipeline parallelism: the network is one attribute (`net`) whose blocks
+# sit in a ModuleDict and whose forward skips a None embedding or head, as PipelinePlan asks.
+class Net(nn.Module):
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, dim)
+        self.blocks = nn.ModuleDict({str(i): Block(dim) for i in range(4)})
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        h = self.embed(x) if self.embed is not None else x
+        for block in self.blocks.values():
+            h = block(h)
+        return self.head(h) if self.head is not None else h
+
+
+class PipelineUserModule(UserModule):
+    """The same training_step as UserModule; only the network's home differs."""
+
+    pipeline_plan = PipelinePlan(model="net", layers="blocks", first=("embed",), last=("head",))
+
+    def __init__(self, batch_size: int) -> None:
+        L.LightningModule.__init__(self)
+        torch.manual_seed(0)
+        self.batch_size = batch_size
+        self.net = Net()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+_PP_TRAINER = dict(_TRAINER, limit_val_batches=2, val_check_interval=2, num_sanity_val_steps=1)
+
+
+def pipeline_single() -> Run:
+    return Run(module=PipelineUserModule(batch_size=8), trainer=dict(_PP_TRAINER, strategy=TitanStrategy(dp_shard=1)))
+
+
+def pipeline_pp2() -> Run:
+    """Two stages (embed + 2 blocks | 2 blocks + head), 1F1B over 2 microbatches of 4."""
+    strategy = TitanStrategy(dp_shard=1, pp=2, pp_microbatches=2)
+    return Run(module=PipelineUserModule(batch_size=8), trainer=dict(_PP_TRAINER, strategy=strategy))
+
+
+def pipeline_no_plan() -> Run:
+    """pp=2 on a module that declares no pipeline plan."""
+    return Run(module=UserModule(batch_size=8), trainer=dict(_TRAINER, strategy=TitanStrategy(dp_shard=1, pp=2, pp_microbatches=2)))
