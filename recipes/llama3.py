@@ -132,6 +132,35 @@ def fsdp2_tp2_cp2() -> Run:
     return _debug_cp(cp=2, dp_shard=2, tp=2)
 
 
+# Pipeline parallel: the debug model's 6 layers in stages; the local batch splits into microbatches.
+#   titan-lightning fit --recipe recipes.llama3:pp2_fsdp2_tp2 --trainer.devices 8 --trainer.accelerator cpu
+def _debug_pp(schedule: str = "1F1B", microbatches: int = 4, **degrees) -> Run:
+    return _debug_layout(pp_schedule=schedule, pp_microbatches=microbatches, **degrees)
+
+
+def pp2() -> Run:
+    """2 stages, 1F1B over 4 microbatches of 2 sequences."""
+    return _debug_pp(pp=2, dp_shard=1)
+
+
+def pp2_fsdp2() -> Run:
+    return _debug_pp(pp=2, dp_shard=2)
+
+
+def pp2_tp2() -> Run:
+    return _debug_pp("GPipe", pp=2, dp_shard=1, tp=2)
+
+
+def pp2_fsdp2_tp2() -> Run:
+    """8 ranks: 2 stages, each FSDP2 x TP2; 1F1B over 4 microbatches of 1 sequence."""
+    return _debug_pp(pp=2, dp_shard=2, tp=2)
+
+
+def pp2_interleaved() -> Run:
+    """Interleaved 1F1B: 4 stages, 2 per rank (loop placement)."""
+    return _debug_pp("Interleaved1F1B", pp=2, dp_shard=1)
+
+
 def llama3_8b_fsdp8_cp8() -> Run:
     """Llama 3 8B at 131,072-token sequences on 64 GPUs: FSDP8 x CP8, one sequence per FSDP rank.
 

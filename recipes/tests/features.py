@@ -199,3 +199,13 @@ def llama3_pp2_zero_bubble() -> Run:
 def llama3_pp2_zbv() -> Run:
     """Zero bubble with V-shaped placement: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2."""
     return _pp("ZBVZeroBubble", 4, pp=2, dp_shard=1)
+
+
+def llama3_pp2_csv() -> Run:
+    """A schedule read from a CSV file (torch's compute-only format): looped BFS written by hand,
+    tests/assets/pp_schedules/looped_bfs_pp2_4stages_4mb.csv."""
+    from titan_lightning.data.tokenizer import ASSETS_DIR
+
+    run = _pp("LoopedBFS", 4, pp=2, dp_shard=1)
+    run.job.parallelism.pp_schedule_csv = str(ASSETS_DIR / "pp_schedules" / "looped_bfs_pp2_4stages_4mb.csv")
+    return run

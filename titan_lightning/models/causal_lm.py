@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from titan_lightning.config import JobConfig
 from titan_lightning.models.common.moe import update_expert_bias
 from titan_lightning.optim import build_lr_scheduler, build_optimizer
+from titan_lightning.parallel.grad_norm import global_grad_norm
 from titan_lightning.parallel.pipeline import PipelinePlan
 
 IGNORE_INDEX = -100
@@ -26,38 +27,6 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return F.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="mean"
     )
-
-
-def global_grad_norm(grads: list[torch.Tensor], pp_group: Optional[torch.distributed.ProcessGroup] = None) -> torch.Tensor:
-    """The 2-norm of all gradients together, over every shard, accumulated in float64.
-
-    fp32 accumulation over a large tensor is off by ~1e-5 relative on CPU, and differently
-    for each way the tensor is split; in float64 every layout agrees with one process.
-    Gradients live on several meshes under expert parallelism (dense and expert weights):
-    each mesh's part is reduced over its own ranks, then the parts are combined. Under
-    pipeline parallelism each rank holds some stages' gradients: ``pp_group`` sums the
-    squares over the stages.
-    """
-    if not grads:
-        total = torch.zeros((), dtype=torch.float64)
-        if pp_group is not None:
-            torch.distributed.all_reduce(total, group=pp_group)
-        return total.float()
-    groups: dict = {}
-    for g in grads:
-        key = g.device_mesh if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g)
-    parts = []
-    for members in groups.values():
-        norms = torch.stack([torch.linalg.vector_norm(g, 2.0, dtype=torch.float64) for g in members])
-        part = torch.linalg.vector_norm(norms, 2.0)
-        parts.append(part.full_tensor() if isinstance(part, DTensor) else part)
-    total = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts), 2.0)
-    if pp_group is not None:
-        squares = total.square()
-        torch.distributed.all_reduce(squares, group=pp_group)
-        total = squares.sqrt()
-    return total.float()
 
 
 def _local(loss: torch.Tensor) -> torch.Tensor:

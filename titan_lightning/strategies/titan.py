@@ -35,6 +35,7 @@ from titan_lightning.parallel.context import apply_context_parallel
 from titan_lightning.parallel.determinism import set_determinism
 from titan_lightning.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel, grouped_experts
 from titan_lightning.parallel.fsdp import apply_ddp, apply_fsdp, find_repeated_blocks, model_blocks
+from titan_lightning.parallel.grad_norm import clip_grad_norm_
 from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_caches
 from titan_lightning.parallel.pipeline import (
     PipelinePlan,
@@ -183,6 +184,8 @@ class TitanStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        if self.pipeline is not None:
+            self._clip_across_stages()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -241,6 +244,16 @@ class TitanStrategy(ModelParallelStrategy):
             _materialize_distributed_module(module, self.root_device)
         if stages is not None:
             self._build_pipeline(module, config, stages)
+
+    def _clip_across_stages(self) -> None:
+        """Lightning's ``gradient_clip_val`` clips by the norm of this rank's gradients only; under
+        PP the norm must cover every stage (and every DTensor shard): clip by the global norm."""
+        plugin, group = self.precision_plugin, self.pipeline.pp_group
+
+        def clip_grad_by_norm(optimizer, clip_val) -> None:
+            clip_grad_norm_(plugin.main_params(optimizer), clip_val, pp_group=group)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm
 
     def _pipeline_plan(self, module: L.LightningModule) -> PipelinePlan:
         plan = getattr(module, "pipeline_plan", None)

@@ -110,3 +110,16 @@ def test_pipeline_without_a_plan_names_the_missing_attribute(tmp_path):
                out_dir=tmp_path / "pp2", timeout=300, env=USER_ENV)
     assert "declares none: give it a `pipeline_plan" in str(failed.value) + "".join(
         p.read_text() for p in (tmp_path / "pp2").glob("rank*.error"))
+
+
+@pytest.mark.multi_process
+def test_pipeline_validation_loss_matches_one_process(tmp_path):
+    """Validation under PP runs a forward-only schedule; the torchmetrics mean that only the last
+    stage updates, synced over every rank, equals the one-process validation loss and perplexity."""
+    extra = ["--trainer.limit_val_batches", "2", "--trainer.val_check_interval", "3", "--trainer.max_steps", "3"]
+    single = run_single([*_argv("llama3_debugmodel", 1), *extra], out_dir=tmp_path / "single", timeout=300)
+    result = launch([*_argv("llama3_pp2_interleaved", 2), *extra], 2, out_dir=tmp_path / "pp2", timeout=300)
+    expected = single.ranks[0]["metrics"]
+    for rank in result.ranks:
+        for name in ("val/loss", "val/ppl"):
+            assert _relative(rank["metrics"][name], expected[name]) < 1e-6, (name, rank["metrics"][name], expected[name])
