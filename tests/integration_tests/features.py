@@ -60,4 +60,5 @@ ENTRIES = [
     _entry("llama3_pp2_zero_bubble", "PP2, interleaved zero bubble (split input/weight backward)", 2,
            use_real_pg=True),
     _entry("llama3_pp2_zbv", "PP2, zero bubble with V placement", 2, use_real_pg=True),
+    _entry("llama3_pp2_csv", "PP2, a looped schedule read from a CSV file", 2, use_real_pg=True),
 ]
