@@ -14,6 +14,8 @@ _EXPORTS = {
     "FakePGStrategy": "titan_lightning.strategies",
     "ContextParallelStrategy": "titan_lightning.strategies",
     "ExpertParallelStrategy": "titan_lightning.strategies",
+    "PipelineParallelStrategy": "titan_lightning.strategies",
+    "PipelinePlan": "titan_lightning.parallel.pipeline",
     "ContextParallelTransform": "titan_lightning.transforms",
     "apply_transforms": "titan_lightning.transforms",
 }

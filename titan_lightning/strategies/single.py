@@ -87,3 +87,34 @@ class ExpertParallelStrategy(TitanStrategy):
 
     def default_parallelism(self) -> ParallelismConfig:
         return ParallelismConfig(ep=self._ep or self.num_nodes * max(self.num_processes, 1))
+
+
+class PipelineParallelStrategy(_OneDegreeStrategy):
+    """Pipeline parallel over ``pp`` ranks (every rank by default), one stage per rank (GPipe,
+    1F1B) or several (the looped schedules), ``pp_microbatches`` per step.
+
+    The module declares where its blocks are (``pipeline_plan``, see
+    titan_lightning/parallel/pipeline.py); its ``training_step`` is unchanged: the strategy
+    runs forward and backward of every microbatch through the schedule and reports the last
+    stage's loss and logs on every rank.
+    """
+
+    strategy_name = "pipeline_parallel"
+    scope = ("pp",)
+    _degree = "pp"
+
+    def __init__(
+        self, *, pp: Optional[int] = None, pp_schedule: str = "1F1B", pp_microbatches: Optional[int] = None,
+        pp_stages_per_rank: Optional[int] = None, **kwargs: Any
+    ) -> None:
+        options = dict(pp=pp, pp_schedule=pp_schedule, pp_stages_per_rank=pp_stages_per_rank)
+        if pp_microbatches is not None:
+            options["pp_microbatches"] = pp_microbatches
+        super().__init__(options, **kwargs)
+
+    def default_parallelism(self) -> ParallelismConfig:
+        config = super().default_parallelism()
+        if "pp_microbatches" not in self._options:
+            config.pp_microbatches = config.pp  # at least one microbatch per stage
+            config.__post_init__()
+        return config

@@ -1,23 +1,33 @@
 """A callback that records what each optimizer step produced."""
 
+import time
 from typing import Any
 
 import lightning as L
 
 
 class RecordSteps(L.Callback):
-    """Step, loss (``train/loss`` as logged, so synced across ranks) and grad norm per optimizer step."""
+    """Step, loss (``train/loss`` as logged, so synced across ranks), grad norm and wall time per
+    optimizer step (``step_times[i]``: seconds since the previous step ended, or since fit started)."""
 
     def __init__(self) -> None:
+        self._last = None
+        self.step_times: list[float] = []
         self.steps: list[int] = []
         self.losses: list[float] = []
         self.grad_norms: list[float | None] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last = time.perf_counter()
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
+        now = time.perf_counter()
+        self.step_times.append(now - (self._last if self._last is not None else now))
+        self._last = now
         self.steps.append(trainer.global_step)
         self.losses.append(trainer.callback_metrics["train/loss"].item())
         norm = getattr(pl_module, "last_grad_norm", None)

@@ -3,7 +3,7 @@
 Runs the command as ``titan-lightning`` would, recording loss and grad norm after every
 optimizer step, and writes ``DIR/rank{r}.json``::
 
-    {"rank", "world_size", "strategy", "cluster_environment", "steps", "losses", "grad_norms", "metrics"}
+    {"rank", "world_size", "strategy", "cluster_environment", "steps", "losses", "grad_norms", "step_times", "metrics"}
 
 Options (before ``--``): ``--golden PATH --golden-mode compare|export --golden-config NAME``
 add a GoldenNumerics callback; ``--seed-checkpoint PATH`` loads a full-model seed
@@ -94,6 +94,7 @@ def run_command(argv: list[str], callbacks: Optional[list[L.Callback]] = None) -
         "steps": record.steps,
         "losses": record.losses,
         "grad_norms": record.grad_norms,
+        "step_times": record.step_times,
         "metrics": {key: value.item() for key, value in trainer.callback_metrics.items() if value.numel() == 1},
     }
 

@@ -199,3 +199,24 @@ def test_fake_pg_refuses_pipeline_parallelism_before_any_work():
 
     with pytest.raises(ConfigError, match=r"parallelism.pp=2: pipeline parallelism cannot run under the fake"):
         FakePGStrategy(world_size=4, parallelism=ParallelismConfig(pp=2, dp_shard=2, pp_microbatches=2))._configure_launcher()
+
+
+def test_pipeline_parallel_strategy_takes_every_rank_and_checks_before_spawn():
+    import lightning as L
+
+    from titan_lightning import PipelineParallelStrategy
+
+    def trainer(strategy, devices):
+        return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+    config = trainer(PipelineParallelStrategy(), 4).strategy.default_parallelism()
+    assert (config.pp, config.dp_shard, config.pp_microbatches, config.pp_schedule) == (4, 1, 4, "1F1B")
+    config = trainer("pipeline_parallel", 2).strategy.default_parallelism()  # registry name
+    assert (config.pp, config.pp_microbatches) == (2, 2)
+    looped = trainer(PipelineParallelStrategy(pp_schedule="Interleaved1F1B", pp_microbatches=8), 2).strategy
+    assert looped.default_parallelism().stages_per_rank == 2
+    with pytest.raises(ConfigError, match=r"pp_microbatches=1 must be >= parallelism.pp=4 for the 1F1B schedule"):
+        trainer(PipelineParallelStrategy(pp_microbatches=1), 4)
+    with pytest.raises(ConfigError, match=r"pp_schedule='LoopedBFS' is a looped schedule"):
+        trainer(PipelineParallelStrategy(pp_schedule="LoopedBFS", pp_stages_per_rank=1, pp_microbatches=4), 4)

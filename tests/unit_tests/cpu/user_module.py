@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from titan_lightning.parallel.pipeline import PipelinePlan
 from titan_lightning.recipe import Run
-from titan_lightning.strategies import FSDP2Strategy, TitanStrategy
+from titan_lightning.strategies import FSDP2Strategy, PipelineParallelStrategy, TitanStrategy
 
 
 class Block(nn.Module):
@@ -126,7 +126,7 @@ def pipeline_single() -> Run:
 
 def pipeline_pp2() -> Run:
     """Two stages (embed + 2 blocks | 2 blocks + head), 1F1B over 2 microbatches of 4."""
-    strategy = TitanStrategy(dp_shard=1, pp=2, pp_microbatches=2)
+    strategy = PipelineParallelStrategy(pp_microbatches=2)
     return Run(module=PipelineUserModule(batch_size=8), trainer=dict(_PP_TRAINER, strategy=strategy))
 
 
