@@ -1,4 +1,5 @@
 from titan_lightning.config.activation_checkpoint import ActivationCheckpointConfig
+from titan_lightning.config.checkpoint import CheckpointConfig
 from titan_lightning.config.data import DataConfig
 from titan_lightning.config.job import JobConfig, ModelArgs
 from titan_lightning.config.optimizer import LRScheduleConfig, OptimizerConfig
@@ -8,6 +9,7 @@ from titan_lightning.config.validation import ConfigError, validate_job
 
 __all__ = [
     "ActivationCheckpointConfig",
+    "CheckpointConfig",
     "ConfigError",
     "DataConfig",
     "JobConfig",

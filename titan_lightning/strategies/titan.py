@@ -27,6 +27,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from titan_lightning import checkpoint as ckpt
 from titan_lightning.config import ConfigError, ParallelismConfig
 from titan_lightning.config.parallelism import V_PP_SCHEDULES
 from titan_lightning.config.validation import validate_degrees
@@ -92,6 +93,7 @@ class TitanStrategy(ModelParallelStrategy):
         self.dims: Optional[ParallelDims] = None
         self.mesh: Optional[Mesh] = None
         self.pipeline: Optional[PipelineRunner] = None
+        self._checkpoint_writer = ckpt.CheckpointWriter()
 
     # -- configuration ---------------------------------------------------------------------
 
@@ -369,6 +371,78 @@ class TitanStrategy(ModelParallelStrategy):
         with self._loss_parallel():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter name (flattened per parameter), so each pipeline
+        stage saves its own and a checkpoint loads on another layout."""
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=False)
+        return get_optimizer_state_dict(self.model, optimizer, options=options)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
+
+    def _rank_state(self) -> dict[str, Any]:
+        """What this rank alone knows: its RNG states and its data module's position."""
+        state: dict[str, Any] = {"rng": ckpt.rng_states(), "world_size": self.world_size,
+                                 "layout": self.dims.describe() if self.dims is not None else None}
+        datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
+        if datamodule is not None and hasattr(datamodule, "state_dict"):
+            state["datamodule"] = datamodule.state_dict()
+        return state
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        """Sharded, atomic save (see titan_lightning/checkpoint.py); asynchronous when the job says so."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported")
+        from pathlib import Path
+
+        path = Path(self.broadcast(str(filepath)))
+        job = getattr(self.lightning_module, "job", None)
+        async_save = bool(job is not None and job.checkpoint.async_save)
+        self._checkpoint_writer.save(checkpoint, path, rank=self.global_rank, rank_state=self._rank_state(),
+                                     async_save=async_save)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Model and optimizer from the shards (any layout), the rest from meta.pt, this rank's RNG
+        and data position from its own file (when the checkpoint was saved by as many ranks)."""
+        from pathlib import Path
+
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        self._checkpoint_writer.wait()
+        path = Path(self.broadcast(str(checkpoint_path)))
+        strict = self.lightning_module.strict_loading
+        options = StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model, options=options)}
+        for index, optimizer in enumerate(self.optimizers):
+            state[f"optimizer_{index}"] = get_optimizer_state_dict(self.model, optimizer, options=options)
+        ckpt.load_sharded(path, state)
+        set_model_state_dict(self.model, state["state_dict"], options=options)
+        for index, optimizer in enumerate(self.optimizers):
+            set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{index}"], options=options)
+        checkpoint = ckpt.load_meta(path)
+        mine = ckpt.load_rank_state(path, self.global_rank)
+        if mine is not None and mine.get("world_size") == self.world_size:
+            ckpt.set_rng_states(mine["rng"])
+            datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
+            if datamodule is not None and "datamodule" in mine:
+                checkpoint[type(datamodule).__qualname__] = mine["datamodule"]
+        return checkpoint
+
     # -- collectives -----------------------------------------------------------------------
 
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
@@ -383,6 +457,7 @@ class TitanStrategy(ModelParallelStrategy):
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     def teardown(self) -> None:
+        self._checkpoint_writer.wait()  # an asynchronous save still being written
         super().teardown()
         if getattr(self, "_determinism", None) is not None:
             self._determinism.restore()
