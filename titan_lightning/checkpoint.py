@@ -33,6 +33,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+# Fault injection for tests: the process dies in the middle of its N-th save (after meta.pt and
+# its rank file, before the shards), as a run killed while writing would.
+FAULT_ENV = "TITAN_LIGHTNING_FAULT_IN_SAVE"
+
 META = "meta.pt"
 PARTIAL = ".partial"
 DCP_METADATA = ".metadata"
@@ -123,6 +127,7 @@ class CheckpointWriter:
     def __init__(self) -> None:
         self._pending: Optional[_Pending] = None
         self._lock = threading.Lock()
+        self._saves = 0
 
     def wait(self) -> None:
         """Block until the asynchronous save in flight (if any) is on disk under its final name."""
@@ -147,6 +152,9 @@ class CheckpointWriter:
         torch.save(rank_state, staging / rank_file(rank))
         if rank == 0:
             torch.save(checkpoint, staging / META)
+        self._saves += 1
+        if os.environ.get(FAULT_ENV) == str(self._saves):
+            os._exit(137)
 
         def finish() -> None:
             if rank == 0:  # DCP's coordinator writes .metadata last, after every rank's data

@@ -24,7 +24,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 
 import lightning as L
 
-from titan_lightning.recipe import Run, RecipeError, build_run, build_trainer
+from titan_lightning.recipe import Run, RecipeError, build_run, build_trainer, execute
 
 SUBCOMMANDS = ("fit", "validate", "test")
 OPTIONS = ("--recipe", "--config", "--print_config", "--job", "--trainer")
@@ -47,7 +47,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if prepared is None:
         return 0
     command, run, trainer = prepared
-    getattr(trainer, command)(run.module, datamodule=run.datamodule)
+    execute(command, run, trainer)
     return 0
 
 

@@ -117,6 +117,30 @@ def _validate_vocab(run: Run, job: JobConfig) -> None:
         )
 
 
+def checkpoint_callback(job: Optional[JobConfig], folder: Path) -> ModelCheckpoint:
+    """Lightning's ModelCheckpoint as ``job.checkpoint`` asks: every ``interval`` steps, the newest
+    ``keep_latest_k`` kept (ranked by step), into ``<run folder>/checkpoints``."""
+    if job is None:
+        return ModelCheckpoint(dirpath=folder / "checkpoints")
+    c = job.checkpoint
+    keep = {"save_top_k": c.keep_latest_k, "monitor": "step", "mode": "max"} if c.keep_latest_k != -1 else {"save_top_k": -1}
+    if c.interval is None and c.keep_latest_k == -1:
+        keep = {}  # Lightning's default: the newest checkpoint after each validation
+    return ModelCheckpoint(dirpath=folder / "checkpoints", every_n_train_steps=c.interval, **keep)
+
+
+def execute(command: str, run: Run, trainer: L.Trainer) -> None:
+    """``trainer.<command>(module, datamodule)``; ``fit`` resumes from ``job.checkpoint.resume_from``."""
+    kwargs: dict[str, Any] = {}
+    job = run.job
+    if command == "fit" and job is not None and job.checkpoint.resume_from is not None:
+        from titan_lightning.checkpoint import resolve_resume
+
+        # "latest" searches every run of this recipe: <root>/<name>/<timestamp>/checkpoints.
+        kwargs["ckpt_path"] = resolve_resume(job.checkpoint.resume_from, Path(trainer.default_root_dir).parent)
+    getattr(trainer, command)(run.module, datamodule=run.datamodule, **kwargs)
+
+
 def build_trainer(run: Run) -> L.Trainer:
     """Validate the run and build its Trainer. Nothing is written and nothing is spawned."""
     kwargs = dict(run.trainer)
@@ -141,7 +165,7 @@ def build_trainer(run: Run) -> L.Trainer:
     if job is not None and not any(isinstance(c, TrainingMetrics) for c in callbacks):
         callbacks.append(TrainingMetrics())
     if kwargs.get("enable_checkpointing", True) and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-        callbacks.append(ModelCheckpoint(dirpath=folder / "checkpoints"))
+        callbacks.append(checkpoint_callback(job, folder))
     kwargs["callbacks"] = callbacks
     trainer = L.Trainer(**kwargs)
     if job is not None:

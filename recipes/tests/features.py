@@ -209,3 +209,54 @@ def llama3_pp2_csv() -> Run:
     run = _pp("LoopedBFS", 4, pp=2, dp_shard=1)
     run.job.parallelism.pp_schedule_csv = str(ASSETS_DIR / "pp_schedules" / "looped_bfs_pp2_4stages_4mb.csv")
     return run
+
+
+# Save, then resume (tests/integration_tests/test_resume.py): the first half stops after step 5
+# (its checkpoint written at step 5), the second resumes from the newest checkpoint of the run.
+def _saving(run: Run) -> Run:
+    from titan_lightning.testing.record import StopAtStep
+
+    run.job.checkpoint.interval = 5
+    run.trainer.update(enable_checkpointing=True, callbacks=[StopAtStep(5)])
+    return run
+
+
+def _resuming(run: Run) -> Run:
+    run.job.checkpoint.resume_from = "latest"
+    return run
+
+
+def llama3_fsdp2_save() -> Run:
+    return _saving(llama3_fsdp2())
+
+
+def llama3_fsdp2_resume() -> Run:
+    return _resuming(llama3_fsdp2())
+
+
+def llama3_fsdp2_tp2_save() -> Run:
+    return _saving(llama3_fsdp2_tp2())
+
+
+def llama3_fsdp2_tp2_resume() -> Run:
+    return _resuming(llama3_fsdp2_tp2())
+
+
+def llama3_fsdp4_save() -> Run:
+    """Saved on FSDP4, resumed on FSDP2 x TP2 (llama3_fsdp2_tp2_resume): another layout."""
+    return _saving(llama3_fsdp4())
+
+
+def llama3_pp2_save() -> Run:
+    return _saving(llama3_pp2())
+
+
+def llama3_pp2_every5() -> Run:
+    """pp2 saving every 5 steps without stopping (the kill-during-save test dies in the second save)."""
+    run = _saving(llama3_pp2())
+    run.trainer["callbacks"] = []
+    return run
+
+
+def llama3_pp2_resume() -> Run:
+    return _resuming(llama3_pp2())

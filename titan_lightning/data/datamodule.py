@@ -118,14 +118,22 @@ class TextDataModule(L.LightningDataModule):
         return {"consumed_samples": self.consumed_samples, "seed": self.job.training.seed, "dp_size": self._dp()[0]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        expected = {"seed": self.job.training.seed, "dp_size": self._dp()[0]}
-        saved = {key: state_dict.get(key) for key in expected}
-        if saved != expected:
+        """Resume at the saved position. On another data-parallel size the global position carries
+        over (rank r of d visits samples r, r + d, ...): it must split evenly over the new ranks."""
+        seed, dp_size = self.job.training.seed, self._dp()[0]
+        if state_dict.get("seed") != seed:
             raise ValueError(
-                f"cannot resume the data position saved with {saved} in a run with {expected} "
-                "(training.seed and the data-parallel size must match)"
+                f"cannot resume the data position saved with training.seed={state_dict.get('seed')} in a run with "
+                f"training.seed={seed}"
             )
-        self._start = int(state_dict["consumed_samples"])
+        consumed, saved_dp = int(state_dict["consumed_samples"]), int(state_dict["dp_size"])
+        total = consumed * saved_dp
+        if total % dp_size:
+            raise ValueError(
+                f"cannot resume the data position of {total} samples ({consumed} on each of {saved_dp} data-parallel "
+                f"ranks) on {dp_size} data-parallel ranks: {total} is not divisible by {dp_size}"
+            )
+        self._start = total // dp_size
         self._counter = None
 
     def _check_val_covers_dp(self) -> None:

@@ -32,3 +32,16 @@ class RecordSteps(L.Callback):
         self.losses.append(trainer.callback_metrics["train/loss"].item())
         norm = getattr(pl_module, "last_grad_norm", None)
         self.grad_norms.append(None if norm is None else norm.item())
+
+
+class StopAtStep(L.Callback):
+    """End fit after optimizer step ``step`` as if the job were preempted there (the schedule
+    still runs to ``trainer.max_steps``): a save-then-resume test's first half."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from titan_lightning.cli import prepare  # noqa: E402
-from titan_lightning.recipe import RUN_DIR_ENV  # noqa: E402
+from titan_lightning.recipe import RUN_DIR_ENV, execute  # noqa: E402
 from titan_lightning.testing.launch import THREADS_ENV  # noqa: E402
 from titan_lightning.testing.record import RecordSteps  # noqa: E402
 
@@ -84,7 +84,7 @@ def run_command(argv: list[str], callbacks: Optional[list[L.Callback]] = None) -
     command, run, trainer = prepared
     record = RecordSteps()
     trainer.callbacks.extend([record, *(callbacks or [])])
-    getattr(trainer, command)(run.module, datamodule=run.datamodule)
+    execute(command, run, trainer)
     environment = getattr(trainer.strategy, "cluster_environment", None)
     return {
         "rank": trainer.global_rank,

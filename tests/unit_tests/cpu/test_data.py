@@ -223,10 +223,25 @@ def test_load_state_dict_resumes_at_the_saved_sample(shipped):
     assert first_batches(resumed, 2) == first_batches(shipped, 5)[3:]
 
 
-@pytest.mark.parametrize("saved", [{"seed": 1, "dp_size": 1}, {"seed": 0, "dp_size": 2}])
-def test_load_state_dict_refuses_another_seed_or_dp_size(saved):
-    with pytest.raises(ValueError, match="training.seed and the data-parallel size"):
-        TextDataModule(job()).load_state_dict({"consumed_samples": 4, **saved})
+@pytest.mark.parametrize("saved, message", [
+    ({"consumed_samples": 4, "seed": 1, "dp_size": 1}, r"training.seed=1 in a run with training.seed=0"),
+    ({"consumed_samples": 3, "seed": 0, "dp_size": 1, "_dp": 2},
+     r"position of 3 samples \(3 on each of 1 data-parallel ranks\) on 2 data-parallel ranks"),
+])
+def test_load_state_dict_refuses_another_seed_or_an_uneven_split(saved, message, monkeypatch):
+    datamodule = TextDataModule(job())
+    monkeypatch.setattr(datamodule, "_dp", lambda: (saved.pop("_dp", 1), 0))
+    with pytest.raises(ValueError, match=message):
+        datamodule.load_state_dict(saved)
+
+
+def test_load_state_dict_on_another_dp_size_keeps_the_global_position(shipped, monkeypatch):
+    """Saved by 2 data-parallel ranks after 3 samples each: one rank resumes at global sample 6."""
+    resumed = TextDataModule(job())
+    resumed.setup()
+    resumed.load_state_dict({"consumed_samples": 3, "seed": 0, "dp_size": 2})
+    assert resumed.state_dict()["consumed_samples"] == 6
+    assert first_batches(resumed, 2) == first_batches(shipped, 5)[3:]
 
 
 class Recorder(L.LightningModule):
