@@ -251,12 +251,19 @@ def load_sharded(path: Path, state: dict[str, Any]) -> None:
     """Read ``state`` (tensors updated in place) from the checkpoint folder ``path``."""
     import torch.distributed.checkpoint as dcp
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     check_checkpoint(path, state)
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as error:
-        raise CheckpointError(f"checkpoint {path}: reading the shards failed ({type(error).__name__}: "
-                              f"{str(error).splitlines()[0] if str(error) else ''}); the files may be truncated") from error
+    except (Exception, CheckpointException) as error:
+        failures = getattr(error, "failures", None)
+        cause = next(iter(failures.values())) if failures else error
+        if isinstance(cause, tuple):  # (exception, traceback frames)
+            cause = cause[0]
+        text = str(cause).strip().split(". ")[0].splitlines()
+        raise CheckpointError(f"checkpoint {path}: reading the shards failed ({type(cause).__name__}: "
+                              f"{text[0] if text else ''}); the files may be truncated") from error
 
 
 def load_meta(path: Path) -> dict[str, Any]:

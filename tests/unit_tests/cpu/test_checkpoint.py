@@ -1,0 +1,102 @@
+"""Checkpoint folders below the Trainer: what a broken or mismatched one reports, which one is
+the latest, the checkpoint config. Multi-process save/resume: tests/integration_tests/test_resume.py."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from titan_lightning.checkpoint import (
+    META,
+    CheckpointError,
+    check_checkpoint,
+    is_complete,
+    latest_checkpoint,
+    load_sharded,
+    resolve_resume,
+    rng_states,
+    set_rng_states,
+)
+from titan_lightning.config import CheckpointConfig
+
+
+def _folder(tmp_path, name="epoch=0-step=5.ckpt", step=5, tensors=None):
+    path = tmp_path / name
+    tensors = tensors or {"state_dict": {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(3)}}
+    dcp.save(tensors, checkpoint_id=str(path))
+    torch.save({"global_step": step}, path / META)
+    return path
+
+
+def test_a_complete_checkpoint_loads_in_place(tmp_path):
+    path = _folder(tmp_path)
+    state = {"state_dict": {"w": torch.zeros(2, 3), "b": torch.zeros(3)}}
+    load_sharded(path, state)
+    assert torch.equal(state["state_dict"]["w"], torch.arange(6.0).view(2, 3))
+
+
+def test_missing_keys_and_shapes_are_named(tmp_path):
+    path = _folder(tmp_path)
+    with pytest.raises(CheckpointError, match=r"does not match this run: 1 keys missing \(state_dict.extra\)"):
+        check_checkpoint(path, {"state_dict": {"w": torch.zeros(2, 3), "extra": torch.zeros(1)}})
+    with pytest.raises(CheckpointError, match=r"shapes differ \(state_dict.w: saved \(2, 3\), model \(3, 3\)\)"):
+        check_checkpoint(path, {"state_dict": {"w": torch.zeros(3, 3)}})
+
+
+def test_incomplete_truncated_and_absent_checkpoints_are_named(tmp_path):
+    path = _folder(tmp_path)
+    (path / META).unlink()
+    with pytest.raises(CheckpointError, match=rf"{path} is incomplete \(missing meta.pt\)"):
+        check_checkpoint(path, {})
+    other = _folder(tmp_path, "epoch=0-step=6.ckpt", 6)
+    (shard,) = other.glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[:10])
+    with pytest.raises(CheckpointError, match=r"reading the shards failed .* may be truncated"):
+        load_sharded(other, {"state_dict": {"w": torch.zeros(2, 3), "b": torch.zeros(3)}})
+    with pytest.raises(CheckpointError, match=r"does not exist"):
+        check_checkpoint(tmp_path / "nope", {})
+
+
+def test_latest_is_the_highest_complete_step(tmp_path):
+    _folder(tmp_path / "a", "epoch=0-step=5.ckpt", 5)
+    newest = _folder(tmp_path / "b", "epoch=0-step=10.ckpt", 10)
+    broken = _folder(tmp_path / "b", "epoch=0-step=15.ckpt.partial", 15)
+    assert not is_complete(broken)
+    assert latest_checkpoint(tmp_path) == newest
+    assert resolve_resume("latest", tmp_path) == str(newest)
+    assert resolve_resume(None, tmp_path) is None
+    with pytest.raises(CheckpointError, match=r"resume_from='latest': no complete checkpoint under"):
+        resolve_resume("latest", tmp_path / "a" / "empty")
+    with pytest.raises(CheckpointError, match=r"resume_from='/no/such' does not exist"):
+        resolve_resume("/no/such", tmp_path)
+
+
+def test_rng_states_round_trip():
+    states = rng_states()
+    first = torch.rand(3)
+    set_rng_states(states)
+    assert torch.equal(torch.rand(3), first)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(interval=0), r"checkpoint.interval=0 must be an integer >= 1, or None"),
+    (dict(keep_latest_k=0), r"checkpoint.keep_latest_k=0 must be -1 \(keep all\) or >= 1"),
+    (dict(export_format="onnx"), r"checkpoint.export_format='onnx' is not one of dcp, hf, or None"),
+    (dict(export_dtype="float16"), r"checkpoint.export_dtype='float16' is not one of float32, bfloat16"),
+    (dict(initial_load_format="pt"), r"checkpoint.initial_load_format='pt' is not one of dcp, hf"),
+])
+def test_checkpoint_config_names_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CheckpointConfig(**kwargs)
+
+
+def test_keep_latest_k_ranks_checkpoints_by_step(tmp_path):
+    from titan_lightning.recipe import checkpoint_callback
+    from recipes.tests import features
+
+    job = features.llama3_debugmodel().job
+    job.checkpoint.interval, job.checkpoint.keep_latest_k = 5, 2
+    callback = checkpoint_callback(job, tmp_path)
+    assert (callback.save_top_k, callback.monitor, callback.mode) == (2, "step", "max")
+    assert callback._every_n_train_steps == 5 and os.fspath(callback.dirpath) == os.fspath(tmp_path / "checkpoints")
