@@ -242,9 +242,19 @@ def check_checkpoint(path: Path, state: dict[str, Any]) -> None:
         if mismatched:
             parts.append(f"shapes differ ({'; '.join(mismatched[:3])}{' ...' if len(mismatched) > 3 else ''})")
         raise CheckpointError(f"checkpoint {path} does not match this run: {'; '.join(parts)}")
-    for name in sorted(p.name for p in path.glob("*.distcp")):
-        if (path / name).stat().st_size == 0:
-            raise CheckpointError(f"checkpoint {path}: {name} is empty (truncated)")
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = getattr(info, "relative_path", None)
+        if name is not None:
+            needed[name] = max(needed.get(name, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path}: shard file {name} is missing")
+        if file.stat().st_size < size:
+            raise CheckpointError(
+                f"checkpoint {path}: shard file {name} is truncated ({file.stat().st_size} of {size} bytes)"
+            )
 
 
 def load_sharded(path: Path, state: dict[str, Any]) -> None:

@@ -51,9 +51,17 @@ def test_incomplete_truncated_and_absent_checkpoints_are_named(tmp_path):
         check_checkpoint(path, {})
     other = _folder(tmp_path, "epoch=0-step=6.ckpt", 6)
     (shard,) = other.glob("*.distcp")
-    shard.write_bytes(shard.read_bytes()[:10])
+    data = shard.read_bytes()
+    shard.write_bytes(data[:10])
+    with pytest.raises(CheckpointError, match=rf"shard file {shard.name} is truncated \(10 of \d+ bytes\)"):
+        load_sharded(other, {"state_dict": {"w": torch.zeros(2, 3), "b": torch.zeros(3)}})
+    # Same length, garbage inside: reading fails, and says so with the folder's name.
+    shard.write_bytes(bytes(len(data)))
     with pytest.raises(CheckpointError, match=r"reading the shards failed .* may be truncated"):
         load_sharded(other, {"state_dict": {"w": torch.zeros(2, 3), "b": torch.zeros(3)}})
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"shard file {shard.name} is missing"):
+        check_checkpoint(other, {})
     with pytest.raises(CheckpointError, match=r"does not exist"):
         check_checkpoint(tmp_path / "nope", {})
 
