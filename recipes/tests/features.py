@@ -260,3 +260,10 @@ def llama3_pp2_every5() -> Run:
 
 def llama3_pp2_resume() -> Run:
     return _resuming(llama3_pp2())
+
+
+def llama3_fsdp2_save_async() -> Run:
+    """As llama3_fsdp2_save, the checkpoint written in the background while training goes on."""
+    run = llama3_fsdp2_save()
+    run.job.checkpoint.async_save = True
+    return run

@@ -45,10 +45,13 @@ def _tail(report: dict, first_step: int) -> tuple[list, list]:
     return report["losses"][index:], report["grad_norms"][index:]
 
 
-@pytest.mark.parametrize("layout, world", [("llama3_fsdp2", 2), ("llama3_fsdp2_tp2", 4), ("llama3_pp2", 2)])
-def test_resume_continues_exactly(layout, world, straight, tmp_path):
+@pytest.mark.parametrize("layout, world, save", [
+    ("llama3_fsdp2", 2, "_save"), ("llama3_fsdp2", 2, "_save_async"), ("llama3_fsdp2_tp2", 4, "_save"),
+    ("llama3_pp2", 2, "_save"),
+])
+def test_resume_continues_exactly(layout, world, save, straight, tmp_path):
     run_dir = tmp_path / "run"
-    saved = fit(f"{layout}_save", world, tmp_path / "save", run_dir)
+    saved = fit(f"{layout}{save}", world, tmp_path / "save", run_dir)
     assert saved["steps"] == [1, 2, 3, 4, 5]
     resumed = fit(f"{layout}_resume", world, tmp_path / "resume", run_dir)
     assert resumed["steps"] == [6, 7, 8, 9, 10]
