@@ -248,3 +248,39 @@ def test_args_validation_names_the_field(kwargs, message):
 def test_rope_scaling_validation_names_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RopeScaling(**kwargs)
+
+
+# -- Hugging Face checkpoints (logits against transformers: test_llama3_hf_parity.py) ----------
+
+
+def _hf_small_model(seed: int = 0):
+    from titan_lightning.models.llama3 import Llama3Args, Transformer
+
+    model = Transformer(Llama3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=64,
+                                   max_seq_len=32))
+    model.init_weights(seed)
+    return model
+
+
+def test_hf_adapter_round_trip_through_sharded_safetensors(tmp_path):
+    from titan_lightning.models.llama3 import Llama3StateDictAdapter
+
+    model = _hf_small_model()
+    adapter = Llama3StateDictAdapter(model.args)
+    hf = adapter.to_hf(model.state_dict())
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.1.self_attn.k_proj.weight",
+            "model.layers.1.mlp.down_proj.weight"} <= hf.keys()
+    adapter.save_from(model, tmp_path, max_shard_bytes=50_000)
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1 and (tmp_path / "model.safetensors.index.json").is_file()
+    other = _hf_small_model(seed=7)
+    adapter.load_into(other, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+
+
+def test_hf_adapter_names_unknown_keys():
+    from titan_lightning.models.llama3 import Llama3StateDictAdapter
+
+    model = _hf_small_model()
+    adapter = Llama3StateDictAdapter(model.args)
+    with pytest.raises(ValueError, match=r"no Llama name for Hugging Face keys model.layers.0.self_attn.q_norm.weight"):
+        adapter.from_hf({"model.layers.0.self_attn.q_norm.weight": torch.ones(16)})

@@ -75,6 +75,11 @@ class Qwen3StateDictAdapter(StateDictAdapter):
     into our untied output, and ``to_hf`` refuses an output that no longer equals them.
     """
 
+    family = "Qwen3"
+    # Our name inside a block -> Hugging Face's inside model.layers.N; stacked experts -> projection.
+    layer_keys = _LAYER_KEYS
+    expert_keys = _EXPERT_KEYS
+
     def __init__(self, args: Qwen3Args, *, tie_word_embeddings: bool = False):
         self.args = args
         self.tie_word_embeddings = tie_word_embeddings
@@ -101,18 +106,18 @@ class Qwen3StateDictAdapter(StateDictAdapter):
             match = _OUR_LAYER.fullmatch(key)
             layer, name = match.groups() if match else (None, key)
             prefix = f"model.layers.{layer}."
-            if layer is not None and name in _LAYER_KEYS:
-                hf[prefix + _LAYER_KEYS[name]] = _pairs_to_halves(value, heads[name]) if name in heads else value
-            elif layer is not None and name in _EXPERT_KEYS:
+            if layer is not None and name in self.layer_keys:
+                hf[prefix + self.layer_keys[name]] = _pairs_to_halves(value, heads[name]) if name in heads else value
+            elif layer is not None and name in self.expert_keys:
                 for j, expert in enumerate(value.unbind(0)):
-                    hf[f"{prefix}mlp.experts.{j}.{_EXPERT_KEYS[name]}.weight"] = expert
+                    hf[f"{prefix}mlp.experts.{j}.{self.expert_keys[name]}.weight"] = expert
             elif layer is not None and name == _EXPERT_BIAS:
                 if value.any():
                     warnings.warn(f"{key} is not zero; Hugging Face Qwen3-MoE has no expert bias, it is dropped")
             else:
                 unknown.append(key)
         if unknown:
-            raise ValueError(f"no Hugging Face Qwen3 name for {', '.join(unknown)}")
+            raise ValueError(f"no Hugging Face {self.family} name for {', '.join(unknown)}")
         if self.tie_word_embeddings:
             output = hf.pop("lm_head.weight")
             if not torch.equal(output, hf["model.embed_tokens.weight"]):
@@ -124,8 +129,8 @@ class Qwen3StateDictAdapter(StateDictAdapter):
 
     def from_hf(self, hf_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         top = {hf_key: ours for ours, hf_key in _TOP_KEYS.items()}
-        layer_keys = {hf_key: ours for ours, hf_key in _LAYER_KEYS.items()}
-        expert_keys = {proj: ours for ours, proj in _EXPERT_KEYS.items()}
+        layer_keys = {hf_key: ours for ours, hf_key in self.layer_keys.items()}
+        expert_keys = {proj: ours for ours, proj in self.expert_keys.items()}
         heads = self._head_counts()
         sd: dict[str, Tensor] = {}
         experts: dict[str, dict[int, Tensor]] = {}  # our stacked key -> expert index -> weight
@@ -145,9 +150,10 @@ class Qwen3StateDictAdapter(StateDictAdapter):
             else:
                 unknown.append(key)
         if unknown:
-            raise ValueError(f"no Qwen3 name for Hugging Face keys {', '.join(unknown)}")
+            raise ValueError(f"no {self.family} name for Hugging Face keys {', '.join(unknown)}")
         for key, by_index in experts.items():
-            n = len(by_index) if self.args.moe is None else self.args.moe.num_experts
+            moe = getattr(self.args, "moe", None)
+            n = len(by_index) if moe is None else moe.num_experts
             absent = sorted(set(range(n)) - by_index.keys())
             if absent or len(by_index) != n:
                 raise ValueError(f"{key}: Hugging Face experts {absent or sorted(by_index)} missing or extra "
@@ -155,7 +161,7 @@ class Qwen3StateDictAdapter(StateDictAdapter):
             sd[key] = torch.stack([by_index[j] for j in range(n)])
         if self.tie_word_embeddings and "output.weight" not in sd and "tok_embeddings.weight" in sd:
             sd["output.weight"] = sd["tok_embeddings.weight"].clone()
-        moe = self.args.moe
+        moe = getattr(self.args, "moe", None)
         if moe is not None and moe.load_balance_coeff is not None:
             for layer in range(self.args.n_layers):
                 sd[f"layers.{layer}.{_EXPERT_BIAS}"] = torch.zeros(moe.num_experts, dtype=torch.float32)
