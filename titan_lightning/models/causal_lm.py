@@ -81,6 +81,10 @@ class CausalLMModule(L.LightningModule):
                 return self.model(input_ids)
         return self.model(input_ids)
 
+    def state_dict_adapter(self):
+        """The family's Hugging Face state-dict adapter (models/common/hf_checkpoint.py), or None."""
+        return None
+
     # -- steps ---------------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -18,8 +18,8 @@ from typing import Union
 import lightning as L
 import torch
 from safetensors.torch import load_file, save_file
-from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titan_lightning.checkpoint import load_full_state_dict  # noqa: F401 (its home before checkpoint.py)
 from titan_lightning.recipe import build_run
 
 
@@ -40,33 +40,6 @@ def create_seed_checkpoint(recipe: str, path: Union[str, Path]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path), metadata={"recipe": recipe})
     return path
-
-
-@torch.no_grad()
-def load_full_state_dict(
-    model: torch.nn.Module, state: dict[str, torch.Tensor], *, source: str = "state dict", partial: bool = False
-) -> None:
-    """Copy full tensors into ``model``'s parameters and buffers, sharding DTensors locally.
-
-    Every key of the model must be in ``state`` with the same global shape, and no other key;
-    ``partial=True`` (a pipeline rank, which holds some stages) lets ``state`` have more.
-    """
-    own = model.state_dict(keep_vars=True)
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if partial:
-        unexpected = []
-    if missing or unexpected:
-        raise KeyError(f"{source} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for name, target in own.items():
-        full = state[name]
-        if tuple(full.shape) != tuple(target.shape):
-            raise ValueError(f"{source}: {name} has shape {tuple(full.shape)}, the model's is {tuple(target.shape)}")
-        if isinstance(target, DTensor):
-            full = full.to(device=target.device, dtype=target.dtype)
-            local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
-            target.to_local().copy_(local)
-        else:
-            target.copy_(full.to(device=target.device, dtype=target.dtype))
 
 
 class LoadSeedCheckpoint(L.Callback):

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from titan_lightning.config import JobConfig
 from titan_lightning.models.causal_lm import CausalLMModule
+from titan_lightning.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 from titan_lightning.models.deepseek_v3.model import DeepSeekV3Args, Transformer
 from titan_lightning.models.deepseek_v3.parallelize import deepseek_v3_tp_plan
 
@@ -24,3 +25,6 @@ class DeepSeekV3Module(CausalLMModule):
 
     def build_model(self) -> Transformer:
         return Transformer(self.job.model)
+
+    def state_dict_adapter(self) -> DeepSeekV3StateDictAdapter:
+        return DeepSeekV3StateDictAdapter(self.job.model)

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from titan_lightning.config import JobConfig
 from titan_lightning.models.causal_lm import CausalLMModule
+from titan_lightning.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from titan_lightning.models.llama3.model import Llama3Args, Transformer
 from titan_lightning.models.llama3.parallelize import TP_PLAN
 
@@ -21,3 +22,6 @@ class Llama3Module(CausalLMModule):
 
     def build_model(self) -> Transformer:
         return Transformer(self.job.model)
+
+    def state_dict_adapter(self) -> Llama3StateDictAdapter:
+        return Llama3StateDictAdapter(self.job.model)

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from titan_lightning.config import JobConfig
 from titan_lightning.models.causal_lm import CausalLMModule
+from titan_lightning.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from titan_lightning.models.qwen3.model import Qwen3Args, Transformer
 from titan_lightning.models.qwen3.parallelize import TP_PLAN
 
@@ -21,3 +22,6 @@ class Qwen3Module(CausalLMModule):
 
     def build_model(self) -> Transformer:
         return Transformer(self.job.model)
+
+    def state_dict_adapter(self) -> Qwen3StateDictAdapter:
+        return Qwen3StateDictAdapter(self.job.model)

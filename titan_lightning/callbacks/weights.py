@@ -1,0 +1,113 @@
+"""Model weights in and out of a run: start from a Hugging Face or sharded checkpoint
+(``checkpoint.initial_load_path``), export at the end of fit (``checkpoint.export_format``).
+
+Both work on every layout: a load shards each full tensor locally (each pipeline rank
+takes its stages' names), a sharded export is read by any layout, and a Hugging Face export
+gathers the full tensors to rank 0 (under PP, each stage's part travels to rank 0 first).
+"""
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from titan_lightning.checkpoint import PARTIAL, CheckpointError, load_full_state_dict, load_sharded
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _adapter(module: L.LightningModule):
+    adapter = module.state_dict_adapter() if hasattr(module, "state_dict_adapter") else None
+    if adapter is None:
+        raise CheckpointError(f"{type(module).__name__} has no Hugging Face state-dict adapter (state_dict_adapter())")
+    return adapter
+
+
+def _pipeline(trainer: L.Trainer):
+    return getattr(trainer.strategy, "pipeline", None)
+
+
+class LoadWeights(L.Callback):
+    """Before the first step of a fresh fit, load the model weights (no optimizer state) from
+    ``path``: a Hugging Face safetensors folder (``fmt="hf"``) or a sharded folder of ours
+    (a model export or a full checkpoint, ``fmt="dcp"``). A resumed fit keeps its checkpoint's."""
+
+    def __init__(self, path: str, fmt: str = "dcp") -> None:
+        self.path, self.fmt = Path(path), fmt
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.ckpt_path is not None:
+            return
+        if not self.path.exists():
+            raise CheckpointError(f"checkpoint.initial_load_path={str(self.path)!r} does not exist")
+        if self.fmt == "hf":
+            from titan_lightning.models.common.hf_checkpoint import load_hf_safetensors
+
+            state = _adapter(pl_module).from_hf(load_hf_safetensors(self.path))
+            load_full_state_dict(pl_module.model, state, source=str(self.path), partial=_pipeline(trainer) is not None)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+        state = {"state_dict": get_model_state_dict(pl_module)}
+        load_sharded(self.path, state)
+        set_model_state_dict(pl_module, state["state_dict"], options=StateDictOptions(strict=True))
+
+
+class ExportWeights(L.Callback):
+    """At the end of fit, the model weights only, in ``dtype``, to ``folder``: sharded ("dcp",
+    loadable by LoadWeights on any layout) or Hugging Face safetensors with an index ("hf")."""
+
+    def __init__(self, folder: Path, fmt: str = "dcp", dtype: str = "float32") -> None:
+        self.folder, self.fmt, self.dtype = Path(folder), fmt, _DTYPES[dtype]
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.fmt == "dcp":
+            self._export_sharded(trainer, pl_module)
+        else:
+            self._export_hf(trainer, pl_module)
+
+    def _export_sharded(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state = {k: v.detach().to(self.dtype) if v.is_floating_point() else v
+                 for k, v in get_model_state_dict(pl_module).items()}
+        staging = self.folder.with_name(self.folder.name + PARTIAL)
+        if trainer.is_global_zero:
+            shutil.rmtree(staging, ignore_errors=True)
+        trainer.strategy.barrier()
+        dcp.save({"state_dict": state}, checkpoint_id=str(staging))
+        trainer.strategy.barrier()
+        if trainer.is_global_zero:
+            torch.save({"global_step": trainer.global_step, "export_dtype": str(self.dtype)}, staging / "meta.pt")
+            shutil.rmtree(self.folder, ignore_errors=True)
+            staging.rename(self.folder)
+        trainer.strategy.barrier()
+
+    def _export_hf(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from titan_lightning.models.common.hf_checkpoint import save_hf_safetensors
+
+        # Every rank of a stage gets its stage's full tensors; then one rank per stage (the
+        # ranks of rank 0's pipeline group) sends them to rank 0.
+        full = get_model_state_dict(pl_module.model, options=StateDictOptions(full_state_dict=True))
+        state = {k: v.detach().to("cpu", self.dtype) if v.is_floating_point() else v.cpu() for k, v in full.items()}
+        pipeline = _pipeline(trainer)
+        if pipeline is not None and dist.is_initialized():
+            group = pipeline.pp_group
+            if dist.get_rank() in dist.get_process_group_ranks(group) and 0 in dist.get_process_group_ranks(group):
+                parts: list[Any] = [None] * dist.get_world_size(group) if trainer.is_global_zero else None
+                dist.gather_object(state, parts, dst=0, group=group)
+                if trainer.is_global_zero:
+                    state = {k: v for part in parts for k, v in part.items()}
+        if trainer.is_global_zero:
+            staging = self.folder.with_name(self.folder.name + PARTIAL)
+            shutil.rmtree(staging, ignore_errors=True)
+            save_hf_safetensors(_adapter(pl_module).to_hf(state), staging)
+            shutil.rmtree(self.folder, ignore_errors=True)
+            staging.rename(self.folder)
+        trainer.strategy.barrier()
