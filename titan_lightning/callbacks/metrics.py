@@ -1,4 +1,21 @@
-"""Per-step training metrics that are not the model's business: LR and throughput."""
+"""Per-step training metrics that are not the model's business: LR, throughput, MFU, memory.
+
+The model logs its own loss and grad norm (``train/loss``, ``train/grad_norm``); this
+callback adds, after every optimizer step:
+
+    train/lr                   the learning rate the step used
+    train/tokens_per_s         tokens the job trains per second, per device: the global batch
+                               (local batch x data-parallel replicas) over the world size, so
+                               TP, CP and PP ranks, which share their tokens, are divided out
+    train/mfu                  model FLOPs utilization in percent: tokens/s per device x the
+                               module's ``flops_per_token(seq_len)`` / the device's dense bf16
+                               peak (GPUs in ``PEAK_FLOPS`` only)
+    train/memory_peak_gib      peak allocated GPU memory during the step, and what the caching
+    train/memory_reserved_gib  allocator holds (GPU only)
+
+Step time runs from the start of the first microbatch of an optimizer step to the end of
+its last one, so gradient accumulation is counted once per step.
+"""
 
 import time
 from typing import Any, Optional
@@ -6,27 +23,67 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
+# Dense bf16 peak FLOP/s by a substring of torch.cuda.get_device_name() (first match wins; add
+# yours here or pass peak_flops=): our H200 reports "NVIDIA H200".
+PEAK_FLOPS: dict[str, float] = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "A10G": 70e12,
+}
+
+
+def peak_flops(device_name: str, table: Optional[dict[str, float]] = None) -> Optional[float]:
+    """The dense bf16 peak of the device named ``device_name``, or None when it is not known."""
+    for key, value in (table or PEAK_FLOPS).items():
+        if key in device_name:
+            return value
+    return None
+
+
+def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak: float) -> float:
+    """Model FLOPs utilization, in percent."""
+    return 100.0 * tokens_per_s_per_device * flops_per_token / peak
+
 
 class TrainingMetrics(L.Callback):
-    """Logs ``train/lr`` and ``train/tokens_per_s`` (tokens one device trains per second).
+    """Logs LR, tokens/s per device, MFU and memory after every optimizer step (see the module docstring).
 
-    Step time runs from the start of the first microbatch of an optimizer step to the
-    end of its last one, so gradient accumulation is counted once per step.
+    ``peak_flops``: the device's peak FLOP/s, overriding the ``PEAK_FLOPS`` lookup.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, peak_flops: Optional[float] = None) -> None:
+        self._peak_override = peak_flops
         self._step_start: Optional[float] = None
         self._tokens = 0
+        self._seq_len = 0
         self._lr = 0.0
+        self._peak: Optional[float] = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        device = pl_module.device
+        if self._peak_override is not None:
+            self._peak = self._peak_override
+        elif device.type == "cuda":
+            self._peak = peak_flops(torch.cuda.get_device_name(device))
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._step_start is None:
             _synchronize(pl_module.device)
+            if pl_module.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(pl_module.device)
             self._step_start = time.perf_counter()
             self._tokens = 0
             # The scheduler steps before on_train_batch_end; read the LR this step used now.
             self._lr = trainer.optimizers[0].param_groups[0]["lr"]
-        self._tokens += batch["input_ids"].numel()
+        ids = batch["input_ids"]
+        self._tokens += ids.numel()
+        self._seq_len = ids.shape[-1]
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
@@ -34,8 +91,23 @@ class TrainingMetrics(L.Callback):
         _synchronize(pl_module.device)
         elapsed = time.perf_counter() - self._step_start
         self._step_start = None
-        pl_module.log("train/tokens_per_s", self._tokens / elapsed, prog_bar=True)
+        per_device = self._tokens * _data_parallel_size(trainer) / trainer.world_size / elapsed
+        pl_module.log("train/tokens_per_s", per_device, prog_bar=True)
         pl_module.log("train/lr", self._lr)
+        flops = getattr(pl_module, "flops_per_token", None)
+        if self._peak is not None and flops is not None:
+            pl_module.log("train/mfu", mfu(per_device, flops(self._seq_len), self._peak), prog_bar=True)
+        if pl_module.device.type == "cuda":
+            pl_module.log("train/memory_peak_gib", torch.cuda.max_memory_allocated(pl_module.device) / 2**30)
+            pl_module.log("train/memory_reserved_gib", torch.cuda.memory_reserved(pl_module.device) / 2**30)
+
+
+def _data_parallel_size(trainer: L.Trainer) -> int:
+    """Replicas that see different batches (the sampler's), the world size when unknown."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
+    if isinstance(kwargs, dict) and "num_replicas" in kwargs:
+        return int(kwargs["num_replicas"])
+    return trainer.world_size
 
 
 def _synchronize(device: torch.device) -> None:

@@ -81,6 +81,18 @@ class CausalLMModule(L.LightningModule):
                 return self.model(input_ids)
         return self.model(input_ids)
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token at ``seq_len``, torchtitan's estimate:
+        6 x the parameters a token computes with (embedding lookups excluded, routed experts
+        counted top_k times) + 6 x layers x heads x (query-key + value head dims) x seq_len for
+        the attention scores (causal masking not discounted). Families implement ``_flop_terms``."""
+        matmul_params, attention_per_position = self._flop_terms()
+        return 6.0 * matmul_params + 6.0 * attention_per_position * seq_len
+
+    def _flop_terms(self) -> tuple[int, int]:
+        """(parameters a token multiplies with, layers x heads x (d_qk + d_v))."""
+        raise NotImplementedError(f"{type(self).__name__} does not estimate its FLOPs")
+
     def state_dict_adapter(self):
         """The family's Hugging Face state-dict adapter (models/common/hf_checkpoint.py), or None."""
         return None

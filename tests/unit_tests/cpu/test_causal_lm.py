@@ -115,3 +115,39 @@ def test_tokenizer_larger_than_model_vocab_is_refused():
     run.job.model.vocab_size = 1024
     with pytest.raises(ConfigError, match=r"tokenizer has 2048 tokens, more than model.vocab_size=1024"):
         build_trainer(run)
+
+
+# -- FLOPs and MFU ---------------------------------------------------------------------------
+
+
+def test_flops_per_token_is_six_n_plus_attention_by_hand():
+    from recipes import deepseek_v3, llama3, qwen3
+
+    # Llama 3 8B: 8,030,261,248 parameters, 128,256 x 4,096 embedding; 32 layers x 32 heads x 128.
+    m = llama3.llama3_8b().module
+    n = 8_030_261_248 - 128_256 * 4096
+    assert m.flops_per_token(8192) == 6 * n + 12 * 32 * 32 * 128 * 8192
+    # Qwen 3 MoE debug model: top_k of the experts count, not all of them.
+    moe = qwen3.debugmodel_moe().module
+    a = moe.job.model
+    active = moe._flop_terms()[0]
+    dense_ffn_all = 3 * a.dim * a.moe.hidden_dim * a.moe.num_experts
+    dense_ffn_top = 3 * a.dim * a.moe.hidden_dim * a.moe.top_k
+    from titan_lightning.models.qwen3.model import count_parameters
+
+    assert count_parameters(a) - a.vocab_size * a.dim - active == a.n_layers * (dense_ffn_all - dense_ffn_top)
+    # DeepSeek V3: MLA heads have query-key dim nope + rope and value dim v.
+    ds = deepseek_v3.debugmodel().module
+    d = ds.job.model
+    assert ds._flop_terms()[1] == d.n_layers * d.n_heads * (d.qk_nope_head_dim + d.qk_rope_head_dim + d.v_head_dim)
+
+
+def test_mfu_and_peak_lookup():
+    from titan_lightning.callbacks.metrics import PEAK_FLOPS, mfu, peak_flops
+
+    assert peak_flops("NVIDIA H200") == peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12 and peak_flops("cpu") is None
+    assert peak_flops("My Accelerator", {"My": 1e15}) == 1e15 and "H200" in PEAK_FLOPS
+    # 10,000 tokens/s x 5.79e10 FLOPs / 989e12 = 58.5%
+    assert abs(mfu(10_000, 5.79e10, 989e12) - 100 * 10_000 * 5.79e10 / 989e12) < 1e-12
+    assert round(mfu(10_000, 5.79e10, 989e12), 1) == 58.5
