@@ -267,3 +267,21 @@ def llama3_fsdp2_save_async() -> Run:
     run = llama3_fsdp2_save()
     run.job.checkpoint.async_save = True
     return run
+
+
+def llama3_pp2_fsdp2_compile() -> Run:
+    """Each block compiled (and the loss) inside two FSDP2 pipeline stages; the aot_eager backend
+    traces the same graphs as inductor without generating kernels (quick on CPU)."""
+    run = llama3_pp2_fsdp2()
+    run.job.compile.enable = True
+    run.job.compile.backend = "aot_eager"
+    return run
+
+
+def llama3_fsdp2_compile_ac() -> Run:
+    """Compile over per-op selective activation checkpointing, FSDP2."""
+    run = llama3_fsdp2()
+    run.job.compile.enable = True
+    run.job.compile.backend = "aot_eager"
+    run.job.activation_checkpoint.mode = "selective"
+    return run

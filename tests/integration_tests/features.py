@@ -61,4 +61,7 @@ ENTRIES = [
            use_real_pg=True),
     _entry("llama3_pp2_zbv", "PP2, zero bubble with V placement", 2, use_real_pg=True),
     _entry("llama3_pp2_csv", "PP2, a looped schedule read from a CSV file", 2, use_real_pg=True),
+    # torch.compile per block (aot_eager on CPU: the graphs, not the kernels)
+    _entry("llama3_fsdp2_compile_ac", "FSDP2, compiled blocks over per-op selective AC, compiled loss", 2),
+    _entry("llama3_pp2_fsdp2_compile", "PP2 x FSDP2, compiled blocks and loss", 4, use_real_pg=True),
 ]

@@ -1,5 +1,6 @@
 from titan_lightning.config.activation_checkpoint import ActivationCheckpointConfig
 from titan_lightning.config.checkpoint import CheckpointConfig
+from titan_lightning.config.compile import CompileConfig
 from titan_lightning.config.data import DataConfig
 from titan_lightning.config.job import JobConfig, ModelArgs
 from titan_lightning.config.optimizer import LRScheduleConfig, OptimizerConfig
@@ -10,6 +11,7 @@ from titan_lightning.config.validation import ConfigError, validate_job
 __all__ = [
     "ActivationCheckpointConfig",
     "CheckpointConfig",
+    "CompileConfig",
     "ConfigError",
     "DataConfig",
     "JobConfig",

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from titan_lightning.config.activation_checkpoint import ActivationCheckpointConfig
 from titan_lightning.config.checkpoint import CheckpointConfig
+from titan_lightning.config.compile import CompileConfig
 from titan_lightning.config.data import DataConfig
 from titan_lightning.config.optimizer import LRScheduleConfig, OptimizerConfig
 from titan_lightning.config.parallelism import ParallelismConfig
@@ -51,3 +52,4 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)

@@ -20,7 +20,7 @@ class ConfigError(ValueError):
 def validate_job(job: JobConfig, *, world_size: int, max_steps: Optional[int] = None) -> None:
     # Recipes derive runs by assigning fields, which skips __post_init__: run it again.
     for section in (job.model, job.training, job.parallelism, job.optimizer, job.lr_schedule, job.data,
-                    job.activation_checkpoint, job.checkpoint):
+                    job.activation_checkpoint, job.checkpoint, job.compile):
         section.__post_init__()
     validate_parallelism(job, world_size)
     validate_model_parallelism(job)
@@ -122,6 +122,17 @@ def validate_model_parallelism(job: JobConfig) -> None:
     validate_context_parallel(job)
     validate_expert_parallel(job)
     validate_pipeline(job)
+    validate_compile(job)
+
+
+def validate_compile(job: JobConfig) -> None:
+    c, p = getattr(job, "compile", None), job.parallelism
+    if c is not None and c.enable and "model" in c.components and p.tp > 1:
+        raise ConfigError(
+            f"compile.enable=True compiles the blocks, and with parallelism.tp={p.tp} torch.compile of "
+            f"tensor-parallel blocks fails or gives wrong gradients in this torch (DTensor redistribute in the "
+            f"compiled backward); use compile.components=['loss'] with TP, or tp=1"
+        )
 
 
 def validate_pipeline(job: JobConfig) -> None:

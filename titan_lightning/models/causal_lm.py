@@ -97,10 +97,23 @@ class CausalLMModule(L.LightningModule):
         """The family's Hugging Face state-dict adapter (models/common/hf_checkpoint.py), or None."""
         return None
 
+    @property
+    def loss_fn(self):
+        """The cross-entropy, compiled when ``compile.enable`` and "loss" in ``compile.components``."""
+        if getattr(self, "_loss_fn", None) is None:
+            c = self.job.compile
+            if c.enable and "loss" in c.components:
+                from titan_lightning.parallel.compile import compile_loss
+
+                self._loss_fn = compile_loss(cross_entropy_loss, backend=c.backend)
+            else:
+                self._loss_fn = cross_entropy_loss
+        return self._loss_fn
+
     # -- steps ---------------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = cross_entropy_loss(self(batch["input_ids"]), batch["labels"])
+        loss = self.loss_fn(self(batch["input_ids"]), batch["labels"])
         value = _local(loss).detach()
         if not torch.isfinite(value):
             raise FloatingPointError(
@@ -111,7 +124,7 @@ class CausalLMModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss = _local(cross_entropy_loss(self(batch["input_ids"]), batch["labels"]))
+        loss = _local(self.loss_fn(self(batch["input_ids"]), batch["labels"]))
         self.val_loss.update(loss, weight=(batch["labels"] != IGNORE_INDEX).sum())
 
     def on_validation_epoch_end(self) -> None:

@@ -32,6 +32,7 @@ from titan_lightning.config import ConfigError, ParallelismConfig
 from titan_lightning.config.parallelism import V_PP_SCHEDULES
 from titan_lightning.config.validation import validate_degrees
 from titan_lightning.parallel.activation_checkpoint import apply_activation_checkpointing
+from titan_lightning.parallel.compile import compile_blocks
 from titan_lightning.parallel.context import apply_context_parallel
 from titan_lightning.parallel.determinism import set_determinism
 from titan_lightning.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel, grouped_experts
@@ -224,6 +225,10 @@ class TitanStrategy(ModelParallelStrategy):
         if ac is not None and ac.mode != "none":
             apply_activation_checkpointing(model_blocks(target) if blocks is None else blocks, ac.mode,
                                            ac.selective_ac_option)
+        compile_config = getattr(getattr(module, "job", None), "compile", None)
+        if compile_config is not None and compile_config.enable and "model" in compile_config.components:
+            compile_blocks(model_blocks(target) if blocks is None else blocks, backend=compile_config.backend,
+                           fullgraph=compile_config.fullgraph)
         param_dtype, reduce_dtype = self._precision_dtypes()
         # Under PP each stage is sharded on its own: the stage is FSDP's root, as the schedule expects.
         roots = [(target, blocks)] if stages is None else [(stage, model_blocks(stage)) for stage in stages]

@@ -1,0 +1,24 @@
+"""torch.compile of the model's blocks and of the loss (parallel/compile.py)."""
+
+from dataclasses import dataclass, field
+
+COMPONENTS = ("model", "loss")
+
+
+@dataclass(kw_only=True)
+class CompileConfig:
+    enable: bool = False
+    # "model": each transformer block's forward, compiled on its own (after TP/CP/EP and
+    # activation checkpointing, before FSDP); "loss": the cross-entropy.
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    # A torch.compile backend: "inductor" (kernels; GPU), "aot_eager" (traced graphs without
+    # code generation: the CPU tests use it to check composition quickly), ...
+    backend: str = "inductor"
+    fullgraph: bool = True
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.components if c not in COMPONENTS]
+        if unknown:
+            raise ValueError(f"compile.components has {unknown}; valid components are {', '.join(COMPONENTS)}")
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"compile.backend={self.backend!r} must name a torch.compile backend")
