@@ -99,7 +99,7 @@ def test_cross_section_rule_names_fields_and_values(parallelism, world_size, mes
 def test_dp_shard_minus_one_takes_the_rest():
     p = ParallelismConfig(tp=2, pp=2)
     assert p.degrees(16) == {"pp": 2, "dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 2}
-    validate_job(_job(tp=2, pp=2), world_size=16)
+    validate_job(_job(tp=2, pp=2, pp_microbatches=2), world_size=16)  # 2 sequences per rank, 2 microbatches
 
 
 def test_ep_borrows_ranks_from_dp_shard_cp_tp():

@@ -30,7 +30,7 @@ def _main(capsys, *argv):
      r"--test_suite h100 is hardware-specific and runs real PG only"),
     (["--test_suite", "h100"], r"--test_suite h100 needs GPUs; --gpu_arch_type cpu cannot run it"),
     (["--ngpu", "0"], r"--ngpu=0 must be >= 1"),
-    (["--test_scope", "real_pg_required"], r"the flags select no test"),
+    (["--test_scope", "real_pg_required", "--test_name", "llama3_fsdp2"], r"the flags select no test"),
 ])
 def test_bad_flags_exit_2_with_one_line_naming_them(flags, message, tmp_path, capsys):
     status, out, err = _main(capsys, tmp_path / "out", "--gpu_arch_type", "cpu", *flags)

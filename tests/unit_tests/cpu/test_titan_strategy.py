@@ -41,9 +41,12 @@ def test_unknown_reshard_policy_is_refused():
         FSDP2Strategy(fsdp_reshard_after_forward="sometimes")
 
 
-def test_parallelism_not_available_yet_is_refused_before_spawn():
-    with pytest.raises(ConfigError, match=r"parallelism.pp=2: pipeline parallelism is not available in TitanStrategy yet"):
+def test_pipeline_settings_are_refused_before_spawn():
+    with pytest.raises(ConfigError, match=r"pp_microbatches=1 must be >= parallelism.pp=2 for the 1F1B schedule"):
         _trainer(TitanStrategy(dp_shard=1, pp=2), devices=2)
+    with pytest.raises(ConfigError, match=r"pp_schedule='Interleaved1F1B' is a looped schedule"):
+        _trainer(TitanStrategy(dp_shard=1, pp=2, pp_schedule="Interleaved1F1B", pp_stages_per_rank=1,
+                               pp_microbatches=2), devices=2)
 
 
 def test_tp_that_does_not_divide_the_heads_fails_on_the_command_line(capsys):
