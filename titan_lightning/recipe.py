@@ -118,6 +118,35 @@ def _validate_vocab(run: Run, job: JobConfig) -> None:
         )
 
 
+# Lightning's precision flag -> (training.dtype, training.mixed_precision_param). The strategy
+# applies it (FSDP's mixed-precision policy, or autocast on one device); Lightning's own
+# precision plugin stays at 32-true so that nothing autocasts twice.
+_PRECISION = {
+    "32-true": ("float32", "float32"), "32": ("float32", "float32"), 32: ("float32", "float32"),
+    "bf16-mixed": ("float32", "bfloat16"), "bf16-true": ("bfloat16", "bfloat16"),
+}
+
+
+def _apply_precision(kwargs: dict[str, Any], job: JobConfig) -> None:
+    """Map ``trainer.precision`` onto the job's training dtypes (fp32 reduce stays as the job says)."""
+    precision = kwargs.pop("precision", None)
+    if precision is None:
+        return
+    if precision not in _PRECISION:
+        raise ConfigError(
+            f"trainer.precision={precision!r} is not supported; use one of 32-true, bf16-mixed, bf16-true "
+            f"(or set training.dtype / training.mixed_precision_param)"
+        )
+    t = job.training
+    dtype, param = _PRECISION[precision]
+    if (t.dtype, t.mixed_precision_param) not in ((dtype, param), ("float32", "float32")):
+        raise ConfigError(
+            f"trainer.precision={precision!r} disagrees with training.dtype={t.dtype!r}, "
+            f"training.mixed_precision_param={t.mixed_precision_param!r}; set the precision in one place"
+        )
+    t.dtype, t.mixed_precision_param = dtype, param
+
+
 def checkpoint_callback(job: Optional[JobConfig], folder: Path) -> ModelCheckpoint:
     """Lightning's ModelCheckpoint as ``job.checkpoint`` asks: every ``interval`` steps, the newest
     ``keep_latest_k`` kept (ranked by step), into ``<run folder>/checkpoints``."""
@@ -152,6 +181,7 @@ def build_trainer(run: Run) -> L.Trainer:
             if value != default:
                 raise ConfigError(f"trainer.{key}={value!r} is set by {instead}; set that instead")
         kwargs["deterministic"] = job.training.deterministic or None
+        _apply_precision(kwargs, job)
         if kwargs.get("strategy", "auto") == "auto":
             kwargs["strategy"] = TitanStrategy()  # degrees from job.parallelism
         L.seed_everything(job.training.seed, verbose=False)

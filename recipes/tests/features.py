@@ -285,3 +285,20 @@ def llama3_fsdp2_compile_ac() -> Run:
     run.job.compile.backend = "aot_eager"
     run.job.activation_checkpoint.mode = "selective"
     return run
+
+
+# Gradient accumulation on FSDP2: 1 sequence per rank per microbatch, 2 microbatches per step:
+# 2 ranks x 2 microbatches = the 4 sequences the one-process baseline trains in one step.
+def llama3_fsdp2_accumulation() -> Run:
+    run = llama3_fsdp2()
+    t = run.job.training
+    t.tokens_per_step = 4 * t.seq_len
+    t.tokens_per_microbatch_per_dp_rank = t.seq_len
+    return run
+
+
+def llama3_fsdp2_accumulation_last_sync() -> Run:
+    """As llama3_fsdp2_accumulation, the gradients reduce-scattered once per step, after the last microbatch."""
+    run = llama3_fsdp2_accumulation()
+    run.job.parallelism.fsdp_sync_last_microbatch_only = True
+    return run

@@ -61,6 +61,11 @@ ENTRIES = [
            use_real_pg=True),
     _entry("llama3_pp2_zbv", "PP2, zero bubble with V placement", 2, use_real_pg=True),
     _entry("llama3_pp2_csv", "PP2, a looped schedule read from a CSV file", 2, use_real_pg=True),
+    # 2 ranks x 2 accumulated microbatches = the baseline's 4 sequences per step
+    _entry("llama3_fsdp2_accumulation", "FSDP2, 2 accumulated microbatches per step", 2,
+           loss_rtol=1e-6, grad_norm_rtol=1e-6),
+    _entry("llama3_fsdp2_accumulation_last_sync", "FSDP2, 2 microbatches, gradients reduced after the last only", 2,
+           loss_rtol=1e-6, grad_norm_rtol=1e-6),
     # torch.compile per block (aot_eager on CPU: the graphs, not the kernels)
     _entry("llama3_fsdp2_compile_ac", "FSDP2, compiled blocks over per-op selective AC, compiled loss", 2),
     _entry("llama3_pp2_fsdp2_compile", "PP2 x FSDP2, compiled blocks and loss", 4, use_real_pg=True),

@@ -49,6 +49,9 @@ class ParallelismConfig:
     # last, whose backward runs first), always, or never (more memory, less communication).
     fsdp_reshard_after_forward: str = "default"
     fsdp_cpu_offload: bool = False
+    # With gradient accumulation: reduce-scatter the gradients only after the last microbatch
+    # of each step (unsharded gradients accumulate locally: less communication, more memory).
+    fsdp_sync_last_microbatch_only: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_microbatches", "pp_stages_per_rank"):

@@ -371,10 +371,7 @@ class PipelineRunner:
         def answer(*args: Any, **kwargs: Any) -> Any:
             return output
 
-        def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-            if args:
-                raise TypeError("under pipeline parallelism, pass self.log options as keywords")
-            self._records.append((name, value, kwargs))
+        record = record_logs(self._records)
 
         if self._error is not None or not self._started:
             # not started: the schedule's one-time metadata inference, on uninitialized inputs
@@ -416,8 +413,11 @@ class PipelineRunner:
             f"feeds the first stage with what {mode} passes to self.{self.plan.model}(...)"
         )
 
-    def run(self, mode: str, batch: Any, batch_idx: Any, *extra: Any) -> Any:
-        """Run ``mode`` ("training_step", "validation_step", "test_step") of the module on one batch."""
+    def run(self, mode: str, batch: Any, batch_idx: Any, *extra: Any, records: Optional[list] = None) -> Any:
+        """Run ``mode`` ("training_step", "validation_step", "test_step") of the module on one batch.
+
+        The module's ``self.log`` calls, averaged over the microbatches, are replayed on this rank,
+        or appended to ``records`` (name, value, options) when a list is given."""
         train = mode == "training_step"
         self._mode, self._batch, self._batch_idx, self._extra = mode, batch, batch_idx, extra
         self._records, self._outputs, self._error = [], [], None
@@ -447,14 +447,14 @@ class PipelineRunner:
                 args = apply_to_collection(args, Tensor, lambda t: t.clone())
                 kwargs = apply_to_collection(kwargs, Tensor, lambda t: t.clone())
                 schedule.eval(*args, target=target, **kwargs)
-        return self._finish(train)
+        return self._finish(records)
 
-    def _finish(self, train: bool) -> Any:
+    def _finish(self, records: Optional[list]) -> Any:
         payload = None
         if self.is_last:
             payload = {
                 "error": None if self._error is None else (type(self._error), str(self._error)),
-                "records": _average_records(self._records, self.microbatches),
+                "records": average_records(self._records),
                 "loss": _mean(self._outputs),
             }
         payload = self._broadcast(payload)
@@ -467,8 +467,10 @@ class PipelineRunner:
             except Exception:
                 error = RuntimeError(message)
             raise error
-        for name, value, kwargs in payload["records"]:
-            self.module.log(name, _to_device(value, self.device), **kwargs)
+        if records is not None:
+            records.extend(payload["records"])
+        else:
+            replay_records(self.module, payload["records"], self.device)
         loss = payload["loss"]
         if loss is None:
             return None
@@ -537,7 +539,7 @@ def _mean(values: list) -> Optional[Tensor]:
     return stacked.mean().to(values[0].dtype).cpu()
 
 
-def _average_records(records: list[tuple[str, Any, dict]], microbatches: int) -> list[tuple[str, Any, dict]]:
+def average_records(records: list[tuple[str, Any, dict]]) -> list[tuple[str, Any, dict]]:
     """One (name, value, options) per logged name: the mean over the microbatches that logged it."""
     from torchmetrics import Metric
 
@@ -557,6 +559,22 @@ def _average_records(records: list[tuple[str, Any, dict]], microbatches: int) ->
         else:
             out.append((name, values[-1], kwargs))
     return out
+
+
+def replay_records(module: Any, records: list[tuple[str, Any, dict]], device: torch.device) -> None:
+    for name, value, kwargs in records:
+        module.log(name, _to_device(value, device), **kwargs)
+
+
+def record_logs(records: list):
+    """A stand-in for ``LightningModule.log`` that appends (name, value, options) to ``records``."""
+
+    def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if args:
+            raise TypeError("pass self.log options as keywords when steps are averaged (PP or accumulation)")
+        records.append((name, value, kwargs))
+
+    return record
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

@@ -42,8 +42,11 @@ from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_ca
 from titan_lightning.parallel.pipeline import (
     PipelinePlan,
     PipelineRunner,
+    average_records,
     check_stage_modules,
     describe_split,
+    record_logs,
+    replay_records,
     split_layers,
     split_model,
     stage_ids,
@@ -52,6 +55,23 @@ from titan_lightning.parallel.pipeline import (
 from titan_lightning.parallel.tensor import apply_tp
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@contextmanager
+def _patched_log(module: L.LightningModule, records: list) -> Generator[None, None, None]:
+    module.log = record_logs(records)
+    try:
+        yield
+    finally:
+        del module.log
+
+
+def _accumulating(trainer: L.Trainer, batch_idx: Optional[int]) -> bool:
+    """Whether this batch is not the last of its optimizer step (Lightning's own rule when it has one)."""
+    should = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "_should_accumulate", None)
+    if callable(should):
+        return bool(should())
+    return batch_idx is not None and (batch_idx + 1) % trainer.accumulate_grad_batches != 0
 
 
 class TitanStrategy(ModelParallelStrategy):
@@ -232,6 +252,7 @@ class TitanStrategy(ModelParallelStrategy):
         param_dtype, reduce_dtype = self._precision_dtypes()
         # Under PP each stage is sharded on its own: the stage is FSDP's root, as the schedule expects.
         roots = [(target, blocks)] if stages is None else [(stage, model_blocks(stage)) for stage in stages]
+        self._fsdp_roots = [root for root, _ in roots] if dims.fsdp_enabled and stages is None else []
         if dims.fsdp_enabled:
             for root, root_blocks in roots:
                 apply_fsdp(root, self._fsdp_mesh(), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
@@ -337,19 +358,49 @@ class TitanStrategy(ModelParallelStrategy):
             batch = cp.shard(batch)
         return (batch, *args[1:])
 
-    def _step(self, hook: str, args: tuple, kwargs: dict) -> Any:
+    def _step(self, hook: str, args: tuple, kwargs: dict, records: Optional[list] = None) -> Any:
         args = self._shard_sequence(args)
         with self._loss_parallel():
             if self.pipeline is None:
-                return getattr(super(), hook)(*args, **kwargs)
+                if records is None:
+                    return getattr(super(), hook)(*args, **kwargs)
+                with _patched_log(self.lightning_module, records):
+                    return getattr(super(), hook)(*args, **kwargs)
             if kwargs:
                 raise TypeError(f"pipeline parallelism passes the batch positionally to {hook}; got {sorted(kwargs)}")
             context = self.precision_plugin.train_step_context() if hook == "training_step" else nullcontext()
             with context:
-                return self.pipeline.run(hook, *args)
+                return self.pipeline.run(hook, *args, records=records)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("training_step", args, kwargs)
+        """The module's training_step (through the pipeline schedule under PP). With several
+        microbatches per optimizer step (gradient accumulation, or PP microbatches), what the
+        module logs is averaged over the step's microbatches and logged once, at its last:
+        ``train/loss`` is the step's loss, as with one big batch."""
+        trainer = self.lightning_module.trainer
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
+        self._set_gradient_sync(batch_idx)
+        if trainer.accumulate_grad_batches == 1 and self.pipeline is None:
+            return self._step("training_step", args, kwargs)
+        records: list = []
+        loss = self._step("training_step", args, kwargs, records=records)
+        self._window = getattr(self, "_window", []) + average_records(records)
+        if not _accumulating(trainer, batch_idx):
+            window, self._window = average_records(self._window), []
+            replay_records(self.lightning_module, window, self.root_device)
+        return loss
+
+    def _set_gradient_sync(self, batch_idx: Optional[int]) -> None:
+        """``parallelism.fsdp_sync_last_microbatch_only``: FSDP reduces gradients only on the last
+        microbatch of an accumulation window (under PP the schedule does this per stage itself)."""
+        if not getattr(self, "_fsdp_roots", None) or batch_idx is None:
+            return
+        if not self.parallelism().fsdp_sync_last_microbatch_only:
+            return
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        last = (batch_idx + 1) % accumulate == 0
+        for root in self._fsdp_roots:
+            root.set_requires_gradient_sync(last)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._step("validation_step", args, kwargs)

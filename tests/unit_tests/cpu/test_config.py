@@ -154,3 +154,33 @@ def test_compile_settings_are_validated_by_name():
         validate_job(run.job, world_size=4)
     run.job.compile.components = ["loss"]
     validate_job(run.job, world_size=4)
+
+
+@pytest.mark.parametrize("precision, expected", [
+    ("bf16-mixed", ("float32", "bfloat16")), ("bf16-true", ("bfloat16", "bfloat16")), ("32-true", ("float32", "float32")),
+])
+def test_lightning_precision_flag_maps_onto_the_job_without_a_second_autocast(precision, expected):
+    from recipes.tests import features
+    from titan_lightning.recipe import build_trainer
+
+    run = features.llama3_debugmodel()
+    run.trainer["precision"] = precision
+    trainer = build_trainer(run)
+    t = run.job.training
+    assert (t.dtype, t.mixed_precision_param) == expected
+    assert trainer.precision == "32-true"  # Lightning's plugin does not autocast on top
+
+
+def test_lightning_precision_flag_names_what_is_not_supported_or_contradicts():
+    from recipes.tests import features
+    from titan_lightning.config import ConfigError
+    from titan_lightning.recipe import build_trainer
+
+    run = features.llama3_debugmodel()
+    run.trainer["precision"] = "16-mixed"
+    with pytest.raises(ConfigError, match=r"trainer.precision='16-mixed' is not supported; use one of 32-true"):
+        build_trainer(run)
+    run = features.llama3_debugmodel_bf16()
+    run.trainer["precision"] = "bf16-true"
+    with pytest.raises(ConfigError, match=r"disagrees with training.dtype='float32', training.mixed_precision_param='bfloat16'"):
+        build_trainer(run)

@@ -15,7 +15,7 @@ from titan_lightning.config import ConfigError, ParallelismConfig, validate_job
 from titan_lightning.models.llama3.model import Llama3Args, Transformer
 from titan_lightning.parallel.pipeline import (
     PipelinePlan,
-    _average_records,
+    average_records,
     _rows,
     check_stage_modules,
     describe_split,
@@ -134,7 +134,7 @@ def test_microbatch_rows_and_averaged_logs():
     assert rows["input_ids"].tolist() == [[4, 5], [6, 7]] and rows["step"] == 3
     records = [("train/loss", torch.tensor(2.0), {"prog_bar": True}), ("train/loss", torch.tensor(4.0), {"prog_bar": True}),
                ("tag", "x", {})]
-    averaged = dict((name, (value, kwargs)) for name, value, kwargs in _average_records(records, 2))
+    averaged = dict((name, (value, kwargs)) for name, value, kwargs in average_records(records))
     assert averaged["train/loss"][0].item() == 3.0 and averaged["train/loss"][1] == {"prog_bar": True}
     assert averaged["tag"][0] == "x"
 
