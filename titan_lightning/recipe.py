@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from titan_lightning.callbacks import TrainingMetrics
+from titan_lightning.callbacks.profiling import ProfileSteps
 from titan_lightning.callbacks.weights import ExportWeights, LoadWeights
 from titan_lightning.config import ConfigError, JobConfig, validate_job
 from titan_lightning.config.validation import gradient_accumulation_steps
@@ -199,6 +200,8 @@ def build_trainer(run: Run) -> L.Trainer:
         callbacks.append(checkpoint_callback(job, folder))
     if job is not None and job.checkpoint.initial_load_path is not None:
         callbacks.append(LoadWeights(job.checkpoint.initial_load_path, job.checkpoint.initial_load_format))
+    if job is not None and (job.profiling.trace_steps or job.profiling.memory_snapshot_steps):
+        callbacks.append(ProfileSteps(folder / "profile", job.profiling.trace_steps, job.profiling.memory_snapshot_steps))
     if job is not None and job.checkpoint.export_format is not None:
         where = folder / ("export_hf" if job.checkpoint.export_format == "hf" else "export")
         callbacks.append(ExportWeights(where, job.checkpoint.export_format, job.checkpoint.export_dtype))

@@ -5,6 +5,7 @@ from titan_lightning.config.data import DataConfig
 from titan_lightning.config.job import JobConfig, ModelArgs
 from titan_lightning.config.optimizer import LRScheduleConfig, OptimizerConfig
 from titan_lightning.config.parallelism import ParallelismConfig
+from titan_lightning.config.profiling import ProfilingConfig
 from titan_lightning.config.training import TrainingConfig
 from titan_lightning.config.validation import ConfigError, validate_job
 
@@ -19,6 +20,7 @@ __all__ = [
     "ModelArgs",
     "OptimizerConfig",
     "ParallelismConfig",
+    "ProfilingConfig",
     "TrainingConfig",
     "validate_job",
 ]

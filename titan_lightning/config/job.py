@@ -8,6 +8,7 @@ from titan_lightning.config.compile import CompileConfig
 from titan_lightning.config.data import DataConfig
 from titan_lightning.config.optimizer import LRScheduleConfig, OptimizerConfig
 from titan_lightning.config.parallelism import ParallelismConfig
+from titan_lightning.config.profiling import ProfilingConfig
 from titan_lightning.config.training import TrainingConfig
 
 # Attention implementations; all but "sdpa" are context parallel (parallel/context.py).
@@ -53,3 +54,4 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)

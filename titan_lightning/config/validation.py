@@ -20,7 +20,7 @@ class ConfigError(ValueError):
 def validate_job(job: JobConfig, *, world_size: int, max_steps: Optional[int] = None) -> None:
     # Recipes derive runs by assigning fields, which skips __post_init__: run it again.
     for section in (job.model, job.training, job.parallelism, job.optimizer, job.lr_schedule, job.data,
-                    job.activation_checkpoint, job.checkpoint, job.compile):
+                    job.activation_checkpoint, job.checkpoint, job.compile, job.profiling):
         section.__post_init__()
     validate_parallelism(job, world_size)
     validate_model_parallelism(job)

@@ -184,3 +184,24 @@ def test_lightning_precision_flag_names_what_is_not_supported_or_contradicts():
     run.trainer["precision"] = "bf16-true"
     with pytest.raises(ConfigError, match=r"disagrees with training.dtype='float32', training.mixed_precision_param='bfloat16'"):
         build_trainer(run)
+
+
+def test_profiling_traces_the_chosen_step(tmp_path, monkeypatch):
+    import json
+
+    from recipes.tests import features
+    from titan_lightning.config import ProfilingConfig
+    from titan_lightning.recipe import RUN_DIR_ENV, build_trainer
+
+    with pytest.raises(ValueError, match=r"profiling.trace_steps has \[0\]; steps are integers >= 1"):
+        ProfilingConfig(trace_steps=[0])
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
+    run = features.llama3_debugmodel()
+    run.trainer["max_steps"] = 2
+    run.job.profiling.trace_steps = [2]
+    trainer = build_trainer(run)
+    trainer.fit(run.module, datamodule=run.datamodule)
+    (trace,) = (tmp_path / "profile").glob("*.json")
+    assert trace.name == "trace_step2_rank0.json"
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any("aten::mm" in e.get("name", "") for e in events)
