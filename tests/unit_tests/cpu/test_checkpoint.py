@@ -108,3 +108,19 @@ def test_keep_latest_k_ranks_checkpoints_by_step(tmp_path):
     callback = checkpoint_callback(job, tmp_path)
     assert (callback.save_top_k, callback.monitor, callback.mode) == (2, "step", "max")
     assert callback._every_n_train_steps == 5 and os.fspath(callback.dirpath) == os.fspath(tmp_path / "checkpoints")
+
+
+def test_keep_latest_k_leaves_the_newest_checkpoints_of_a_run(tmp_path, monkeypatch):
+    """One process, 6 steps, a checkpoint every 2 steps, the newest 2 kept (the older folders removed)."""
+    from recipes.tests import features
+    from titan_lightning.recipe import RUN_DIR_ENV, build_trainer, execute
+
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
+    run = features.llama3_debugmodel()
+    run.trainer.update(max_steps=6, enable_checkpointing=True)
+    run.job.checkpoint.interval, run.job.checkpoint.keep_latest_k = 2, 2
+    execute("fit", run, build_trainer(run))
+    folders = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert folders == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"]
+    assert all(is_complete(tmp_path / "checkpoints" / name) for name in folders)
+    assert latest_checkpoint(tmp_path).name == "epoch=0-step=6.ckpt"
