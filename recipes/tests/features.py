@@ -302,3 +302,12 @@ def llama3_fsdp2_accumulation_last_sync() -> Run:
     run = llama3_fsdp2_accumulation()
     run.job.parallelism.fsdp_sync_last_microbatch_only = True
     return run
+
+
+def llama3_fsdp2_tp2_compile() -> Run:
+    """FSDP2 x TP2 with compiled blocks: under TP each block's children are compiled on their own
+    (parallel/compile.py says why); aot_eager on CPU."""
+    run = llama3_fsdp2_tp2()
+    run.job.compile.enable = True
+    run.job.compile.backend = "aot_eager"
+    return run

@@ -69,4 +69,6 @@ ENTRIES = [
     # torch.compile per block (aot_eager on CPU: the graphs, not the kernels)
     _entry("llama3_fsdp2_compile_ac", "FSDP2, compiled blocks over per-op selective AC, compiled loss", 2),
     _entry("llama3_pp2_fsdp2_compile", "PP2 x FSDP2, compiled blocks and loss", 4, use_real_pg=True),
+    _entry("llama3_fsdp2_tp2_compile", "FSDP2 x TP2, each block's children compiled (TP hooks outside)", 4,
+           use_real_pg=True),
 ]

@@ -122,17 +122,6 @@ def validate_model_parallelism(job: JobConfig) -> None:
     validate_context_parallel(job)
     validate_expert_parallel(job)
     validate_pipeline(job)
-    validate_compile(job)
-
-
-def validate_compile(job: JobConfig) -> None:
-    c, p = getattr(job, "compile", None), job.parallelism
-    if c is not None and c.enable and "model" in c.components and p.tp > 1:
-        raise ConfigError(
-            f"compile.enable=True compiles the blocks, and with parallelism.tp={p.tp} torch.compile of "
-            f"tensor-parallel blocks fails or gives wrong gradients in this torch (DTensor redistribute in the "
-            f"compiled backward); use compile.components=['loss'] with TP, or tp=1"
-        )
 
 
 def validate_pipeline(job: JobConfig) -> None:

@@ -4,6 +4,12 @@ Each block's forward (already wrapped by activation checkpointing, if any) is co
 own, and FSDP's per-block hooks stay outside the compiled code: the blocks share one code
 object, so the graph is traced once and reused by every block of the same shape. Parameter
 names and the state dict do not change (no ``_orig_mod`` wrapper).
+
+Two cases compile the block's children instead (norms, attention, feed-forward), each on its
+own: tensor parallelism (compiling a whole block whose children carry TP's sequence-parallel
+input/output hooks fails, or silently gives wrong gradients, in torch 2.13; each child alone,
+its own hooks left outside, is exact) and MoE layers (data-dependent token counts: the MoE
+child stays eager, the rest of the block is compiled).
 """
 
 from typing import Callable, Iterable
@@ -12,13 +18,26 @@ import torch
 from torch import nn
 
 
-def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor", fullgraph: bool = True) -> int:
-    """Compile each block's forward in place; returns how many were compiled."""
+def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor", fullgraph: bool = True,
+                   per_child: bool = False) -> int:
+    """Compile each block's forward in place (or, with ``per_child`` or an MoE layer inside,
+    each of its non-MoE children's); returns how many forwards were compiled."""
+    from titan_lightning.models.common.moe import MoE
+
     count = 0
     for block in blocks:
-        block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph)
-        block.compiled = backend
-        count += 1
+        has_moe = any(isinstance(m, MoE) for m in block.modules())
+        if not (per_child or has_moe):
+            block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph)
+            block.compiled = backend
+            count += 1
+            continue
+        for child in block.children():
+            if any(isinstance(m, MoE) for m in child.modules()):
+                continue
+            child.forward = torch.compile(child.forward, backend=backend, fullgraph=fullgraph)
+            child.compiled = backend
+            count += 1
     return count
 
 

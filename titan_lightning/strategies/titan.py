@@ -248,7 +248,7 @@ class TitanStrategy(ModelParallelStrategy):
         compile_config = getattr(getattr(module, "job", None), "compile", None)
         if compile_config is not None and compile_config.enable and "model" in compile_config.components:
             compile_blocks(model_blocks(target) if blocks is None else blocks, backend=compile_config.backend,
-                           fullgraph=compile_config.fullgraph)
+                           fullgraph=compile_config.fullgraph, per_child=dims.tp_enabled)
         param_dtype, reduce_dtype = self._precision_dtypes()
         # Under PP each stage is sharded on its own: the stage is FSDP's root, as the schedule expects.
         roots = [(target, blocks)] if stages is None else [(stage, model_blocks(stage)) for stage in stages]
