@@ -124,3 +124,27 @@ def test_keep_latest_k_leaves_the_newest_checkpoints_of_a_run(tmp_path, monkeypa
     assert folders == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"]
     assert all(is_complete(tmp_path / "checkpoints" / name) for name in folders)
     assert latest_checkpoint(tmp_path).name == "epoch=0-step=6.ckpt"
+
+
+def test_model_export_in_bf16_and_hugging_face(tmp_path, monkeypatch):
+    """One process: a bf16 sharded export (weights only, no optimizer state) and a Hugging Face one."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from recipes.tests import features
+    from titan_lightning.recipe import RUN_DIR_ENV, build_trainer, execute
+
+    for fmt in ("dcp", "hf"):
+        monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / fmt))
+        run = features.llama3_debugmodel()
+        run.trainer["max_steps"] = 1
+        run.job.checkpoint.export_format, run.job.checkpoint.export_dtype = fmt, "bfloat16"
+        execute("fit", run, build_trainer(run))
+    saved = FileSystemReader(str(tmp_path / "dcp" / "export")).read_metadata().state_dict_metadata
+    weight = saved["state_dict.model.layers.0.attention.wq.weight"]
+    assert weight.properties.dtype == torch.bfloat16 and tuple(weight.size) == (256, 256)
+    assert not any(key.startswith("optimizer") for key in saved)
+    hf = {}
+    for file in (tmp_path / "hf" / "export_hf").glob("*.safetensors"):
+        hf.update(load_file(str(file)))
+    assert hf["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16 and "lm_head.weight" in hf
