@@ -1,4 +1,6 @@
-"""Golden numbers are stable: each golden entry exported twice gives identical files, equal to the committed one.
+"""Golden numbers are stable: an export of each golden entry equals the committed file (written by an
+earlier run, so run-to-run determinism is shown too); where the committed file cannot be compared
+(another torch release or CPU vendor), two exports must equal each other.
 
 Runs on CPU (the hardware class whose goldens are committed), in both execution modes.
 """
@@ -24,18 +26,18 @@ def test_there_are_goldens_in_both_modes():
 
 
 @pytest.mark.parametrize("entry, mode", CASES)
-def test_two_exports_are_identical_to_the_committed_golden(entry, mode, tmp_path):
+def test_an_export_is_identical_to_the_committed_golden(entry, mode, tmp_path):
     committed = entry.golden_path(mode, GOLDEN_ROOT, "cpu")
     why = comparable(read_golden(committed), "cpu")
     files = []
-    for attempt in (1, 2):
+    for attempt in (1, 2) if why is not None else (1,):
         out = tmp_path / f"export{attempt}.txt"
         result = run_entry(entry, mode, tmp_path / f"run{attempt}", accelerator="cpu", export=True,
                            in_process=mode == "fake_pg", golden_out=out)
         assert result.golden_status == "exported"
         files.append(out.read_text())
-    assert files[0] == files[1], f"{entry.name} ({mode}): two exports differ"
     if why is not None:
+        assert files[0] == files[1], f"{entry.name} ({mode}): two exports differ"
         # Run-to-run stability was checked above; exact equality with the committed file only holds on the
         # torch release and CPU vendor that wrote it (another machine would need its own goldens).
         pytest.skip(f"the two exports agree; {committed} is not compared: it was {why}")
