@@ -32,8 +32,6 @@ model's own class that shares those submodules and lists only its stage's blocks
 from __future__ import annotations
 
 import copy
-import math
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -47,8 +45,6 @@ from torch.distributed.tensor import DTensor
 
 from titan_lightning.config import ConfigError
 
-SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 
 @dataclass(frozen=True)
@@ -68,13 +64,6 @@ class PipelinePlan:
 
 
 # -- split points ------------------------------------------------------------------------
-
-
-def stages_per_rank(schedule: str, requested: Optional[int]) -> int:
-    """Stages each pipeline rank holds: 1 for GPipe/1F1B, else ``requested`` (default 2)."""
-    if schedule in SINGLE_STAGE_SCHEDULES:
-        return 1 if requested is None else requested
-    return 2 if requested is None else requested
 
 
 def split_layers(
@@ -581,15 +570,6 @@ def _to_device(value: Any, device: torch.device) -> Any:
     return value.to(device) if isinstance(value, Tensor) else value
 
 
-def warn_few_microbatches(schedule: str, microbatches: int, num_stages: int) -> None:
-    if microbatches < num_stages:
-        warnings.warn(
-            f"parallelism.pp_microbatches={microbatches} is fewer than the {num_stages} pipeline stages: "
-            f"the {schedule} pipeline idles most of each step; use at least {num_stages}",
-            stacklevel=3,
-        )
-
-
 def describe_split(stages: list[list[str]], config: Any, placement: str) -> str:
     """One line: schedule, stages, placement, microbatches and each stage's modules."""
     parts = []
@@ -617,5 +597,4 @@ __all__ = [
     "split_model",
     "stage_ids",
     "stage_module_names",
-    "stages_per_rank",
 ]
