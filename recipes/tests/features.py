@@ -271,20 +271,23 @@ def llama3_fsdp2_save_async() -> Run:
     return run
 
 
-def llama3_pp2_fsdp2_compile() -> Run:
-    """Each block compiled (and the loss) inside two FSDP2 pipeline stages; the aot_eager backend
-    traces the same graphs as inductor without generating kernels (quick on CPU)."""
-    run = llama3_pp2_fsdp2()
+def _compiled(run: Run) -> Run:
+    """Blocks and loss compiled with aot_eager: the graphs inductor would get, without generating
+    kernels (quick on CPU)."""
     run.job.compile.enable = True
     run.job.compile.backend = "aot_eager"
     return run
 
 
+def llama3_pp2_fsdp2_compile() -> Run:
+    """Each block compiled (and the loss) inside two FSDP2 pipeline stages; the aot_eager backend
+    traces the same graphs as inductor without generating kernels (quick on CPU)."""
+    return _compiled(llama3_pp2_fsdp2())
+
+
 def llama3_fsdp2_compile_ac() -> Run:
     """Compile over per-op selective activation checkpointing, FSDP2."""
-    run = llama3_fsdp2()
-    run.job.compile.enable = True
-    run.job.compile.backend = "aot_eager"
+    run = _compiled(llama3_fsdp2())
     run.job.activation_checkpoint.mode = "selective"
     return run
 
@@ -309,7 +312,4 @@ def llama3_fsdp2_accumulation_last_sync() -> Run:
 def llama3_fsdp2_tp2_compile() -> Run:
     """FSDP2 x TP2 with compiled blocks: under TP each block's children are compiled on their own
     (parallel/compile.py says why); aot_eager on CPU."""
-    run = llama3_fsdp2_tp2()
-    run.job.compile.enable = True
-    run.job.compile.backend = "aot_eager"
-    return run
+    return _compiled(llama3_fsdp2_tp2())

@@ -228,7 +228,7 @@ class _Captured(Exception):
 
 
 @contextmanager
-def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
     had = name in obj.__dict__
     old = obj.__dict__.get(name)
     object.__setattr__(obj, name, value)
@@ -278,7 +278,6 @@ class PipelineRunner:
         self.stage_modules = stage_modules
         self.local_stages = local_stages
         self.num_stages = num_stages
-        self.pp_mesh = pp_mesh
         self.pp_group = pp_mesh.get_group()
         self.pp_size = pp_mesh.size()
         self.device = device
@@ -289,7 +288,6 @@ class PipelineRunner:
         # Ranks that hold the same stages (everything but pp); None when that is this rank alone.
         self.stage_group = stage_group
         self.last_rank = stage_rank(num_stages - 1, self.pp_size, placement)
-        self.first_rank = stage_rank(0, self.pp_size, placement)
         self.is_first = 0 in local_stages
         self.is_last = num_stages - 1 in local_stages
         self._schedules: dict[bool, Any] = {}
@@ -366,7 +364,7 @@ class PipelineRunner:
             # not started: the schedule's one-time metadata inference, on uninitialized inputs
             return _zero_loss(output)
         try:
-            with _patched(model, "forward", answer), _patched(module, "log", record):
+            with patched(model, "forward", answer), patched(module, "log", record):
                 result = getattr(module, self._mode)(mb, self._batch_idx, *self._extra)
         except Exception as error:  # reported on every rank after the step, so no rank waits forever
             self._error = error
@@ -393,7 +391,7 @@ class PipelineRunner:
             raise _Captured(args, kwargs)
 
         try:
-            with _patched(model, "forward", capture), _patched(self.module, "log", lambda *a, **k: None):
+            with patched(model, "forward", capture), patched(self.module, "log", lambda *a, **k: None):
                 getattr(self.module, mode)(batch, batch_idx, *extra)
         except _Captured as captured:
             return captured.args, captured.kwargs

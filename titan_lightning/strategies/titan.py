@@ -11,9 +11,9 @@ Degrees come from the module's ``job.parallelism`` when it has one (every titan_
 model does), else from the strategy's own arguments: ``TitanStrategy(dp_shard=2, tp=2)``.
 """
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any, Generator, Optional, Union
+from typing import Any, Optional, Union
 
 import lightning as L
 import torch
@@ -45,6 +45,7 @@ from titan_lightning.parallel.pipeline import (
     average_records,
     check_stage_modules,
     describe_split,
+    patched,
     record_logs,
     replay_records,
     split_layers,
@@ -55,15 +56,6 @@ from titan_lightning.parallel.pipeline import (
 from titan_lightning.parallel.tensor import apply_tp
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@contextmanager
-def _patched_log(module: L.LightningModule, records: list) -> Generator[None, None, None]:
-    module.log = record_logs(records)
-    try:
-        yield
-    finally:
-        del module.log
 
 
 def _accumulating(trainer: L.Trainer, batch_idx: Optional[int]) -> bool:
@@ -114,6 +106,9 @@ class TitanStrategy(ModelParallelStrategy):
         self.dims: Optional[ParallelDims] = None
         self.mesh: Optional[Mesh] = None
         self.pipeline: Optional[PipelineRunner] = None
+        self._sync_last_roots: list = []
+        # What training_step logged in the microbatches of the optimizer step so far.
+        self._window: list = []
         self._checkpoint_writer = ckpt.CheckpointWriter()
 
     # -- configuration ---------------------------------------------------------------------
@@ -252,7 +247,9 @@ class TitanStrategy(ModelParallelStrategy):
         param_dtype, reduce_dtype = self._precision_dtypes()
         # Under PP each stage is sharded on its own: the stage is FSDP's root, as the schedule expects.
         roots = [(target, blocks)] if stages is None else [(stage, model_blocks(stage)) for stage in stages]
-        self._fsdp_roots = [root for root, _ in roots] if dims.fsdp_enabled and stages is None else []
+        # Roots whose gradient sync follows the accumulation window (under PP the schedule does it).
+        sync_last = config.fsdp_sync_last_microbatch_only and dims.fsdp_enabled and stages is None
+        self._sync_last_roots = [root for root, _ in roots] if sync_last else []
         if dims.fsdp_enabled:
             for root, root_blocks in roots:
                 apply_fsdp(root, self._fsdp_mesh(), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
@@ -364,7 +361,7 @@ class TitanStrategy(ModelParallelStrategy):
             if self.pipeline is None:
                 if records is None:
                     return getattr(super(), hook)(*args, **kwargs)
-                with _patched_log(self.lightning_module, records):
+                with patched(self.lightning_module, "log", record_logs(records)):
                     return getattr(super(), hook)(*args, **kwargs)
             if kwargs:
                 raise TypeError(f"pipeline parallelism passes the batch positionally to {hook}; got {sorted(kwargs)}")
@@ -384,7 +381,7 @@ class TitanStrategy(ModelParallelStrategy):
             return self._step("training_step", args, kwargs)
         records: list = []
         loss = self._step("training_step", args, kwargs, records=records)
-        self._window = getattr(self, "_window", []) + average_records(records)
+        self._window += average_records(records)
         if not _accumulating(trainer, batch_idx):
             window, self._window = average_records(self._window), []
             replay_records(self.lightning_module, window, self.root_device)
@@ -393,13 +390,10 @@ class TitanStrategy(ModelParallelStrategy):
     def _set_gradient_sync(self, batch_idx: Optional[int]) -> None:
         """``parallelism.fsdp_sync_last_microbatch_only``: FSDP reduces gradients only on the last
         microbatch of an accumulation window (under PP the schedule does this per stage itself)."""
-        if not getattr(self, "_fsdp_roots", None) or batch_idx is None:
+        if not self._sync_last_roots or batch_idx is None:
             return
-        if not self.parallelism().fsdp_sync_last_microbatch_only:
-            return
-        accumulate = self.lightning_module.trainer.accumulate_grad_batches
-        last = (batch_idx + 1) % accumulate == 0
-        for root in self._fsdp_roots:
+        last = not _accumulating(self.lightning_module.trainer, batch_idx)
+        for root in self._sync_last_roots:
             root.set_requires_gradient_sync(last)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
