@@ -15,6 +15,12 @@ callback adds, after every optimizer step:
 
 Step time runs from the start of the first microbatch of an optimizer step to the end of
 its last one, so gradient accumulation is counted once per step.
+
+The values are measured and logged on the steps whose metrics reach the loggers
+(``trainer.log_every_n_steps``; the progress bar keeps the last ones in between). Every
+``self.log`` call costs Lightning about a millisecond of host time, and every device
+synchronization exposes the host work that follows it; doing both on every step of a
+200 ms GPU step cost 3% of the throughput (benchmarks/RESULTS.md).
 """
 
 import time
@@ -64,6 +70,7 @@ class TrainingMetrics(L.Callback):
         self._seq_len = 0
         self._lr = 0.0
         self._peak: Optional[float] = None
+        self._measuring = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         device = pl_module.device
@@ -74,6 +81,10 @@ class TrainingMetrics(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._step_start is None:
+            self._measuring = _logs_this_step(trainer)
+            if not self._measuring:
+                self._step_start = 0.0  # an optimizer step under way, not measured
+                return
             _synchronize(pl_module.device)
             if pl_module.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(pl_module.device)
@@ -81,12 +92,17 @@ class TrainingMetrics(L.Callback):
             self._tokens = 0
             # The scheduler steps before on_train_batch_end; read the LR this step used now.
             self._lr = trainer.optimizers[0].param_groups[0]["lr"]
+        if not self._measuring:
+            return
         ids = batch["input_ids"]
         self._tokens += ids.numel()
         self._seq_len = ids.shape[-1]
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return
+        if not self._measuring:
+            self._step_start = None
             return
         _synchronize(pl_module.device)
         elapsed = time.perf_counter() - self._step_start
@@ -100,6 +116,13 @@ class TrainingMetrics(L.Callback):
         if pl_module.device.type == "cuda":
             pl_module.log("train/memory_peak_gib", torch.cuda.max_memory_allocated(pl_module.device) / 2**30)
             pl_module.log("train/memory_reserved_gib", torch.cuda.memory_reserved(pl_module.device) / 2**30)
+
+
+def _logs_this_step(trainer: L.Trainer) -> bool:
+    """Whether the optimizer step about to run sends its metrics to the loggers (Lightning's rule)."""
+    connector = getattr(trainer, "_logger_connector", None)
+    should = getattr(connector, "should_update_logs", None)
+    return True if should is None else bool(should)
 
 
 def _data_parallel_size(trainer: L.Trainer) -> int:

@@ -1,0 +1,380 @@
+"""Run torchtitan's own released trainer (torchtitan 0.2.2) as a throughput-benchmark contender.
+
+Usage:
+    python3 benchmarks/contenders/torchtitan_run.py --workload '<json>' --steps N --warmup W --out result.json
+
+The workload JSON holds: dim, n_layers, n_heads, n_kv_heads, vocab_size, ffn_dim_multiplier,
+multiple_of, rope_theta, norm_eps, seq_len, batch, compile (bool), ac ("selective" | "none" |
+"full") and dtype ("bf16" | "fp32"). Every key has a default (Llama 3 8B shape, seq 8192, batch 1).
+
+Install of torchtitan on the (offline) GPU machine, from the wheels carried in .whl/torchtitan/
+(torchtitan 0.2.2, torchdata 0.11.0, tyro 1.0.17, typeguard, docstring_parser, typing_extensions):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/ttsite .whl/torchtitan/*.whl
+    PYTHONPATH=/tmp/ttsite:$PYTHONPATH python3 benchmarks/contenders/torchtitan_run.py ...
+
+What this script does to torchtitan (none of torchtitan's files are edited):
+
+* Stubbed module ``datasets`` (Hugging Face datasets, not carried: it is large and pulls
+  dill/multiprocess/aiohttp/huggingface_hub...). torchtitan imports it at import time only in
+  ``torchtitan.hf_datasets.text_datasets`` (``Dataset``, ``load_dataset``,
+  ``datasets.distributed.split_dataset_by_node``) and ``models/flux`` (unused). The stub gives a
+  minimal map-style ``Dataset`` base class (``__len__``/``__getitem__``/``skip``), a
+  ``load_dataset`` that raises (no network / no hub), and ``split_dataset_by_node`` (strided
+  sharding; identity at world size 1).
+* Registered, at runtime, dataset ``tl_corpus`` in torchtitan's ``DATASETS`` registry: the
+  documents of this repo's tests/assets/corpus/python_reference.txt (split on
+  ``<|endoftext|>``), fed through torchtitan's own ``HuggingFaceTextDataset`` /
+  ``ParallelAwareDataloader`` (StatefulDataLoader) and torchtitan's own
+  ``HuggingFaceTokenizer`` loaded from tests/assets/tokenizer/tokenizer.json (a 2048-token BPE;
+  token ids < 2048 < vocab_size, the model keeps the workload's vocab_size, e.g. 128256).
+* Registered, at runtime, model flavor ``tl_bench`` in ``torchtitan.models.llama3.llama3_args``
+  built from the workload (torchtitan has no 1B/3B flavor).
+* ``Trainer.train_step`` is wrapped (on the instance) to time each call, with
+  ``torch.cuda.synchronize()`` before and after; ``metrics_processor.log`` is wrapped to record
+  the step's loss and ``torch.cuda.max_memory_allocated()`` just before torchtitan resets the peak
+  memory stats (it does so at every log). The step itself is torchtitan's, untouched; it includes
+  torchtitan's per-step data fetch (tokenizing the next window) and, with log_freq=1, its
+  ``loss.item()`` / ``grad_norm.item()`` for logging.
+* CPU only (no CUDA visible, for a smoke test): torchtitan picks ``device_type = "cuda"`` when no
+  accelerator is present, so while importing ``torchtitan.tools.utils`` the device type is made
+  ``"cpu"`` and its device module a shim of ``torch.cpu`` with the memory/property calls
+  torchtitan makes (no-ops / zeros). Not applied when CUDA is available.
+
+Settings (torchtitan defaults at world size 1 unless stated): process group of world size 1
+(nccl on CUDA, gloo on CPU), no FSDP (data_parallel_shard_degree resolves to 1), so bf16 mixed
+precision is torch.autocast(bfloat16) over fp32 parameters (training.dtype float32,
+mixed_precision_param bfloat16); fused AdamW lr 3e-4 (eps 1e-8, weight_decay 0.1 = torchtitan
+defaults); max_norm 1.0 grad clipping; AC "selective" = selective_ac_option "op" (per-op SAC);
+compile = torchtitan's per-TransformerBlock compile of model + loss; checkpointing, validation,
+tensorboard, profiling off; metrics.log_freq 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+import types
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CORPUS = REPO / "tests" / "assets" / "corpus" / "python_reference.txt"
+TOKENIZER_DIR = REPO / "tests" / "assets" / "tokenizer"
+EOT = "<|endoftext|>"
+FLAVOR = "tl_bench"
+DATASET = "tl_corpus"
+
+DEFAULT_WORKLOAD = {
+    "dim": 4096,
+    "n_layers": 32,
+    "n_heads": 32,
+    "n_kv_heads": 8,
+    "vocab_size": 128256,
+    "ffn_dim_multiplier": 1.3,
+    "multiple_of": 1024,
+    "rope_theta": 500000.0,
+    "norm_eps": 1e-5,
+    "seq_len": 8192,
+    "batch": 1,
+    "compile": False,
+    "ac": "selective",
+    "dtype": "bf16",
+}
+
+
+# --------------------------------------------------------------------------- stubs / patches
+def _install_datasets_stub() -> None:
+    """Minimal stand-in for Hugging Face ``datasets`` (see module docstring)."""
+    if "datasets" in sys.modules:
+        return
+    try:  # use the real package if it happens to be installed
+        import datasets  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+
+    class Dataset:
+        """Map-style dataset over a list of samples (only what torchtitan's text dataset uses)."""
+
+        def __init__(self, samples=None):
+            self._samples = list(samples or [])
+
+        def __len__(self):
+            return len(self._samples)
+
+        def __getitem__(self, i):
+            return self._samples[i]
+
+        def __iter__(self):
+            return iter(self._samples)
+
+        def skip(self, n):
+            return Dataset(self._samples[n:])
+
+    def load_dataset(*args, **kwargs):
+        raise RuntimeError(
+            "datasets.load_dataset is stubbed out (offline benchmark); use the registered "
+            f"{DATASET!r} dataset"
+        )
+
+    def split_dataset_by_node(ds, rank, world_size):
+        if world_size == 1:
+            return ds
+        return Dataset(ds[i] for i in range(rank, len(ds), world_size))
+
+    mod = types.ModuleType("datasets")
+    mod.Dataset = Dataset
+    mod.IterableDataset = type("IterableDataset", (), {})
+    mod.load_dataset = load_dataset
+    mod.__version__ = "0.0.0-stub"
+    dist = types.ModuleType("datasets.distributed")
+    dist.split_dataset_by_node = split_dataset_by_node
+    mod.distributed = dist
+    sys.modules["datasets"] = mod
+    sys.modules["datasets.distributed"] = dist
+
+
+def _cpu_device_module():
+    """torch.cpu plus the CUDA-style calls torchtitan makes on its device module."""
+    import torch
+
+    mod = types.ModuleType("tl_cpu_device_module")
+    for name in dir(torch.cpu):
+        if not name.startswith("__"):
+            setattr(mod, name, getattr(torch.cpu, name))
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    mod.set_device = lambda *a, **k: None
+    mod.current_device = lambda: 0
+    mod.get_device_name = lambda *a, **k: "cpu"
+    mod.get_device_properties = lambda *a, **k: types.SimpleNamespace(total_memory=total)
+    mod.memory_stats = lambda *a, **k: {}
+    mod.reset_peak_memory_stats = lambda *a, **k: None
+    mod.empty_cache = lambda *a, **k: None
+    mod.set_stream = lambda *a, **k: None
+    return mod
+
+
+def _import_torchtitan_utils(cpu: bool) -> None:
+    """Import torchtitan.tools.utils (which fixes device_type at import); on CPU make it 'cpu'."""
+    import torch._utils as tu
+
+    if not cpu:
+        import torchtitan.tools.utils  # noqa: F401
+
+        return
+    orig_type, orig_mod = tu._get_available_device_type, tu._get_device_module
+    shim = _cpu_device_module()
+    tu._get_available_device_type = lambda: "cpu"
+    tu._get_device_module = lambda dt=None: shim if dt == "cpu" else orig_mod(dt)
+    try:
+        import torchtitan.tools.utils as ttu
+
+        assert ttu.device_type == "cpu", ttu.device_type
+    finally:
+        tu._get_available_device_type, tu._get_device_module = orig_type, orig_mod
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- registration
+def _load_local_corpus(path: str):
+    from datasets import Dataset  # the stub (or the real package)
+
+    text = Path(path).read_text(encoding="utf-8")
+    docs = [d.strip() for d in text.split(EOT) if d.strip()]
+    samples = [{"text": d} for d in docs]
+    if hasattr(Dataset, "from_list"):  # real HF datasets
+        return Dataset.from_list(samples)
+    return Dataset(samples)
+
+
+def _register(w: dict) -> None:
+    from torchtitan.hf_datasets import DatasetConfig
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+    from torchtitan.models.llama3 import llama3_args, TransformerModelArgs
+
+    DATASETS[DATASET] = DatasetConfig(
+        path=str(CORPUS),
+        loader=_load_local_corpus,
+        sample_processor=lambda sample: sample["text"],
+    )
+    llama3_args[FLAVOR] = TransformerModelArgs(
+        dim=int(w["dim"]),
+        n_layers=int(w["n_layers"]),
+        n_heads=int(w["n_heads"]),
+        n_kv_heads=int(w["n_kv_heads"]),
+        vocab_size=int(w["vocab_size"]),
+        multiple_of=int(w["multiple_of"]),
+        ffn_dim_multiplier=None if w["ffn_dim_multiplier"] is None else float(w["ffn_dim_multiplier"]),
+        norm_eps=float(w["norm_eps"]),
+        rope_theta=float(w["rope_theta"]),
+        max_seq_len=int(w["seq_len"]),
+    )
+
+
+def _job_args(w: dict, total_steps: int, warmup: int, dump_folder: str) -> list[str]:
+    ac = str(w["ac"]).lower()
+    if ac not in ("selective", "none", "full"):
+        raise ValueError(f"workload ac must be selective|none|full, got {w['ac']!r}")
+    dtype = str(w["dtype"]).lower()
+    if dtype not in ("bf16", "bfloat16", "fp32", "float32"):
+        raise ValueError(f"workload dtype must be bf16|fp32, got {w['dtype']!r}")
+    mp_param = "bfloat16" if dtype in ("bf16", "bfloat16") else "float32"
+    args = [
+        "--job.dump_folder", dump_folder,
+        "--job.description", "titan_lightning throughput contender",
+        "--model.name", "llama3",
+        "--model.flavor", FLAVOR,
+        "--model.hf_assets_path", str(TOKENIZER_DIR),
+        "--optimizer.name", "AdamW",
+        "--optimizer.lr", "3e-4",
+        "--optimizer.implementation", "fused",
+        "--lr_scheduler.warmup_steps", str(max(1, min(warmup, total_steps))),
+        "--training.dataset", DATASET,
+        "--training.dataset_path", str(CORPUS),
+        "--training.local_batch_size", str(int(w["batch"])),
+        "--training.global_batch_size", str(int(w["batch"])),
+        "--training.seq_len", str(int(w["seq_len"])),
+        "--training.steps", str(total_steps),
+        "--training.max_norm", "1.0",
+        "--training.dtype", "float32",  # fp32 master weights
+        "--training.mixed_precision_param", mp_param,
+        "--parallelism.data_parallel_shard_degree", "-1",
+        "--parallelism.data_parallel_replicate_degree", "1",
+        "--activation_checkpoint.mode", ac,
+        "--activation_checkpoint.selective_ac_option", "op",
+        "--metrics.log_freq", "1",
+        "--metrics.no-enable-tensorboard",
+        "--metrics.no-enable-wandb",
+        "--checkpoint.no-enable",
+        "--validation.no-enable",
+        "--profiling.no-enable-profiling",
+        "--profiling.no-enable-memory-snapshot",
+        "--debug.seed", "0",
+        "--compile.enable" if w["compile"] else "--compile.no-enable",
+        "--compile.components", "model,loss",
+    ]
+    return args
+
+
+# --------------------------------------------------------------------------- main
+def run(w: dict, steps: int, warmup: int) -> dict:
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                 "GROUP_RANK": "0", "ROLE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ[k] = v
+    os.environ["MASTER_PORT"] = str(_free_port())
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    _install_datasets_stub()
+    _import_torchtitan_utils(cpu=not cuda)
+
+    import torchtitan
+    from torchtitan.config import ConfigManager
+    from torchtitan.tools.logging import init_logger
+    from torchtitan.train import Trainer
+
+    init_logger()
+    _register(w)
+
+    total_steps = warmup + steps
+    dump_folder = tempfile.mkdtemp(prefix="tt_contender_")
+    job_config = ConfigManager().parse_args(_job_args(w, total_steps, warmup, dump_folder))
+
+    step_times: list[float] = []
+    losses: list[float] = []
+    peaks: list[int] = []
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    trainer = None
+    try:
+        trainer = Trainer(job_config)
+        orig_train_step = trainer.train_step
+
+        def timed_train_step(data_iterator):
+            sync()
+            t0 = time.perf_counter()
+            out = orig_train_step(data_iterator)
+            sync()
+            step_times.append(time.perf_counter() - t0)
+            return out
+
+        trainer.train_step = timed_train_step
+
+        mp = trainer.metrics_processor
+        orig_log = mp.log
+
+        def recording_log(step, global_avg_loss, global_max_loss, *a, **k):
+            losses.append(float(global_avg_loss))
+            if cuda:  # read before torchtitan resets the peak stats inside log()
+                peaks.append(int(torch.cuda.max_memory_allocated()))
+            return orig_log(step, global_avg_loss, global_max_loss, *a, **k)
+
+        mp.log = recording_log
+
+        trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    if len(step_times) != total_steps:
+        raise RuntimeError(f"trainer ran {len(step_times)} steps, expected {total_steps}")
+    return {
+        "contender": "torchtitan",
+        "torchtitan_version": getattr(torchtitan, "__version__", None),
+        "torch_version": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "workload": w,
+        "warmup": warmup,
+        "step_times": step_times[warmup:],
+        "warmup_step_times": step_times[:warmup],
+        "peak_memory_bytes": max(peaks) if peaks else None,
+        "tokens_per_step": int(w["batch"]) * int(w["seq_len"]),
+        "losses": losses[warmup:],
+        "warmup_losses": losses[:warmup],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workload", required=True, help="JSON object (see module docstring)")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--warmup", type=int, default=0)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+
+    out = Path(a.out)
+    try:
+        w = dict(DEFAULT_WORKLOAD)
+        w.update(json.loads(a.workload))
+        result = run(w, a.steps, a.warmup)
+        rc = 0
+    except BaseException as e:  # noqa: BLE001 - report every failure, including SystemExit
+        traceback.print_exc()
+        msg = " ".join(f"{type(e).__name__}: {e}".split())[:2000]
+        result = {"contender": "torchtitan", "error": msg}
+        rc = 1
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,570 @@
+"""Tokens/s, MFU and peak memory of titan_lightning next to the alternatives, one device.
+
+    python -m benchmarks.throughput --workload llama3_1b                  # one H200: ~8 min
+    python -m benchmarks.throughput --workload llama3_8b_shape --layers 8
+    python -m benchmarks.throughput --workload debug --device cpu --steps 3 --warmup 2   # the harness
+
+Every contender trains the same model shape on the same tokens (the shipped corpus through
+``TextDataModule``), bf16 mixed precision with fp32 master weights, fused AdamW, clipping at
+1.0, and the workload's per-block compile and activation checkpointing:
+
+    titan        ``titan-lightning fit --recipe ...``: TitanStrategy through the normal Trainer
+                 path, the recipe as a user runs it (CSV and TensorBoard loggers, metrics
+                 callback) minus validation and checkpoints
+    bare         the same model, the same parallelize calls (AC, compile_blocks, the compiled
+                 loss), autocast and optimizer in a plain loop: the framework-overhead floor
+    lightning    Lightning's own ModelParallelStrategy, FSDP2 (mixed-precision policy) applied
+                 in ``configure_model`` as its docs show, the same AC and compile calls
+    hf           Hugging Face transformers' LlamaForCausalLM (SDPA) in a plain loop with
+                 autocast, the way many users train today (no compile, no AC)
+    torchtitan   torchtitan's released trainer (benchmarks/contenders/torchtitan_run.py)
+
+Each contender runs in its own process; ``--rounds`` repeats the set in alternating order
+(A B C, C B A, ...) so that drift of the machine falls on all of them alike. Step time is
+the wall time between the ends of consecutive optimizer steps, the device synchronized, so
+it includes data loading and everything the loop does; the first ``--warmup`` steps
+(compilation) are dropped. Peak memory is ``torch.cuda.max_memory_allocated`` over the
+measured steps. MFU = tokens/s x the model's training FLOPs per token
+(``flops_per_token``, the same formula for every contender) / the device's dense bf16 peak.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+CONTENDERS = ("titan", "bare", "lightning", "hf", "torchtitan")
+
+
+@dataclasses.dataclass(kw_only=True)
+class Workload:
+    recipe: str
+    seq_len: int = 8192
+    compile: bool = True
+    ac: str = "selective"  # activation_checkpoint.mode of every contender that has one
+    layers: Optional[int] = None  # fewer layers than the flavor, same per-layer shapes
+    hf_ac: bool = False  # gradient checkpointing for the HF contender (where it would not fit)
+    overrides: tuple[str, ...] = ()  # more ``titan-lightning fit`` arguments
+    contenders: tuple[str, ...] = CONTENDERS
+
+
+WORKLOADS: dict[str, Workload] = {
+    "llama3_1b": Workload(recipe="recipes.llama3:llama3_1b"),
+    "llama3_3b": Workload(recipe="recipes.llama3:llama3_3b"),
+    # Llama 3 8B's per-layer shapes (dim 4096, GQA 32/8, FFN 14336, vocab 128256), fewer layers.
+    "llama3_8b_shape": Workload(recipe="recipes.llama3:llama3_8b", layers=8),
+    # Qwen 3 30B-A3B's layers (128 experts, top 8, grouped GEMM), fewer of them.
+    "qwen3_30b_a3b_shape": Workload(recipe="recipes.qwen3:qwen3_30b_a3b", layers=4, seq_len=4096,
+                                    contenders=("titan", "bare", "lightning", "hf")),
+    # The MoE harness on CPU: Qwen 3 MoE debug model, eager.
+    "debug_moe": Workload(recipe="recipes.qwen3:debugmodel_moe", seq_len=128, compile=False,
+                          contenders=("titan", "bare", "lightning", "hf")),
+    # The harness itself on CPU: the Llama 3 debug model, eager.
+    "debug": Workload(recipe="recipes.llama3:debugmodel", seq_len=256, compile=False),
+    # Framework overhead: a model so small that a step is mostly the loop's own Python.
+    "overhead": Workload(recipe="recipes.llama3:debugmodel", seq_len=32, compile=False, ac="none",
+                         overrides=("--job.model.dim", "64", "--job.model.n_layers", "1", "--job.model.n_heads", "2",
+                                    "--job.model.n_kv_heads", "1")),
+}
+
+
+# -- what a contender trains ---------------------------------------------------------------
+
+
+def cli_args(w: Workload, device: str, total_steps: int) -> list[str]:
+    """The ``titan-lightning fit`` arguments of the workload; every contender's job comes from them."""
+    args = [
+        "--recipe", w.recipe, "--trainer.accelerator", "gpu" if device == "cuda" else "cpu",
+        "--trainer.devices", "1", "--trainer.max_steps", str(total_steps), "--trainer.limit_val_batches", "0",
+        "--trainer.enable_checkpointing", "false", "--trainer.log_every_n_steps", "10",
+        "--job.compile.enable", str(w.compile).lower(), "--job.activation_checkpoint.mode", w.ac,
+        "--job.data.repeat_to_fit", "true", "--job.training.seq_len", str(w.seq_len),
+        "--job.training.tokens_per_microbatch_per_dp_rank", str(w.seq_len),
+    ]
+    if w.layers is not None:
+        args += ["--job.model.n_layers", str(w.layers)]
+    return args + list(w.overrides)
+
+
+def resolve_run(w: Workload, device: str, total_steps: int):
+    """The recipe with the workload's overrides applied, exactly as the CLI applies them."""
+    from titan_lightning.cli import apply_namespace, build_parser
+    from titan_lightning.recipe import build_run
+
+    args = cli_args(w, device, total_steps)
+    run = build_run(w.recipe)
+    parser = build_parser(run)
+    apply_namespace(run, parser, parser.parse_args(args))
+    return run
+
+
+def _sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+class StepClock:
+    """Times optimizer steps end to end and resets the peak-memory counter after the warmup."""
+
+    def __init__(self, device: str, warmup: int) -> None:
+        self.device, self.warmup = device, warmup
+        self.ends: list[float] = []
+        self.losses: list[float] = []
+
+    def step_done(self, loss: Optional[float] = None) -> None:
+        import torch
+
+        _sync(self.device)
+        self.ends.append(time.perf_counter())
+        if loss is not None:
+            self.losses.append(float(loss))
+        if len(self.ends) == self.warmup and self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+
+    def result(self, name: str, tokens_per_step: int, flops_per_token: float) -> dict[str, Any]:
+        import torch
+
+        times = [b - a for a, b in zip(self.ends[self.warmup - 1:], self.ends[self.warmup:])]
+        return {
+            "contender": name, "step_times": times, "tokens_per_step": tokens_per_step,
+            "flops_per_token": flops_per_token, "losses": self.losses,
+            "peak_memory_bytes": torch.cuda.max_memory_allocated() if self.device == "cuda" else None,
+        }
+
+
+def _lightning_clock(clock: StepClock):
+    import lightning as L
+
+    class Clock(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            loss = trainer.callback_metrics.get("train/loss")
+            clock.step_done(None if loss is None else loss.item())
+
+    return Clock()
+
+
+def run_titan(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any]:
+    from titan_lightning.cli import prepare
+    from titan_lightning.recipe import execute
+
+    command, run, trainer = prepare(["fit", *cli_args(w, device, warmup + steps)])
+    clock = StepClock(device, warmup)
+    trainer.callbacks.append(_lightning_clock(clock))
+    execute(command, run, trainer)
+    return clock.result("titan", w.seq_len, run.module.flops_per_token(w.seq_len))
+
+
+def _build_model(run, device):
+    """The module's model on the meta device, AC and compile applied per block (TitanStrategy's
+    calls, in its order), then materialized with the recipe's init; and the loss function."""
+    import torch
+
+    from titan_lightning.models.causal_lm import cross_entropy_loss
+    from titan_lightning.parallel.activation_checkpoint import apply_activation_checkpointing
+    from titan_lightning.parallel.compile import compile_blocks, compile_loss
+    from titan_lightning.parallel.fsdp import model_blocks
+
+    job = run.job
+    with torch.device("meta"):
+        model = run.module.build_model()
+    blocks = model_blocks(model)
+    if job.activation_checkpoint.mode != "none":
+        apply_activation_checkpointing(blocks, job.activation_checkpoint.mode, job.activation_checkpoint.selective_ac_option)
+    c = job.compile
+    if c.enable and "model" in c.components:
+        compile_blocks(blocks, backend=c.backend, fullgraph=c.fullgraph)
+    loss_fn = compile_loss(cross_entropy_loss, backend=c.backend) if c.enable and "loss" in c.components else cross_entropy_loss
+    return model, blocks, loss_fn
+
+
+def _init(model, job, device) -> None:
+    import torch
+
+    model.to(getattr(torch, job.training.dtype))
+    model.to_empty(device=device)
+    model.init_weights(job.training.seed)
+
+
+def _train_loader(run):
+    dm = run.datamodule
+    dm.setup("fit")
+    return dm.train_dataloader()
+
+
+def run_bare(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any]:
+    import torch
+
+    from titan_lightning.models.common.moe import update_expert_bias
+    from titan_lightning.optim import build_lr_scheduler, build_optimizer
+    from titan_lightning.parallel.grad_norm import global_grad_norm
+
+    total = warmup + steps
+    run = resolve_run(w, device, total)
+    job, dev = run.job, torch.device(device)
+    torch.manual_seed(job.training.seed)
+    model, _, loss_fn = _build_model(run, dev)
+    _init(model, job, dev)
+    optimizer = build_optimizer(model.parameters(), job.optimizer, dev)
+    scheduler = build_lr_scheduler(optimizer, job.lr_schedule, total)
+    autocast = job.training.mixed_precision_param == "bfloat16" and job.training.dtype == "float32"
+    max_norm = job.training.max_grad_norm
+    clock = StepClock(device, warmup)
+    batches = iter(_train_loader(run))
+    for _ in range(total):
+        batch = next(batches)
+        ids, labels = batch["input_ids"].to(dev, non_blocking=True), batch["labels"].to(dev, non_blocking=True)
+        with torch.autocast(dev.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            logits = model(ids)
+        loss = loss_fn(logits, labels)
+        del logits  # not kept through the backward (2 GiB of bf16 logits at 128k vocab, seq 8192)
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = global_grad_norm(grads)
+        if max_norm is not None:
+            coefficient = min(max_norm / (norm.item() + 1e-6), 1.0)
+            if coefficient < 1.0:
+                torch._foreach_mul_(grads, coefficient)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        update_expert_bias(model)  # MoE load balancing, as the module's optimizer_step does
+        clock.step_done(loss.detach().item())
+    return clock.result("bare", w.seq_len, run.module.flops_per_token(w.seq_len))
+
+
+def run_lightning(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any]:
+    import lightning as L
+    import torch
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from titan_lightning.optim import build_lr_scheduler, build_optimizer
+
+    total = warmup + steps
+    run = resolve_run(w, device, total)
+    job = run.job
+
+    class Module(L.LightningModule):
+        """What a user of ModelParallelStrategy writes: FSDP2 in configure_model."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = None
+
+        def configure_model(self) -> None:
+            if self.model is not None:
+                return
+            model, blocks, self.loss_fn = _build_model(run, self.device)
+            mesh = self.device_mesh["data_parallel"]
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for block in blocks:
+                fully_shard(block, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+            _init(model, job, self.device)
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            loss = self.loss_fn(self.model(batch["input_ids"]), batch["labels"])
+            self.log("train/loss", loss.detach())
+            return loss
+
+        def configure_optimizers(self):
+            optimizer = build_optimizer(self.model.parameters(), job.optimizer, self.device)
+            scheduler = build_lr_scheduler(optimizer, job.lr_schedule, total)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    torch.manual_seed(job.training.seed)
+    clock = StepClock(device, warmup)
+    folder = tempfile.mkdtemp(prefix="bench_lightning_")
+    trainer = L.Trainer(
+        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
+        accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=total, limit_val_batches=0,
+        enable_checkpointing=False, gradient_clip_val=job.training.max_grad_norm, log_every_n_steps=10,
+        default_root_dir=folder, callbacks=[_lightning_clock(clock)], enable_progress_bar=True,
+    )
+    module = Module()
+    trainer.fit(module, datamodule=run.datamodule)
+    return clock.result("lightning", w.seq_len, run.module.flops_per_token(w.seq_len))
+
+
+def hf_model(job, device):
+    """transformers' model of the job's shape (untied embeddings, as ours), fp32 weights."""
+    import inspect
+
+    import torch
+    import transformers
+
+    a = job.model
+    common = dict(vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.ffn_hidden_dim,
+                  num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads,
+                  max_position_embeddings=max(job.training.seq_len, getattr(a, "max_seq_len", 0)),
+                  rms_norm_eps=a.norm_eps, tie_word_embeddings=False, attn_implementation="sdpa")
+    if hasattr(a, "moe") and a.moe is not None:
+        config_cls, model_cls = transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM
+        rope = {"rope_type": "default"}
+        common.update(head_dim=a.head_dim, num_experts=a.moe.num_experts, num_experts_per_tok=a.moe.top_k,
+                      moe_intermediate_size=a.moe.hidden_dim, norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[])
+    else:
+        config_cls, model_cls = transformers.LlamaConfig, transformers.LlamaForCausalLM
+        s = a.rope_scaling
+        rope = {"rope_type": "default"} if s is None else {
+            "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
+    if "rope_parameters" in inspect.signature(config_cls).parameters:  # transformers 5
+        common["rope_parameters"] = {**rope, "rope_theta": a.rope_theta}
+    else:
+        common.update(rope_theta=a.rope_theta, rope_scaling=None if rope["rope_type"] == "default" else rope)
+    with torch.device(device):
+        return model_cls(config_cls(**common))
+
+
+def run_hf(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any]:
+    import torch
+
+    total = warmup + steps
+    run = resolve_run(w, device, total)
+    job, dev = run.job, torch.device(device)
+    torch.manual_seed(job.training.seed)
+    model = hf_model(job, dev)
+    if w.hf_ac:
+        model.gradient_checkpointing_enable()
+    model.train()
+    o = job.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                  weight_decay=o.weight_decay, fused=True)
+    clock = StepClock(device, warmup)
+    batches = iter(_train_loader(run))
+    for _ in range(total):
+        ids = next(batches)["input_ids"].to(dev, non_blocking=True)
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), job.training.max_grad_norm or math.inf)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock.step_done(loss.detach().item())
+    return clock.result("hf", w.seq_len, run.module.flops_per_token(w.seq_len))
+
+
+def torchtitan_workload(w: Workload, device: str) -> dict[str, Any]:
+    """The shape torchtitan's runner builds (benchmarks/contenders/torchtitan_run.py)."""
+    run = resolve_run(w, device, 1)
+    a = run.job.model
+    return dict(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
+                vocab_size=a.vocab_size, ffn_dim_multiplier=a.ffn_dim_multiplier, multiple_of=a.multiple_of,
+                rope_theta=a.rope_theta, norm_eps=a.norm_eps, seq_len=w.seq_len, batch=1, compile=w.compile,
+                ac=w.ac, dtype="bf16", flops_per_token=run.module.flops_per_token(w.seq_len))
+
+
+RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
+    "titan": run_titan, "bare": run_bare, "lightning": run_lightning, "hf": run_hf,
+}
+
+
+# -- the orchestra ---------------------------------------------------------------------------
+
+
+def _contender_command(name: str, workload: str, args, result: Path) -> tuple[list[str], dict[str, str]]:
+    env = dict(os.environ)
+    if name == "torchtitan":
+        w = _workload(workload, args.layers)
+        spec = torchtitan_workload(w, args.device)
+        site = os.environ.get("TORCHTITAN_SITE", "/tmp/ttsite")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
+        return ([sys.executable, str(REPO / "benchmarks" / "contenders" / "torchtitan_run.py"), "--workload",
+                 json.dumps(spec), "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(result)], env)
+    command = [sys.executable, "-m", "benchmarks.throughput", "--contender", name, "--workload", workload,
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device, "--result", str(result)]
+    if args.layers is not None:
+        command += ["--layers", str(args.layers)]
+    return command, env
+
+
+def _workload(name: str, layers: Optional[int]) -> Workload:
+    w = dataclasses.replace(WORKLOADS[name])
+    if layers is not None:
+        w.layers = layers
+    return w
+
+
+def run_contender_process(name: str, workload: str, args, folder: Path, round_index: int) -> dict[str, Any]:
+    result = folder / f"{name}_round{round_index}.json"
+    log = folder / f"{name}_round{round_index}.log"
+    command, env = _contender_command(name, workload, args, result)
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        try:
+            proc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                  timeout=args.timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    wall = time.perf_counter() - start
+    if result.exists():
+        data = json.loads(result.read_text())
+    else:
+        data = {"contender": name, "error": f"exit {code}: {_last_error_line(log)}"}
+    data["wall_s"] = wall
+    if name == "torchtitan" and "error" not in data:
+        # The same FLOPs formula for every contender: torchtitan's runner trains our shape.
+        data["flops_per_token"] = torchtitan_workload(_workload(workload, args.layers), args.device)["flops_per_token"]
+    return data
+
+
+def _last_error_line(log: Path) -> str:
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "error" in line:
+            return line[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def summarize(runs: list[dict[str, Any]], peak: Optional[float]) -> dict[str, Any]:
+    """One row: tokens/s per device from the median step, the spread of the rounds' medians."""
+    ok = [r for r in runs if "error" not in r and r.get("step_times")]
+    if not ok:
+        return {"error": runs[0].get("error", "no steps") if runs else "not run"}
+    times = [t for r in ok for t in r["step_times"]]
+    tokens, flops = ok[0]["tokens_per_step"], ok[0].get("flops_per_token")
+    median = statistics.median(times)
+    round_rates = [tokens / statistics.median(r["step_times"]) for r in ok]
+    peaks = [r["peak_memory_bytes"] for r in ok if r.get("peak_memory_bytes")]
+    row = {
+        "tokens_per_s": tokens / median, "round_min": min(round_rates), "round_max": max(round_rates),
+        "step_ms_median": 1e3 * median, "step_ms_p10": 1e3 * _quantile(times, 0.1),
+        "step_ms_p90": 1e3 * _quantile(times, 0.9), "steps": len(times), "rounds": len(ok),
+        "peak_gib": max(peaks) / 2**30 if peaks else None,
+        "mfu": 100.0 * tokens / median * flops / peak if peak and flops else None,
+        "first_loss": ok[0]["losses"][0] if ok[0].get("losses") else None,
+        "last_loss": ok[0]["losses"][-1] if ok[0].get("losses") else None,
+        "wall_s": [round(r["wall_s"]) for r in runs],
+    }
+    failed = [r["error"] for r in runs if "error" in r]
+    if failed:
+        row["failed_rounds"] = failed
+    return row
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def table(rows: dict[str, dict[str, Any]], reference: str = "bare") -> str:
+    base = rows.get(reference, {}).get("tokens_per_s")
+    lines = [
+        "| contender | tokens/s/device | rounds (min-max) | vs bare | MFU % | step ms median (p10-p90) | peak GiB | loss first -> last |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error']} | | | | | | |")
+            continue
+        vs = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
+        mfu = f"{r['mfu']:.1f}" if r["mfu"] is not None else "-"
+        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        loss = f"{r['first_loss']:.4f} -> {r['last_loss']:.4f}" if r["first_loss"] is not None else "-"
+        lines.append(
+            f"| {name} | {r['tokens_per_s']:,.0f} | {r['round_min']:,.0f}-{r['round_max']:,.0f} | {vs} | {mfu} | "
+            f"{r['step_ms_median']:.1f} ({r['step_ms_p10']:.1f}-{r['step_ms_p90']:.1f}) | {peak} | {loss} |"
+        )
+    return "\n".join(lines)
+
+
+def environment(device: str) -> dict[str, str]:
+    import lightning
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__}
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    env["device"] = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+    return env
+
+
+def device_peak(device: str) -> Optional[float]:
+    if device != "cuda":
+        return None
+    import torch
+
+    from titan_lightning.callbacks.metrics import peak_flops
+
+    return peak_flops(torch.cuda.get_device_name())
+
+
+def orchestrate(args) -> int:
+    names = [n for n in args.contenders.split(",") if n]
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown:
+        print(f"--contenders: unknown {', '.join(unknown)}; valid: {', '.join(CONTENDERS)}", file=sys.stderr)
+        return 2
+    folder = Path(args.out or tempfile.mkdtemp(prefix=f"throughput_{args.workload}_"))
+    folder.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            data = run_contender_process(name, args.workload, args, folder, r)
+            runs[name].append(data)
+            status = data.get("error") or f"{len(data['step_times'])} steps, median {statistics.median(data['step_times']):.3f} s"
+            print(f"[round {r}] {name}: {status} ({data['wall_s']:.0f} s)", flush=True)
+    peak = device_peak(args.device)
+    rows = {n: summarize(runs[n], peak) for n in names}
+    w = _workload(args.workload, args.layers)
+    header = (f"workload {args.workload} ({w.recipe}, seq {w.seq_len}, batch 1, layers {w.layers or 'all'}, "
+              f"compile {w.compile}, AC {w.ac}), {args.steps} steps x {args.rounds} rounds after {args.warmup} warmup")
+    env = environment(args.device)
+    print("\n" + header + "\n" + ", ".join(f"{k} {v}" for k, v in env.items()) + "\n\n" + table(rows))
+    (folder / "summary.json").write_text(json.dumps({"workload": args.workload, "header": header, "environment": env,
+                                                    "rows": rows, "runs": runs}, indent=1))
+    print(f"\nper-round results and logs: {folder}")
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.throughput", description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="llama3_1b")
+    parser.add_argument("--layers", type=int, default=None, help="override the workload's layer count")
+    parser.add_argument("--contenders", default=None, help=f"comma-separated subset of {','.join(CONTENDERS)}")
+    parser.add_argument("--steps", type=int, default=15, help="measured steps per contender and round")
+    parser.add_argument("--warmup", type=int, default=5, help="steps dropped first (compilation)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--timeout", type=int, default=420, help="seconds per contender process")
+    parser.add_argument("--out", default=None, help="folder for per-round JSON and logs")
+    parser.add_argument("--contender", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        parser.error(f"--warmup={args.warmup} and --steps={args.steps} must be >= 1")
+    if args.contender:
+        w = _workload(args.workload, args.layers)
+        data = RUNNERS[args.contender](w, args.device, args.steps, args.warmup)
+        Path(args.result).write_text(json.dumps(data))
+        return 0
+    if args.contenders is None:
+        args.contenders = ",".join(_workload(args.workload, args.layers).contenders)
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
