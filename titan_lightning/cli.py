@@ -1,4 +1,4 @@
-"""``titan-lightning fit|validate|test --recipe package.module:function [overrides]``.
+"""``titan-lightning fit|validate|test|estimate --recipe package.module:function [overrides]``.
 
 Options (frozen by tests/unit_tests/cpu/test_cli.py; new knobs go into the configs):
 
@@ -7,6 +7,12 @@ Options (frozen by tests/unit_tests/cpu/test_cli.py; new knobs go into the confi
     --print_config       print the fully resolved run as YAML and exit
     --job.SECTION.FIELD  override a JobConfig field (model, training, parallelism, ...)
     --trainer.ARG        override a lightning.Trainer argument
+
+``estimate`` takes the same options and overrides, plus its own (see titan_lightning/estimate.py):
+
+    --world_size N       the world to estimate for (required)
+    --rank R             the rank to simulate (default 0)
+    --json               print bytes as JSON instead of the table in GiB
 
 Bad input exits with status 2 and one line on stderr, before anything is written.
 """
@@ -26,7 +32,7 @@ import lightning as L
 
 from titan_lightning.recipe import Run, RecipeError, build_run, build_trainer, execute
 
-SUBCOMMANDS = ("fit", "validate", "test")
+SUBCOMMANDS = ("fit", "validate", "test", "estimate")
 OPTIONS = ("--recipe", "--config", "--print_config", "--job", "--trainer")
 # Trainer arguments that hold objects: a recipe sets them, the command line does not.
 # (`strategy` is on the command line as a registry name or a class path, see build_parser.)
@@ -40,6 +46,8 @@ class UsageError(ValueError):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv and argv[0] == "estimate":
+            return estimate_command(argv[1:])
         prepared = prepare(argv)
     except (UsageError, ValueError, TypeError) as err:
         print(f"titan-lightning: error: {_one_line(err)}", file=sys.stderr)
@@ -59,11 +67,21 @@ def prepare(argv: list[str]) -> Optional[tuple[str, Run, L.Trainer]]:
     command, rest = argv[0], argv[1:]
     if command not in SUBCOMMANDS:
         raise UsageError(f"unknown command {command!r}; expected one of {', '.join(SUBCOMMANDS)}")
-    spec = _recipe_spec(rest)
+    if command == "estimate":
+        raise UsageError("estimate builds no Trainer; run it with main() or estimate_command()")
+    run = parse_run(rest)
+    if run is None:
+        return None
+    return command, run, build_trainer(run)
+
+
+def parse_run(argv: list[str]) -> Optional[Run]:
+    """The recipe's run with the command line's overrides applied; None when only printing."""
+    spec = _recipe_spec(argv)
     run = build_run(spec)
     parser = build_parser(run)
     try:
-        namespace = parser.parse_args(rest)
+        namespace = parser.parse_args(argv)
     except argparse.ArgumentError as err:
         raise UsageError(_describe_parse_error(str(err), run)) from None
     if namespace.print_config:
@@ -71,7 +89,32 @@ def prepare(argv: list[str]) -> Optional[tuple[str, Run, L.Trainer]]:
         print(parser.dump(namespace, skip_validation=True), end="")
         return None
     apply_namespace(run, parser, namespace)
-    return command, run, build_trainer(run)
+    return run
+
+
+def estimate_command(argv: list[str]) -> int:
+    """``estimate``: this rank's memory over one training step (titan_lightning/estimate.py)."""
+    own = argparse.ArgumentParser(prog="titan-lightning estimate", add_help=False, allow_abbrev=False,
+                                  exit_on_error=False)
+    own.add_argument("--world_size", type=int)
+    own.add_argument("--rank", type=int, default=0)
+    own.add_argument("--json", action="store_true")
+    try:
+        options, rest = own.parse_known_args(argv)
+    except argparse.ArgumentError as err:
+        raise UsageError(f"estimate: {err}") from None
+    if options.world_size is None and "--print_config" not in rest:
+        raise UsageError("estimate needs --world_size N (the number of ranks to estimate for)")
+    if options.world_size is not None and options.world_size < 1:
+        raise UsageError(f"--world_size={options.world_size} must be >= 1")
+    run = parse_run(rest)
+    if run is None:
+        return 0
+    from titan_lightning.estimate import estimate
+
+    result = estimate(run, options.world_size, options.rank)
+    print(result.to_json() if options.json else result.table())
+    return 0
 
 
 def build_parser(run: Run) -> ArgumentParser:

@@ -101,7 +101,7 @@ def test_whole_numbers_stay_batch_counts_not_fractions(workdir):
         (["fit", "--recipe", "my_recipes"], "must look like package.module:function"),
         (["fit", "--recipe", "my_recipes:not_a_run"], "returned dict, expected titan_lightning.recipe.Run"),
         (["fit"], "--recipe is required"),
-        (["train", "--recipe", "my_recipes:good"], "unknown command 'train'; expected one of fit, validate, test"),
+        (["train", "--recipe", "my_recipes:good"], "unknown command 'train'; expected one of fit, validate, test, estimate"),
         (["fit", "--recipe", "my_recipes:good", "--job.training.sed", "3"],
          "unknown option --job.training.sed; valid keys under job.training: seed, seq_len"),
         (["fit", "--recipe", "my_recipes:good", "--trainer.max_stepz", "3"], "unknown option --trainer.max_stepz"),

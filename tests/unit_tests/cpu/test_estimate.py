@@ -1,0 +1,142 @@
+"""titan-lightning estimate: per-rank memory of a training step on fake tensors and the fake group."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from titan_lightning import cli
+from titan_lightning.estimate import estimate
+from titan_lightning.models.llama3.model import Transformer
+from titan_lightning.optim import build_optimizer
+from titan_lightning.recipe import build_run
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left():
+    yield
+    assert not dist.is_initialized()
+
+
+def debug_run(recipe: str = "debugmodel", **training):
+    """The debug model (2 of its 6 layers, to stay quick) on ``recipe``'s layout."""
+    run = build_run(f"recipes.llama3:{recipe}")
+    run.job.model.n_layers = 2
+    for name, value in training.items():
+        setattr(run.job.training, name, value)
+    return run
+
+
+def parameter_bytes(run, tp: int = 1) -> int:
+    """The model's parameter bytes, counted on the meta device; under TP everything but the norms is halved."""
+    with torch.device("meta"):
+        model = Transformer(run.job.model)
+    norms = sum(p.numel() for name, p in model.named_parameters() if name.endswith("norm.weight"))
+    total = sum(p.numel() for p in model.parameters())
+    return ((total - norms) // tp + norms) * 4  # fp32
+
+
+@pytest.mark.parametrize("recipe, world_size, divisor, tp", [
+    ("debugmodel", 1, 1, 1),
+    ("debugmodel", 4, 4, 1),  # dp_shard=-1: FSDP over 4 ranks (every dim 0 divides by 4)
+    ("tp2", 2, 1, 2),
+])
+def test_parameters_gradients_and_optimizer_state_are_the_local_shards(recipe, world_size, divisor, tp):
+    run = debug_run(recipe)
+    expected = parameter_bytes(run, tp) // divisor
+    result = estimate(run, world_size)
+    assert result.parameters == expected
+    # Under TP (torch 2.13) the vocab-sharded embedding's gradient comes back a full-size
+    # Replicate DTensor: the estimate reports it as the run holds it.
+    a = run.job.model
+    replicated = a.vocab_size * a.dim * 4 * (tp - 1) // tp
+    assert result.gradients == expected + replicated
+    assert result.optimizer_state == 2 * expected  # AdamW: exp_avg and exp_avg_sq
+    assert result.peak > result.static
+
+
+def test_activation_checkpointing_lowers_activations_in_order():
+    activations = {}
+    for mode in ("none", "selective", "full"):
+        run = debug_run()
+        run.job.activation_checkpoint.mode = mode
+        activations[mode] = estimate(run, 1).activations
+    assert activations["none"] > activations["selective"] > activations["full"]
+
+
+def test_activations_grow_linearly_with_the_sequence():
+    short = estimate(debug_run(seq_len=128, tokens_per_microbatch_per_dp_rank=1024), 1)
+    long = estimate(debug_run(seq_len=256, tokens_per_microbatch_per_dp_rank=2048), 1)
+    assert long.parameters == short.parameters
+    assert 1.9 < long.activations / short.activations < 2.1
+
+
+def test_compile_saves_less_than_eager():
+    eager = estimate(debug_run(mixed_precision_param="bfloat16"), 1)
+    run = debug_run(mixed_precision_param="bfloat16")
+    run.job.compile.enable = True
+    compiled = estimate(run, 1)
+    assert compiled.static == eager.static
+    assert compiled.activations < 0.9 * eager.activations
+
+
+@pytest.mark.parametrize("mixed_precision_param", ["float32", "bfloat16"])
+def test_estimate_matches_the_measured_peak_of_real_tensors(mixed_precision_param):
+    """The debug model trained for real on CPU, measured by torch's MemTracker over the second step."""
+    small = dict(mixed_precision_param=mixed_precision_param, seq_len=64, tokens_per_microbatch_per_dp_rank=128)
+    run = debug_run(**small)
+    module, t = run.module, run.job.training
+    with torch.device("meta"):
+        module.model = module.build_model()
+    module.materialize(torch.device("cpu"))
+    optimizer = build_optimizer(module.model.parameters(), run.job.optimizer, torch.device("cpu"))
+    tokens = torch.randint(0, run.job.model.vocab_size, (t.microbatch_size, t.seq_len))
+
+    def step():
+        loss = module.loss_fn(module(tokens), tokens)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        del loss
+        optimizer.step()
+
+    step()
+    tracker = MemTracker()
+    tracker.track_external(module.model, optimizer)
+    with tracker:
+        step()
+    measured = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    run = debug_run(**small)
+    estimated = estimate(run, 1).peak
+    assert abs(estimated - measured) <= 0.1 * measured
+
+
+def test_cli_prints_the_table_and_json(capsys):
+    argv = ["estimate", "--recipe", "recipes.llama3:fsdp2_tp2", "--world_size", "4", "--job.model.n_layers", "2"]
+    assert cli.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "rank 0 of 4: FSDP=2, TP=2" in table
+    for row in ("parameters", "gradients", "optimizer state", "activations", "peak"):
+        assert row in table
+    assert cli.main(argv + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["world_size"] == 4 and report["unit"] == "bytes"
+    assert report["peak"] == report["parameters"] + report["gradients"] + report["optimizer_state"] + \
+        report["buffers"] + report["activations"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--recipe", "recipes.llama3:fsdp2_tp2", "--world_size", "6"],
+     "dp_replicate*dp_shard*tp*pp*cp = 1*2*2*1*1 = 4 must equal the world size 6"),
+    (["--recipe", "recipes.llama3:debugmodel", "--world_size", "3", "--job.parallelism.tp", "2"],
+     "world size 3 is not divisible by dp_replicate*tp*pp*cp"),
+    (["--recipe", "recipes.llama3:debugmodel"], "estimate needs --world_size N"),
+    (["--recipe", "recipes.llama3:debugmodel", "--world_size", "two"], "--world_size: invalid int value: 'two'"),
+    (["--recipe", "recipes.llama3:pp2", "--world_size", "2"], "parallelism.pp=2: the estimator does not model"),
+])
+def test_bad_input_exits_2_with_one_line(argv, message, capsys):
+    assert cli.main(["estimate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert message in err

@@ -1,0 +1,385 @@
+"""Per-rank memory of one training step, estimated in one process without a GPU.
+
+``titan-lightning estimate --recipe MOD:FN --world_size N [--rank R] [--json]`` (see cli.py).
+
+How: the fake process group makes this process rank ``rank`` of ``world_size``; the
+strategy builds the same mesh and applies the same parallelisms as a real run
+(``TitanStrategy.parallelize``: TP, CP, EP, activation checkpointing, compile, FSDP), on
+fake tensors (``FakeTensorMode``: shapes, dtypes and storages, no data). Then two training
+steps run on a fake batch of the recipe's shape (``training.microbatch_size`` sequences of
+``training.seq_len`` tokens, each CP rank keeping its slice), in Lightning's order: forward
+and loss, ``zero_grad`` (so the previous step's gradients are alive during the forward),
+backward, optimizer step. The first step creates the optimizer state and compiles; during
+the second, a dispatch mode adds up the bytes of every live storage, and its maximum is
+the estimated peak (what ``torch.cuda.max_memory_allocated`` reports over a step).
+
+Modeled:
+  - parameters, gradients, optimizer state and buffers: exact local (sharded) bytes;
+  - everything autograd saves under the recipe's activation-checkpointing policy, and the
+    temporaries of each op while they live (the loss's fp32 logits, FSDP's all-gathered
+    parameters of the current and prefetched units, the optimizer step's);
+  - mixed precision as the run does it: autocast's bf16 weight copies without FSDP, the
+    MixedPrecisionPolicy's unsharded bf16 parameters with FSDP;
+  - ``compile.enable``: the blocks and the loss go through AOT autograd with inductor's
+    decompositions and min-cut partitioner (what inductor saves for backward), and each
+    graph runs eagerly with inductor's fusion approximated: a tensor inside a graph takes
+    memory only when it is an input or output of the graph, or an input or output of an op
+    inductor does not fuse (matmuls, attention, collectives, scatters, sorts). Pointwise
+    ops and reductions between them are fused away.
+
+Not modeled: the CUDA kernels themselves (ops run as the CPU kernels; SDPA's CPU flash
+kernel saves the same output and logsumexp as the CUDA flash kernel, other kernels'
+workspaces are not seen), temporaries inside DTensor ops (TP/CP redistributions; their
+outputs are counted), allocator rounding and fragmentation, CUDA context and NCCL buffers
+(none of which ``max_memory_allocated`` counts either), and pipeline parallelism (pp > 1
+is refused: pipelining cannot run under the fake process group).
+"""
+
+import json
+import weakref
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from titan_lightning.config import ConfigError, validate_job
+from titan_lightning.optim import build_optimizer
+from titan_lightning.parallel.fake import init_fake_process_group, memory_report
+from titan_lightning.parallel.mesh import release_dtensor_caches
+from titan_lightning.recipe import Run
+from titan_lightning.strategies.fake import FakePGStrategy
+from titan_lightning.strategies.titan import TitanStrategy
+
+GiB = 2**30
+# The torch.compile backend the estimate compiles with, in place of the job's (see below).
+COMPILE_BACKEND = "titan_estimate"
+
+
+@dataclass(kw_only=True)
+class MemoryEstimate:
+    """Bytes one rank holds; ``activations`` is the peak minus the static part (the rest)."""
+
+    world_size: int
+    rank: int
+    layout: str
+    batch: str
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    buffers: int
+    activations: int
+    peak: int
+
+    @property
+    def static(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state + self.buffers
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "unit": "bytes"}, indent=2)
+
+    def table(self) -> str:
+        rows = [("parameters", self.parameters), ("gradients", self.gradients),
+                ("optimizer state", self.optimizer_state), ("buffers", self.buffers),
+                ("activations", self.activations), ("peak", self.peak)]
+        lines = [f"rank {self.rank} of {self.world_size}: {self.layout}; {self.batch}", f"{'':<18}{'GiB':>9}"]
+        lines += [f"  {name:<16}{value / GiB:>9.2f}" for name, value in rows]
+        return "\n".join(lines)
+
+
+def estimate(run: Run, world_size: int, rank: int = 0) -> MemoryEstimate:
+    """Estimate rank ``rank``'s memory over one training step of ``run`` on ``world_size`` ranks.
+
+    Validates the job against ``world_size`` first (``ConfigError`` on bad degrees). The run
+    is consumed: its module ends up holding the fake-tensor model.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    job, module = run.job, run.module
+    if job is None or not hasattr(module, "build_model"):
+        raise ConfigError(f"estimate needs a titan_lightning model (a CausalLMModule with a job); got {type(module).__name__}")
+    validate_job(job, world_size=world_size, max_steps=run.trainer.get("max_steps"))
+    if job.parallelism.pp > 1:
+        raise ConfigError(
+            f"parallelism.pp={job.parallelism.pp}: the estimator does not model pipeline stages "
+            f"(pipelining cannot run under the fake process group); estimate with parallelism.pp=1"
+        )
+    if dist.is_initialized():
+        raise RuntimeError("estimate() runs its own fake process group; a process group is already initialized")
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"--rank={rank} must be in [0, --world_size={world_size})")
+    strategy = _EstimateStrategy(world_size=world_size, rank=rank)
+    strategy.parallel_devices = [torch.device("cpu")]
+    strategy._lightning_module = module
+    backend = job.compile.backend
+    job.compile.backend = COMPILE_BACKEND
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        strategy.setup_environment()
+        with torch.device("meta"):
+            module.model = module.build_model()
+        # The model is sharded on the meta device (as in a real run) and materialized as fake
+        # tensors; device meshes stay real (FSDP builds some while sharding).
+        with _shapes_only(module, fake_mode):
+            strategy.parallelize(module)
+        t = job.training
+        if strategy._cp is not None:  # CP reads its slices' positions on the host: compute them for real
+            strategy._cp.runs(t.seq_len // job.parallelism.cp, strategy.root_device)
+        with fake_mode:
+            optimizer = build_optimizer(module.model.parameters(), job.optimizer, strategy.root_device)
+            tokens = torch.zeros(t.microbatch_size, t.seq_len, dtype=torch.long)
+            batch = strategy._shard_sequence(({"input_ids": tokens, "labels": tokens},))[0]
+            step = _TrainingStep(module, optimizer, strategy.loss_parallel_enabled)
+            step(batch)  # creates the optimizer state, compiles
+            with _LiveBytes(fake_mode) as live:
+                live.add_static(module, optimizer)
+                step(batch)
+        held = memory_report(module.model, [optimizer])
+        buffers = sum(_local(b).untyped_storage().nbytes() for b in module.model.buffers())
+    finally:
+        job.compile.backend = backend
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        release_dtensor_caches()
+    static = held["parameters"] + held["gradients"] + held["optimizer_state"] + buffers
+    return MemoryEstimate(
+        world_size=world_size, rank=rank, layout=strategy.dims.describe(),
+        batch=f"{t.microbatch_size} x {t.seq_len} tokens per microbatch",
+        parameters=held["parameters"], gradients=held["gradients"], optimizer_state=held["optimizer_state"],
+        buffers=buffers, activations=max(live.peak - static, 0), peak=live.peak,
+    )
+
+
+class _EstimateStrategy(FakePGStrategy):
+    """FakePGStrategy without a Trainer, for shapes rather than values: no deterministic
+    collectives (they copy data a real run does not), no seeding."""
+
+    def setup_environment(self) -> None:
+        TitanStrategy.setup_environment(self)
+
+    def _setup_distributed(self) -> None:
+        self._process_group_backend = "fake"
+        init_fake_process_group(self._fake_rank, self.world_size)
+
+    def _set_determinism(self) -> None:
+        pass
+
+
+class _shapes_only:
+    """Materialize as the module does (cast, then allocate on the device), as fake tensors,
+    and skip the init: fake tensors hold no values, and some init laws read values."""
+
+    def __init__(self, module, fake_mode) -> None:
+        self.module, self.fake_mode = module, fake_mode
+
+    def __enter__(self):
+        module = self.module
+
+        def materialize(device: torch.device) -> None:
+            with self.fake_mode:
+                module.model.to(getattr(torch, module.job.training.dtype))
+                module.model.to_empty(device=device)
+
+        module.materialize = materialize
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.module.__dict__.pop("materialize", None)
+
+
+class _TrainingStep:
+    """One step in Lightning's automatic-optimization order (the module's forward and loss, as
+    ``training_step`` computes it; gradient clipping's few scalars are left out)."""
+
+    def __init__(self, module, optimizer, loss_parallel_enabled: bool) -> None:
+        self.module, self.optimizer = module, optimizer
+        self.context = loss_parallel if loss_parallel_enabled else nullcontext
+
+    def __call__(self, batch: dict) -> None:
+        with self.context():
+            loss = self.module.loss_fn(self.module(batch["input_ids"]), batch["labels"])
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.context():
+            loss.backward()
+        del loss
+        self.optimizer.step()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The bytes of every live storage made by ``fake_mode``'s tensors (None: real tensors),
+    and their maximum. Storages are added when an op returns them and dropped when they are
+    freed; ``UntypedStorage.resize_`` (how FSDP allocates and frees unsharded parameters) is
+    not an op, so it is patched while the mode is active.
+
+    It declares itself an infrastructure mode: torch.compile refuses to trace under any other
+    mode. Tensors of the compiler's own fake mode (tracing) are not counted.
+    """
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        return True
+
+    def __init__(self, fake_mode) -> None:
+        super().__init__()
+        self.fake_mode = fake_mode
+        self.sizes: dict[int, int] = {}
+        self.current = self.peak = 0
+        self.paused = 0
+
+    def add_static(self, module, optimizer) -> None:
+        """Count what exists before the step: parameters, buffers, gradients, optimizer state."""
+        tensors = [*module.parameters(), *module.buffers()]
+        tensors += [p.grad for p in module.parameters() if p.grad is not None]
+        tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        for tensor in tensors:
+            self._add(_local(tensor).untyped_storage())
+
+    def _add(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self.sizes or self.paused:
+            return
+        self.sizes[key] = size = storage.nbytes()
+        weakref.finalize(storage, self._free, key)
+        self._grow(size)
+
+    def _grow(self, size: int) -> None:
+        self.current += size
+        self.peak = max(self.peak, self.current)
+
+    def _free(self, key: int) -> None:
+        self.current -= self.sizes.pop(key, 0)
+
+    def __enter__(self):
+        original = self._resize = torch.UntypedStorage.resize_
+        live = self
+
+        def resize_(storage, size):
+            before = storage.nbytes()
+            result = original(storage, size)
+            key = storage._cdata
+            if key in live.sizes:
+                live.sizes[key] = storage.nbytes()
+                live._grow(storage.nbytes() - before)
+            else:
+                live._add(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        _LIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        torch.UntypedStorage.resize_ = self._resize
+        _LIVE.remove(self)
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                tensor = _local(tensor)
+                if getattr(tensor, "fake_mode", None) is self.fake_mode and tensor.layout == torch.strided:
+                    self._add(tensor.untyped_storage())
+        return out
+
+
+# -- compile ----------------------------------------------------------------------------------
+
+_LIVE: list[_LiveBytes] = []  # the active _LiveBytes, for the compiled graphs' interpreter
+
+
+def _unfused_ops() -> set:
+    aten = torch.ops.aten
+    names = ["mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward", "embedding_dense_backward",
+             "index_put", "index_put_", "scatter", "scatter_add", "scatter_reduce", "sort", "topk", "cumsum",
+             "histc", "_grouped_mm", "nonzero"]
+    return {getattr(aten, name) for name in names if hasattr(aten, name)}
+
+
+_UNFUSED_NAMES = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention", "_c10d_functional")
+
+
+def _unfused(node: fx.Node, ops: set) -> bool:
+    if node.op != "call_function":
+        return False
+    packet = getattr(node.target, "overloadpacket", None)
+    return packet in ops or any(name in str(node.target) for name in _UNFUSED_NAMES)
+
+
+def materialized_nodes(graph: fx.Graph) -> set:
+    """The nodes whose outputs take memory once inductor has fused the graph: its inputs and
+    outputs, and the inputs and outputs of the ops it calls as kernels of their own (through
+    views and tuple items to the tensor that owns the storage)."""
+    ops, keep = _unfused_ops(), set()
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            keep.add(node)
+        elif node.op == "output" or _unfused(node, ops):
+            keep.add(node)
+            keep.update(node.all_input_nodes)
+    for node in reversed(graph.nodes):
+        target = node.target
+        owner = node.op == "call_function" and (getattr(target, "is_view", False) or getattr(target, "__name__", "") == "getitem")
+        if node in keep and owner and node.args and isinstance(node.args[0], fx.Node):
+            keep.add(node.args[0])
+    return keep
+
+
+class _FusedRun(fx.Interpreter):
+    """Runs a graph op by op, leaving the fused-away outputs uncounted (freed at last use)."""
+
+    def __init__(self, gm: fx.GraphModule, keep: set) -> None:
+        super().__init__(gm)
+        self.keep = keep
+
+    def run_node(self, node: fx.Node) -> Any:
+        live = _LIVE[-1] if _LIVE else None
+        if live is None or node in self.keep:
+            return super().run_node(node)
+        live.paused += 1
+        try:
+            return super().run_node(node)
+        finally:
+            live.paused -= 1
+
+
+def _graph_compiler(gm: fx.GraphModule, example_inputs) -> Any:
+    keep = materialized_nodes(gm.graph)
+
+    def run(args: list) -> Any:
+        inputs = list(args)
+        args.clear()  # boxed: the graph owns its inputs and frees each after its last use
+        return _FusedRun(gm, keep).run(*inputs)
+
+    run._boxed_call = True
+    return run
+
+
+def _estimate_backend(gm: fx.GraphModule, example_inputs) -> Any:
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.compile_fx import select_decomp_table
+
+    backend = aot_autograd(fw_compiler=_graph_compiler, bw_compiler=_graph_compiler,
+                           partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
+    return backend(gm, example_inputs)
+
+
+def _register_backend() -> None:
+    from torch._dynamo import list_backends, register_backend
+
+    if COMPILE_BACKEND not in list_backends(exclude_tags=()):
+        register_backend(name=COMPILE_BACKEND, compiler_fn=_estimate_backend)
+
+
+_register_backend()
