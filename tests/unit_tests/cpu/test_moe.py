@@ -109,3 +109,32 @@ def test_load_balancing_bias_moves_toward_balance_on_a_skewed_batch():
 def test_bad_moe_args_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         MoEArgs(**{"num_experts": 8, "top_k": 2, **fields})
+
+
+def test_experts_compute_in_the_autocast_dtype(monkeypatch):
+    """Under bf16 autocast over fp32 weights the experts run in bf16 (the grouped GEMM's dtype on
+    GPUs; fp32 inputs would fall back to the per-expert loop), with the same result as autocast
+    applied to each expert's matmuls, and fp32 gradients for the fp32 weights."""
+    import titan_lightning.models.common.moe as moe_module
+
+    moe = _moe()
+    x = torch.randn(2, 5, 32)
+    seen = []
+    chooser = moe_module.grouped_mm_available
+    monkeypatch.setattr(moe_module, "grouped_mm_available", lambda t: seen.append(t.dtype) or chooser(t))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = moe(x)
+        tokens = x.reshape(-1, 32)
+        scores, experts, _ = moe.router(tokens, moe.expert_bias)
+    assert seen == [torch.bfloat16]
+    w = moe.experts
+    reference = torch.zeros_like(tokens)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for t in range(tokens.shape[0]):
+            for slot in range(experts.shape[1]):
+                e = experts[t, slot]
+                h = (F.silu(tokens[t:t + 1] @ w.w1[e].T) * (tokens[t:t + 1] @ w.w3[e].T)) @ w.w2[e].T
+                reference[t] += scores[t, slot] * h[0].float()
+    torch.testing.assert_close(out.float().reshape(-1, 32), reference, rtol=2e-2, atol=2e-2)
+    out.float().sum().backward()
+    assert w.w1.grad is not None and w.w1.grad.dtype == torch.float32

@@ -152,11 +152,23 @@ class GroupedExperts(nn.Module):
         return tuple(weights)
 
     def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The local experts on their tokens (``counts`` over the local experts)."""
+        """The local experts on their tokens (``counts`` over the local experts).
+
+        Under autocast the experts compute in autocast's dtype, as its matmuls would: the
+        grouped GEMM is not on autocast's list, and fp32 inputs would send a bf16 run down
+        the per-expert loop (one host sync and 3 x experts small matmuls per layer)."""
+        x = x.to(_compute_dtype(x))
         w1, w2, w3 = self.weights(x.dtype)
         if grouped_mm_available(x):
             return _grouped_swiglu(x, counts, w1, w2, w3)
         return _looped_swiglu(x, counts, w1, w2, w3)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
 
 
 def _looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
