@@ -1,5 +1,6 @@
 """The LightningModule every model family shares: next-token loss, optimizer, schedule."""
 
+import math
 from typing import Any, Optional
 
 import lightning as L
@@ -48,6 +49,8 @@ class CausalLMModule(L.LightningModule):
         self.model: Optional[torch.nn.Module] = None
         self.val_loss = torchmetrics.MeanMetric()
         self.last_grad_norm: Optional[torch.Tensor] = None
+        # This optimizer step's microbatch losses, checked for finiteness with the grad norm.
+        self._step_losses: list[torch.Tensor] = []
 
     def build_model(self) -> torch.nn.Module:
         raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
@@ -115,11 +118,9 @@ class CausalLMModule(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss_fn(self(batch["input_ids"]), batch["labels"])
         value = _local(loss).detach()
-        if not torch.isfinite(value):
-            raise FloatingPointError(
-                f"non-finite training loss {value.item()} at step {self.trainer.global_step + 1}; "
-                f"stopping before the optimizer step"
-            )
+        # Checked in configure_gradient_clipping, before the optimizer step: a check here would
+        # synchronize with the device between forward and backward on every step.
+        self._step_losses.append(value)
         self.log("train/loss", value, prog_bar=True, sync_dist=True)
         return loss
 
@@ -167,7 +168,8 @@ class CausalLMModule(L.LightningModule):
         return getattr(trainer.strategy, "pipeline", None) if trainer is not None else None
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """Clip to ``training.max_grad_norm`` and log the pre-clip global grad norm.
+        """Clip to ``training.max_grad_norm`` and log the pre-clip global grad norm; stop on a
+        non-finite loss or norm (one host sync for both).
 
         Lightning calls this after backward and before every optimizer step.
         """
@@ -175,13 +177,18 @@ class CausalLMModule(L.LightningModule):
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         pipeline = self._pipeline()
         norm = global_grad_norm(grads, pp_group=pipeline.pp_group if pipeline is not None else None)
-        if not torch.isfinite(norm):
-            raise FloatingPointError(
-                f"non-finite gradient norm {norm.item()} at step {self.trainer.global_step + 1}; "
-                f"stopping before the optimizer step"
-            )
+        losses, self._step_losses = self._step_losses, []
+        # The grad norm is reduced over every rank above, before anyone raises: under PP a NaN
+        # loss on the last stage makes every stage's norm NaN, so all ranks stop together.
+        *loss_values, norm_value = torch.stack([v.to(norm).reshape(()) for v in losses] + [norm]).tolist()
+        step = self.trainer.global_step + 1
+        for value in loss_values:
+            if not math.isfinite(value):
+                raise FloatingPointError(f"non-finite training loss {value} at step {step}; stopping before the optimizer step")
+        if not math.isfinite(norm_value):
+            raise FloatingPointError(f"non-finite gradient norm {norm_value} at step {step}; stopping before the optimizer step")
         if max_norm is not None:
-            coefficient = min(max_norm / (norm.item() + 1e-6), 1.0)
+            coefficient = min(max_norm / (norm_value + 1e-6), 1.0)
             if coefficient < 1.0:
                 torch._foreach_mul_(grads, coefficient)
         self.last_grad_norm = norm.detach()
