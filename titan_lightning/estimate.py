@@ -27,6 +27,20 @@ Modeled:
     inductor does not fuse (matmuls, attention, collectives, scatters, sorts). Pointwise
     ops and reductions between them are fused away.
 
+Assumed, where a real run depends on values fake tensors do not have:
+  - MoE routing is balanced: each expert of a layer gets ``tokens * top_k / num_experts``
+    of a rank's (token, expert) pairs (the remainder one each to the first experts), and
+    under EP every rank sends and receives the same split sizes. Real routing is uneven:
+    an expert's grouped-GEMM inputs, outputs and saved activations grow with its share of
+    the tokens, and under EP a rank's received tokens (and everything computed from them)
+    can reach up to ``ep`` times the balanced count if every rank routes to its experts;
+    the load-balancing bias keeps real runs near balanced, not at it;
+  - the routed experts run as on a Hopper-class GPU: ``torch._grouped_mm`` for bf16 tokens,
+    the per-expert loop otherwise (the dtype rule of moe.py's ``grouped_mm_available``);
+  - the all-gather CP attention attends each run of local queries to all the keys before
+    its end without the ``causal_lower_right`` mask (a tensor subclass fake tensors refuse):
+    the same shapes and the same saved output and logsumexp as SDPA's masked flash kernel.
+
 Not modeled: the CUDA kernels themselves (ops run as the CPU kernels; SDPA's CPU flash
 kernel saves the same output and logsumexp as the CUDA flash kernel, other kernels'
 workspaces are not seen), temporaries inside DTensor ops (TP/CP redistributions; their
@@ -121,32 +135,40 @@ def estimate(run: Run, world_size: int, rank: int = 0) -> MemoryEstimate:
     job.compile.backend = COMPILE_BACKEND
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        strategy.setup_environment()
-        with torch.device("meta"):
-            module.model = module.build_model()
-        # The model is sharded on the meta device (as in a real run) and materialized as fake
-        # tensors; device meshes stay real (FSDP builds some while sharding).
-        with _shapes_only(module, fake_mode):
-            strategy.parallelize(module)
-        t = job.training
-        if strategy._cp is not None:  # CP reads its slices' positions on the host: compute them for real
-            strategy._cp.runs(t.seq_len // job.parallelism.cp, strategy.root_device)
-        with fake_mode:
-            optimizer = build_optimizer(module.model.parameters(), job.optimizer, strategy.root_device)
-            tokens = torch.zeros(t.microbatch_size, t.seq_len, dtype=torch.long)
-            batch = strategy._shard_sequence(({"input_ids": tokens, "labels": tokens},))[0]
-            step = _TrainingStep(module, optimizer, strategy.loss_parallel_enabled)
-            step(batch)  # creates the optimizer state, compiles
-            with _LiveBytes(fake_mode) as live:
-                live.add_static(module, optimizer)
-                step(batch)
-        held = memory_report(module.model, [optimizer])
-        buffers = sum(_local(b).untyped_storage().nbytes() for b in module.model.buffers())
+        with _value_free_model():
+            return _estimate(run, strategy, world_size, rank, fake_mode)
+    except _FAKE_ERRORS as err:
+        raise ConfigError(_unsupported(type(getattr(module, "model", module)).__name__, err)) from None
     finally:
         job.compile.backend = backend
         if dist.is_initialized():
             dist.destroy_process_group()
         release_dtensor_caches()
+
+
+def _estimate(run: Run, strategy, world_size: int, rank: int, fake_mode) -> MemoryEstimate:
+    job, module = run.job, run.module
+    strategy.setup_environment()
+    with torch.device("meta"):
+        module.model = module.build_model()
+    # The model is sharded on the meta device (as in a real run) and materialized as fake
+    # tensors; device meshes stay real (FSDP builds some while sharding).
+    with _shapes_only(module, fake_mode):
+        strategy.parallelize(module)
+    t = job.training
+    if strategy._cp is not None:  # CP reads its slices' positions on the host: compute them for real
+        strategy._cp.runs(t.seq_len // job.parallelism.cp, strategy.root_device)
+    with fake_mode:
+        optimizer = build_optimizer(module.model.parameters(), job.optimizer, strategy.root_device)
+        tokens = torch.zeros(t.microbatch_size, t.seq_len, dtype=torch.long)
+        batch = strategy._shard_sequence(({"input_ids": tokens, "labels": tokens},))[0]
+        step = _TrainingStep(module, optimizer, strategy.loss_parallel_enabled)
+        step(batch)  # creates the optimizer state, compiles
+        with _LiveBytes(fake_mode) as live:
+            live.add_static(module, optimizer)
+            step(batch)
+    held = memory_report(module.model, [optimizer])
+    buffers = sum(_local(b).untyped_storage().nbytes() for b in module.model.buffers())
     static = held["parameters"] + held["gradients"] + held["optimizer_state"] + buffers
     return MemoryEstimate(
         world_size=world_size, rank=rank, layout=strategy.dims.describe(),
@@ -154,6 +176,104 @@ def estimate(run: Run, world_size: int, rank: int = 0) -> MemoryEstimate:
         parameters=held["parameters"], gradients=held["gradients"], optimizer_state=held["optimizer_state"],
         buffers=buffers, activations=max(live.peak - static, 0), peak=live.peak,
     )
+
+
+# -- what fake tensors cannot compute: MoE routing, the CP mask ------------------------------
+
+def _fake_errors() -> tuple:
+    from torch._subclasses import fake_tensor as ft
+
+    return (ft.DynamicOutputShapeException, ft.DataDependentOutputException, ft.UnsupportedOperatorException,
+            ft.UnsupportedFakeTensorException)
+
+
+_FAKE_ERRORS = _fake_errors()
+
+
+def _unsupported(model: str, err: Exception) -> str:
+    op = getattr(err, "func", None)
+    what = f"{op} needs tensor values" if op is not None else f"{type(err).__name__}: {err}"
+    return f"the estimator cannot model {model}: {what}, which fake tensors do not have"
+
+
+def balanced_counts(pairs: int, num_experts: int) -> list[int]:
+    """``pairs`` (token, expert) pairs spread evenly over ``num_experts``, the remainder one
+    each to the first experts (the routing the estimate assumes)."""
+    q, r = divmod(pairs, num_experts)
+    return [q + (e < r) for e in range(num_experts)]
+
+
+@torch._dynamo.disable  # a graph break, as bincount's data-dependent shape makes in a real run
+def _real_counts(counts: list[int]) -> torch.Tensor:
+    """Counts as a real (not fake) int64 tensor: ``.tolist()`` reads them on the host."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return torch.tensor(counts, dtype=torch.int64)
+
+
+_bincount = torch.bincount
+
+
+@torch._dynamo.disable
+def _balanced_bincount(input: torch.Tensor, weights=None, minlength: int = 0) -> torch.Tensor:
+    """``torch.bincount`` of a fake tensor (the router's expert ids): balanced counts."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if not isinstance(_local(input), FakeTensor) or weights is not None or minlength < 1:
+        return _bincount(input, weights, minlength)
+    return _real_counts(balanced_counts(input.numel(), minlength))
+
+
+def _grouped_mm_on_gpu(x: torch.Tensor) -> bool:
+    """moe.grouped_mm_available on a Hopper-class GPU: bf16 tokens take ``torch._grouped_mm``."""
+    return hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16
+
+
+def _balanced_expert_parallel_run(self, experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``ExpertParallel.run`` (parallel/expert.py) with every rank routing like this one,
+    evenly: the split sizes are computed on the host instead of exchanged and read back."""
+    from titan_lightning.parallel.expert import _AllToAllV, _expert_major_order
+
+    n_local = counts.numel() // self.size
+    sent = balanced_counts(x.shape[0], counts.numel())
+    input_splits = [sum(sent[j * n_local:(j + 1) * n_local]) for j in range(self.size)]
+    mine = sent[self.rank * n_local:(self.rank + 1) * n_local]
+    matrix = [list(mine) for _ in range(self.size)]  # received[j][e]: rank j's tokens for my expert e
+    output_splits = [sum(row) for row in matrix]
+    tokens = _AllToAllV.apply(x, output_splits, input_splits, self.group)
+    order = _expert_major_order(matrix, x.device)
+    out = experts.compute(tokens[order], _real_counts([self.size * c for c in mine]))
+    back = torch.empty_like(out).index_copy_(0, order, out)
+    return _AllToAllV.apply(back, input_splits, output_splits, self.group)
+
+
+def _no_mask(seq_len_q: int, seq_len_kv: int) -> None:
+    """In place of ``causal_lower_right`` (parallel/context.py): SDPA without a mask keeps
+    the shapes and saved tensors of the masked kernel."""
+    return None
+
+
+class _value_free_model:
+    """While active, the pieces of the model that read tensor values compute them on the host
+    under the estimate's assumptions (module docstring): balanced MoE routing, the GPU's
+    grouped GEMM, no CP attention mask."""
+
+    def __enter__(self):
+        from titan_lightning.models.common import moe
+        from titan_lightning.parallel import context, expert
+
+        patches = [(torch, "bincount", _balanced_bincount), (moe, "grouped_mm_available", _grouped_mm_on_gpu),
+                   (expert.ExpertParallel, "run", _balanced_expert_parallel_run),
+                   (context, "causal_lower_right", _no_mask)]
+        self._saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, value in self._saved:
+            setattr(owner, name, value)
 
 
 class _EstimateStrategy(FakePGStrategy):
