@@ -30,11 +30,12 @@ Modeled:
 Assumed, where a real run depends on values fake tensors do not have:
   - MoE routing is balanced: each expert of a layer gets ``tokens * top_k / num_experts``
     of a rank's (token, expert) pairs (the remainder one each to the first experts), and
-    under EP every rank sends and receives the same split sizes. Real routing is uneven:
-    an expert's grouped-GEMM inputs, outputs and saved activations grow with its share of
-    the tokens, and under EP a rank's received tokens (and everything computed from them)
-    can reach up to ``ep`` times the balanced count if every rank routes to its experts;
-    the load-balancing bias keeps real runs near balanced, not at it;
+    under EP every rank sends and receives the same split sizes. Without EP the spread
+    does not change the total (the grouped GEMM and the per-expert loop take all of a rank's
+    pairs; only the loop's one-expert temporaries grow with the largest share). Under EP real
+    imbalance adds up to ``ep - 1`` times the balanced received tokens, and everything the
+    local experts compute and save from them (every rank routing all its pairs to this
+    rank's experts); the load-balancing bias keeps real runs near balanced, not at it;
   - the routed experts run as on a Hopper-class GPU: ``torch._grouped_mm`` for bf16 tokens,
     the per-expert loop otherwise (the dtype rule of moe.py's ``grouped_mm_available``);
   - the all-gather CP attention attends each run of local queries to all the keys before
@@ -137,8 +138,11 @@ def estimate(run: Run, world_size: int, rank: int = 0) -> MemoryEstimate:
     try:
         with _value_free_model():
             return _estimate(run, strategy, world_size, rank, fake_mode)
-    except _FAKE_ERRORS as err:
-        raise ConfigError(_unsupported(type(getattr(module, "model", module)).__name__, err)) from None
+    except Exception as err:
+        cause = _fake_cause(err)
+        if cause is None:
+            raise
+        raise ConfigError(_unsupported(type(getattr(module, "model", module)).__name__, cause)) from None
     finally:
         job.compile.backend = backend
         if dist.is_initialized():
@@ -188,6 +192,17 @@ def _fake_errors() -> tuple:
 
 
 _FAKE_ERRORS = _fake_errors()
+
+
+def _fake_cause(err: BaseException):
+    """The fake-tensor error ``err`` is or wraps (torch.compile wraps them), or None."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, _FAKE_ERRORS):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def _unsupported(model: str, err: Exception) -> str:

@@ -140,3 +140,122 @@ def test_bad_input_exits_2_with_one_line(argv, message, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert message in err
+
+
+# -- mixture of experts (balanced routing) --------------------------------------------------
+
+
+def moe_run(recipe: str = "debugmodel_moe", top_k: int = 2, **training):
+    """The debug MoE model cut down to stay quick: 2 of its 8 layers, 8 of its 64 experts,
+    microbatches of 2 x 64 tokens."""
+    run = build_run(f"recipes.qwen3:{recipe}")
+    run.job.model.n_layers = 2
+    run.job.model.moe.num_experts, run.job.model.moe.top_k = 8, top_k
+    t = run.job.training
+    training = dict(seq_len=64, tokens_per_microbatch_per_dp_rank=128, **training)
+    for name, value in training.items():
+        setattr(t, name, value)
+    return run
+
+
+def moe_parameter_bytes(run) -> tuple[int, int]:
+    """(dense, routed-expert) fp32 parameter bytes of the MoE model, counted on the meta device."""
+    from titan_lightning.models.qwen3.model import Transformer as Qwen3
+
+    with torch.device("meta"):
+        model = Qwen3(run.job.model)
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".moe.experts." in name)
+    return (sum(p.numel() for p in model.parameters()) - experts) * 4, experts * 4
+
+
+@pytest.mark.parametrize("recipe, world_size, dense_shards, ep", [
+    ("debugmodel_moe", 1, 1, 1),
+    ("moe_fsdp2_ep2", 2, 2, 2),  # dense layers FSDP over 2; experts EP over 2 (efsdp 1)
+])
+def test_moe_parameters_are_the_local_shards(recipe, world_size, dense_shards, ep):
+    from titan_lightning.models.common.moe import GroupedExperts
+
+    run = moe_run(recipe)
+    dense, experts = moe_parameter_bytes(run)
+    result = estimate(run, world_size)
+    assert result.parameters == dense // dense_shards + experts // ep
+    assert result.gradients == result.parameters
+    assert result.optimizer_state == 2 * result.parameters
+    e = run.job.model.moe.num_experts
+    for module in run.module.model.modules():
+        if isinstance(module, GroupedExperts):
+            assert all(w.to_local().shape[0] == e // ep if ep > 1 else w.shape[0] == e
+                       for w in (module.w1, module.w2, module.w3))
+    assert result.peak > result.static
+
+
+def test_moe_activations_grow_linearly_with_top_k():
+    """Balanced routing: every expert gets tokens * top_k / num_experts pairs, so what the
+    experts save grows by the same amount per extra top-k slot."""
+    activations = {k: estimate(moe_run(top_k=k), 1).activations for k in (1, 2, 4)}
+    assert activations[1] < activations[2] < activations[4]
+    assert 1.8 < (activations[4] - activations[2]) / (activations[2] - activations[1]) < 2.2
+
+
+def test_moe_estimate_matches_the_measured_peak_of_real_tensors():
+    """The debug MoE model trained for real on CPU (real routing), measured by MemTracker. At
+    one rank the experts' memory depends on the number of (token, expert) pairs only, not on
+    how they are spread, so real routing and the estimate's balanced routing agree."""
+    run = moe_run()
+    module, t = run.module, run.job.training
+    with torch.device("meta"):
+        module.model = module.build_model()
+    module.materialize(torch.device("cpu"))
+    optimizer = build_optimizer(module.model.parameters(), run.job.optimizer, torch.device("cpu"))
+    tokens = torch.randint(0, run.job.model.vocab_size, (t.microbatch_size, t.seq_len))
+
+    def step():
+        loss = module.loss_fn(module(tokens), tokens)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        del loss
+        optimizer.step()
+
+    step()
+    tracker = MemTracker()
+    tracker.track_external(module.model, optimizer)
+    with tracker:
+        step()
+    measured = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    estimated = estimate(moe_run(), 1).peak
+    assert abs(estimated - measured) <= 0.1 * measured, (estimated, measured)
+
+
+def test_a_model_the_estimator_cannot_run_fails_with_one_line(monkeypatch, capsys):
+    """Without the balanced-routing patch the router's bincount has no shape under fake tensors."""
+    from titan_lightning import estimate as estimate_module
+
+    monkeypatch.setattr(estimate_module, "_balanced_bincount", torch.bincount)
+    argv = ["estimate", "--recipe", "recipes.qwen3:debugmodel_moe", "--world_size", "1",
+            "--job.model.n_layers", "1", "--job.training.seq_len", "64",
+            "--job.training.tokens_per_microbatch_per_dp_rank", "64"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "the estimator cannot model Transformer: aten.bincount" in err
+
+
+# -- context parallelism ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe, world_size, baseline, baseline_world_size", [
+    ("cp2", 2, "debugmodel", 1),  # all-gather K/V
+    ("cp2_ulysses", 2, "debugmodel", 1),
+    ("fsdp2_cp2", 4, "fsdp2", 2),
+])
+def test_context_parallel_splits_the_sequence(recipe, world_size, baseline, baseline_world_size):
+    """CP ranks hold half of every sequence of the same global batch: the dense layers are
+    sharded over dp_shard x cp, and the activations per rank drop."""
+    run = debug_run(recipe)
+    expected = parameter_bytes(run) // world_size
+    result = estimate(run, world_size)
+    assert result.parameters == expected
+    assert result.optimizer_state == 2 * expected
+    whole = estimate(debug_run(baseline), baseline_world_size)
+    # Everything per token halves; the all-gather backend also keeps the gathered K/V.
+    assert 0.5 < result.activations / whole.activations < 0.6
