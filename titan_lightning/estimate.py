@@ -46,8 +46,13 @@ Not modeled: the CUDA kernels themselves (ops run as the CPU kernels; SDPA's CPU
 kernel saves the same output and logsumexp as the CUDA flash kernel, other kernels'
 workspaces are not seen), temporaries inside DTensor ops (TP/CP redistributions; their
 outputs are counted), allocator rounding and fragmentation, CUDA context and NCCL buffers
-(none of which ``max_memory_allocated`` counts either), and pipeline parallelism (pp > 1
-is refused: pipelining cannot run under the fake process group).
+(none of which ``max_memory_allocated`` counts either).
+
+Pipeline parallelism (with FSDP/HSDP/DDP; with TP, CP or EP it is refused): torch's schedules
+cannot run under the fake process group, so the rank's stage modules run as the schedule
+would at its fullest point: forward on the microbatches each local stage holds at once
+(``in_flight``), then backward one by one. The in-flight counts are the schedules' warmup
+lengths; the tensors torch keeps for its send/receive buffers are not counted.
 """
 
 import json
@@ -120,10 +125,12 @@ def estimate(run: Run, world_size: int, rank: int = 0) -> MemoryEstimate:
     if job is None or not hasattr(module, "build_model"):
         raise ConfigError(f"estimate needs a titan_lightning model (a CausalLMModule with a job); got {type(module).__name__}")
     validate_job(job, world_size=world_size, max_steps=run.trainer.get("max_steps"))
-    if job.parallelism.pp > 1:
+    p = job.parallelism
+    if p.pp > 1 and (p.tp > 1 or p.cp > 1 or p.ep > 1 or p.pp_schedule_csv is not None):
         raise ConfigError(
-            f"parallelism.pp={job.parallelism.pp}: the estimator does not model pipeline stages "
-            f"(pipelining cannot run under the fake process group); estimate with parallelism.pp=1"
+            f"parallelism.pp={p.pp} with tp={p.tp}, cp={p.cp}, ep={p.ep}"
+            f"{', pp_schedule_csv' if p.pp_schedule_csv else ''}: the estimator models pipeline stages with "
+            f"data parallelism (FSDP/HSDP/DDP) only; estimate the stages' layout with pp=1 or without the others"
         )
     if dist.is_initialized():
         raise RuntimeError("estimate() runs its own fake process group; a process group is already initialized")
@@ -157,9 +164,16 @@ def _estimate(run: Run, strategy, world_size: int, rank: int, fake_mode) -> Memo
         module.model = module.build_model()
     # The model is sharded on the meta device (as in a real run) and materialized as fake
     # tensors; device meshes stay real (FSDP builds some while sharding).
+    stages: list = []
+    if strategy.dims.pp_enabled:
+        # The schedule is torch's and cannot run under the fake process group: keep the rank's
+        # stage modules and run them as the schedule would (_PipelineStep).
+        strategy._build_pipeline = lambda module, config, built: stages.extend(built)
     with _shapes_only(module, fake_mode):
         strategy.parallelize(module)
     t = job.training
+    if stages:
+        return _estimate_pipeline(run, strategy, world_size, rank, fake_mode, stages)
     if strategy._cp is not None:  # CP reads its slices' positions on the host: compute them for real
         strategy._cp.runs(t.seq_len // job.parallelism.cp, strategy.root_device)
     with fake_mode:
@@ -171,15 +185,96 @@ def _estimate(run: Run, strategy, world_size: int, rank: int, fake_mode) -> Memo
         with _LiveBytes(fake_mode) as live:
             live.add_static(module, optimizer)
             step(batch)
+    return _result(module, optimizer, live, strategy, world_size, rank,
+                   f"{t.microbatch_size} x {t.seq_len} tokens per microbatch")
+
+
+def _result(module, optimizer, live, strategy, world_size: int, rank: int, batch: str) -> MemoryEstimate:
     held = memory_report(module.model, [optimizer])
     buffers = sum(_local(b).untyped_storage().nbytes() for b in module.model.buffers())
     static = held["parameters"] + held["gradients"] + held["optimizer_state"] + buffers
     return MemoryEstimate(
-        world_size=world_size, rank=rank, layout=strategy.dims.describe(),
-        batch=f"{t.microbatch_size} x {t.seq_len} tokens per microbatch",
+        world_size=world_size, rank=rank, layout=strategy.dims.describe(), batch=batch,
         parameters=held["parameters"], gradients=held["gradients"], optimizer_state=held["optimizer_state"],
         buffers=buffers, activations=max(live.peak - static, 0), peak=live.peak,
     )
+
+
+# -- pipeline parallelism ---------------------------------------------------------------------
+
+
+def in_flight(schedule: str, pp_rank: int, pp: int, local: list[int], microbatches: int) -> list[int]:
+    """Microbatches whose activations each local stage holds at once, at the schedule's fullest
+    point (its last warmup forward, before the first backward frees one), as torch's schedules
+    order them: GPipe and LoopedBFS run every forward first; 1F1B holds pp - rank; the
+    interleaved and zero-bubble schedules warm up with (stages per rank - 1) x pp + 2 x
+    (pp - 1 - rank) forward chunks plus the first steady one, pp microbatches per local stage
+    in turn (ZBV: the V's second stage runs its warmup in the same rounds)."""
+    v = len(local)
+    if schedule in ("GPipe", "LoopedBFS"):
+        return [microbatches] * v
+    if schedule == "1F1B":
+        return [min(microbatches, pp - pp_rank)]
+    chunks = min(microbatches * v, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
+    held = [0] * v
+    for chunk in range(chunks):
+        held[(chunk // pp) % v] += 1
+    return [min(h, microbatches) for h in held]
+
+
+def _estimate_pipeline(run: Run, strategy, world_size: int, rank: int, fake_mode, stages: list) -> MemoryEstimate:
+    job, module = run.job, run.module
+    t, p = job.training, job.parallelism
+    names, local, _ = strategy._pipeline_layout
+    pp_rank, pp = strategy.mesh.rank_and_size("pp")
+    rows = t.microbatch_size // p.pp_microbatches
+    held = in_flight(p.pp_schedule, pp_rank, pp, local, p.pp_microbatches)
+    param_dtype, _ = strategy._precision_dtypes()
+    # What travels between stages: the residual stream, in the dtype the blocks compute in.
+    hidden = param_dtype if strategy.dims.fsdp_enabled else getattr(torch, t.dtype)
+    with fake_mode:
+        optimizer = build_optimizer(module.model.parameters(), job.optimizer, strategy.root_device)
+        step = _PipelineStep(module, optimizer, stages, local, len(names), held, rows, t.seq_len,
+                             job.model.dim, hidden)
+        step()  # creates the optimizer state, compiles
+        with _LiveBytes(fake_mode) as live:
+            live.add_static(module, optimizer)
+            step()
+    placed = ", ".join(f"stage {s}: {h}" for s, h in zip(local, held))
+    return _result(module, optimizer, live, strategy, world_size, rank,
+                   f"{p.pp_schedule}, {p.pp_microbatches} microbatches of {rows} x {t.seq_len} tokens, in flight {placed}")
+
+
+class _PipelineStep:
+    """A pipeline step at its fullest: each local stage runs forward on the microbatches it holds at
+    once (a fake input from the previous stage, whose gradient the next stage would send back),
+    then they run backward one after another, then the optimizer steps."""
+
+    def __init__(self, module, optimizer, stages, local, num_stages, held, rows, seq_len, dim, hidden) -> None:
+        self.module, self.optimizer, self.stages = module, optimizer, stages
+        self.local, self.last, self.held = local, num_stages - 1, held
+        self.shape, self.hidden = (rows, seq_len), (rows, seq_len, dim, hidden)
+
+    def __call__(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        pending = []
+        for stage_id, stage, count in zip(self.local, self.stages, self.held):
+            for _ in range(count):
+                if stage_id == 0:
+                    x = torch.zeros(self.shape, dtype=torch.long)
+                else:
+                    *shape, dtype = self.hidden
+                    x = torch.zeros(shape, dtype=dtype, requires_grad=True)
+                out = stage(x)
+                if stage_id == self.last:
+                    out = self.module.loss_fn(out, torch.zeros(self.shape, dtype=torch.long))
+                pending.append(out)
+                del x, out
+        while pending:
+            out = pending.pop(0)
+            out.backward() if out.dim() == 0 else out.backward(torch.ones_like(out))
+            del out
+        self.optimizer.step()
 
 
 # -- what fake tensors cannot compute: MoE routing, the CP mask ------------------------------
@@ -297,6 +392,9 @@ class _EstimateStrategy(FakePGStrategy):
 
     def setup_environment(self) -> None:
         TitanStrategy.setup_environment(self)
+
+    def _check_degrees(self, config, world_size: int) -> None:
+        TitanStrategy._check_degrees(self, config, world_size)  # pipeline stages are modeled here
 
     def _setup_distributed(self) -> None:
         self._process_group_backend = "fake"

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from titan_lightning import cli
-from titan_lightning.estimate import estimate
+from titan_lightning.estimate import estimate, in_flight
 from titan_lightning.models.llama3.model import Transformer
 from titan_lightning.optim import build_optimizer
 from titan_lightning.recipe import build_run
@@ -133,7 +133,8 @@ def test_cli_prints_the_table_and_json(capsys):
      "world size 3 is not divisible by dp_replicate*tp*pp*cp"),
     (["--recipe", "recipes.llama3:debugmodel"], "estimate needs --world_size N"),
     (["--recipe", "recipes.llama3:debugmodel", "--world_size", "two"], "--world_size: invalid int value: 'two'"),
-    (["--recipe", "recipes.llama3:pp2", "--world_size", "2"], "parallelism.pp=2: the estimator does not model"),
+    (["--recipe", "recipes.llama3:pp2_tp2", "--world_size", "4"],
+     "parallelism.pp=2 with tp=2, cp=1, ep=1: the estimator models pipeline stages with data parallelism"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, message, capsys):
     assert cli.main(["estimate", *argv]) == 2
@@ -259,3 +260,45 @@ def test_context_parallel_splits_the_sequence(recipe, world_size, baseline, base
     whole = estimate(debug_run(baseline), baseline_world_size)
     # Everything per token halves; the all-gather backend also keeps the gathered K/V.
     assert 0.5 < result.activations / whole.activations < 0.6
+
+
+# -- pipeline parallelism --------------------------------------------------------------------
+
+
+def test_in_flight_microbatches_follow_the_schedules_warmup():
+    assert in_flight("GPipe", 0, 2, [0], 8) == [8]
+    assert [in_flight("1F1B", r, 4, [r], 8) for r in range(4)] == [[4], [3], [2], [1]]
+    assert in_flight("1F1B", 0, 4, [0], 2) == [2]  # never more than the step's microbatches
+    # Interleaved, pp 2 x 2 stages per rank, 4 microbatches: rank 0 warms up (2-1)*2 + 2*1 = 4
+    # chunks (stage 0, 0, 2, 2) and runs one more forward (stage 0) before its first backward.
+    assert in_flight("Interleaved1F1B", 0, 2, [0, 2], 4) == [3, 2]
+    assert in_flight("Interleaved1F1B", 1, 2, [1, 3], 4) == [2, 1]
+    assert in_flight("LoopedBFS", 1, 2, [1, 3], 4) == [4, 4]
+
+
+def _stage_parameter_bytes(run, modules: tuple) -> int:
+    with torch.device("meta"):
+        model = Transformer(run.job.model)
+    return 4 * sum(p.numel() for name, p in model.named_parameters() if name.startswith(modules))
+
+
+def test_pipeline_stages_hold_their_own_parameters_and_their_microbatches_activations():
+    # 2 layers on 2 stages: stage 0 = embeddings + layer 0, stage 1 = layer 1 + norm + output.
+    first = estimate(debug_run("pp2"), world_size=2, rank=0)
+    last = estimate(debug_run("pp2"), world_size=2, rank=1)
+    assert first.parameters == _stage_parameter_bytes(debug_run(), ("tok_embeddings", "layers.0."))
+    assert last.parameters == _stage_parameter_bytes(debug_run(), ("layers.1.", "norm", "output"))
+    assert first.optimizer_state == 2 * first.parameters and last.gradients == last.parameters
+    assert "in flight stage 0: 2" in first.batch and "in flight stage 1: 1" in last.batch
+    # GPipe keeps all 4 microbatches of stage 0 where 1F1B keeps 2: about twice the activations.
+    gpipe = debug_run("pp2")
+    gpipe.job.parallelism.pp_schedule = "GPipe"
+    held_all = estimate(gpipe, world_size=2, rank=0)
+    assert 1.7 < held_all.activations / first.activations < 2.4
+
+
+def test_pipeline_with_fsdp_shards_each_stage():
+    whole = estimate(debug_run("pp2"), world_size=2, rank=0)
+    sharded = estimate(debug_run("pp2_fsdp2"), world_size=4, rank=0)
+    assert sharded.parameters == whole.parameters // 2
+    assert sharded.activations < whole.activations  # half the microbatch rows per rank
