@@ -2,6 +2,7 @@
 
     python -m benchmarks.throughput --workload llama3_1b                  # one H200: ~8 min
     python -m benchmarks.throughput --workload llama3_8b_shape --layers 8
+    python -m benchmarks.throughput --workload llama3_8b_shape --contenders titan,bare --sdpa cudnn   # a kernel experiment
     python -m benchmarks.throughput --workload debug --device cpu --steps 3 --warmup 2   # the harness
 
 Every contender trains the same model shape on the same tokens (the shipped corpus through
@@ -392,7 +393,22 @@ def _contender_command(name: str, workload: str, args, result: Path) -> tuple[li
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device, "--result", str(result)]
     if args.layers is not None:
         command += ["--layers", str(args.layers)]
-    return command, env
+    return command + ["--sdpa", args.sdpa], env
+
+
+SDPA_BACKENDS = ("default", "flash", "cudnn", "efficient", "math")
+
+
+def use_sdpa_backend(name: str) -> None:
+    """Leave SDPA one kernel (an experiment: cuDNN attention is FlashAttention-3-class on Hopper)."""
+    if name == "default":
+        return
+    import torch
+
+    b = torch.backends.cuda
+    for backend, enable in (("flash", b.enable_flash_sdp), ("cudnn", b.enable_cudnn_sdp),
+                            ("efficient", b.enable_mem_efficient_sdp), ("math", b.enable_math_sdp)):
+        enable(backend == name)
 
 
 def _workload(name: str, layers: Optional[int]) -> Workload:
@@ -531,7 +547,8 @@ def orchestrate(args) -> int:
     rows = {n: summarize(runs[n], peak) for n in names}
     w = _workload(args.workload, args.layers)
     header = (f"workload {args.workload} ({w.recipe}, seq {w.seq_len}, batch 1, layers {w.layers or 'all'}, "
-              f"compile {w.compile}, AC {w.ac}), {args.steps} steps x {args.rounds} rounds after {args.warmup} warmup")
+              f"compile {w.compile}, AC {w.ac}), {args.steps} steps x {args.rounds} rounds after {args.warmup} warmup"
+              + ("" if args.sdpa == "default" else f", SDPA {args.sdpa} only (torchtitan: default)"))
     env = environment(args.device)
     print("\n" + header + "\n" + ", ".join(f"{k} {v}" for k, v in env.items()) + "\n\n" + table(rows))
     (folder / "summary.json").write_text(json.dumps({"workload": args.workload, "header": header, "environment": env,
@@ -551,12 +568,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--timeout", type=int, default=420, help="seconds per contender process")
     parser.add_argument("--out", default=None, help="folder for per-round JSON and logs")
+    parser.add_argument("--sdpa", choices=SDPA_BACKENDS, default="default",
+                        help="the only attention kernel SDPA may pick, in every contender but torchtitan")
     parser.add_argument("--contender", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         parser.error(f"--warmup={args.warmup} and --steps={args.steps} must be >= 1")
     if args.contender:
+        use_sdpa_backend(args.sdpa)
         w = _workload(args.workload, args.layers)
         data = RUNNERS[args.contender](w, args.device, args.steps, args.warmup)
         Path(args.result).write_text(json.dumps(data))
