@@ -51,6 +51,9 @@ class FakePGStrategy(TitanStrategy):
         return self.parallel_devices[0]
 
     def set_world_ranks(self) -> None:
+        # Process-wide: put back at teardown, or a later Trainer in this process would log nothing.
+        if not hasattr(self, "_rank_zero_before"):
+            self._rank_zero_before = (getattr(rank_zero_only, "rank", 0), getattr(utils_rank_zero_only, "rank", 0))
         rank_zero_only.rank = utils_rank_zero_only.rank = self._fake_rank
 
     def _configure_launcher(self) -> None:
@@ -74,6 +77,9 @@ class FakePGStrategy(TitanStrategy):
         if getattr(self, "_collectives", None) is not None:
             self._collectives.__exit__(None, None, None)
             self._collectives = None
+        if hasattr(self, "_rank_zero_before"):
+            rank_zero_only.rank, utils_rank_zero_only.rank = self._rank_zero_before
+            del self._rank_zero_before
 
     def setup_environment(self) -> None:
         trainer = self.lightning_module.trainer

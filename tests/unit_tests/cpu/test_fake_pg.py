@@ -178,3 +178,23 @@ def test_fake_runs_are_bitwise_reproducible():
     second, _, _ = fake_fit(features.llama3_debugmodel, 8, steps=2, dp_shard=4, tp=2)
     assert first.memory == second.memory
     assert first.losses == second.losses and all(map(math.isfinite, first.losses))
+
+
+def test_a_simulated_rank_is_put_back_after_fit():
+    """FakePGStrategy(rank=r) makes this process rank r for Lightning's rank-zero-only logging;
+    after fit the process is rank 0 again (else a later Trainer here writes no logs)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    run = features.llama3_debugmodel()
+    run.trainer.update(strategy=FakePGStrategy(world_size=4, rank=3), accelerator="cpu", devices=1, max_steps=1)
+    trainer = build_trainer(run)
+    seen = []
+
+    class Probe(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen.append(rank_zero_only.rank)
+
+    trainer.callbacks.append(Probe())
+    trainer.fit(run.module, datamodule=run.datamodule)
+    assert seen == [3]
+    assert rank_zero_only.rank == 0
