@@ -236,10 +236,11 @@ def _estimate_pipeline(run: Run, strategy, world_size: int, rank: int, fake_mode
         optimizer = build_optimizer(module.model.parameters(), job.optimizer, strategy.root_device)
         step = _PipelineStep(module, optimizer, stages, local, len(names), held, rows, t.seq_len,
                              job.model.dim, hidden)
-        step()  # creates the optimizer state, compiles
-        with _LiveBytes(fake_mode) as live:
-            live.add_static(module, optimizer)
-            step()
+        with strategy._pipeline_autocast():  # what the strategy runs the schedule under
+            step()  # creates the optimizer state, compiles
+            with _LiveBytes(fake_mode) as live:
+                live.add_static(module, optimizer)
+                step()
     placed = ", ".join(f"stage {s}: {h}" for s, h in zip(local, held))
     return _result(module, optimizer, live, strategy, world_size, rank,
                    f"{p.pp_schedule}, {p.pp_microbatches} microbatches of {rows} x {t.seq_len} tokens, in flight {placed}")

@@ -366,8 +366,17 @@ class TitanStrategy(ModelParallelStrategy):
             if kwargs:
                 raise TypeError(f"pipeline parallelism passes the batch positionally to {hook}; got {sorted(kwargs)}")
             context = self.precision_plugin.train_step_context() if hook == "training_step" else nullcontext()
-            with context:
+            with context, self._pipeline_autocast():
                 return self.pipeline.run(hook, *args, records=records)
+
+    def _pipeline_autocast(self):
+        """bf16 autocast over fp32 parameters without FSDP, as CausalLMModule.forward does on one
+        device: the schedule calls the stage modules directly, bypassing the module's forward."""
+        job = getattr(self.lightning_module, "job", None)
+        t = job.training if job is not None else None
+        if t is None or self.dims.fsdp_enabled or (t.dtype, t.mixed_precision_param) != ("float32", "bfloat16"):
+            return nullcontext()
+        return torch.autocast(self.root_device.type, dtype=torch.bfloat16)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The module's training_step (through the pipeline schedule under PP). With several

@@ -123,3 +123,12 @@ def test_pipeline_validation_loss_matches_one_process(tmp_path):
     for rank in result.ranks:
         for name in ("val/loss", "val/ppl"):
             assert _relative(rank["metrics"][name], expected[name]) < 1e-6, (name, rank["metrics"][name], expected[name])
+
+
+@pytest.mark.multi_process
+def test_pipeline_without_fsdp_computes_in_bf16_when_asked(tmp_path):
+    """bf16-mixed under PP with no FSDP autocasts the stages, as one device autocasts the model
+    (the schedule calls the stage modules, not the LightningModule's forward)."""
+    result = launch(["fit", "--recipe", "user_module:llama3_pp2_bf16", "--trainer.devices", "2",
+                     "--trainer.accelerator", "cpu"], 2, out_dir=tmp_path, timeout=300, env=USER_ENV)
+    assert [rank["metrics"]["probe/bf16"] for rank in result.ranks] == [1.0, 1.0]

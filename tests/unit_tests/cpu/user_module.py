@@ -133,3 +133,25 @@ def pipeline_pp2() -> Run:
 def pipeline_no_plan() -> Run:
     """pp=2 on a module that declares no pipeline plan."""
     return Run(module=UserModule(batch_size=8), trainer=dict(_TRAINER, strategy=TitanStrategy(dp_shard=1, pp=2, pp_microbatches=2)))
+
+
+class ComputeDtype(L.Callback):
+    """Logs ``probe/bf16`` = 1.0 when this rank's first linear layer computed in bf16 in the step."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.dtypes = []
+        first = next(m for m in pl_module.model.modules() if isinstance(m, nn.Linear))
+        first.register_forward_hook(lambda module, args, out: self.dtypes.append(out.dtype))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pl_module.log("probe/bf16", float(bool(self.dtypes) and all(d == torch.bfloat16 for d in self.dtypes)))
+
+
+def llama3_pp2_bf16() -> Run:
+    """The Llama 3 debug model on 2 pipeline stages, no FSDP, bf16 compute over fp32 parameters."""
+    from recipes.tests.features import llama3_pp2
+
+    run = llama3_pp2()
+    run.job.training.mixed_precision_param = "bfloat16"
+    run.trainer.update(max_steps=1, callbacks=[ComputeDtype()], limit_val_batches=0)
+    return run
