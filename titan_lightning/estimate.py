@@ -341,22 +341,14 @@ def _grouped_mm_on_gpu(x: torch.Tensor) -> bool:
     return hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16
 
 
-def _balanced_expert_parallel_run(self, experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``ExpertParallel.run`` (parallel/expert.py) with every rank routing like this one,
-    evenly: the split sizes are computed on the host instead of exchanged and read back."""
-    from titan_lightning.parallel.expert import _AllToAllV, _expert_major_order
-
+def _balanced_splits(self, counts: torch.Tensor):
+    """``ExpertParallel.splits`` (parallel/expert.py) with every rank routing like this one,
+    evenly: computed on the host instead of exchanged and read back."""
     n_local = counts.numel() // self.size
-    sent = balanced_counts(x.shape[0], counts.numel())
+    sent = balanced_counts(sum(counts.tolist()), counts.numel())
     input_splits = [sum(sent[j * n_local:(j + 1) * n_local]) for j in range(self.size)]
     mine = sent[self.rank * n_local:(self.rank + 1) * n_local]
-    matrix = [list(mine) for _ in range(self.size)]  # received[j][e]: rank j's tokens for my expert e
-    output_splits = [sum(row) for row in matrix]
-    tokens = _AllToAllV.apply(x, output_splits, input_splits, self.group)
-    order = _expert_major_order(matrix, x.device)
-    out = experts.compute(tokens[order], _real_counts([self.size * c for c in mine]))
-    back = torch.empty_like(out).index_copy_(0, order, out)
-    return _AllToAllV.apply(back, input_splits, output_splits, self.group)
+    return input_splits, [list(mine) for _ in range(self.size)], _real_counts([self.size * c for c in mine])
 
 
 def _no_mask(seq_len_q: int, seq_len_kv: int) -> None:
@@ -375,7 +367,7 @@ class _value_free_model:
         from titan_lightning.parallel import context, expert
 
         patches = [(torch, "bincount", _balanced_bincount), (moe, "grouped_mm_available", _grouped_mm_on_gpu),
-                   (expert.ExpertParallel, "run", _balanced_expert_parallel_run),
+                   (expert.ExpertParallel, "splits", _balanced_splits),
                    (context, "causal_lower_right", _no_mask)]
         self._saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
         for owner, name, value in patches:

@@ -69,19 +69,23 @@ class ExpertParallel:
 
     def run(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` [N, dim] sorted by global expert, ``counts`` [E] -> the experts' outputs, same order."""
-        n_local = counts.numel() // self.size
-        # received[j, e]: tokens rank j sends to my local expert e.
-        received = _all_to_all(counts.to(torch.int64), None, None, self.group).view(self.size, n_local)
-        input_splits = counts.view(self.size, n_local).sum(dim=1).tolist()
-        matrix = received.tolist()
+        input_splits, matrix, local_counts = self.splits(counts)
         output_splits = [sum(row) for row in matrix]
         tokens = _AllToAllV.apply(x, output_splits, input_splits, self.group)
         # Arrived grouped by (source rank, local expert); the experts want (local expert, source rank).
         order = _expert_major_order(matrix, x.device)
-        local_counts = received.sum(dim=0)
         out = experts.compute(tokens[order], local_counts)
         back = torch.empty_like(out).index_copy_(0, order, out)
         return _AllToAllV.apply(back, input_splits, output_splits, self.group)
+
+
+    def splits(self, counts: torch.Tensor) -> tuple[list[int], list[list[int]], torch.Tensor]:
+        """From this rank's tokens per global expert: tokens sent to each rank, the matrix
+        ``received[j][e]`` (rank j's tokens for my local expert e; exchanged with the other
+        ranks and read on the host) and my local experts' token counts (on the device)."""
+        n_local = counts.numel() // self.size
+        received = _all_to_all(counts.to(torch.int64), None, None, self.group).view(self.size, n_local)
+        return counts.view(self.size, n_local).sum(dim=1).tolist(), received.tolist(), received.sum(dim=0)
 
 
 def _expert_major_order(matrix: list[list[int]], device: torch.device) -> torch.Tensor:
