@@ -57,6 +57,7 @@ class Workload:
     layers: Optional[int] = None  # fewer layers than the flavor, same per-layer shapes
     hf_ac: bool = False  # gradient checkpointing for the HF contender (where it would not fit)
     overrides: tuple[str, ...] = ()  # more ``titan-lightning fit`` arguments
+    profile_steps: int = 0  # steps traced after the measured ones: the device's busy time per step
     contenders: tuple[str, ...] = CONTENDERS
 
 
@@ -118,12 +119,23 @@ def _sync(device) -> None:
 
 
 class StepClock:
-    """Times optimizer steps end to end and resets the peak-memory counter after the warmup."""
+    """Times optimizer steps end to end and resets the peak-memory counter after the warmup.
 
-    def __init__(self, device: str, warmup: int) -> None:
-        self.device, self.warmup = device, warmup
+    With ``profile_steps``, the steps after the measured ones run under the profiler (not
+    timed): how long the device was busy (the union of its kernels and copies) per step,
+    against the wall time of those steps. The rest of a step is the device waiting for the host.
+    """
+
+    def __init__(self, device: str, warmup: int, steps: int, profile_steps: int = 0) -> None:
+        self.device, self.warmup, self.steps, self.profile_steps = device, warmup, steps, profile_steps
         self.ends: list[float] = []
         self.losses: list[float] = []
+        self._profiler = None
+        self.profile: Optional[dict[str, float]] = None
+
+    @property
+    def total(self) -> int:
+        return self.warmup + self.steps + self.profile_steps
 
     def step_done(self, loss: Optional[float] = None) -> None:
         import torch
@@ -134,16 +146,58 @@ class StepClock:
             self.losses.append(float(loss))
         if len(self.ends) == self.warmup and self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        if self.profile_steps and len(self.ends) == self.warmup + self.steps:
+            self._profiler = torch.profiler.profile(activities=profiler_activities(self.device))
+            self._profiler.__enter__()
+            self.ends.append(time.perf_counter())  # the profiler's start is not a step's time
+        elif self._profiler is not None and len(self.ends) == self.warmup + self.steps + 1 + self.profile_steps:
+            self._profiler.__exit__(None, None, None)
+            wall = self.ends[-1] - self.ends[-1 - self.profile_steps]
+            self.profile = device_busy(self._profiler, wall, self.profile_steps)
+            self._profiler = None
 
     def result(self, name: str, tokens_per_step: int, flops_per_token: float) -> dict[str, Any]:
         import torch
 
-        times = [b - a for a, b in zip(self.ends[self.warmup - 1:], self.ends[self.warmup:])]
+        timed = self.ends[self.warmup - 1:self.warmup + self.steps]
+        times = [b - a for a, b in zip(timed, timed[1:])]
         return {
             "contender": name, "step_times": times, "tokens_per_step": tokens_per_step,
             "flops_per_token": flops_per_token, "losses": self.losses,
             "peak_memory_bytes": torch.cuda.max_memory_allocated() if self.device == "cuda" else None,
+            "profile": self.profile,
         }
+
+
+def profiler_activities(device: str):
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU, ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+
+
+DEVICE_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def device_busy(profiler, wall_s: float, steps: int) -> dict[str, float]:
+    """Per step: the wall time and the time the device ran anything (overlaps counted once)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        profiler.export_chrome_trace(f.name)
+        events = json.loads(Path(f.name).read_text()).get("traceEvents", [])
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                   if e.get("ph") == "X" and e.get("cat") in DEVICE_EVENT_CATEGORIES)
+    busy = union_length_us(spans) / 1e3 / steps if spans else None  # None: no device events (CPU)
+    return {"wall_ms": 1e3 * wall_s / steps, "busy_ms": busy}
+
+
+def union_length_us(spans: list[tuple[float, float]]) -> float:
+    """The total length of sorted (start, end) intervals, overlapping parts once."""
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
 
 
 def _lightning_clock(clock: StepClock):
@@ -161,8 +215,8 @@ def run_titan(w: Workload, device: str, steps: int, warmup: int) -> dict[str, An
     from titan_lightning.cli import prepare
     from titan_lightning.recipe import execute
 
-    command, run, trainer = prepare(["fit", *cli_args(w, device, warmup + steps)])
-    clock = StepClock(device, warmup)
+    clock = StepClock(device, warmup, steps, w.profile_steps)
+    command, run, trainer = prepare(["fit", *cli_args(w, device, clock.total)])
     trainer.callbacks.append(_lightning_clock(clock))
     execute(command, run, trainer)
     return clock.result("titan", w.seq_len, run.module.flops_per_token(w.seq_len))
@@ -212,7 +266,7 @@ def run_bare(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any
     from titan_lightning.optim import build_lr_scheduler, build_optimizer
     from titan_lightning.parallel.grad_norm import global_grad_norm
 
-    total = warmup + steps
+    total = warmup + steps + w.profile_steps
     run = resolve_run(w, device, total)
     job, dev = run.job, torch.device(device)
     torch.manual_seed(job.training.seed)
@@ -222,7 +276,7 @@ def run_bare(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any
     scheduler = build_lr_scheduler(optimizer, job.lr_schedule, total)
     autocast = job.training.mixed_precision_param == "bfloat16" and job.training.dtype == "float32"
     max_norm = job.training.max_grad_norm
-    clock = StepClock(device, warmup)
+    clock = StepClock(device, warmup, steps, w.profile_steps)
     batches = iter(_train_loader(run))
     for _ in range(total):
         batch = next(batches)
@@ -238,6 +292,7 @@ def run_bare(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any
             coefficient = min(max_norm / (norm.item() + 1e-6), 1.0)
             if coefficient < 1.0:
                 torch._foreach_mul_(grads, coefficient)
+        del grads  # else last step's gradients stay alive through the next forward and backward
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -254,7 +309,7 @@ def run_lightning(w: Workload, device: str, steps: int, warmup: int) -> dict[str
 
     from titan_lightning.optim import build_lr_scheduler, build_optimizer
 
-    total = warmup + steps
+    total = warmup + steps + w.profile_steps
     run = resolve_run(w, device, total)
     job = run.job
 
@@ -288,7 +343,7 @@ def run_lightning(w: Workload, device: str, steps: int, warmup: int) -> dict[str
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     torch.manual_seed(job.training.seed)
-    clock = StepClock(device, warmup)
+    clock = StepClock(device, warmup, steps, w.profile_steps)
     folder = tempfile.mkdtemp(prefix="bench_lightning_")
     trainer = L.Trainer(
         strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
@@ -337,7 +392,7 @@ def hf_model(job, device):
 def run_hf(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any]:
     import torch
 
-    total = warmup + steps
+    total = warmup + steps + w.profile_steps
     run = resolve_run(w, device, total)
     job, dev = run.job, torch.device(device)
     torch.manual_seed(job.training.seed)
@@ -348,7 +403,7 @@ def run_hf(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any]:
     o = job.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   weight_decay=o.weight_decay, fused=True)
-    clock = StepClock(device, warmup)
+    clock = StepClock(device, warmup, steps, w.profile_steps)
     batches = iter(_train_loader(run))
     for _ in range(total):
         ids = next(batches)["input_ids"].to(dev, non_blocking=True)
@@ -383,7 +438,7 @@ RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
 def _contender_command(name: str, workload: str, args, result: Path) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     if name == "torchtitan":
-        w = _workload(workload, args.layers)
+        w = _workload(workload, args.layers, args.ac)
         spec = torchtitan_workload(w, args.device)
         site = os.environ.get("TORCHTITAN_SITE", "/tmp/ttsite")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
@@ -393,6 +448,10 @@ def _contender_command(name: str, workload: str, args, result: Path) -> tuple[li
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device, "--result", str(result)]
     if args.layers is not None:
         command += ["--layers", str(args.layers)]
+    if args.ac is not None:
+        command += ["--ac", args.ac]
+    if args.profile_steps:
+        command += ["--profile-steps", str(args.profile_steps)]
     return command + ["--sdpa", args.sdpa], env
 
 
@@ -411,10 +470,12 @@ def use_sdpa_backend(name: str) -> None:
         enable(backend == name)
 
 
-def _workload(name: str, layers: Optional[int]) -> Workload:
-    w = dataclasses.replace(WORKLOADS[name])
+def _workload(name: str, layers: Optional[int], ac: Optional[str] = None, profile_steps: int = 0) -> Workload:
+    w = dataclasses.replace(WORKLOADS[name], profile_steps=profile_steps)
     if layers is not None:
         w.layers = layers
+    if ac is not None:
+        w.ac = ac
     return w
 
 
@@ -438,7 +499,7 @@ def run_contender_process(name: str, workload: str, args, folder: Path, round_in
     data["wall_s"] = wall
     if name == "torchtitan" and "error" not in data:
         # The same FLOPs formula for every contender: torchtitan's runner trains our shape.
-        data["flops_per_token"] = torchtitan_workload(_workload(workload, args.layers), args.device)["flops_per_token"]
+        data["flops_per_token"] = torchtitan_workload(_workload(workload, args.layers, args.ac), args.device)["flops_per_token"]
     return data
 
 
@@ -470,6 +531,10 @@ def summarize(runs: list[dict[str, Any]], peak: Optional[float]) -> dict[str, An
         "last_loss": ok[0]["losses"][-1] if ok[0].get("losses") else None,
         "wall_s": [round(r["wall_s"]) for r in runs],
     }
+    profiled = [r["profile"] for r in ok if r.get("profile") and r["profile"]["busy_ms"] is not None]
+    if profiled:
+        row["profile_wall_ms"] = statistics.median(p["wall_ms"] for p in profiled)
+        row["device_busy_ms"] = statistics.median(p["busy_ms"] for p in profiled)
     failed = [r["error"] for r in runs if "error" in r]
     if failed:
         row["failed_rounds"] = failed
@@ -483,13 +548,16 @@ def _quantile(values: list[float], q: float) -> float:
 
 def table(rows: dict[str, dict[str, Any]], reference: str = "bare") -> str:
     base = rows.get(reference, {}).get("tokens_per_s")
+    profiled = any("device_busy_ms" in r for r in rows.values())
+    extra = " device busy ms / profiled step ms |" if profiled else ""
     lines = [
-        "| contender | tokens/s/device | rounds (min-max) | vs bare | MFU % | step ms median (p10-p90) | peak GiB | loss first -> last |",
-        "|---|---|---|---|---|---|---|---|",
+        "| contender | tokens/s/device | rounds (min-max) | vs bare | MFU % | step ms median (p10-p90) | peak GiB | loss first -> last |"
+        + extra,
+        "|---|---|---|---|---|---|---|---|" + ("---|" if profiled else ""),
     ]
     for name, r in rows.items():
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {name} | failed: {r['error']} | | | | | | |" + (" |" if profiled else ""))
             continue
         vs = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
         mfu = f"{r['mfu']:.1f}" if r["mfu"] is not None else "-"
@@ -498,8 +566,16 @@ def table(rows: dict[str, dict[str, Any]], reference: str = "bare") -> str:
         lines.append(
             f"| {name} | {r['tokens_per_s']:,.0f} | {r['round_min']:,.0f}-{r['round_max']:,.0f} | {vs} | {mfu} | "
             f"{r['step_ms_median']:.1f} ({r['step_ms_p10']:.1f}-{r['step_ms_p90']:.1f}) | {peak} | {loss} |"
+            + (_busy_cell(r) if profiled else "")
         )
     return "\n".join(lines)
+
+
+def _busy_cell(r: dict[str, Any]) -> str:
+    if "device_busy_ms" not in r:
+        return " - |"
+    busy, wall = r["device_busy_ms"], r["profile_wall_ms"]
+    return f" {busy:.1f} / {wall:.1f} ({100 * busy / wall:.0f}%) |"
 
 
 def environment(device: str) -> dict[str, str]:
@@ -545,7 +621,7 @@ def orchestrate(args) -> int:
             print(f"[round {r}] {name}: {status} ({data['wall_s']:.0f} s)", flush=True)
     peak = device_peak(args.device)
     rows = {n: summarize(runs[n], peak) for n in names}
-    w = _workload(args.workload, args.layers)
+    w = _workload(args.workload, args.layers, args.ac)
     header = (f"workload {args.workload} ({w.recipe}, seq {w.seq_len}, batch 1, layers {w.layers or 'all'}, "
               f"compile {w.compile}, AC {w.ac}), {args.steps} steps x {args.rounds} rounds after {args.warmup} warmup"
               + ("" if args.sdpa == "default" else f", SDPA {args.sdpa} only (torchtitan: default)"))
@@ -561,6 +637,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.throughput", description=__doc__.split("\n")[0])
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="llama3_1b")
     parser.add_argument("--layers", type=int, default=None, help="override the workload's layer count")
+    parser.add_argument("--ac", choices=("none", "selective", "full"), default=None,
+                        help="override the workload's activation checkpointing (every contender that has one)")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="steps traced after the measured ones: the device's busy time per step")
     parser.add_argument("--contenders", default=None, help=f"comma-separated subset of {','.join(CONTENDERS)}")
     parser.add_argument("--steps", type=int, default=15, help="measured steps per contender and round")
     parser.add_argument("--warmup", type=int, default=5, help="steps dropped first (compilation)")
@@ -575,14 +655,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         parser.error(f"--warmup={args.warmup} and --steps={args.steps} must be >= 1")
+    if args.profile_steps < 0:
+        parser.error(f"--profile-steps={args.profile_steps} must be >= 0")
     if args.contender:
         use_sdpa_backend(args.sdpa)
-        w = _workload(args.workload, args.layers)
+        w = _workload(args.workload, args.layers, args.ac, args.profile_steps)
         data = RUNNERS[args.contender](w, args.device, args.steps, args.warmup)
         Path(args.result).write_text(json.dumps(data))
         return 0
     if args.contenders is None:
-        args.contenders = ",".join(_workload(args.workload, args.layers).contenders)
+        args.contenders = ",".join(_workload(args.workload, args.layers, args.ac).contenders)
     return orchestrate(args)
 
 

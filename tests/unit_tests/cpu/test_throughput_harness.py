@@ -3,7 +3,7 @@ ratio between them is the framework's cost), and the table reports what the runs
 
 import pytest
 
-from benchmarks.throughput import WORKLOADS, run_bare, run_titan, summarize, table
+from benchmarks.throughput import WORKLOADS, StepClock, run_bare, run_titan, summarize, table, union_length_us
 
 
 @pytest.mark.slow
@@ -41,3 +41,30 @@ def test_table_compares_with_the_bare_loop_and_reports_failures():
     assert "| titan | 5,000 | 5,000-5,000 | 0.500x |" in text
     assert "| bare | 10,000 | 10,000-10,000 | 1.000x |" in text
     assert "| hf | failed: exit 1: CUDA out of memory |" in text
+
+
+def test_device_busy_time_counts_overlapping_kernels_once():
+    assert union_length_us([]) == 0
+    assert union_length_us([(0, 10), (5, 12), (12, 13), (20, 30), (21, 25)]) == 13 + 10
+
+
+def test_profiled_steps_come_after_the_timed_ones_and_are_not_timed():
+    clock = StepClock("cpu", warmup=2, steps=3, profile_steps=2)
+    assert clock.total == 7
+    for i in range(clock.total):
+        clock.step_done(float(i))
+    result = clock.result("bare", 100, 1.0)
+    assert len(result["step_times"]) == 3 and len(result["losses"]) == 7
+    assert clock.ends[4] < clock.ends[5]  # the profiler started between the timed and the traced steps
+    assert result["step_times"][-1] == clock.ends[4] - clock.ends[3]
+    assert result["profile"]["busy_ms"] is None  # no device events on the CPU
+    assert result["profile"]["wall_ms"] == pytest.approx(1e3 * (clock.ends[7] - clock.ends[5]) / 2)
+
+
+def test_table_shows_device_busy_time_when_profiled():
+    profiled = dict(_run([0.2, 0.2]), profile={"wall_ms": 200.0, "busy_ms": 150.0})
+    rows = {"titan": summarize([profiled], None), "bare": summarize([_run([0.1, 0.1])], None)}
+    text = table(rows)
+    assert "device busy ms / profiled step ms |" in text.splitlines()[0]
+    assert text.splitlines()[2].endswith("| 150.0 / 200.0 (75%) |")
+    assert text.splitlines()[3].endswith("| - |")
