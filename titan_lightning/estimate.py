@@ -7,9 +7,9 @@ strategy builds the same mesh and applies the same parallelisms as a real run
 (``TitanStrategy.parallelize``: TP, CP, EP, activation checkpointing, compile, FSDP), on
 fake tensors (``FakeTensorMode``: shapes, dtypes and storages, no data). Then two training
 steps run on a fake batch of the recipe's shape (``training.microbatch_size`` sequences of
-``training.seq_len`` tokens, each CP rank keeping its slice), in Lightning's order: forward
-and loss, ``zero_grad`` (so the previous step's gradients are alive during the forward),
-backward, optimizer step. The first step creates the optimizer state and compiles; during
+``training.seq_len`` tokens, each CP rank keeping its slice), in the module's order: forward
+and loss, backward, optimizer step, ``zero_grad`` (CausalLMModule frees the gradients right
+after the step, so none are alive during the next forward). The first step creates the optimizer state and compiles; during
 the second, a dispatch mode adds up the bytes of every live storage, and its maximum is
 the estimated peak (what ``torch.cuda.max_memory_allocated`` reports over a step).
 
@@ -59,7 +59,7 @@ import json
 import weakref
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -84,7 +84,9 @@ COMPILE_BACKEND = "titan_estimate"
 
 @dataclass(kw_only=True)
 class MemoryEstimate:
-    """Bytes one rank holds; ``activations`` is the peak minus the static part (the rest)."""
+    """Bytes one rank holds. Gradients exist from the backward to the end of the optimizer
+    step, so only ``gradients_at_peak`` of them are part of the peak; ``activations`` is the
+    rest of the peak (saved tensors and temporaries)."""
 
     world_size: int
     rank: int
@@ -96,6 +98,7 @@ class MemoryEstimate:
     buffers: int
     activations: int
     peak: int
+    gradients_at_peak: int
 
     @property
     def static(self) -> int:
@@ -106,6 +109,7 @@ class MemoryEstimate:
 
     def table(self) -> str:
         rows = [("parameters", self.parameters), ("gradients", self.gradients),
+                ("  alive at peak", self.gradients_at_peak),
                 ("optimizer state", self.optimizer_state), ("buffers", self.buffers),
                 ("activations", self.activations), ("peak", self.peak)]
         lines = [f"rank {self.rank} of {self.world_size}: {self.layout}; {self.batch}", f"{'':<18}{'GiB':>9}"]
@@ -184,19 +188,20 @@ def _estimate(run: Run, strategy, world_size: int, rank: int, fake_mode) -> Memo
         step(batch)  # creates the optimizer state, compiles
         with _LiveBytes(fake_mode) as live:
             live.add_static(module, optimizer)
+            step.live = live
             step(batch)
-    return _result(module, optimizer, live, strategy, world_size, rank,
+    return _result(module, step.memory, live, strategy, world_size, rank,
                    f"{t.microbatch_size} x {t.seq_len} tokens per microbatch")
 
 
-def _result(module, optimizer, live, strategy, world_size: int, rank: int, batch: str) -> MemoryEstimate:
-    held = memory_report(module.model, [optimizer])
+def _result(module, held: dict[str, int], live, strategy, world_size: int, rank: int, batch: str) -> MemoryEstimate:
     buffers = sum(_local(b).untyped_storage().nbytes() for b in module.model.buffers())
-    static = held["parameters"] + held["gradients"] + held["optimizer_state"] + buffers
+    at_peak = held["parameters"] + held["gradients_at_peak"] + held["optimizer_state"] + buffers
     return MemoryEstimate(
         world_size=world_size, rank=rank, layout=strategy.dims.describe(), batch=batch,
         parameters=held["parameters"], gradients=held["gradients"], optimizer_state=held["optimizer_state"],
-        buffers=buffers, activations=max(live.peak - static, 0), peak=live.peak,
+        buffers=buffers, activations=max(live.peak - at_peak, 0), peak=live.peak,
+        gradients_at_peak=held["gradients_at_peak"],
     )
 
 
@@ -240,9 +245,10 @@ def _estimate_pipeline(run: Run, strategy, world_size: int, rank: int, fake_mode
             step()  # creates the optimizer state, compiles
             with _LiveBytes(fake_mode) as live:
                 live.add_static(module, optimizer)
+                step.live = live
                 step()
     placed = ", ".join(f"stage {s}: {h}" for s, h in zip(local, held))
-    return _result(module, optimizer, live, strategy, world_size, rank,
+    return _result(module, step.memory, live, strategy, world_size, rank,
                    f"{p.pp_schedule}, {p.pp_microbatches} microbatches of {rows} x {t.seq_len} tokens, in flight {placed}")
 
 
@@ -251,13 +257,14 @@ class _PipelineStep:
     once (a fake input from the previous stage, whose gradient the next stage would send back),
     then they run backward one after another, then the optimizer steps."""
 
+    live: Optional["_LiveBytes"] = None  # set for the measured step
+
     def __init__(self, module, optimizer, stages, local, num_stages, held, rows, seq_len, dim, hidden) -> None:
         self.module, self.optimizer, self.stages = module, optimizer, stages
         self.local, self.last, self.held = local, num_stages - 1, held
         self.shape, self.hidden = (rows, seq_len), (rows, seq_len, dim, hidden)
 
     def __call__(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
         pending = []
         for stage_id, stage, count in zip(self.local, self.stages, self.held):
             for _ in range(count):
@@ -276,6 +283,8 @@ class _PipelineStep:
             out.backward() if out.dim() == 0 else out.backward(torch.ones_like(out))
             del out
         self.optimizer.step()
+        self.memory = _step_memory(self.module, self.optimizer, self.live)  # while the gradients exist
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 # -- what fake tensors cannot compute: MoE routing, the CP mask ------------------------------
@@ -419,9 +428,19 @@ class _shapes_only:
         self.module.__dict__.pop("materialize", None)
 
 
+def _step_memory(module, optimizer, live: Optional["_LiveBytes"]) -> dict[str, int]:
+    held = memory_report(module.model, [optimizer])
+    grads = [_local(p.grad).untyped_storage() for p in module.model.parameters() if p.grad is not None]
+    held["gradients_at_peak"] = live.alive_at_peak(grads) if live is not None else held["gradients"]
+    return held
+
+
 class _TrainingStep:
-    """One step in Lightning's automatic-optimization order (the module's forward and loss, as
-    ``training_step`` computes it; gradient clipping's few scalars are left out)."""
+    """One step in the module's order under Lightning's automatic optimization (the forward and
+    loss as ``training_step`` computes them, backward, the step, then ``optimizer_step``'s
+    ``zero_grad``; gradient clipping's few scalars are left out)."""
+
+    live: Optional["_LiveBytes"] = None  # set for the measured step
 
     def __init__(self, module, optimizer, loss_parallel_enabled: bool) -> None:
         self.module, self.optimizer = module, optimizer
@@ -430,11 +449,11 @@ class _TrainingStep:
     def __call__(self, batch: dict) -> None:
         with self.context():
             loss = self.module.loss_fn(self.module(batch["input_ids"]), batch["labels"])
-        self.optimizer.zero_grad(set_to_none=True)
-        with self.context():
             loss.backward()
         del loss
         self.optimizer.step()
+        self.memory = _step_memory(self.module, self.optimizer, self.live)  # while the gradients exist
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -461,6 +480,11 @@ class _LiveBytes(TorchDispatchMode):
         self.sizes: dict[int, int] = {}
         self.current = self.peak = 0
         self.paused = 0
+        # Storages numbered as they appear: those numbered up to ``peak_at`` and still alive
+        # were alive at the peak (nothing is freed between a storage's birth and a later peak
+        # unless it is gone).
+        self.born: dict[int, int] = {}
+        self.count = self.peak_at = 0
 
     def add_static(self, module, optimizer) -> None:
         """Count what exists before the step: parameters, buffers, gradients, optimizer state."""
@@ -475,12 +499,20 @@ class _LiveBytes(TorchDispatchMode):
         if key in self.sizes or self.paused:
             return
         self.sizes[key] = size = storage.nbytes()
+        self.count += 1
+        self.born[key] = self.count
         weakref.finalize(storage, self._free, key)
         self._grow(size)
 
     def _grow(self, size: int) -> None:
         self.current += size
-        self.peak = max(self.peak, self.current)
+        if self.current > self.peak:
+            self.peak, self.peak_at = self.current, self.count
+
+    def alive_at_peak(self, storages) -> int:
+        """Bytes of ``storages`` (all alive now) that were alive at the peak."""
+        return sum(self.sizes[s._cdata] for s in storages
+                   if s._cdata in self.sizes and self.born[s._cdata] <= self.peak_at)
 
     def _free(self, key: int) -> None:
         self.current -= self.sizes.pop(key, 0)
@@ -539,7 +571,17 @@ def _unfused(node: fx.Node, ops: set) -> bool:
     if node.op != "call_function":
         return False
     packet = getattr(node.target, "overloadpacket", None)
+    if packet is torch.ops.aten.scatter and _scatter_upon_constant(node):
+        return False
     return packet in ops or any(name in str(node.target) for name in _UNFUSED_NAMES)
+
+
+def _scatter_upon_constant(node: fx.Node) -> bool:
+    """A scalar scattered into a freshly filled tensor (the one-hot of cross entropy's
+    backward): inductor lowers it to a pointwise select (``optimize_scatter_upon_const_tensor``)."""
+    base = node.args[0] if node.args else None
+    return (node.target is torch.ops.aten.scatter.value and isinstance(base, fx.Node)
+            and getattr(base.target, "overloadpacket", None) in (torch.ops.aten.full, torch.ops.aten.zeros))
 
 
 def materialized_nodes(graph: fx.Graph) -> set:

@@ -95,8 +95,15 @@ class FakePGStrategy(TitanStrategy):
         # rejects the fake group's empty futures): parameters stay replicated as under DDP.
         pass
 
-    def on_train_end(self) -> None:
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        # Counted here, while the gradients exist: CausalLMModule frees them after the step.
         self.memory = memory_report(self.model, self.optimizers)
+        return output
+
+    def on_train_end(self) -> None:
+        if self.memory is None:  # no optimizer step ran
+            self.memory = memory_report(self.model, self.optimizers)
         mib = {k: v / 2**20 for k, v in self.memory.items()}
         print(
             f"[fake_pg] world_size={self.world_size} rank={self._fake_rank} {self.dims.describe()}: "

@@ -47,16 +47,47 @@ def test_reruns_are_bitwise_identical_and_seed_matters():
     assert first.losses[0] == pytest.approx(math.log(2048), abs=1.0)
 
 
+class GradsAtStep(L.Callback):
+    """The gradient norm the optimizer steps with, and whether any gradient survives into the
+    next step's forward."""
+
+    def __init__(self) -> None:
+        self.step_norms, self.grads_at_batch_start = [], []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        def after_step(optimizer, args, kwargs):  # the closure (forward, backward, clipping) runs inside step()
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            self.step_norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+
+        trainer.optimizers[0].register_step_post_hook(after_step)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.grads_at_batch_start.append(sum(p.grad is not None for p in pl_module.parameters()))
+
+
 def test_grad_norm_is_logged_before_clipping_and_grads_are_clipped():
     run = features.llama3_debugmodel()
     run.job.training.max_grad_norm = 1e-3
-    record, trainer = fit(run, max_steps=1)
+    seen = GradsAtStep()
+    run.trainer["callbacks"] = [seen]
+    record = RecordSteps()
+    run.trainer.update(max_steps=2, accelerator="cpu", devices=1)
+    run.trainer["callbacks"].append(record)
+    build_trainer(run).fit(run.module, datamodule=run.datamodule)
     assert record.grad_norms[0] > 1e-3  # the pre-clip norm is what is logged
-    # Lightning zeroes grads at the start of the next step, so the last step's clipped grads remain.
-    grads = [p.grad for p in run.module.model.parameters() if p.grad is not None]
-    assert grads
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-    assert total.item() == pytest.approx(1e-3, rel=1e-3)
+    assert seen.step_norms == pytest.approx([1e-3, 1e-3], rel=1e-3)  # the optimizer steps with the clipped ones
+
+
+def test_gradients_are_freed_after_the_optimizer_step():
+    """Not kept through the next forward (Lightning alone zeroes them after it)."""
+    seen = GradsAtStep()
+    run = features.llama3_debugmodel_accumulation()  # 2 microbatches per step
+    run.trainer.update(max_steps=2, accelerator="cpu", devices=1, callbacks=[seen])
+    build_trainer(run).fit(run.module, datamodule=run.datamodule)
+    assert seen.grads_at_batch_start[0] == 0
+    assert seen.grads_at_batch_start[1] > 0  # accumulating: the first microbatch's gradients are kept
+    assert seen.grads_at_batch_start[2:] == [0, seen.grads_at_batch_start[1]]
+    assert all(p.grad is None for p in run.module.parameters())
 
 
 def test_gradient_accumulation_comes_from_tokens_per_step():
