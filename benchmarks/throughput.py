@@ -266,7 +266,8 @@ def run_bare(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any
     from titan_lightning.optim import build_lr_scheduler, build_optimizer
     from titan_lightning.parallel.grad_norm import global_grad_norm
 
-    total = warmup + steps + w.profile_steps
+    clock = StepClock(device, warmup, steps, w.profile_steps)
+    total = clock.total
     run = resolve_run(w, device, total)
     job, dev = run.job, torch.device(device)
     torch.manual_seed(job.training.seed)
@@ -276,7 +277,6 @@ def run_bare(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any
     scheduler = build_lr_scheduler(optimizer, job.lr_schedule, total)
     autocast = job.training.mixed_precision_param == "bfloat16" and job.training.dtype == "float32"
     max_norm = job.training.max_grad_norm
-    clock = StepClock(device, warmup, steps, w.profile_steps)
     batches = iter(_train_loader(run))
     for _ in range(total):
         batch = next(batches)
@@ -309,7 +309,8 @@ def run_lightning(w: Workload, device: str, steps: int, warmup: int) -> dict[str
 
     from titan_lightning.optim import build_lr_scheduler, build_optimizer
 
-    total = warmup + steps + w.profile_steps
+    clock = StepClock(device, warmup, steps, w.profile_steps)
+    total = clock.total
     run = resolve_run(w, device, total)
     job = run.job
 
@@ -343,7 +344,6 @@ def run_lightning(w: Workload, device: str, steps: int, warmup: int) -> dict[str
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     torch.manual_seed(job.training.seed)
-    clock = StepClock(device, warmup, steps, w.profile_steps)
     folder = tempfile.mkdtemp(prefix="bench_lightning_")
     trainer = L.Trainer(
         strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
@@ -392,7 +392,8 @@ def hf_model(job, device):
 def run_hf(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any]:
     import torch
 
-    total = warmup + steps + w.profile_steps
+    clock = StepClock(device, warmup, steps, w.profile_steps)
+    total = clock.total
     run = resolve_run(w, device, total)
     job, dev = run.job, torch.device(device)
     torch.manual_seed(job.training.seed)
@@ -403,7 +404,6 @@ def run_hf(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any]:
     o = job.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   weight_decay=o.weight_decay, fused=True)
-    clock = StepClock(device, warmup, steps, w.profile_steps)
     batches = iter(_train_loader(run))
     for _ in range(total):
         ids = next(batches)["input_ids"].to(dev, non_blocking=True)

@@ -9,8 +9,8 @@ fake tensors (``FakeTensorMode``: shapes, dtypes and storages, no data). Then tw
 steps run on a fake batch of the recipe's shape (``training.microbatch_size`` sequences of
 ``training.seq_len`` tokens, each CP rank keeping its slice), in the module's order: forward
 and loss, backward, optimizer step, ``zero_grad`` (CausalLMModule frees the gradients right
-after the step, so none are alive during the next forward). The first step creates the optimizer state and compiles; during
-the second, a dispatch mode adds up the bytes of every live storage, and its maximum is
+after the step, so none are alive during the next forward). The first step creates the
+optimizer state and compiles; during the second, a dispatch mode adds up the bytes of every live storage, and its maximum is
 the estimated peak (what ``torch.cuda.max_memory_allocated`` reports over a step).
 
 Modeled:
@@ -282,9 +282,7 @@ class _PipelineStep:
             out = pending.pop(0)
             out.backward() if out.dim() == 0 else out.backward(torch.ones_like(out))
             del out
-        self.optimizer.step()
-        self.memory = _step_memory(self.module, self.optimizer, self.live)  # while the gradients exist
-        self.optimizer.zero_grad(set_to_none=True)
+        self.memory = _optimizer_step(self.module, self.optimizer, self.live)
 
 
 # -- what fake tensors cannot compute: MoE routing, the CP mask ------------------------------
@@ -428,10 +426,15 @@ class _shapes_only:
         self.module.__dict__.pop("materialize", None)
 
 
-def _step_memory(module, optimizer, live: Optional["_LiveBytes"]) -> dict[str, int]:
+def _optimizer_step(module, optimizer, live: Optional["_LiveBytes"]) -> dict[str, int]:
+    """The optimizer step, then ``CausalLMModule.optimizer_step``'s ``zero_grad``; returns what
+    the rank held in between, while the gradients exist (``memory_report`` plus the bytes of
+    them that were alive at ``live``'s peak)."""
+    optimizer.step()
     held = memory_report(module.model, [optimizer])
     grads = [_local(p.grad).untyped_storage() for p in module.model.parameters() if p.grad is not None]
     held["gradients_at_peak"] = live.alive_at_peak(grads) if live is not None else held["gradients"]
+    optimizer.zero_grad(set_to_none=True)
     return held
 
 
@@ -451,9 +454,7 @@ class _TrainingStep:
             loss = self.module.loss_fn(self.module(batch["input_ids"]), batch["labels"])
             loss.backward()
         del loss
-        self.optimizer.step()
-        self.memory = _step_memory(self.module, self.optimizer, self.live)  # while the gradients exist
-        self.optimizer.zero_grad(set_to_none=True)
+        self.memory = _optimizer_step(self.module, self.optimizer, self.live)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -480,9 +481,8 @@ class _LiveBytes(TorchDispatchMode):
         self.sizes: dict[int, int] = {}
         self.current = self.peak = 0
         self.paused = 0
-        # Storages numbered as they appear: those numbered up to ``peak_at`` and still alive
-        # were alive at the peak (nothing is freed between a storage's birth and a later peak
-        # unless it is gone).
+        # Storages are numbered as they appear and the peak remembers the last number before
+        # it: a storage alive now whose number is at most ``peak_at`` was alive at the peak.
         self.born: dict[int, int] = {}
         self.count = self.peak_at = 0
 
