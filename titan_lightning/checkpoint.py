@@ -7,39 +7,56 @@ A checkpoint is a folder::
         .metadata, __<rank>_0.distcp   model and optimizer, sharded (torch.distributed.checkpoint)
         meta.pt                        the rest of Lightning's checkpoint (loops, LR schedulers, callbacks ...)
         rank<r>.pt                     what differs per rank: RNG states, the data module's position
+        checkpoint.json                the completion manifest, written last: step, world size, rank files
 
 - Model and optimizer are saved by name (the unsplit module names, the optimizer state
   flattened per parameter), so a checkpoint loads on any other layout: another FSDP degree,
   TP, PP stages (each rank reads only its stages' keys).
-- A save is atomic: it is written to ``<name>.partial`` and renamed when every rank is
-  done; a run killed while writing leaves the previous checkpoint intact and a ``.partial``
-  folder that ``latest`` skips (and loading it names what is missing).
-- ``async_save``: the tensors are copied to CPU, then written in a background thread
-  while training goes on; the rename happens when the write ends (the next save, or the
-  end of fit, waits for it).
+- A save is atomic: it is written to ``<name>.partial``, completed by its manifest and
+  renamed when every rank is done. A run killed at any moment of a save leaves the previous
+  checkpoints intact and at most a ``.partial`` folder, which ``latest`` skips. A save that
+  fails (disk full, permission denied) removes its ``.partial`` and raises one line naming
+  the folder and the OS error, on every rank.
+- ``async_save``: the tensors are staged to CPU memory, then written in a background thread
+  while training goes on; its collectives run on a process group of their own (gloo), so they
+  never interleave with training's. The manifest and the rename follow as soon as the write ends.
+- Loading runs no code from the files: ``meta.pt`` and ``rank<r>.pt`` are read with
+  ``torch.load(weights_only=True)``, DCP's pickled ``.metadata`` with an unpickler that admits
+  only DCP's own metadata classes, and DCP's non-tensor items with ``weights_only=True``;
+  ``latest`` reads only the JSON manifests.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import pickle
 import random
 import shutil
 import threading
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
-# Fault injection for tests: the process dies in the middle of its N-th save (after meta.pt and
-# its rank file, before the shards), as a run killed while writing would.
+# Fault injection for tests: ``N`` or ``N:MOMENT`` makes the process die (exit 137) in its N-th
+# save at MOMENT: "begin" (the .partial folder made), "files" (meta.pt and the rank files written;
+# the default), "written" (the shards written, before the manifest and the rename). ``N:enospc``
+# makes every rank's N-th save fail writing its shards with "No space left on device".
 FAULT_ENV = "TITAN_LIGHTNING_FAULT_IN_SAVE"
+FAULT_MOMENTS = ("begin", "files", "written", "enospc")
 
 META = "meta.pt"
+MANIFEST = "checkpoint.json"
 PARTIAL = ".partial"
 DCP_METADATA = ".metadata"
+FORMAT = "titan_lightning/1"
+# A manifest is a few hundred bytes; anything much larger is not ours and is not parsed.
+_MANIFEST_MAX_BYTES = 1 << 20
 
 
 def rank_file(rank: int) -> str:
@@ -47,14 +64,21 @@ def rank_file(rank: int) -> str:
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded; the message names the folder and what is wrong."""
+    """A checkpoint that cannot be saved or loaded; the message is one line naming the folder or file."""
 
 
 # -- what differs per rank ----------------------------------------------------------------
 
 
 def rng_states() -> dict[str, Any]:
-    states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every RNG's state as tensors and plain values (loadable with ``weights_only=True``)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    states = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
@@ -62,7 +86,8 @@ def rng_states() -> dict[str, Any]:
 
 def set_rng_states(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["torch"])
-    np.random.set_state(states["numpy"])
+    n = states["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     random.setstate(states["python"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
@@ -71,143 +96,386 @@ def set_rng_states(states: dict[str, Any]) -> None:
 # -- locating checkpoints ------------------------------------------------------------------
 
 
+def read_manifest(path: Path) -> Optional[dict[str, Any]]:
+    """The completion manifest of the checkpoint folder ``path``, or None when it has no valid one.
+
+    Reads one small JSON file and nothing else: safe on folders nobody here wrote."""
+    file = path / MANIFEST
+    try:
+        if not file.is_file() or file.stat().st_size > _MANIFEST_MAX_BYTES:
+            return None
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return None
+    if not isinstance(manifest.get("global_step"), int) or not isinstance(manifest.get("world_size"), int):
+        return None
+    return manifest
+
+
 def is_complete(path: Path) -> bool:
-    return path.is_dir() and not path.name.endswith(PARTIAL) and (path / META).is_file() and (path / DCP_METADATA).is_file()
+    return (path.is_dir() and not path.name.endswith(PARTIAL) and read_manifest(path) is not None
+            and (path / META).is_file() and (path / DCP_METADATA).is_file())
 
 
 def latest_checkpoint(root: Union[str, Path]) -> Optional[Path]:
-    """The complete checkpoint with the highest global step under ``root`` (searched recursively)."""
+    """The complete checkpoint with the highest global step under ``root`` (searched recursively).
+
+    Only the manifests are read; no checkpoint is loaded to decide."""
     best, best_key = None, None
-    for meta in Path(root).rglob(META):
-        folder = meta.parent
+    for file in Path(root).rglob(MANIFEST):
+        folder = file.parent
         if not is_complete(folder):
             continue
-        try:
-            step = int(torch.load(meta, map_location="cpu", weights_only=False).get("global_step", -1))
-        except Exception:
-            continue
-        key = (step, meta.stat().st_mtime)
+        key = (read_manifest(folder)["global_step"], file.stat().st_mtime)
         if best_key is None or key > best_key:
             best, best_key = folder, key
     return best
 
 
 def resolve_resume(resume_from: Optional[str], runs_root: Path) -> Optional[str]:
-    """``resume_from`` as a checkpoint path: None, a folder, or "latest" (the newest under ``runs_root``)."""
+    """``resume_from`` as a checkpoint path: None, a checkpoint folder, or "latest" (the newest
+    under ``runs_root``; None when there is none yet: the run starts fresh)."""
     if resume_from is None:
         return None
     if resume_from == "latest":
         found = latest_checkpoint(runs_root)
-        if found is None:
-            raise CheckpointError(f"checkpoint.resume_from='latest': no complete checkpoint under {runs_root}")
-        return str(found)
+        return None if found is None else str(found)
     path = Path(resume_from)
     if not path.exists():
-        raise CheckpointError(f"checkpoint.resume_from={resume_from!r} does not exist")
+        raise CheckpointError(f"checkpoint.resume_from={resume_from!r} does not exist; give a checkpoint folder "
+                              f"(<run>/checkpoints/epoch=...-step=....ckpt) or 'latest'")
+    verify(path, what=f"checkpoint.resume_from={resume_from!r}")
     return str(path)
+
+
+def verify(path: Path, *, what: Optional[str] = None, ranks: bool = True) -> dict[str, Any]:
+    """Fail with one line unless ``path`` is a complete checkpoint whose files are all there;
+    returns its manifest. ``ranks``: also check every rank file the manifest lists."""
+    what = what or f"checkpoint {path}"
+    if not path.is_dir():
+        raise CheckpointError(f"{what} is a file; TitanStrategy checkpoints are folders (sharded)")
+    manifest = read_manifest(path)
+    if manifest is None:
+        inner = latest_checkpoint(path)
+        hint = (f"; it holds checkpoints, the newest is {inner}" if inner is not None
+                else "; a save that did not finish leaves such a folder (.partial)" if (path / META).exists()
+                else "")
+        raise CheckpointError(f"{what} is not a complete checkpoint (no valid {MANIFEST}){hint}")
+    names = [DCP_METADATA, META] + ([rank_file(r) for r in range(manifest["world_size"])] if ranks else [])
+    for name in names:
+        if not (path / name).is_file():
+            raise CheckpointError(f"{what}: {name} is missing (saved by {manifest['world_size']} ranks)")
+    return manifest
 
 
 # -- save ----------------------------------------------------------------------------------
 
 
+def _fault(save_number: int) -> Optional[str]:
+    """The moment the fault-injection variable names for this save, if any."""
+    value = os.environ.get(FAULT_ENV)
+    if not value:
+        return None
+    number, _, moment = value.partition(":")
+    return (moment or "files") if number == str(save_number) else None
+
+
+def _die_at(moment: str, planned: Optional[str]) -> None:
+    if planned == moment:
+        os._exit(137)
+
+
+# What a save or load step may raise: any Exception, and DCP's CheckpointException (a
+# BaseException that wraps each rank's failure).
+_FAILURES = (Exception, CheckpointException)
+
+
 class _Pending:
-    """An asynchronous save in flight: its future and what to do when it completes."""
+    """An asynchronous save in flight: waits for its write, then finishes it, in a thread of its own."""
 
-    def __init__(self, future: Any, finish: Any) -> None:
-        self.future, self.finish = future, finish
+    def __init__(self, future: Any, finish: Callable[[], None], fail: Callable[[BaseException], str]) -> None:
+        self.error: Optional[str] = None
+        self.then: list[Callable[[], None]] = []  # after a successful finish (older checkpoints removed)
+        self._thread = threading.Thread(target=self._run, args=(future, finish, fail), daemon=True,
+                                        name="titan-lightning-checkpoint")
+        self._thread.start()
 
-    def wait(self) -> None:
-        self.future.result()
-        self.finish()
+    def _run(self, future: Any, finish: Callable[[], None], fail: Callable[[BaseException], str]) -> None:
+        try:
+            done = getattr(future, "upload_completion", future)  # AsyncSaveResponse or Future
+            done.result()
+            finish()
+            for action in self.then:
+                action()
+        except BaseException as error:  # noqa: BLE001 - reported on the main thread by wait()
+            self.error = fail(error)
+
+    def wait(self) -> Optional[str]:
+        self._thread.join()
+        return self.error
 
 
 class CheckpointWriter:
-    """Saves Lightning checkpoints as sharded, atomic folders; one per strategy."""
+    """Saves Lightning checkpoints as sharded, atomic folders; one per strategy.
 
-    def __init__(self) -> None:
+    ``group`` carries the checkpoint's own collectives (DCP's planning, agreeing on failures):
+    a gloo group apart from training's, so a save in the background never interleaves with a
+    training collective. None: the default group (one process, or the fake backend).
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
         self._pending: Optional[_Pending] = None
-        self._lock = threading.Lock()
         self._saves = 0
 
     def wait(self) -> None:
-        """Block until the asynchronous save in flight (if any) is on disk under its final name."""
-        with self._lock:
-            pending, self._pending = self._pending, None
+        """Block until the asynchronous save in flight (if any) is complete under its final name;
+        raise on every rank if it failed on any."""
+        pending, self._pending = self._pending, None
         if pending is not None:
-            pending.wait()
+            self._agree(pending.wait())
 
     def save(self, checkpoint: dict[str, Any], path: Path, *, rank: int, rank_state: dict[str, Any],
              async_save: bool = False) -> None:
         import torch.distributed.checkpoint as dcp
 
         self.wait()  # one save at a time, in order
+        self._saves += 1
+        fault = _fault(self._saves)
         staging = path.with_name(path.name + PARTIAL)
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-        _barrier()
+        world_size = dist.get_world_size() if _distributed() else 1
+
+        def fail(error: BaseException) -> str:
+            if rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            return f"saving checkpoint {path} failed: {_describe(error)}"
+
+        def prepare() -> None:
+            if rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir(parents=True)
+
+        self.agree(prepare, fail)
+        _die_at("begin", fault)
         state = {"state_dict": checkpoint.pop("state_dict")}
         for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{index}"] = optimizer_state
-        torch.save(rank_state, staging / rank_file(rank))
-        if rank == 0:
-            torch.save(checkpoint, staging / META)
-        self._saves += 1
-        if os.environ.get(FAULT_ENV) == str(self._saves):
-            os._exit(137)
+        manifest = {"format": FORMAT, "global_step": int(checkpoint.get("global_step", -1)),
+                    "world_size": world_size, "layout": rank_state.get("layout")}
+
+        def write_own_files() -> None:
+            torch.save(rank_state, staging / rank_file(rank))
+            if rank == 0:
+                torch.save(checkpoint, staging / META)
+
+        self.agree(write_own_files, fail)
+        _die_at("files", fault)
+        writer = _FaultyWriter(staging) if fault == "enospc" else None
 
         def finish() -> None:
-            if rank == 0:  # DCP's coordinator writes .metadata last, after every rank's data
+            _die_at("written", fault)
+            if rank == 0:  # DCP's coordinator wrote .metadata last, after every rank's data
+                _write_json(staging / MANIFEST, manifest)
                 _replace_dir(staging, path)
 
         if not async_save:
-            dcp.save(state, checkpoint_id=str(staging))
-            _barrier()
-            finish()
-            _barrier()
+            self.agree(lambda: dcp.save(state, checkpoint_id=str(staging), storage_writer=writer,
+                                        process_group=self.group), fail)
+            self.agree(finish, fail)
             return
-        state = _to_cpu(state)  # the training step may change the tensors while they are written
-        future = dcp.async_save(state, checkpoint_id=str(staging))
-        with self._lock:
-            self._pending = _Pending(future, finish)
+        future = dcp.async_save(state, checkpoint_id=str(staging), storage_writer=writer, process_group=self.group)
+        self._pending = _Pending(future, finish, fail)
+
+    def remove(self, path: Path, *, rank: int) -> None:
+        """Delete a checkpoint (keep_latest_k), on rank 0: after the save in flight completes (never
+        leaving fewer complete checkpoints than asked), renamed to ``.partial`` first (never leaving
+        a half-deleted folder that looks complete)."""
+        if rank != 0:
+            return
+        if self._pending is not None:
+            self._pending.then.append(lambda: _remove_dir(path))
+        else:
+            _remove_dir(path)
+
+    def agree(self, action: Callable[[], Any], fail: Optional[Callable[[BaseException], str]] = None) -> Any:
+        """Run ``action`` on every rank and return its result; if it raised anywhere, every rank
+        raises CheckpointError with the first failure's message (no rank is left in a collective)."""
+        try:
+            result, error = action(), None
+        except _FAILURES as caught:
+            result = None
+            error = fail(caught) if fail else str(caught) if isinstance(caught, CheckpointError) else _describe(caught)
+        self._agree(error)
+        return result
+
+    def _agree(self, error: Optional[str]) -> None:
+        errors = [error]
+        if _distributed():
+            errors = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(errors, error, group=self.group)
+        for rank, message in enumerate(errors):
+            if message is not None:
+                raise CheckpointError(message if message == error else f"{message} (on rank {rank})")
+
+
+def _remove_dir(path: Path) -> None:
+    if path.exists():
+        doomed = path.with_name(path.name + PARTIAL)
+        shutil.rmtree(doomed, ignore_errors=True)
+        path.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+class _FaultyFileSystem:
+    """DCP's file system as seen by a full disk: every data file write fails with ENOSPC."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def create_stream(self, path: Any, mode: str):
+        if "w" in mode and str(path).endswith(".distcp"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return self._inner.create_stream(path, mode)
+
+
+def _FaultyWriter(path: Path):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    writer = FileSystemWriter(str(path))
+    writer.fs = _FaultyFileSystem(writer.fs)
+    return writer
+
+
+def _describe(error: BaseException) -> str:
+    """One line for what went wrong: the OS error and its file, or DCP's first per-rank failure."""
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+    if failures:
+        rank, cause = next(iter(failures.items()))
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        return f"{_describe(cause)} (rank {rank})"
+    if isinstance(error, OSError) and error.strerror:
+        where = f": {error.filename}" if error.filename else ""
+        return f"[Errno {error.errno}] {error.strerror}{where}"
+    text = " ".join(str(error).split()) or type(error).__name__
+    return f"{type(error).__name__}: {text[:300]}"
+
+
+def _write_json(file: Path, value: dict[str, Any]) -> None:
+    with open(file, "w", encoding="utf-8") as f:
+        json.dump(value, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _replace_dir(staging: Path, final: Path) -> None:
     old = final.with_name(final.name + ".old")
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
+        final.rename(old)  # complete too: `latest` may pick it if a kill lands right here
     staging.rename(final)
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _to_cpu(state: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(state, dict):
-        return {k: _to_cpu(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_to_cpu(v) for v in state]
-    if isinstance(state, DTensor):
-        local = state.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(local, state.device_mesh, state.placements, run_check=False,
-                                  shape=state.shape, stride=state.stride())
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
-    return state
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def _barrier(group: Any = None) -> None:
+    if _distributed():
+        dist.barrier(group=group)
+
+
+def checkpoint_group() -> Any:
+    """A gloo group over every rank for the checkpoints' collectives (None without real ranks).
+
+    Called by every rank at the same point (a new group is a collective)."""
+    if not _distributed() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return None
+    return dist.new_group(backend="gloo")
 
 
 # -- load ----------------------------------------------------------------------------------
 
 
+# What DCP's .metadata may name: its own metadata classes and the few torch values they hold.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "pathlib._local": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and refuses every other global: a crafted file cannot call anything."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = name in _METADATA_GLOBALS.get(module, ())
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            allowed = True
+        if not allowed:
+            raise pickle.UnpicklingError(f"refused global {module}.{name} (not a DCP metadata class)")
+        return super().find_class(module, name)
+
+
+def _safe_reader(path: Path):
+    """torch's FileSystemReader, its pickled .metadata read by ``_MetadataUnpickler``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            rank = kwargs.get("rank")
+            name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
+            with open(Path(self.path) / name, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if not isinstance(metadata, Metadata):
+                raise pickle.UnpicklingError(f"{name} holds a {type(metadata).__name__}, not DCP Metadata")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader(str(path))
+
+
+def _safe_planner():
+    """DCP's default load planner, its non-tensor items read with ``weights_only=True``."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return SafeLoadPlanner()
+
+
+def read_dcp_metadata(path: Path):
+    """DCP's metadata of the folder ``path``, read without running code; one-line errors."""
+    try:
+        return _safe_reader(path).read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError, AttributeError, ImportError, IndexError) as error:
+        raise CheckpointError(f"checkpoint {path}: cannot read {DCP_METADATA} ({_describe(error)})") from None
+
+
 def check_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Fail with one message naming ``path`` and what is missing or mismatched, before reading tensors."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.tensor import DTensor
@@ -216,16 +484,13 @@ def check_checkpoint(path: Path, state: dict[str, Any]) -> None:
         raise CheckpointError(f"checkpoint {path} does not exist")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} is a file; TitanStrategy checkpoints are folders (sharded)")
-    absent = [name for name in (DCP_METADATA, META) if not (path / name).is_file()]
+    absent = [name for name in (DCP_METADATA,) if not (path / name).is_file()]
     if absent or path.name.endswith(PARTIAL):
         raise CheckpointError(
             f"checkpoint {path} is incomplete (missing {', '.join(absent) or 'nothing, but it is a .partial folder'}): "
             f"a save that did not finish; resume from an earlier checkpoint"
         )
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as error:
-        raise CheckpointError(f"checkpoint {path}: cannot read {DCP_METADATA}: {error}") from error
+    metadata = read_dcp_metadata(path)
     saved = metadata.state_dict_metadata
     flat, _ = flatten_state_dict(state)
     missing = sorted(k for k in flat if k not in saved)
@@ -257,37 +522,51 @@ def check_checkpoint(path: Path, state: dict[str, Any]) -> None:
             )
 
 
-def load_sharded(path: Path, state: dict[str, Any]) -> None:
+def load_sharded(path: Path, state: dict[str, Any], group: Any = None) -> None:
     """Read ``state`` (tensors updated in place) from the checkpoint folder ``path``."""
     import torch.distributed.checkpoint as dcp
 
-    from torch.distributed.checkpoint.api import CheckpointException
-
     check_checkpoint(path, state)
     try:
-        dcp.load(state, checkpoint_id=str(path))
-    except (Exception, CheckpointException) as error:
-        failures = getattr(error, "failures", None)
-        cause = next(iter(failures.values())) if failures else error
-        if isinstance(cause, tuple):  # (exception, traceback frames)
-            cause = cause[0]
-        text = str(cause).strip().split(". ")[0].splitlines()
-        raise CheckpointError(f"checkpoint {path}: reading the shards failed ({type(cause).__name__}: "
-                              f"{text[0] if text else ''}); the files may be truncated") from error
+        dcp.load(state, storage_reader=_safe_reader(path), planner=_safe_planner(), process_group=group)
+    except _FAILURES as error:
+        raise CheckpointError(f"checkpoint {path}: reading the shards failed ({_describe(error)}); "
+                              f"the files may be truncated or corrupt") from error
 
 
-def load_meta(path: Path) -> dict[str, Any]:
-    try:
-        return torch.load(path / META, map_location="cpu", weights_only=False)
-    except (EOFError, pickle.UnpicklingError, RuntimeError) as error:
-        raise CheckpointError(f"checkpoint {path}: {META} is unreadable ({error})") from error
-
-
-def load_rank_state(path: Path, rank: int) -> Optional[dict[str, Any]]:
-    file = path / rank_file(rank)
+def _load_small(file: Path, *, weights_only: bool = True) -> Any:
+    """A torch.save'd file of ours, with ``weights_only`` (no code runs); one line naming the file otherwise."""
     if not file.is_file():
-        return None
-    return torch.load(file, map_location="cpu", weights_only=False)
+        raise CheckpointError(f"checkpoint file {file} is missing")
+    try:
+        return torch.load(file, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as error:
+        text = " ".join(str(error).split())
+        refused = text.split("Unsupported global: ")[-1].split(" was not")[0].removeprefix("GLOBAL ") if "Unsupported global" in text else None
+        if refused:
+            raise CheckpointError(
+                f"checkpoint file {file} holds {refused}, which a weights-only load refuses (it could run code); "
+                f"if you trust this file, allow the type with torch.serialization.add_safe_globals, or load with "
+                f"trainer.fit(..., weights_only=False)"
+            ) from None
+        raise CheckpointError(f"checkpoint file {file} is unreadable ({_describe(error)})") from None
+    except (EOFError, RuntimeError, ValueError, OSError, UnicodeDecodeError, AttributeError) as error:
+        raise CheckpointError(f"checkpoint file {file} is unreadable ({_describe(error)})") from None
+
+
+def load_meta(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
+    """Lightning's part of the checkpoint (loops, schedulers, callbacks, hyperparameters)."""
+    meta = _load_small(path / META, weights_only=weights_only)
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint file {path / META} holds a {type(meta).__name__}, not a checkpoint dict")
+    return meta
+
+
+def load_rank_state(path: Path, rank: int) -> dict[str, Any]:
+    state = _load_small(path / rank_file(rank))
+    if not isinstance(state, dict) or "rng" not in state:
+        raise CheckpointError(f"checkpoint file {path / rank_file(rank)} is not a rank state (no 'rng')")
+    return state
 
 
 def env_rank() -> int:

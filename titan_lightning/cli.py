@@ -20,17 +20,24 @@ Bad input exits with status 2 and one line on stderr, before anything is written
 import argparse
 import dataclasses
 import inspect
+import logging
+import os
 import re
 import sys
+import traceback
 import typing
-from typing import Annotated, Optional, Sequence, Union
+import warnings
+from contextlib import contextmanager
+from typing import Annotated, Iterator, Optional, Sequence, Union
 
 import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 import lightning as L
 
-from titan_lightning.recipe import Run, RecipeError, build_run, build_trainer, execute
+from titan_lightning.checkpoint import CheckpointError
+from titan_lightning.config import ConfigError
+from titan_lightning.recipe import Run, RecipeError, build_run, build_trainer, check_inputs, execute
 
 SUBCOMMANDS = ("fit", "validate", "test", "estimate")
 OPTIONS = ("--recipe", "--config", "--print_config", "--job", "--trainer")
@@ -39,24 +46,72 @@ OPTIONS = ("--recipe", "--config", "--print_config", "--job", "--trainer")
 _OBJECT_ARGS = ("callbacks", "logger", "plugins")
 
 
+# Set to 1 to see the traceback behind a one-line error.
+DEBUG_ENV = "TITAN_LIGHTNING_DEBUG"
+
+
 class UsageError(ValueError):
     """Bad command-line input; reported as one line with exit status 2."""
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Bad input (found before launch): one line on stderr, exit 2, nothing written. A known
+    failure of the run itself (a checkpoint that cannot be written, ...): one line, exit 1."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv and argv[0] == "estimate":
-            return estimate_command(argv[1:])
-        prepared = prepare(argv)
-    except (UsageError, ValueError, TypeError) as err:
-        print(f"titan-lightning: error: {_one_line(err)}", file=sys.stderr)
+        with held_lightning_output():
+            if argv and argv[0] == "estimate":
+                return estimate_command(argv[1:])
+            prepared = prepare(argv)
+    except Exception as err:  # noqa: BLE001 - every failure before launch is reported in one line
+        _report(err)
         return 2
     if prepared is None:
         return 0
     command, run, trainer = prepared
-    execute(command, run, trainer)
+    try:
+        execute(command, run, trainer)
+    except RUN_FAILURES as err:
+        _report(err, rank=trainer.global_rank if trainer.world_size > 1 else None)
+        return 1
     return 0
+
+
+# Failures of a launched run that explain themselves in one line; anything else keeps its traceback.
+RUN_FAILURES = (ConfigError, CheckpointError, RecipeError)
+
+
+def _report(err: BaseException, rank: Optional[int] = None) -> None:
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        traceback.print_exception(err)
+    where = f"[rank {rank}] " if rank is not None else ""
+    print(f"titan-lightning: error: {where}{_one_line(err)}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def held_lightning_output() -> Iterator[None]:
+    """Hold what Lightning logs and warns while the run is assembled ("GPU available: ...", tips),
+    and let it out only once the run is valid: an error is then the only line printed."""
+    records: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        records.append(record)
+        return False
+
+    handlers = [h for name in ("lightning.pytorch", "lightning.fabric") for h in logging.getLogger(name).handlers]
+    for handler in handlers:
+        handler.addFilter(hold)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(hold)
+    for record in records:
+        logging.getLogger(record.name).handle(record)
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def prepare(argv: list[str]) -> Optional[tuple[str, Run, L.Trainer]]:
@@ -72,7 +127,9 @@ def prepare(argv: list[str]) -> Optional[tuple[str, Run, L.Trainer]]:
     run = parse_run(rest)
     if run is None:
         return None
-    return command, run, build_trainer(run)
+    trainer = build_trainer(run)
+    check_inputs(command, run, trainer)
+    return command, run, trainer
 
 
 def parse_run(argv: list[str]) -> Optional[Run]:
@@ -83,7 +140,7 @@ def parse_run(argv: list[str]) -> Optional[Run]:
     try:
         namespace = parser.parse_args(argv)
     except argparse.ArgumentError as err:
-        raise UsageError(_describe_parse_error(str(err), run)) from None
+        raise UsageError(_describe_parse_error(str(err), run, _config_path(argv))) from None
     if namespace.print_config:
         namespace.print_config = False
         print(parser.dump(namespace, skip_validation=True), end="")
@@ -184,25 +241,77 @@ def _recipe_spec(argv: list[str]) -> str:
             return argv[i + 1]
         if arg.startswith("--recipe="):
             return arg.split("=", 1)[1]
-    for i, arg in enumerate(argv):
-        path = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else arg.split("=", 1)[1] if arg.startswith("--config=") else None
-        if path is not None:
-            try:
-                with open(path) as f:
-                    saved = yaml.safe_load(f) or {}
-            except OSError as err:
-                raise UsageError(f"--config={path!r}: {err.strerror}") from None
-            if isinstance(saved, dict) and saved.get("recipe"):
-                return saved["recipe"]
-            raise UsageError(f"--config={path!r} names no recipe; add 'recipe: package.module:function'")
+    path = _config_path(argv)
+    if path is not None:
+        saved = _read_yaml(path)
+        if isinstance(saved, dict) and isinstance(saved.get("recipe"), str) and saved["recipe"]:
+            return saved["recipe"]
+        raise UsageError(f"--config={path!r} names no recipe; add 'recipe: package.module:function'")
     raise UsageError("--recipe is required (e.g. --recipe recipes.llama3:debugmodel)")
 
 
-def _describe_parse_error(message: str, run: Run) -> str:
+def _config_path(argv: list[str]) -> Optional[str]:
+    for i, arg in enumerate(argv):
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise UsageError("--config needs a file (a YAML written by --print_config)")
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _read_yaml(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f) or {}
+    except OSError as err:
+        raise UsageError(f"--config={path!r}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise UsageError(f"--config={path!r} is not UTF-8 text (byte {err.start}); give a YAML file") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UsageError(f"--config={path!r}{where}: not valid YAML ({problem})") from None
+
+
+def _yaml_line(path: str, key: str) -> Optional[int]:
+    """The line of ``key`` (dotted: job.training.seed) in the YAML file ``path``, if it is there."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            node = yaml.compose(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    line = None
+    for part in key.split("."):
+        if not isinstance(node, yaml.MappingNode):
+            return line
+        for name, value in node.value:
+            if name.value == part:
+                line, node = name.start_mark.line + 1, value
+                break
+        else:
+            return line
+    return line
+
+
+def _describe_parse_error(message: str, run: Run, config: Optional[str] = None) -> str:
     unknown = re.search(r"unrecognized arguments: (\S+)", message)
     if unknown:
         option = unknown.group(1).split("=", 1)[0]
         return f"unknown option {option}; {_valid_keys_near(option, run)}"
+    key = re.search(r'(?:Parser key|Key) "([^"]+)"', message)
+    name = key.group(1) if key else None
+    group = re.search(r"Group '([^']+)' does not accept option '([^']+)'", message)
+    if group:
+        name = f"{group.group(1)}.{group.group(2)}"
+        message = f"unknown key {name}; {_valid_keys_near(name, run)}"
+    if config is not None and name is not None:
+        # A value from the config file (a command-line override of the same key would have won).
+        line = _yaml_line(config, name)
+        if line is not None:
+            return f"--config={config!r}, line {line}: {message}"
     return message
 
 
@@ -222,10 +331,19 @@ def _valid_keys_near(option: str, run: Run) -> str:
     return f"valid options: {', '.join(OPTIONS)}"
 
 
+# Errors whose message is written for the user (it names the field); others get their type too.
+_OWN_MESSAGES = (UsageError, RecipeError, ConfigError, CheckpointError, ValueError, TypeError, OSError)
+
+
 def _one_line(err: BaseException) -> str:
     text = str(err)
     text = re.sub(r'Parser key "([^"]+)":\s*', r"\1: ", text)
-    return " ".join(text.split())
+    text = " ".join(text.split())
+    if not isinstance(err, _OWN_MESSAGES) or isinstance(err, (KeyError, AttributeError)) or not text:
+        text = f"{type(err).__name__}: {text}" if text else type(err).__name__
+        if os.environ.get(DEBUG_ENV, "") in ("", "0"):
+            text += f" ({DEBUG_ENV}=1 shows the traceback)"
+    return text
 
 
 if __name__ == "__main__":

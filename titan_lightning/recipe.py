@@ -12,6 +12,7 @@ It is selected as ``package.module:function`` (``recipes.llama3:debugmodel``).
 import datetime
 import importlib
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -22,7 +23,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from titan_lightning.callbacks import TrainingMetrics
 from titan_lightning.callbacks.profiling import ProfileSteps
-from titan_lightning.callbacks.weights import ExportWeights, LoadWeights
+from titan_lightning.callbacks.weights import ExportWeights, LoadWeights, check_initial_weights
 from titan_lightning.config import ConfigError, JobConfig, validate_job
 from titan_lightning.config.validation import gradient_accumulation_steps
 from titan_lightning.strategies import TitanStrategy
@@ -55,6 +56,9 @@ class Run:
     trainer: dict[str, Any] = field(default_factory=dict)
     # Folder name under trainer.default_root_dir; the CLI sets it from the recipe name.
     name: str = "run"
+    # Set by check_inputs before launch: the checkpoint fit resumes from (None: a fresh start).
+    ckpt_path: Optional[str] = None
+    inputs_checked: bool = False
 
     @property
     def job(self) -> Optional[JobConfig]:
@@ -76,7 +80,9 @@ def load_recipe(spec: str) -> Callable[[], Run]:
     except ModuleNotFoundError as err:
         if err.name and module_name.startswith(err.name):
             raise RecipeError(f"--recipe={spec!r}: no module named {err.name!r}") from None
-        raise
+        raise RecipeError(f"--recipe={spec!r}: importing {module_name!r} failed: {_exception_line(err)}") from err
+    except Exception as err:  # noqa: BLE001 - the user's module: any error of its own import
+        raise RecipeError(f"--recipe={spec!r}: importing {module_name!r} failed: {_exception_line(err)}") from err
     function = getattr(module, function_name, None)
     if not callable(function):
         available = sorted(
@@ -92,7 +98,13 @@ def load_recipe(spec: str) -> Callable[[], Run]:
 
 
 def build_run(spec: str) -> Run:
-    run = load_recipe(spec)()
+    function = load_recipe(spec)
+    try:
+        run = function()
+    except RecipeError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the user's recipe: any error it raises
+        raise RecipeError(f"--recipe={spec!r} raised {_exception_line(err)}") from err
     if not isinstance(run, Run):
         raise RecipeError(
             f"--recipe={spec!r} returned {type(run).__name__}, expected titan_lightning.recipe.Run"
@@ -100,6 +112,14 @@ def build_run(spec: str) -> Run:
     module_name, _, function_name = spec.partition(":")
     run.name = f"{module_name.rsplit('.', 1)[-1]}_{function_name}"
     return run
+
+
+def _exception_line(err: BaseException) -> str:
+    """``Type: message`` on one line, with the file and line for a syntax error."""
+    if isinstance(err, SyntaxError) and err.filename:
+        return f"SyntaxError: {err.msg} ({err.filename}, line {err.lineno})"
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def run_dir(run: Run, root: Optional[str]) -> Path:
@@ -160,15 +180,43 @@ def checkpoint_callback(job: Optional[JobConfig], folder: Path) -> ModelCheckpoi
     return ModelCheckpoint(dirpath=folder / "checkpoints", every_n_train_steps=c.interval, **keep)
 
 
+def resume_path(run: Run, trainer: L.Trainer) -> Optional[str]:
+    """The checkpoint ``job.checkpoint.resume_from`` names, checked (one-line CheckpointError
+    otherwise); None to start fresh, saying so when "latest" finds nothing yet."""
+    job = run.job
+    if job is None or job.checkpoint.resume_from is None:
+        return None
+    from titan_lightning.checkpoint import resolve_resume
+
+    # "latest" searches every run of this recipe: <root>/<name>/<timestamp>/checkpoints.
+    root = Path(trainer.default_root_dir).parent
+    path = resolve_resume(job.checkpoint.resume_from, root)
+    if path is None and trainer.global_rank == 0:
+        print(f"titan-lightning: checkpoint.resume_from='latest': no complete checkpoint under {root} yet; "
+              f"starting from step 0", file=sys.stderr, flush=True)
+    return path
+
+
+def check_inputs(command: str, run: Run, trainer: L.Trainer) -> None:
+    """Every file the run names, before launch: data, tokenizer, initial weights, the checkpoint
+    to resume (resolved once, kept in ``run.ckpt_path``). One-line errors naming the field."""
+    job = run.job
+    if job is None:
+        return
+    check = getattr(run.datamodule, "check_inputs", None)
+    if callable(check):
+        check()
+    if job.checkpoint.initial_load_path is not None and command == "fit":
+        check_initial_weights(job.checkpoint.initial_load_path, job.checkpoint.initial_load_format)
+    run.ckpt_path = resume_path(run, trainer) if command == "fit" else None
+    run.inputs_checked = True
+
+
 def execute(command: str, run: Run, trainer: L.Trainer) -> None:
     """``trainer.<command>(module, datamodule)``; ``fit`` resumes from ``job.checkpoint.resume_from``."""
-    kwargs: dict[str, Any] = {}
-    job = run.job
-    if command == "fit" and job is not None and job.checkpoint.resume_from is not None:
-        from titan_lightning.checkpoint import resolve_resume
-
-        # "latest" searches every run of this recipe: <root>/<name>/<timestamp>/checkpoints.
-        kwargs["ckpt_path"] = resolve_resume(job.checkpoint.resume_from, Path(trainer.default_root_dir).parent)
+    if not run.inputs_checked:
+        check_inputs(command, run, trainer)
+    kwargs: dict[str, Any] = {"ckpt_path": run.ckpt_path} if command == "fit" else {}
     getattr(trainer, command)(run.module, datamodule=run.datamodule, **kwargs)
 
 

@@ -228,16 +228,20 @@ def _resuming(run: Run) -> Run:
     return run
 
 
+def _every5(run: Run, *, async_save: bool = False) -> Run:
+    """Saving every 5 steps without stopping: training goes on while an async save is written."""
+    run = _saving(run)
+    run.trainer["callbacks"] = []
+    run.job.checkpoint.async_save = async_save
+    return run
+
+
 def llama3_fsdp2_save() -> Run:
     return _saving(llama3_fsdp2())
 
 
 def llama3_fsdp2_resume() -> Run:
     return _resuming(llama3_fsdp2())
-
-
-def llama3_fsdp2_tp2_save() -> Run:
-    return _saving(llama3_fsdp2_tp2())
 
 
 def llama3_fsdp2_tp2_resume() -> Run:
@@ -249,26 +253,29 @@ def llama3_fsdp4_save() -> Run:
     return _saving(llama3_fsdp4())
 
 
-def llama3_pp2_save() -> Run:
-    return _saving(llama3_pp2())
+def llama3_fsdp2_every5() -> Run:
+    return _every5(llama3_fsdp2())
+
+
+def llama3_fsdp2_every5_async() -> Run:
+    return _every5(llama3_fsdp2(), async_save=True)
+
+
+def llama3_fsdp2_tp2_every5_async() -> Run:
+    return _every5(llama3_fsdp2_tp2(), async_save=True)
 
 
 def llama3_pp2_every5() -> Run:
-    """pp2 saving every 5 steps without stopping (the kill-during-save test dies in the second save)."""
-    run = _saving(llama3_pp2())
-    run.trainer["callbacks"] = []
-    return run
+    """pp2 saving every 5 steps without stopping (the kill-during-save test dies in a save)."""
+    return _every5(llama3_pp2())
+
+
+def llama3_pp2_every5_async() -> Run:
+    return _every5(llama3_pp2(), async_save=True)
 
 
 def llama3_pp2_resume() -> Run:
     return _resuming(llama3_pp2())
-
-
-def llama3_fsdp2_save_async() -> Run:
-    """As llama3_fsdp2_save, the checkpoint written in the background while training goes on."""
-    run = llama3_fsdp2_save()
-    run.job.checkpoint.async_save = True
-    return run
 
 
 def _compiled(run: Run) -> Run:

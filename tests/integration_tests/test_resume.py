@@ -1,16 +1,20 @@
-"""Checkpoints through Lightning's flow, on real process groups (gloo): resume exactness, another
-layout, a save killed midway. Recipes: recipes/tests/features.py (`*_save`, `*_resume`).
+"""Checkpoints through Lightning's flow, on real process groups (gloo): resume exactness (sync and
+async saves), another layout, a save killed at several moments, a full disk.
+Recipes: recipes/tests/features.py (`*_every5*`, `*_save`, `*_resume`).
 
-Each case runs a layout 10 steps straight, then 5 steps that save at step 5 and stop, then a
-new set of processes that resumes from the newest checkpoint and trains steps 6-10: the
-resumed steps must equal the straight run's (bitwise on the same layout).
+Each layout runs 10 steps straight once; a saving run writes checkpoints at steps 5 and 10
+while training goes on (an async save overlaps steps 6-10); a new set of processes resumes
+from the step-5 checkpoint and trains steps 6-10, which must equal the straight run's bitwise.
 """
 
 import math
+import shutil
+import subprocess
+import uuid
 
 import pytest
 
-from titan_lightning.checkpoint import FAULT_ENV, PARTIAL, CheckpointError, check_checkpoint, latest_checkpoint
+from titan_lightning.checkpoint import FAULT_ENV, PARTIAL, CheckpointError, check_checkpoint, latest_checkpoint, verify
 from titan_lightning.recipe import RUN_DIR_ENV
 from titan_lightning.testing.launch import LaunchFailed, launch
 
@@ -19,12 +23,13 @@ pytestmark = pytest.mark.multi_process
 _R = "recipes.tests.features"
 
 
-def fit(recipe: str, world: int, out, run_dir=None, env=None) -> dict:
-    argv = ["fit", "--recipe", f"{_R}:{recipe}", "--trainer.accelerator", "cpu", "--trainer.devices", str(world)]
-    extra = dict(env or {})
+def fit(recipe: str, world: int, out, run_dir=None, env=None, extra=()) -> dict:
+    argv = ["fit", "--recipe", f"{_R}:{recipe}", "--trainer.accelerator", "cpu", "--trainer.devices", str(world),
+            *extra]
+    variables = dict(env or {})
     if run_dir is not None:
-        extra[RUN_DIR_ENV] = str(run_dir)
-    return launch(argv, world, out_dir=out, timeout=300, env=extra).ranks[0]
+        variables[RUN_DIR_ENV] = str(run_dir)
+    return launch(argv, world, out_dir=out, timeout=300, env=variables).ranks[0]
 
 
 @pytest.fixture(scope="module")
@@ -45,18 +50,26 @@ def _tail(report: dict, first_step: int) -> tuple[list, list]:
     return report["losses"][index:], report["grad_norms"][index:]
 
 
-@pytest.mark.parametrize("layout, world, save", [
-    ("llama3_fsdp2", 2, "_save"), ("llama3_fsdp2", 2, "_save_async"), ("llama3_fsdp2_tp2", 4, "_save"),
-    ("llama3_pp2", 2, "_save"),
+def _step5(run_dir):
+    return run_dir / "checkpoints" / "epoch=0-step=5.ckpt"
+
+
+@pytest.mark.parametrize("layout, world, saving", [
+    ("llama3_fsdp2", 2, "_every5"), ("llama3_fsdp2", 2, "_every5_async"), ("llama3_fsdp2_tp2", 4, "_every5_async"),
+    ("llama3_pp2", 2, "_every5_async"),
 ])
-def test_resume_continues_exactly(layout, world, save, straight, tmp_path):
+def test_resume_continues_exactly(layout, world, saving, straight, tmp_path):
+    """Sync and async saves at 2 and 4 ranks: saving leaves training untouched (async writes while
+    steps 6-10 train), and the run resumed from step 5 repeats steps 6-10 bitwise."""
     run_dir = tmp_path / "run"
-    saved = fit(f"{layout}{save}", world, tmp_path / "save", run_dir)
-    assert saved["steps"] == [1, 2, 3, 4, 5]
-    resumed = fit(f"{layout}_resume", world, tmp_path / "resume", run_dir)
-    assert resumed["steps"] == [6, 7, 8, 9, 10]
+    saved = fit(f"{layout}{saving}", world, tmp_path / "save", run_dir)
     reference = straight(layout, world)
-    assert saved["losses"] == reference["losses"][:5]
+    assert (saved["steps"], saved["losses"], saved["grad_norms"]) == (
+        reference["steps"], reference["losses"], reference["grad_norms"])
+    assert verify(_step5(run_dir))["world_size"] == world and latest_checkpoint(run_dir).name == "epoch=0-step=10.ckpt"
+    resumed = fit(layout, world, tmp_path / "resume", tmp_path / "resumed",
+                  extra=["--job.checkpoint.resume_from", str(_step5(run_dir))])
+    assert resumed["steps"] == [6, 7, 8, 9, 10]
     assert (resumed["losses"], resumed["grad_norms"]) == _tail(reference, 6)
 
 
@@ -71,16 +84,56 @@ def test_checkpoint_saved_on_fsdp4_resumes_on_fsdp2_tp2(straight, tmp_path):
         assert math.isclose(got, want, rel_tol=1e-5), (got, want)
 
 
-def test_a_save_killed_midway_leaves_the_previous_checkpoint_to_resume_from(straight, tmp_path):
+@pytest.mark.parametrize("fault, recipe", [
+    ("1:files", "llama3_pp2_every5"),          # the first save: nothing to resume from, the rerun starts fresh
+    ("2:begin", "llama3_pp2_every5"),          # the .partial folder just made
+    ("2:files", "llama3_pp2_every5"),          # meta.pt and rank files written, no shards
+    ("2:written", "llama3_pp2_every5_async"),  # shards written in the background, no manifest yet
+])
+def test_a_run_killed_during_a_save_resumes_from_latest_exactly(fault, recipe, straight, tmp_path):
+    """Killed at a moment of a save, `resume_from latest` continues as the uninterrupted run would."""
     run_dir = tmp_path / "run"
-    with pytest.raises(LaunchFailed):  # dies in its second save (step 10), after writing part of it
-        fit("llama3_pp2_every5", 2, tmp_path / "killed", run_dir, env={FAULT_ENV: "2"})
+    with pytest.raises(LaunchFailed):
+        fit(recipe, 2, tmp_path / "killed", run_dir, env={FAULT_ENV: fault})
     folder = run_dir / "checkpoints"
-    partial = [p for p in folder.iterdir() if p.name.endswith(PARTIAL)]
-    assert [p.name for p in partial] == [f"epoch=0-step=10.ckpt{PARTIAL}"]
-    assert latest_checkpoint(tmp_path).name == "epoch=0-step=5.ckpt"
-    with pytest.raises(CheckpointError, match=r"step=10.ckpt.partial is incomplete \(missing .metadata\)"):
-        check_checkpoint(partial[0], {})
+    killed_step = 5 if fault.startswith("1:") else 10
+    partial = [p.name for p in folder.iterdir() if p.name.endswith(PARTIAL)]
+    assert partial == [f"epoch=0-step={killed_step}.ckpt{PARTIAL}"]
+    with pytest.raises(CheckpointError, match=r"is incomplete|is not a complete checkpoint"):
+        check_checkpoint(folder / partial[0], {}) if fault.endswith(("begin", "files")) else verify(folder / partial[0])
     resumed = fit("llama3_pp2_resume", 2, tmp_path / "resume", run_dir)
-    assert resumed["steps"] == [6, 7, 8, 9, 10]
-    assert (resumed["losses"], resumed["grad_norms"]) == _tail(straight("llama3_pp2", 2), 6)
+    reference = straight("llama3_pp2", 2)
+    first = 1 if killed_step == 5 else 6
+    assert resumed["steps"] == list(range(first, 11))
+    assert (resumed["losses"], resumed["grad_norms"]) == _tail(reference, first)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 110 MiB tmpfs (one debugmodel checkpoint is ~73 MiB: the second save fills it), or None
+    where this machine cannot mount one (then the full disk is injected into DCP's writes)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=110m", f"titan{uuid.uuid4().hex[:6]}", str(mount)],
+                          capture_output=True)
+    if done.returncode != 0:
+        yield None
+        return
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_checkpoint(small_disk, tmp_path):
+    run_dir = (small_disk or tmp_path) / "run"
+    env = {} if small_disk is not None else {FAULT_ENV: "2:enospc"}
+    with pytest.raises(LaunchFailed) as failed:
+        fit("llama3_fsdp2_every5", 2, tmp_path / "full", run_dir, env=env)
+    log = failed.value.result.log(0)
+    target = run_dir / "checkpoints" / "epoch=0-step=10.ckpt"
+    assert f"CheckpointError: saving checkpoint {target} failed: [Errno 28] No space left on device" in log
+    folders = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert folders == ["epoch=0-step=5.ckpt"]  # the .partial was removed, the previous one is whole
+    assert verify(_step5(run_dir))["global_step"] == 5 and latest_checkpoint(run_dir) == _step5(run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)

@@ -14,7 +14,14 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from titan_lightning.checkpoint import PARTIAL, CheckpointError, load_full_state_dict, load_sharded
+from titan_lightning.checkpoint import (
+    DCP_METADATA,
+    PARTIAL,
+    CheckpointError,
+    load_full_state_dict,
+    load_sharded,
+    read_dcp_metadata,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -28,6 +35,31 @@ def _adapter(module: L.LightningModule):
 
 def _pipeline(trainer: L.Trainer):
     return getattr(trainer.strategy, "pipeline", None)
+
+
+def check_initial_weights(path: str, fmt: str) -> None:
+    """Before launch: ``checkpoint.initial_load_path`` is a folder of the format it claims (its
+    index or metadata readable, no code run); one-line CheckpointError otherwise."""
+    from titan_lightning.models.common.hf_checkpoint import INDEX_FILE, SINGLE_FILE
+
+    field = f"checkpoint.initial_load_path={path!r}"
+    folder = Path(path)
+    if not folder.exists():
+        raise CheckpointError(f"{field} does not exist")
+    if not folder.is_dir():
+        raise CheckpointError(f"{field} is a file; give a folder ({'a Hugging Face model folder' if fmt == 'hf' else 'a sharded export or checkpoint'})")
+    if fmt == "hf":
+        if not (folder / SINGLE_FILE).is_file() and not (folder / INDEX_FILE).is_file():
+            hint = "; it looks like a sharded checkpoint of ours: set checkpoint.initial_load_format=dcp" if (
+                folder / DCP_METADATA).is_file() else ""
+            raise CheckpointError(f"{field} holds no {SINGLE_FILE} or {INDEX_FILE} (initial_load_format=hf){hint}")
+        return
+    if not (folder / DCP_METADATA).is_file():
+        hint = "; it looks like a Hugging Face folder: set checkpoint.initial_load_format=hf" if (
+            (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file()) else ""
+        raise CheckpointError(f"{field} holds no {DCP_METADATA} (initial_load_format=dcp: a sharded export or "
+                              f"checkpoint){hint}")
+    read_dcp_metadata(folder)
 
 
 class LoadWeights(L.Callback):

@@ -55,6 +55,17 @@ def validate_degrees(p: ParallelismConfig, world_size: int) -> None:
         raise ConfigError(
             f"parallelism.ep={p.ep} must divide dp_shard*cp*tp = {dp_shard}*{p.cp}*{p.tp} = {sparse}"
         )
+    if p.dp_replicate > 1 and dp_shard * p.cp == 1:  # DDP: replicated, nothing sharded
+        if p.ep > 1:
+            raise ConfigError(
+                f"parallelism.ep={p.ep} with dp_replicate={p.dp_replicate} and no FSDP (dp_shard*cp = 1) is not "
+                f"supported: replicate the experts with HSDP instead (dp_shard > 1)"
+            )
+        if p.pp > 1:
+            raise ConfigError(
+                f"parallelism.pp={p.pp} with dp_replicate={p.dp_replicate} and no FSDP (dp_shard*cp = 1) is not "
+                f"supported: use HSDP (dp_shard > 1) or FSDP with pipeline parallelism"
+            )
     validate_pipeline_degrees(p)
 
 

@@ -36,6 +36,7 @@ class TextDataModule(L.LightningDataModule):
         self._train: Optional[TokenWindows] = None
         self._val: Optional[TokenWindows] = None
         self._short_split: Optional[str] = None  # why the val split has no window, when it has none
+        self._streams: Optional[tuple[tuple, dict[str, np.ndarray]]] = None
         # Samples this rank had consumed when the current train loader was built, and the
         # Trainer that loader serves with its trained-batch count then (None: no Trainer).
         self._start = 0
@@ -49,28 +50,49 @@ class TextDataModule(L.LightningDataModule):
             self._tokenizer = (path, load_tokenizer(path))
         return self._tokenizer[1]
 
-    def setup(self, stage: Optional[str] = None) -> None:
-        if self._train is not None:
-            return
+    def check_inputs(self) -> None:
+        """Before launch: the tokenizer and the corpus load, and the train split fills one window.
+
+        Raises ValueError/FileNotFoundError naming the field; what it reads is kept for setup."""
+        self._read()
+
+    def _read(self) -> dict[str, np.ndarray]:
+        """The tokenized train and val streams, read once per (corpus, tokenizer, split, seq_len)."""
         data, seq_len = self.job.data, self.job.training.seq_len
+        key = (data.dataset_path, data.tokenizer_path, data.val_fraction, data.repeat_to_fit, seq_len)
+        if self._streams is not None and self._streams[0] == key:
+            return self._streams[1]
         path = shipped_asset(CORPUS_PATH) if data.dataset_path is None else Path(data.dataset_path)
+        documents = read_documents(path)
         try:
-            train_docs, val_docs = split_documents(read_documents(path), data.val_fraction)
+            train_docs, val_docs = split_documents(documents, data.val_fraction)
         except ValueError as error:
-            raise ValueError(f"data.dataset_path={str(path)!r}: {error}") from error
+            raise ValueError(f"data.dataset_path={str(path)!r}: {error}") from None
         splits = {"train": train_docs, "val": val_docs}
         streams = {name: tokenize_documents(docs, self.tokenizer) for name, docs in splits.items()}
         if data.repeat_to_fit and 0 < len(streams["train"]) < seq_len + 1:
             train = streams["train"]
             streams["train"] = np.tile(train, -(-(seq_len + 1) // len(train)))
-        for name, tokens in streams.items():
-            if len(tokens) < seq_len + 1:
-                self._short_split = (
-                    f"the {name} split of {str(path)!r} (data.val_fraction={data.val_fraction}) has "
-                    f"{len(tokens)} tokens, fewer than one window of training.seq_len + 1 = {seq_len + 1}"
-                )
-                if name == "train" or self._will_validate(stage):
-                    raise ValueError(self._short_split)
+        if len(streams["train"]) < seq_len + 1:
+            raise ValueError(self._too_short("train", len(streams["train"]), path))
+        self._streams = (key, streams)
+        return streams
+
+    def _too_short(self, split: str, tokens: int, path: Path) -> str:
+        seq_len, data = self.job.training.seq_len, self.job.data
+        return (f"the {split} split of data.dataset_path={str(path)!r} (data.val_fraction={data.val_fraction}) has "
+                f"{tokens} tokens, fewer than one window of training.seq_len + 1 = {seq_len + 1}")
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self._train is not None:
+            return
+        seq_len = self.job.training.seq_len
+        streams = self._read()
+        if len(streams["val"]) < seq_len + 1:
+            path = CORPUS_PATH if self.job.data.dataset_path is None else Path(self.job.data.dataset_path)
+            self._short_split = self._too_short("val", len(streams["val"]), path)
+            if self._will_validate(stage):
+                raise ValueError(self._short_split)
         self._train = TokenWindows(streams["train"], seq_len)
         self._val = None if self._short_split else TokenWindows(streams["val"], seq_len)
         if self._will_validate(stage):

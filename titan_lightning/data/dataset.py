@@ -39,10 +39,24 @@ def format_corpus(documents: Sequence[str]) -> str:
 
 
 def read_documents(path: Path) -> list[str]:
-    """The non-empty documents of a corpus file, stripped of surrounding whitespace."""
+    """The non-empty documents of a corpus file, stripped of surrounding whitespace.
+
+    Raises ValueError (FileNotFoundError where it does not exist) naming ``data.dataset_path``
+    for a folder, an empty file, and a file that is not UTF-8 text."""
+    field = f"data.dataset_path={str(path)!r}"
+    if not path.exists():
+        raise FileNotFoundError(f"{field}: no such file")
     if not path.is_file():
-        raise FileNotFoundError(f"data.dataset_path={str(path)!r}: no such file")
-    text = path.read_text(encoding="utf-8")
+        raise ValueError(f"{field} is not a file; give a UTF-8 text file with documents separated by {EOT!r}")
+    data = path.read_bytes()
+    if not data.strip():
+        raise ValueError(f"{field} is empty; give a UTF-8 text file with documents separated by {EOT!r}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{field} is not UTF-8 text (byte {err.start}: {err.reason}); give a text corpus") from None
+    if "\x00" in text:
+        raise ValueError(f"{field} is not text (a NUL byte at character {text.index(chr(0))}); give a text corpus")
     return [doc.strip() for doc in text.split(EOT) if doc.strip()]
 
 

@@ -51,14 +51,27 @@ class Tokenizer:
 
 
 def load_tokenizer(path: Optional[str] = None) -> Tokenizer:
-    """The tokenizer in the `tokenizers` JSON file ``path``; None is the shipped one."""
+    """The tokenizer in the `tokenizers` JSON file ``path`` (or a folder holding ``tokenizer.json``,
+    as Hugging Face saves one); None is the shipped one. Errors name ``data.tokenizer_path``."""
     if path is None:
-        file = shipped_asset(TOKENIZER_PATH)
-    else:
-        file = Path(path)
+        return Tokenizer(HFTokenizer.from_file(str(shipped_asset(TOKENIZER_PATH))))
+    field = f"data.tokenizer_path={path!r}"
+    file = Path(path)
+    if file.is_dir():
+        file = file / "tokenizer.json"
         if not file.is_file():
-            raise FileNotFoundError(f"data.tokenizer_path={path!r}: no such file")
-    return Tokenizer(HFTokenizer.from_file(str(file)))
+            raise FileNotFoundError(f"{field} is a folder without tokenizer.json; give a `tokenizers` JSON file")
+    elif not file.exists():
+        raise FileNotFoundError(f"{field}: no such file")
+    try:
+        tokenizer = HFTokenizer.from_file(str(file))
+    except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for any bad file
+        reason = " ".join(str(err).split())[:200]
+        raise ValueError(f"{field} is not a `tokenizers` JSON file (tokenizer.json) ({reason})") from None
+    try:
+        return Tokenizer(tokenizer)
+    except ValueError as err:
+        raise ValueError(f"{field}: {err}") from None
 
 
 def train_tokenizer(documents: Sequence[str], vocab_size: int = VOCAB_SIZE) -> HFTokenizer:

@@ -156,8 +156,14 @@ class TitanStrategy(ModelParallelStrategy):
         super()._configure_launcher()
 
     def check_module(self, module: L.LightningModule) -> None:
-        """Everything that can be checked before launch once the module is known."""
-        self._check_degrees(self.parallelism(module), self.world_size)
+        """Everything that can be checked before launch once the module is known: the degrees,
+        and the plans the module must declare for them."""
+        config = self.parallelism(module)
+        self._check_degrees(config, self.world_size)
+        if config.tp > 1:
+            self._tp_plan(module, config.tp)
+        if config.pp > 1:
+            self._pipeline_plan(module, config.pp)
 
     def _check_degrees(self, config: ParallelismConfig, world_size: int) -> None:
         validate_degrees(config, world_size)
@@ -171,6 +177,7 @@ class TitanStrategy(ModelParallelStrategy):
         self.dims = ParallelDims.from_config(config, self.world_size)
         self.mesh = self.dims.build_mesh(self.root_device.type)
         self._device_mesh = self.mesh.device_mesh
+        self._checkpoint_writer = ckpt.CheckpointWriter(ckpt.checkpoint_group())
         self.lightning_module._device_mesh = self._device_mesh
         self._set_determinism()
 
@@ -213,25 +220,13 @@ class TitanStrategy(ModelParallelStrategy):
         inner = getattr(module, "model", None) if hasattr(module, "materialize") else None
         stages = self._split_pipeline(module, config) if dims.pp_enabled else None
         if dims.tp_enabled:
-            plan = getattr(module, "tp_plan", None)
-            if not plan:
-                raise ConfigError(
-                    f"parallelism.tp={dims.tp} needs a tensor-parallel plan, and {type(module).__name__} declares "
-                    f"none: give it a `tp_plan` attribute mapping module names (relative to the LightningModule, "
-                    f"'*' for layer indices) to styles such as 'colwise' and 'rowwise' (see titan_lightning/parallel/tensor.py)"
-                )
-            apply_tp(module, self.mesh.get("tp"), plan, sequence_parallel=config.sequence_parallel,
-                     loss_parallel=config.loss_parallel)
+            apply_tp(module, self.mesh.get("tp"), self._tp_plan(module, dims.tp),
+                     sequence_parallel=config.sequence_parallel, loss_parallel=config.loss_parallel)
         target = inner if inner is not None else module
         self._cp = None
         if dims.cp > 1:
             self._cp = apply_context_parallel(target, self.mesh.get("cp"), config.cp_load_balancer)
-        if dims.ep_enabled:
-            if not dims.fsdp_enabled and dims.dp_replicate_enabled:
-                raise ConfigError(
-                    f"parallelism.ep={dims.ep} with dp_replicate={dims.dp_replicate} and no FSDP (dp_shard*cp = 1) "
-                    f"is not supported: replicate the experts with HSDP instead (dp_shard > 1)"
-                )
+        if dims.ep_enabled:  # (EP over DDP is refused by validate_degrees)
             apply_expert_parallel(target, self.mesh.get("ep"))
         elif dims.tp_enabled and grouped_experts(target):
             apply_expert_tensor_parallel(target, self.mesh.get("tp"))
@@ -256,12 +251,7 @@ class TitanStrategy(ModelParallelStrategy):
                            reshard_after_forward=config.fsdp_reshard_after_forward,
                            cpu_offload=config.fsdp_cpu_offload, blocks=root_blocks,
                            expert_mesh=self.mesh.expert_fsdp_mesh() if dims.ep_enabled else None)
-        elif dims.dp_replicate_enabled:
-            if stages is not None:
-                raise ConfigError(
-                    f"parallelism.pp={dims.pp} with dp_replicate={dims.dp_replicate} and no FSDP (dp_shard*cp = 1) "
-                    f"is not supported: use HSDP (dp_shard > 1) or FSDP with pipeline parallelism"
-                )
+        elif dims.dp_replicate_enabled:  # (PP over DDP is refused by validate_degrees)
             self._apply_ddp(target)
         if inner is not None:
             module.materialize(self.root_device)
@@ -280,11 +270,23 @@ class TitanStrategy(ModelParallelStrategy):
 
         plugin.clip_grad_by_norm = clip_grad_by_norm
 
-    def _pipeline_plan(self, module: L.LightningModule) -> PipelinePlan:
+    @staticmethod
+    def _tp_plan(module: L.LightningModule, tp: int) -> dict[str, str]:
+        plan = getattr(module, "tp_plan", None)
+        if not plan:
+            raise ConfigError(
+                f"parallelism.tp={tp} needs a tensor-parallel plan, and {type(module).__name__} declares "
+                f"none: give it a `tp_plan` attribute mapping module names (relative to the LightningModule, "
+                f"'*' for layer indices) to styles such as 'colwise' and 'rowwise' (see titan_lightning/parallel/tensor.py)"
+            )
+        return plan
+
+    @staticmethod
+    def _pipeline_plan(module: L.LightningModule, pp: int) -> PipelinePlan:
         plan = getattr(module, "pipeline_plan", None)
         if plan is None:
             raise ConfigError(
-                f"parallelism.pp={self.dims.pp} needs a pipeline plan, and {type(module).__name__} declares none: "
+                f"parallelism.pp={pp} needs a pipeline plan, and {type(module).__name__} declares none: "
                 f"give it a `pipeline_plan = PipelinePlan(model=..., layers=..., first=..., last=...)` attribute "
                 f"(see titan_lightning/parallel/pipeline.py)"
             )
@@ -292,7 +294,7 @@ class TitanStrategy(ModelParallelStrategy):
 
     def _split_pipeline(self, module: L.LightningModule, config: ParallelismConfig) -> list[torch.nn.Module]:
         """Cut the module's model into stages and keep this rank's (views of the trimmed model)."""
-        plan = self._pipeline_plan(module)
+        plan = self._pipeline_plan(module, self.dims.pp)
         model = getattr(module, plan.model, None)
         if model is None:
             raise ConfigError(f"pipeline plan: {type(module).__name__}.{plan.model} is None; build the model first")
@@ -322,7 +324,7 @@ class TitanStrategy(ModelParallelStrategy):
         names, local, placement = self._pipeline_layout
         stage_mesh = self.mesh.get("stage")
         self.pipeline = PipelineRunner(
-            module, self._pipeline_plan(module), stages, local, len(names), self.mesh.get("pp"), self.root_device,
+            module, self._pipeline_plan(module, self.dims.pp), stages, local, len(names), self.mesh.get("pp"), self.root_device,
             schedule=config.pp_schedule, microbatches=config.pp_microbatches, placement=placement,
             schedule_csv=config.pp_schedule_csv, stage_group=None if stage_mesh is None else stage_mesh.get_group(),
         )
@@ -471,7 +473,10 @@ class TitanStrategy(ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Model and optimizer from the shards (any layout), the rest from meta.pt, this rank's RNG
-        and data position from its own file (when the checkpoint was saved by as many ranks)."""
+        and data position from its own file (when the checkpoint was saved by as many ranks).
+
+        No file runs code: ``weights_only=False`` (``trainer.fit(..., weights_only=False)``, for
+        hyperparameters of your own types) relaxes only Lightning's part, meta.pt."""
         from pathlib import Path
 
         from torch.distributed.checkpoint.state_dict import (
@@ -482,25 +487,38 @@ class TitanStrategy(ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
-        self._checkpoint_writer.wait()
+        writer = self._checkpoint_writer
+        writer.wait()
         path = Path(self.broadcast(str(checkpoint_path)))
+        manifest = writer.agree(lambda: ckpt.verify(path, ranks=False))
+        same_world = manifest["world_size"] == self.world_size
+        mine = writer.agree(lambda: ckpt.load_rank_state(path, self.global_rank) if same_world else None)
+        checkpoint = writer.agree(lambda: ckpt.load_meta(path, weights_only=weights_only is not False))
+        if not same_world and self.global_rank == 0:
+            print(f"[checkpoint] {path} was saved by {manifest['world_size']} ranks, this run has {self.world_size}: "
+                  f"RNG states start from training.seed, the data position is derived from the global sample count",
+                  flush=True)
         strict = self.lightning_module.strict_loading
         options = StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
         state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model, options=options)}
         for index, optimizer in enumerate(self.optimizers):
             state[f"optimizer_{index}"] = get_optimizer_state_dict(self.model, optimizer, options=options)
-        ckpt.load_sharded(path, state)
+        writer.agree(lambda: ckpt.load_sharded(path, state, group=writer.group))
         set_model_state_dict(self.model, state["state_dict"], options=options)
         for index, optimizer in enumerate(self.optimizers):
             set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{index}"], options=options)
-        checkpoint = ckpt.load_meta(path)
-        mine = ckpt.load_rank_state(path, self.global_rank)
-        if mine is not None and mine.get("world_size") == self.world_size:
+        if mine is not None:
             ckpt.set_rng_states(mine["rng"])
             datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
             if datamodule is not None and "datamodule" in mine:
                 checkpoint[type(datamodule).__qualname__] = mine["datamodule"]
         return checkpoint
+
+    def remove_checkpoint(self, filepath) -> None:
+        """keep_latest_k: an older checkpoint folder goes, never leaving a half-deleted one that looks whole."""
+        from pathlib import Path
+
+        self._checkpoint_writer.remove(Path(filepath), rank=self.global_rank)
 
     # -- collectives -----------------------------------------------------------------------
 

@@ -33,12 +33,21 @@ from titan_lightning.testing.launch import LaunchError, launch
 REPO = Path(__file__).resolve().parents[2]
 
 
+# The keys of a side's numbers, as run_side returns them and --export writes them.
+NUMBERS = ("recipe", "ngpu", "steps", "losses", "grad_norms")
+
+
 class CompareError(Exception):
     """Bad input (exit 2)."""
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not argparse's usage + error
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loss_compare", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="loss_compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", help="recipe module:function of the baseline run")
     parser.add_argument("--baseline-ngpu", type=int, default=1)
     parser.add_argument("--test", help="recipe of the tested run (default: the baseline's)")
@@ -58,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def validate(args: argparse.Namespace) -> None:
+def validate(args: argparse.Namespace) -> Optional[dict]:
+    """Check every input before anything is written or launched; return the --import baseline, if any."""
     if args.import_ is None and not args.baseline:
         raise CompareError("give --baseline RECIPE (or --import FILE with a baseline's numbers)")
     if args.import_ is not None and (args.baseline_commit or args.baseline_ngpu != 1):
@@ -73,6 +83,8 @@ def validate(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise CompareError(f"--{name.replace('_', '-')}={value} must be >= 1")
+    if not args.timeout > 0:
+        raise CompareError(f"--timeout={args.timeout} must be > 0 (seconds per run)")
     if args.seed_checkpoint is not None and args.no_seed_checkpoint:
         raise CompareError("--seed-checkpoint and --no-seed-checkpoint conflict")
     if args.seed_checkpoint is not None and not args.seed_checkpoint.is_file():
@@ -81,9 +93,79 @@ def validate(args: argparse.Namespace) -> None:
         args.test = args.baseline
     if args.test is None:
         raise CompareError("give --test RECIPE to compare with the imported baseline")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise CompareError(f"--out {args.out} is a file; give a new or existing folder")
+    if args.export is not None and args.export.is_dir():
+        raise CompareError(f"--export {args.export} is a folder; give a JSON file path")
     for recipe in filter(None, (args.baseline, args.test)):
         if ":" not in recipe:
             raise CompareError(f"recipe {recipe!r} must look like package.module:function")
+    for flag in ("baseline_commit", "test_commit"):
+        _check_commit(flag, getattr(args, flag))
+    if args.seed_checkpoint is not None:
+        _check_safetensors(args.seed_checkpoint)
+    imported = read_numbers(args.import_) if args.import_ is not None else None
+    # Load the recipes that run from this checkout; a side with a commit runs that commit's recipe.
+    checked = set()
+    for flag, spec, commit in (("baseline", args.baseline, args.baseline_commit), ("test", args.test, args.test_commit)):
+        if spec and commit is None and spec not in checked:
+            _check_recipe(flag, spec)
+            checked.add(spec)
+    return imported
+
+
+def _check_commit(flag: str, commit: Optional[str]) -> None:
+    if commit is None:
+        return
+    done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}"],
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise CompareError(f"--{flag.replace('_', '-')} {commit!r} is not a commit of {REPO}; "
+                           f"give a commit, branch or tag (git rev-parse --verify)")
+
+
+def _check_safetensors(path: Path) -> None:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt"):
+            pass
+    except (SafetensorError, OSError) as error:
+        raise CompareError(f"--seed-checkpoint {path} is not a safetensors file ({error})") from None
+
+
+def _check_recipe(flag: str, spec: str) -> None:
+    """Load the recipe and call it, as the run will: RecipeError or any exception is bad input."""
+    from titan_lightning.recipe import RecipeError, build_run
+
+    try:
+        build_run(spec)
+    except RecipeError as error:
+        raise CompareError(f"--{flag}: {error}") from None
+    except Exception as error:  # the recipe module's import failed or the recipe raised (not yet a RecipeError)
+        raise CompareError(f"--{flag}: recipe {spec!r}: {type(error).__name__}: {error}") from None
+
+
+def read_numbers(path: Path) -> dict:
+    """The baseline of a file written by --export, checked so that the comparison cannot trip on it."""
+    try:
+        numbers = json.loads(path.read_text())
+    except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CompareError(f"--import {path} is not JSON ({error}); give a file written by --export") from None
+    baseline = numbers.get("baseline") if isinstance(numbers, dict) else None
+    if not isinstance(baseline, dict):
+        raise CompareError(f"--import {path} has no 'baseline' object; give a file written by --export")
+    missing = [key for key in NUMBERS if key not in baseline]
+    if missing:
+        raise CompareError(f"--import {path}: 'baseline' lacks {', '.join(missing)}; a file written by --export "
+                           f"has {', '.join(NUMBERS)}")
+    steps = baseline["steps"]
+    for key in ("steps", "losses", "grad_norms"):
+        values = baseline[key]
+        if not (isinstance(values, list) and len(values) == len(steps) and all(isinstance(v, (int, float)) for v in values)):
+            raise CompareError(f"--import {path}: baseline.{key}={values!r:.60} must be a list of numbers, "
+                               f"one per entry of baseline.steps")
+    return baseline
 
 
 @contextmanager
@@ -161,22 +243,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        validate(args)
+        baseline = validate(args)
         with ExitStack() as stack:
-            out = args.out or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="loss_compare_")))
-            out.mkdir(parents=True, exist_ok=True)
             base_root = stack.enter_context(worktree(args.baseline_commit)) if args.import_ is None else REPO
             test_root = stack.enter_context(worktree(args.test_commit))
+            out = args.out or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="loss_compare_")))
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise CompareError(f"--out {out}: cannot create the folder ({error})") from None
             seed = args.seed_checkpoint
             if seed is None and not args.no_seed_checkpoint:
                 seed = make_seed_checkpoint(args.baseline or args.test, out / "seed.safetensors", base_root, args.timeout)
-            if args.import_ is not None:
-                baseline = json.loads(args.import_.read_text())["baseline"]
-            else:
+            if baseline is None:
                 baseline = run_side(args.baseline, args.baseline_ngpu, args, base_root, out / "baseline", seed)
             test = run_side(args.test, args.test_ngpu, args, test_root, out / "test", seed)
     except CompareError as error:
-        print(f"loss_compare: error: {error}", file=sys.stderr)
+        message = " ".join(str(error).splitlines())  # a recipe's own message may span lines
+        print(f"loss_compare: error: {message}", file=sys.stderr)
         return 2
     except LaunchError as error:
         print(f"loss_compare: a run failed: {error}", file=sys.stderr)

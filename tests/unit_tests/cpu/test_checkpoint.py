@@ -1,32 +1,55 @@
 """Checkpoint folders below the Trainer: what a broken or mismatched one reports, which one is
 the latest, the checkpoint config. Multi-process save/resume: tests/integration_tests/test_resume.py."""
 
+import json
 import os
+import pickle
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from titan_lightning.checkpoint import (
+    DCP_METADATA,
+    FORMAT,
+    MANIFEST,
     META,
     CheckpointError,
     check_checkpoint,
     is_complete,
     latest_checkpoint,
+    load_meta,
+    load_rank_state,
     load_sharded,
+    read_dcp_metadata,
     resolve_resume,
     rng_states,
     set_rng_states,
+    verify,
 )
 from titan_lightning.config import CheckpointConfig
 
 
-def _folder(tmp_path, name="epoch=0-step=5.ckpt", step=5, tensors=None):
+def _folder(tmp_path, name="epoch=0-step=5.ckpt", step=5, tensors=None, world_size=1):
+    """A checkpoint folder as CheckpointWriter leaves it (shards, meta.pt, rank files, manifest)."""
     path = tmp_path / name
     tensors = tensors or {"state_dict": {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(3)}}
     dcp.save(tensors, checkpoint_id=str(path))
     torch.save({"global_step": step}, path / META)
+    for rank in range(world_size):
+        torch.save({"rng": rng_states(), "world_size": world_size}, path / f"rank{rank}.pt")
+    (path / MANIFEST).write_text(json.dumps({"format": FORMAT, "global_step": step, "world_size": world_size}))
     return path
+
+
+class Payload:
+    """Unpickling this runs code: it writes ``marker``. No load below may let it run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
 
 
 def test_a_complete_checkpoint_loads_in_place(tmp_path):
@@ -47,8 +70,11 @@ def test_missing_keys_and_shapes_are_named(tmp_path):
 def test_incomplete_truncated_and_absent_checkpoints_are_named(tmp_path):
     path = _folder(tmp_path)
     (path / META).unlink()
-    with pytest.raises(CheckpointError, match=rf"{path} is incomplete \(missing meta.pt\)"):
-        check_checkpoint(path, {})
+    with pytest.raises(CheckpointError, match=rf"checkpoint {path}: meta.pt is missing \(saved by 1 ranks\)"):
+        verify(path)
+    (path / MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match=rf"{path} is not a complete checkpoint \(no valid checkpoint.json\)"):
+        verify(path)
     other = _folder(tmp_path, "epoch=0-step=6.ckpt", 6)
     (shard,) = other.glob("*.distcp")
     data = shard.read_bytes()
@@ -74,10 +100,68 @@ def test_latest_is_the_highest_complete_step(tmp_path):
     assert latest_checkpoint(tmp_path) == newest
     assert resolve_resume("latest", tmp_path) == str(newest)
     assert resolve_resume(None, tmp_path) is None
-    with pytest.raises(CheckpointError, match=r"resume_from='latest': no complete checkpoint under"):
-        resolve_resume("latest", tmp_path / "a" / "empty")
+    assert resolve_resume("latest", tmp_path / "a" / "empty") is None  # nothing yet: start fresh
     with pytest.raises(CheckpointError, match=r"resume_from='/no/such' does not exist"):
         resolve_resume("/no/such", tmp_path)
+    with pytest.raises(CheckpointError, match=r"is not a complete checkpoint .*the newest is .*step=10.ckpt"):
+        resolve_resume(str(tmp_path / "b"), tmp_path)  # a folder of checkpoints, not one
+
+
+def test_a_missing_or_corrupt_rank_or_meta_file_is_named(tmp_path):
+    path = _folder(tmp_path, world_size=2)
+    (path / "rank1.pt").unlink()
+    with pytest.raises(CheckpointError, match=rf"checkpoint {path}: rank1.pt is missing \(saved by 2 ranks\)"):
+        verify(path)
+    (path / "rank0.pt").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(CheckpointError, match=rf"checkpoint file {path / 'rank0.pt'} is unreadable"):
+        load_rank_state(path, 0)
+    (path / META).write_bytes(bytes(range(256)))
+    with pytest.raises(CheckpointError, match=rf"checkpoint file {path / META} is unreadable"):
+        load_meta(path)
+    (path / DCP_METADATA).write_bytes(b"not a pickle")
+    with pytest.raises(CheckpointError, match=rf"checkpoint {path}: cannot read .metadata"):
+        read_dcp_metadata(path)
+
+
+# -- no load runs code from the files ------------------------------------------------------
+
+
+def test_a_malicious_meta_or_rank_file_does_not_run(tmp_path):
+    marker = tmp_path / "ran"
+    path = _folder(tmp_path)
+    torch.save({"global_step": 5, "evil": Payload(marker)}, path / META)
+    torch.save({"rng": Payload(marker)}, path / "rank0.pt")
+    with pytest.raises(CheckpointError, match=r"meta.pt holds (builtins.)?exec, which a weights-only load refuses"):
+        load_meta(path)
+    with pytest.raises(CheckpointError, match=r"rank0.pt holds (builtins.)?exec"):
+        load_rank_state(path, 0)
+    assert not marker.exists()
+
+
+def test_a_malicious_dcp_metadata_or_item_does_not_run(tmp_path):
+    marker = tmp_path / "ran"
+    path = _folder(tmp_path)
+    (path / DCP_METADATA).write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(CheckpointError, match=r"cannot read .metadata .*refused global builtins.exec"):
+        check_checkpoint(path, {})
+    # A non-tensor item inside a shard (DCP pickles those with torch.save): read weights-only.
+    other = _folder(tmp_path, "epoch=0-step=6.ckpt", 6, tensors={"state_dict": {"w": torch.ones(2), "x": Payload(marker)}})
+    with pytest.raises(CheckpointError, match=r"reading the shards failed"):
+        load_sharded(other, {"state_dict": {"w": torch.zeros(2), "x": None}})
+    assert not marker.exists()
+
+
+def test_latest_reads_only_manifests_and_never_loads_a_decoy(tmp_path):
+    marker = tmp_path / "ran"
+    newest = _folder(tmp_path / "run", "epoch=0-step=10.ckpt", 10)
+    decoy = tmp_path / "run" / "epoch=0-step=99.ckpt"  # a planted meta.pt, no manifest
+    decoy.mkdir()
+    torch.save(Payload(marker), decoy / META)
+    forged = tmp_path / "other" / "x"  # a manifest that is not JSON of ours
+    forged.mkdir(parents=True)
+    (forged / MANIFEST).write_bytes(pickle.dumps(Payload(marker)))
+    assert latest_checkpoint(tmp_path) == newest
+    assert not marker.exists()
 
 
 def test_rng_states_round_trip():
