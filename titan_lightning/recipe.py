@@ -203,12 +203,12 @@ def check_inputs(command: str, run: Run, trainer: L.Trainer) -> None:
     job = run.job
     if job is None:
         return
-    check = getattr(run.datamodule, "check_inputs", None)
-    if callable(check):
-        check()
     if job.checkpoint.initial_load_path is not None and command == "fit":
         check_initial_weights(job.checkpoint.initial_load_path, job.checkpoint.initial_load_format)
     run.ckpt_path = resume_path(run, trainer) if command == "fit" else None
+    check = getattr(run.datamodule, "check_inputs", None)
+    if callable(check):  # last: it reads and tokenizes the corpus (kept for setup)
+        check()
     run.inputs_checked = True
 
 

@@ -6,9 +6,12 @@ Every message names the fields, their values and what would be valid.
 
 from typing import Optional
 
-from titan_lightning.config.job import CP_ATTENTIONS, JobConfig
+import csv
 import os
+import re
 import warnings
+
+from titan_lightning.config.job import CP_ATTENTIONS, JobConfig
 
 from titan_lightning.config.parallelism import LOOPED_PP_SCHEDULES, V_PP_SCHEDULES, ParallelismConfig
 
@@ -76,8 +79,7 @@ def validate_pipeline_degrees(p: ParallelismConfig) -> None:
     looped = p.pp_schedule in LOOPED_PP_SCHEDULES
     spr = p.stages_per_rank
     if p.pp_schedule_csv is not None:
-        if not os.path.isfile(p.pp_schedule_csv):
-            raise ConfigError(f"parallelism.pp_schedule_csv={p.pp_schedule_csv!r} is not a file")
+        validate_schedule_csv(p)
     elif looped and spr < 2:
         raise ConfigError(
             f"parallelism.pp_schedule={p.pp_schedule!r} is a looped schedule and needs several stages per rank, "
@@ -116,6 +118,32 @@ def validate_pipeline_degrees(p: ParallelismConfig) -> None:
             f"(pp={p.pp} x {spr} per rank): the pipeline idles most of each step; use at least {p.num_stages}",
             stacklevel=3,
         )
+
+
+def validate_schedule_csv(p: ParallelismConfig) -> None:
+    """A schedule CSV (torch's compute-only format): one row per pipeline rank, each cell an
+    action ``<stage><F|B|I|W><microbatch>`` within this run's stages and microbatches."""
+    field = f"parallelism.pp_schedule_csv={p.pp_schedule_csv!r}"
+    if not os.path.isfile(p.pp_schedule_csv):
+        raise ConfigError(f"{field} is not a file")
+    try:
+        with open(p.pp_schedule_csv, newline="", encoding="utf-8") as f:
+            rows = [row for row in csv.reader(f) if any(cell.strip() for cell in row)]
+    except (OSError, UnicodeDecodeError, csv.Error) as err:
+        raise ConfigError(f"{field} cannot be read as CSV ({err})") from None
+    if len(rows) != p.pp:
+        raise ConfigError(f"{field} has {len(rows)} rows; it needs one per pipeline rank (parallelism.pp={p.pp})")
+    for rank, row in enumerate(rows):
+        for column, cell in enumerate(row, start=1):
+            if not cell.strip():
+                continue
+            action = re.fullmatch(r"(\d+)([FBIW])(\d+)", cell.strip())
+            if action is None:
+                raise ConfigError(f"{field}, row {rank + 1}, column {column}: {cell!r} is not an action like 0F1 "
+                                  f"(stage, F/B/I/W, microbatch)")
+            if int(action[1]) >= p.num_stages or int(action[3]) >= p.pp_microbatches:
+                raise ConfigError(f"{field}, row {rank + 1}, column {column}: {cell!r} names a stage or microbatch "
+                                  f"outside {p.num_stages} stages x parallelism.pp_microbatches={p.pp_microbatches}")
 
 
 def validate_model_parallelism(job: JobConfig) -> None:

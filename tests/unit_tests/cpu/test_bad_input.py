@@ -1,0 +1,273 @@
+"""Every bad input fails before launch: one line on stderr naming the thing, exit status 2, no
+traceback, nothing written, Lightning's banner never first (the contract of titan-lightning's
+`fit`/`estimate`; loss_compare and run_tests hold it in their own tests).
+
+Each case runs ``cli.main`` in this process (fd-level capture, so Lightning's own log handler is
+seen too) in an empty folder; the files a case needs are made by ``_files`` first.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from titan_lightning import cli
+from titan_lightning.recipe import RUN_DIR_ENV
+
+RECIPES = '''
+from recipes.llama3 import debugmodel
+
+
+def not_a_run():
+    return {"module": None}
+
+
+def raises():
+    raise RuntimeError("boom: the recipe could not be built")
+
+
+def good():
+    return debugmodel()
+'''
+
+D = ["fit", "--recipe", "recipes.llama3:debugmodel"]
+MOE = ["fit", "--recipe", "recipes.qwen3:debugmodel_moe"]
+
+
+def _files(root: Path) -> None:
+    """What the cases point at: bad recipes, configs, corpora, tokenizers, checkpoint folders."""
+    from tokenizers import Tokenizer, models
+
+    (root / "my_recipes.py").write_text(RECIPES)
+    (root / "broken_import.py").write_text("import not_installed_dependency_xyz\n")
+    (root / "broken_syntax.py").write_text("def recipe(:\n    pass\n")
+    good = subprocess_free_print_config()
+    (root / "good.yaml").write_text(good)
+    (root / "bad_yaml.yaml").write_text("recipe: recipes.llama3:debugmodel\njob: {training: [1,\n")
+    (root / "bad_type.yaml").write_text(good.replace("    seed: 0\n", "    seed: abc\n"))
+    (root / "bad_key.yaml").write_text(good.replace("    seed: 0\n", "    sed: 0\n"))
+    (root / "no_recipe.yaml").write_text("trainer:\n  max_steps: 3\n")
+    (root / "binary.yaml").write_bytes(bytes(range(128, 256)))
+    (root / "empty.txt").write_text("")
+    (root / "binary.bin").write_bytes(b"\x00\x01\x02\xff\xfe" * 100)
+    (root / "nul.txt").write_text("some text\x00more text <|endoftext|> a second document")
+    (root / "one_doc.txt").write_text("a single document without any separator\n")
+    (root / "short.txt").write_text("tiny <|endoftext|> corpus <|endoftext|> here")
+    (root / "not_a_tokenizer.json").write_text("vocab: not json\n")
+    Tokenizer(models.BPE()).save(str(root / "no_eot_tokenizer.json"))
+    (root / "folder").mkdir()
+    (root / "partial_ckpt").mkdir()
+    (root / "partial_ckpt" / "meta.pt").write_bytes(b"")
+    (root / "a_file.txt").write_text("x")
+    (root / "bad.csv").write_text("0F0,0X1\n1F0,1F1\n")
+    (root / "rows.csv").write_text("0F0,0B0\n")
+    (root / "hf_model").mkdir()
+    (root / "hf_model" / "model.safetensors").write_bytes(b"")
+
+
+_PRINTED: list[str] = []
+
+
+def subprocess_free_print_config() -> str:
+    """The debugmodel's resolved config as --print_config writes it (computed once)."""
+    if not _PRINTED:
+        import contextlib
+        import io
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli.main([*D, "--print_config"]) == 0
+        _PRINTED.append(out.getvalue())
+    return _PRINTED[0]
+
+
+CASES = [
+    # -- the recipe ------------------------------------------------------------------------------
+    ("no recipe", ["fit"], "--recipe is required"),
+    ("unknown command", ["train", "--recipe", "my_recipes:good"], "unknown command 'train'"),
+    ("recipe module missing", ["fit", "--recipe", "no_such_module:x"], "no module named 'no_such_module'"),
+    ("recipe function missing", ["fit", "--recipe", "my_recipes:nope"], "has no recipe function 'nope'; it defines: good"),
+    ("recipe spec malformed", ["fit", "--recipe", "my_recipes"], "must look like package.module:function"),
+    ("recipe returns no Run", ["fit", "--recipe", "my_recipes:not_a_run"], "returned dict, expected titan_lightning.recipe.Run"),
+    ("recipe raises", ["fit", "--recipe", "my_recipes:raises"],
+     "--recipe='my_recipes:raises' raised RuntimeError: boom: the recipe could not be built"),
+    ("recipe import fails", ["fit", "--recipe", "broken_import:x"],
+     "importing 'broken_import' failed: ModuleNotFoundError: No module named 'not_installed_dependency_xyz'"),
+    ("recipe syntax error", ["fit", "--recipe", "broken_syntax:recipe"], "importing 'broken_syntax' failed: SyntaxError"),
+    # -- options -----------------------------------------------------------------------------------
+    ("unknown job key", [*D, "--job.training.sed", "3"], "unknown option --job.training.sed; valid keys under job.training: seed"),
+    ("unknown trainer key", [*D, "--trainer.max_stepz", "3"], "unknown option --trainer.max_stepz"),
+    ("unknown option", [*D, "--foo", "1"], "unknown option --foo; valid options: --recipe"),
+    ("ill-typed value", [*D, "--job.training.seed", "abc"], "job.training.seed: Expected a <class 'int'>. Got value: abc"),
+    ("negative lr", [*D, "--job.optimizer.lr", "-1"], "optimizer.lr=-1.0 must be > 0"),
+    ("max_steps 0", [*D, "--trainer.max_steps", "0"], "trainer.max_steps=0 must be >= 1"),
+    ("precision unsupported", [*D, "--trainer.precision", "16-mixed"], "trainer.precision='16-mixed' is not supported"),
+    ("trainer arg owned by the job", [*D, "--trainer.gradient_clip_val", "1.0"],
+     "trainer.gradient_clip_val=1.0 is set by job.training.max_grad_norm"),
+    ("seq_len over max_seq_len", [*D, "--job.training.seq_len", "1048576",
+                                  "--job.training.tokens_per_microbatch_per_dp_rank", "1048576"],
+     "training.seq_len=1048576 must be <= model.max_seq_len"),
+    ("microbatch not whole sequences", [*D, "--job.training.seq_len", "1000"],
+     "training.tokens_per_microbatch_per_dp_rank=2048 must be a multiple of training.seq_len=1000"),
+    ("tokens_per_step not a multiple", [*D, "--job.training.tokens_per_step", "1000"],
+     "training.tokens_per_step=1000 must be a multiple of"),
+    # -- the config file -------------------------------------------------------------------------
+    ("config missing", ["fit", "--config", "nope.yaml"], "--config='nope.yaml': No such file or directory"),
+    ("config is a folder", ["fit", "--config", "folder"], "--config='folder': Is a directory"),
+    ("config without value", ["fit", "--config"], "--config needs a file"),
+    ("config not YAML", ["fit", "--config", "bad_yaml.yaml"], "--config='bad_yaml.yaml', line 3: not valid YAML"),
+    ("config not text", ["fit", "--config", "binary.yaml"], "--config='binary.yaml' is not UTF-8 text"),
+    ("config ill-typed", ["fit", "--config", "bad_type.yaml"],
+     "--config='bad_type.yaml', line 22: job.training.seed: Expected a <class 'int'>. Got value: abc"),
+    ("config unknown key", ["fit", "--config", "bad_key.yaml"],
+     "--config='bad_key.yaml', line 22: unknown key job.training.sed; valid keys under job.training: seed"),
+    ("config without recipe", ["fit", "--config", "no_recipe.yaml"], "names no recipe"),
+    # -- layouts ---------------------------------------------------------------------------------
+    ("tp over the world", [*D, "--job.parallelism.tp", "2"], "world size 1 is not divisible by dp_replicate*tp*pp*cp"),
+    ("dp_shard vs devices", [*D, "--job.parallelism.dp_shard", "2"], "= 2 must equal the world size 1"),
+    ("tp vs heads", [*D, "--trainer.devices", "3", "--job.parallelism.tp", "3"],
+     "model.n_heads=16 must be divisible by parallelism.tp=3"),
+    ("pp vs layers", [*D, "--trainer.devices", "8", "--job.parallelism.pp", "8", "--job.parallelism.pp_schedule",
+                      "GPipe", "--job.parallelism.dp_shard", "1"], "8 stages is more than model.n_layers=6"),
+    ("cp without a CP attention", [*D, "--trainer.devices", "2", "--job.parallelism.cp", "2"],
+     "parallelism.cp=2 needs a context-parallel attention"),
+    ("cp vs seq_len", [*D, "--trainer.devices", "4", "--job.parallelism.cp", "4", "--job.model.attention", "allgather",
+                       "--job.training.seq_len", "20", "--job.training.tokens_per_microbatch_per_dp_rank", "80"],
+     "training.seq_len=20 must be divisible by 8"),
+    ("ep on a dense model", [*D, "--trainer.devices", "2", "--job.parallelism.ep", "2"],
+     "parallelism.ep=2 needs a mixture-of-experts model"),
+    ("ep vs experts", [*MOE, "--trainer.devices", "3", "--job.parallelism.ep", "3"],
+     "parallelism.ep=3 must divide model.moe.num_experts"),
+    ("DDP with pp", [*D, "--trainer.devices", "4", "--job.parallelism.dp_replicate", "2", "--job.parallelism.dp_shard",
+                     "1", "--job.parallelism.pp", "2", "--job.parallelism.pp_microbatches", "2"],
+     "parallelism.pp=2 with dp_replicate=2 and no FSDP"),
+    ("DDP with ep", [*MOE, "--trainer.devices", "4", "--job.parallelism.dp_replicate", "2", "--job.parallelism.dp_shard",
+                     "1", "--job.parallelism.tp", "2", "--job.parallelism.ep", "2"],
+     "parallelism.ep=2 with dp_replicate=2 and no FSDP"),
+    ("unknown pp schedule", [*D, "--job.parallelism.pp_schedule", "Zigzag"], "parallelism.pp_schedule='Zigzag' is not one of"),
+    ("looped schedule, 1 stage per rank", [*D, "--trainer.devices", "2", "--job.parallelism.pp", "2",
+                                          "--job.parallelism.pp_schedule", "Interleaved1F1B",
+                                          "--job.parallelism.pp_stages_per_rank", "1"],
+     "is a looped schedule and needs several stages per rank"),
+    ("unknown CP load balancer", [*D, "--job.parallelism.cp_load_balancer", "zigzag"],
+     "parallelism.cp_load_balancer='zigzag' is not one of"),
+    ("schedule CSV missing", [*D, "--trainer.devices", "2", "--job.parallelism.pp", "2", "--job.parallelism.pp_microbatches",
+                              "2", "--job.parallelism.pp_schedule_csv", "nope.csv"],
+     "parallelism.pp_schedule_csv='nope.csv' is not a file"),
+    ("schedule CSV with a bad action", [*D, "--trainer.devices", "2", "--job.parallelism.pp", "2",
+                                        "--job.parallelism.pp_microbatches", "2", "--job.parallelism.pp_schedule_csv",
+                                        "bad.csv"], "row 1, column 2: '0X1' is not an action"),
+    ("schedule CSV with too few rows", [*D, "--trainer.devices", "2", "--job.parallelism.pp", "2",
+                                        "--job.parallelism.pp_microbatches", "2", "--job.parallelism.pp_schedule_csv",
+                                        "rows.csv"], "has 1 rows; it needs one per pipeline rank (parallelism.pp=2)"),
+    # -- data and tokenizer ----------------------------------------------------------------------
+    ("dataset missing", [*D, "--job.data.dataset_path", "nope.txt"], "data.dataset_path='nope.txt': no such file"),
+    ("dataset empty", [*D, "--job.data.dataset_path", "empty.txt"], "data.dataset_path='empty.txt' is empty"),
+    ("dataset binary", [*D, "--job.data.dataset_path", "binary.bin"], "data.dataset_path='binary.bin' is not UTF-8 text"),
+    ("dataset with NUL bytes", [*D, "--job.data.dataset_path", "nul.txt"], "data.dataset_path='nul.txt' is not text"),
+    ("dataset is a folder", [*D, "--job.data.dataset_path", "folder"], "data.dataset_path='folder' is not a file"),
+    ("dataset of one document", [*D, "--job.data.dataset_path", "one_doc.txt"], "holds 1 document(s)"),
+    ("dataset shorter than a window", [*D, "--job.data.dataset_path", "short.txt"],
+     "the train split of data.dataset_path='short.txt'"),
+    ("tokenizer missing", [*D, "--job.data.tokenizer_path", "nope.json"], "data.tokenizer_path='nope.json': no such file"),
+    ("tokenizer not a tokenizer", [*D, "--job.data.tokenizer_path", "not_a_tokenizer.json"],
+     "data.tokenizer_path='not_a_tokenizer.json' is not a `tokenizers` JSON file"),
+    ("tokenizer folder without tokenizer.json", [*D, "--job.data.tokenizer_path", "folder"],
+     "data.tokenizer_path='folder' is a folder without tokenizer.json"),
+    ("tokenizer without end-of-text", [*D, "--job.data.tokenizer_path", "no_eot_tokenizer.json"],
+     "data.tokenizer_path='no_eot_tokenizer.json': the tokenizer has no '<|endoftext|>' token"),
+    ("tokenizer larger than the model", [*D, "--job.model.vocab_size", "1024"],
+     "the data's tokenizer has 2048 tokens, more than model.vocab_size=1024"),
+    # -- checkpoints and weights ----------------------------------------------------------------
+    ("initial weights missing", [*D, "--job.checkpoint.initial_load_path", "nope"],
+     "checkpoint.initial_load_path='nope' does not exist"),
+    ("initial weights not a DCP folder", [*D, "--job.checkpoint.initial_load_path", "folder"],
+     "checkpoint.initial_load_path='folder' holds no .metadata"),
+    ("initial weights HF folder read as DCP", [*D, "--job.checkpoint.initial_load_path", "hf_model"],
+     "set checkpoint.initial_load_format=hf"),
+    ("initial weights not an HF folder", [*D, "--job.checkpoint.initial_load_path", "folder",
+                                          "--job.checkpoint.initial_load_format", "hf"],
+     "holds no model.safetensors or model.safetensors.index.json"),
+    ("resume from nothing", [*D, "--job.checkpoint.resume_from", "nope"], "checkpoint.resume_from='nope' does not exist"),
+    ("resume from an empty folder", [*D, "--job.checkpoint.resume_from", "folder"],
+     "checkpoint.resume_from='folder' is not a complete checkpoint"),
+    ("resume from an unfinished save", [*D, "--job.checkpoint.resume_from", "partial_ckpt"],
+     "a save that did not finish leaves such a folder"),
+    ("resume from a file", [*D, "--job.checkpoint.resume_from", "a_file.txt"], "is a file; TitanStrategy checkpoints are folders"),
+    ("bad checkpoint interval", [*D, "--job.checkpoint.interval", "0"], "checkpoint.interval=0 must be an integer >= 1"),
+    # -- estimate ----------------------------------------------------------------------------------
+    ("estimate without world size", ["estimate", "--recipe", "recipes.llama3:debugmodel"], "estimate needs --world_size N"),
+    ("estimate bad world size", ["estimate", "--world_size", "0", "--recipe", "recipes.llama3:debugmodel"],
+     "--world_size=0 must be >= 1"),
+    ("estimate bad recipe", ["estimate", "--world_size", "2", "--recipe", "my_recipes:raises"], "raised RuntimeError: boom"),
+    ("estimate bad layout", ["estimate", "--world_size", "2", "--recipe", "recipes.llama3:debugmodel",
+                             "--job.parallelism.tp", "3"], "world size 2 is not divisible"),
+]
+
+
+def test_there_are_at_least_45_cases_and_names_are_unique():
+    assert len(CASES) >= 45
+    assert len({name for name, _, _ in CASES}) == len(CASES)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inputs")
+    _files(root)
+    return root
+
+
+@pytest.mark.parametrize("name, argv, message", CASES, ids=[c[0].replace(" ", "_") for c in CASES])
+def test_bad_input_is_one_line_exit_2_nothing_written(name, argv, message, inputs, capfd, monkeypatch):
+    monkeypatch.chdir(inputs)
+    monkeypatch.syspath_prepend(str(inputs))
+    monkeypatch.delenv(RUN_DIR_ENV, raising=False)
+    before = sorted(p.name for p in inputs.iterdir())
+    start = time.monotonic()
+    assert cli.main(argv) == 2
+    elapsed = time.monotonic() - start
+    out, err = capfd.readouterr()
+    assert err.count("\n") == 1 and err.startswith("titan-lightning: error: "), err
+    assert message in err, err
+    assert "Traceback" not in err and out == "", (out, err)
+    assert sorted(p.name for p in inputs.iterdir()) == before  # no run folder, nothing else
+    assert elapsed < 10, f"{name}: {elapsed:.1f} s"
+
+
+def test_debug_variable_shows_the_traceback(inputs, capfd, monkeypatch):
+    monkeypatch.chdir(inputs)
+    monkeypatch.syspath_prepend(str(inputs))
+    monkeypatch.setenv("TITAN_LIGHTNING_DEBUG", "1")
+    assert cli.main(["fit", "--recipe", "my_recipes:raises"]) == 2
+    err = capfd.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("titan-lightning: error: ")
+
+
+def test_resume_latest_with_nothing_saved_starts_fresh_in_one_line(tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "runs" / "llama3_debugmodel" / "now"))
+    prepared = cli.prepare([*D, "--job.checkpoint.resume_from", "latest"])
+    command, run, trainer = prepared
+    assert run.ckpt_path is None and run.inputs_checked
+    err = capfd.readouterr().err
+    assert "checkpoint.resume_from='latest': no complete checkpoint under" in err and "starting from step 0" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["fit", "--recipe", "recipes.llama3:nope"], "has no recipe function 'nope'"),
+    # Needs the Trainer (the world size): Lightning's banner must not come first.
+    (["fit", "--recipe", "recipes.llama3:debugmodel", "--trainer.devices", "3", "--job.parallelism.tp", "3"],
+     "model.n_heads=16 must be divisible by parallelism.tp=3"),
+])
+def test_console_script_prints_the_error_alone(tmp_path, argv, message):
+    env = {k: v for k, v in os.environ.items() if k != RUN_DIR_ENV}
+    result = subprocess.run([sys.executable, "-m", "titan_lightning.cli", *argv], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert result.returncode == 2
+    assert result.stdout == "" and result.stderr.count("\n") == 1, (result.stdout, result.stderr)
+    assert message in result.stderr
+    assert list(tmp_path.iterdir()) == []
