@@ -44,6 +44,11 @@ class RunnerError(Exception):
     """Bad input: reported in one line, exit status 2, before anything runs."""
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not argparse's usage + error
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message}\n")
+
+
 @dataclass
 class Task:
     suite: str
@@ -71,7 +76,7 @@ def _names(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tests.integration_tests.run_tests", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="python -m tests.integration_tests.run_tests", description=__doc__.split("\n")[0])
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--test_suite", default="features", help=f"comma-separated, of {', '.join(SUITES)}")
     parser.add_argument("--execution_mode", default="real_pg", choices=EXECUTION_MODES)
@@ -109,7 +114,9 @@ def validate(args: argparse.Namespace, gpu_count: Optional[Callable[[], int]] = 
     if hardware and args.gpu_arch_type == "cpu":
         raise RunnerError(f"--test_suite {','.join(hardware)} needs GPUs; --gpu_arch_type cpu cannot run it")
     out = args.output_dir
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise RunnerError(f"OUTPUT_DIR {out} is a file; give a new or empty folder")
+    if out.is_dir() and any(out.iterdir()):
         raise RunnerError(f"OUTPUT_DIR {out} is not empty; give a new or empty folder")
 
     entries = [(suite, entry) for suite in suites for entry in load_suite(suite)]
@@ -163,14 +170,23 @@ def _check_entry(task: Task, args: argparse.Namespace) -> None:
             validate_fake_pg_compatibility(entry)
         if not args.export_numerics:
             check_golden(entry, task.mode, _hardware(args))
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:  # a recipe or golden the entry names is wrong
         raise RunnerError(f"{where}: {error}") from None
+    except Exception as error:  # a recipe's module failed to import, or the recipe raised
+        raise RunnerError(f"{where}: {type(error).__name__}: {error}") from None
 
 
 def _hardware(args: argparse.Namespace) -> str:
     from titan_lightning.callbacks.golden import hardware_class
 
     return hardware_class("cpu" if args.gpu_arch_type == "cpu" else "cuda")
+
+
+def _create(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise RunnerError(f"OUTPUT_DIR {folder}: cannot create the folder ({error})") from None
 
 
 def _gpu_count() -> int:
@@ -285,10 +301,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)  # argparse exits 2 on unknown or malformed flags
     try:
         tasks = validate(args)
+        _create(args.output_dir)  # only now: a refused run leaves nothing behind
     except RunnerError as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        message = " ".join(str(error).splitlines())  # a recipe's own message may span lines
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
         return USAGE_ERROR
-    args.output_dir.mkdir(parents=True, exist_ok=True)
     runnable = [task for task in tasks if task.skip is None]
     skipped = [Outcome(task, "skipped") for task in tasks if task.skip is not None]
     _say(f"{len(runnable)} test(s) to run, {len(skipped)} skipped; {args.execution_mode} on {args.gpu_arch_type}, "

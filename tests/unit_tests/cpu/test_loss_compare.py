@@ -2,6 +2,9 @@
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,19 +79,130 @@ def test_compare_is_exact_with_rtol_zero_and_names_the_first_difference():
     assert "different steps" in failure
 
 
+# Recipe modules written into tmp_path: one whose own import fails, and recipes that raise or return no Run.
+RECIPE_MODULES = {
+    "lc_import_fails": "import lc_no_such_dependency\n",
+    "lc_recipes": "def raises():\n    raise ValueError('no data\\nat all')\n\n\ndef returns_int():\n    return 3\n",
+}
+EXPORTED = {"recipe": BASE, "ngpu": 1, "steps": [1, 2], "losses": [8.0, 7.5], "grad_norms": [1.0, 0.9]}
+
+
+@pytest.fixture
+def bad_inputs(tmp_path, monkeypatch):
+    """tmp_path holding bad recipe modules (importable), bad --import files and a file that is no checkpoint."""
+    for name, source in RECIPE_MODULES.items():
+        (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    files = {
+        "not_safetensors.bin": "hello",
+        "not.json": "{",
+        "list.json": "[]",
+        "no_losses.json": json.dumps({"baseline": {k: v for k, v in EXPORTED.items() if k != "losses"}}),
+        "short.json": json.dumps({"baseline": {**EXPORTED, "grad_norms": [1.0]}}),
+        "a_file": "x",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    yield tmp_path
+    for name in RECIPE_MODULES:
+        sys.modules.pop(name, None)
+
+
+def _main(argv, capsys) -> tuple[int, str]:
+    try:
+        status = loss_compare.main(argv)
+    except SystemExit as exit:  # argparse's own errors
+        status = exit.code
+    return status, capsys.readouterr().err
+
+
+def _refused(argv, out, capsys) -> str:
+    """Run the tool on bad input: exit 2, one stderr line, no traceback, --out not created. Returns stderr."""
+    status, err = _main([*argv, "--out", str(out)], capsys)
+    assert status == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("loss_compare: error: ")
+    assert not out.exists()
+    return err
+
+
 @pytest.mark.parametrize("argv, message", [
+    # argparse's own errors, in one line
+    (["--baseline", BASE, "--steps", "abc"], r"argument --steps: invalid int value: 'abc'"),
+    (["--baseline", BASE, "--no-such-flag"], r"unrecognized arguments: --no-such-flag"),
+    (["--baseline", BASE, "--accelerator", "tpu"], r"argument --accelerator: invalid choice: 'tpu'"),
+    # flags against each other
     ([], r"give --baseline RECIPE"),
     (["--baseline", BASE, "--assert-equal", "--rtol", "1e-5"], r"--assert-equal \(exact\) and --rtol conflict"),
+    (["--baseline", BASE, "--rtol", "-1"], r"--rtol=-1.0 must be >= 0"),
     (["--baseline", BASE, "--test-ngpu", "0"], r"--test-ngpu=0 must be >= 1"),
+    (["--baseline", BASE, "--timeout", "0"], r"--timeout=0.0 must be > 0"),
     (["--baseline", "nocolon"], r"recipe 'nocolon' must look like package.module:function"),
-    (["--import", "/no/such.json", "--test", BASE], r"--import /no/such.json: no such file"),
     (["--baseline", BASE, "--seed-checkpoint", "/no/seed", "--no-seed-checkpoint"], r"conflict"),
-    (["--baseline", BASE, "--baseline-commit", "no-such-ref-xyz", "--steps", "1"], r"cannot check out commit 'no-such-ref-xyz'"),
+    (["--baseline", BASE, "--seed-checkpoint", "/no/seed"], r"--seed-checkpoint /no/seed: no such file"),
+    (["--import", "{tmp}/a_file", "--baseline-commit", "HEAD", "--test", BASE], r"drop --baseline-commit"),
+    (["--import", "{tmp}/a_file"], r"give --test RECIPE to compare with the imported baseline"),
+    # files
+    (["--baseline", BASE, "--seed-checkpoint", "{tmp}/not_safetensors.bin"],
+     r"--seed-checkpoint \S+not_safetensors.bin is not a safetensors file \(.*header"),
+    (["--import", "/no/such.json", "--test", BASE], r"--import /no/such.json: no such file"),
+    (["--import", "{tmp}/not.json", "--test", BASE],
+     r"--import \S+not.json is not JSON \(.+\); give a file written by --export"),
+    (["--import", "{tmp}/list.json", "--test", BASE], r"--import \S+list.json has no 'baseline' object"),
+    (["--import", "{tmp}/no_losses.json", "--test", BASE],
+     r"--import \S+no_losses.json: 'baseline' lacks losses; a file written by --export has recipe, ngpu, steps"),
+    (["--import", "{tmp}/short.json", "--test", BASE],
+     r"--import \S+short.json: baseline.grad_norms=\[1.0\] must be a list of numbers, one per entry of baseline.steps"),
+    (["--baseline", BASE, "--export", "{tmp}"], r"--export \S+ is a folder; give a JSON file path"),
+    # commits
+    (["--baseline", BASE, "--baseline-commit", "no-such-ref-xyz"],
+     r"--baseline-commit 'no-such-ref-xyz' is not a commit of \S+; give a commit, branch or tag"),
+    (["--baseline", BASE, "--test-commit", "HEAD~100000"], r"--test-commit 'HEAD~100000' is not a commit"),
+    # recipes, loaded before anything is created
+    (["--baseline", "lc_no_such_module:debugmodel"], r"--baseline: .*'lc_no_such_module:debugmodel'.*no module named"),
+    (["--baseline", "recipes.tests.features:no_such_recipe"],
+     r"--baseline: .*has no recipe function 'no_such_recipe'; it defines: .*llama3_debugmodel"),
+    (["--baseline", "lc_import_fails:debugmodel"],
+     r"--baseline: .*'lc_import_fails:debugmodel'.*lc_no_such_dependency"),
+    (["--baseline", "lc_recipes:raises"], r"--baseline: .*'lc_recipes:raises'.*no data at all"),
+    (["--baseline", "lc_recipes:returns_int"], r"--baseline: .*'lc_recipes:returns_int' returned int, expected .*Run"),
+    (["--baseline", BASE, "--test", "lc_recipes:returns_int"], r"--test: .*'lc_recipes:returns_int' returned int"),
+    (["--import", "{tmp}/no_losses.json", "--test", "lc_recipes:raises"], r"'baseline' lacks losses"),  # files first
 ])
-def test_bad_input_exits_2_with_one_line(argv, message, capsys):
-    assert loss_compare.main(argv) == 2
-    err = capsys.readouterr().err
-    assert re.search(message, err) and len(err.strip().splitlines()) == 1, err
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(argv, message, bad_inputs, capsys):
+    argv = [a.format(tmp=bad_inputs) for a in argv]
+    err = _refused(argv, bad_inputs / "out", capsys)
+    assert re.search(message, err), err
+
+
+def test_an_out_that_is_a_file_or_under_a_file_is_refused_and_the_file_kept(bad_inputs, capsys):
+    for out, message in ((bad_inputs / "a_file", "is a file; give a new or existing folder"),
+                         (bad_inputs / "a_file" / "out", "cannot create the folder")):
+        status, err = _main(["--baseline", BASE, "--out", str(out)], capsys)
+        assert status == 2 and err.count("\n") == 1 and f"--out {out}" in err and message in err, err
+    assert (bad_inputs / "a_file").read_text() == "x"
+
+
+@pytest.mark.parametrize("flags, refused_as", [
+    (["--baseline-commit", "HEAD", "--test-commit", "HEAD"], None),  # both sides run HEAD's recipe: not loaded here
+    (["--baseline-commit", "HEAD"], "--test"),  # the test side runs this checkout's recipe
+    (["--test-commit", "HEAD"], "--baseline"),
+])
+def test_only_recipes_that_run_from_this_checkout_are_loaded_before_launch(flags, refused_as, bad_inputs):
+    args = loss_compare.build_parser().parse_args(["--baseline", "lc_recipes:raises", *flags])
+    if refused_as is None:
+        assert loss_compare.validate(args) is None
+    else:
+        with pytest.raises(loss_compare.CompareError, match=f"^{refused_as}: .*'lc_recipes:raises'"):
+            loss_compare.validate(args)
+
+
+def test_the_script_reports_a_bad_flag_in_one_line_and_exit_2(tmp_path):
+    script = Path(loss_compare.REPO) / "scripts" / "loss_compare.py"
+    done = subprocess.run([sys.executable, str(script), "--steps", "abc", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr == "loss_compare: error: argument --steps: invalid int value: 'abc'\n"
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow

@@ -1,5 +1,7 @@
 """The integration runner: flag validation, the empty-dir rule, device packing, the summary, exit codes."""
 
+import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -14,9 +16,21 @@ RECIPE = "recipes.tests.features:llama3_debugmodel"
 
 
 def _main(capsys, *argv):
-    status = run_tests.main([str(a) for a in argv])
+    try:
+        status = run_tests.main([str(a) for a in argv])
+    except SystemExit as exit:  # argparse's own errors
+        status = exit.code
     captured = capsys.readouterr()
     return status, captured.out, captured.err
+
+
+def _refused(capsys, out, *argv) -> str:
+    """Bad input: exit 2, one stderr line, no traceback, OUTPUT_DIR not created. Returns stderr."""
+    status, _, err = _main(capsys, out, *argv)
+    assert status == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("python -m tests.integration_tests.run_tests: error: ")
+    assert not out.exists()  # nothing ran, nothing written
+    return err
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -31,13 +45,28 @@ def _main(capsys, *argv):
     (["--test_suite", "h100"], r"--test_suite h100 needs GPUs; --gpu_arch_type cpu cannot run it"),
     (["--ngpu", "0"], r"--ngpu=0 must be >= 1"),
     (["--test_scope", "real_pg_required", "--test_name", "llama3_fsdp2"], r"the flags select no test"),
+    # argparse's own errors, in one line
+    (["--ngpu", "abc"], r"argument --ngpu: invalid int value: 'abc'"),
+    (["--execution_mode", "both"], r"argument --execution_mode: invalid choice: 'both'"),
+    (["--no-such-flag"], r"unrecognized arguments: --no-such-flag"),
 ])
 def test_bad_flags_exit_2_with_one_line_naming_them(flags, message, tmp_path, capsys):
-    status, out, err = _main(capsys, tmp_path / "out", "--gpu_arch_type", "cpu", *flags)
-    assert status == 2
-    assert len(err.strip().splitlines()) == 1
-    assert __import__("re").search(message, err), err
-    assert not (tmp_path / "out").exists()  # nothing ran, nothing written
+    err = _refused(capsys, tmp_path / "out", "--gpu_arch_type", "cpu", *flags)
+    assert re.search(message, err), err
+
+
+def test_a_missing_output_dir_argument_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_tests.main(["--gpu_arch_type", "cpu"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "the following arguments are required: output_dir" in err
+
+
+def test_an_output_dir_under_a_file_is_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("x")
+    err = _refused(capsys, tmp_path / "a_file" / "out", "--gpu_arch_type", "cpu", "--test_name", "llama3_fsdp2")
+    assert f"OUTPUT_DIR {tmp_path / 'a_file' / 'out'}: cannot create the folder" in err
 
 
 def test_a_gpu_arch_without_a_visible_gpu_is_refused(tmp_path):
@@ -46,17 +75,12 @@ def test_a_gpu_arch_without_a_visible_gpu_is_refused(tmp_path):
         run_tests.validate(args, gpu_count=lambda: 0)
 
 
-def test_unknown_flags_and_bad_choices_exit_2(tmp_path, capsys):
-    for argv in ([str(tmp_path), "--execution_mode", "both"], [str(tmp_path), "--no-such-flag"]):
-        with pytest.raises(SystemExit) as exit_info:
-            run_tests.main(argv)
-        assert exit_info.value.code == 2
-
-
-def test_a_non_empty_output_dir_is_refused(tmp_path, capsys):
+def test_a_non_empty_output_dir_or_a_file_is_refused_and_left_as_it_was(tmp_path, capsys):
     (tmp_path / "old.log").write_text("x")
-    status, _, err = _main(capsys, tmp_path, "--gpu_arch_type", "cpu")
-    assert status == 2 and f"OUTPUT_DIR {tmp_path} is not empty" in err
+    for out, message in ((tmp_path, "is not empty"), (tmp_path / "old.log", "is a file")):
+        status, _, err = _main(capsys, out, "--gpu_arch_type", "cpu")
+        assert status == 2 and err.count("\n") == 1 and f"OUTPUT_DIR {out} {message}; give a new or empty folder" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["old.log"] and (tmp_path / "old.log").read_text() == "x"
 
 
 def _suite(monkeypatch, *entries):
@@ -70,9 +94,48 @@ def test_a_golden_whose_header_names_another_layout_is_refused_before_anything_r
     entry = TestEntry(recipes=(RECIPE,), name="headed", description="d",
                       golden_numerics_path=str(tmp_path / "golden" / "{execution_mode}.txt"))
     _suite(monkeypatch, entry)
-    status, _, err = _main(capsys, tmp_path / "out", "--gpu_arch_type", "cpu", "--execution_mode", "fake_pg")
-    assert status == 2
+    err = _refused(capsys, tmp_path / "out", "--gpu_arch_type", "cpu", "--execution_mode", "fake_pg")
     assert "features:headed" in err and "'# ngpu: 4' but this run has ngpu '1'" in err
+
+
+# Recipe modules written into tmp_path: one whose own import fails, and recipes that raise or return no Run.
+RECIPE_MODULES = {
+    "rt_import_fails": "import rt_no_such_dependency\n",
+    "rt_recipes": "def raises():\n    raise ValueError('no data\\nat all')\n\n\ndef returns_int():\n    return 3\n",
+}
+
+
+@pytest.fixture
+def bad_recipes(tmp_path, monkeypatch):
+    for name, source in RECIPE_MODULES.items():
+        (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in RECIPE_MODULES:
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("recipe, message", [
+    ("rt_no_such_module:debugmodel", r"'rt_no_such_module:debugmodel'.*no module named"),
+    ("recipes.tests.features:no_such_recipe", r"has no recipe function 'no_such_recipe'"),
+    ("rt_import_fails:debugmodel", r"No module named 'rt_no_such_dependency'"),
+    ("rt_recipes:raises", r"no data at all"),  # the recipe's two-line message, on one line
+    ("rt_recipes:returns_int", r"'rt_recipes:returns_int' returned int"),
+])
+def test_an_entry_whose_recipe_cannot_be_built_is_refused_before_anything_runs(
+        recipe, message, bad_recipes, monkeypatch, capsys):
+    _suite(monkeypatch, TestEntry(recipes=(recipe,), name="broken", description="d"))
+    err = _refused(capsys, bad_recipes / "out", "--gpu_arch_type", "cpu", "--execution_mode", "fake_pg")
+    assert re.search(r"features:broken: .*" + message, err), err
+
+
+def test_a_golden_path_that_is_a_folder_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "golden" / "fake_pg.txt").mkdir(parents=True)
+    entry = TestEntry(recipes=(RECIPE,), name="folder", description="d",
+                      golden_numerics_path=str(tmp_path / "golden" / "{execution_mode}.txt"))
+    _suite(monkeypatch, entry)
+    err = _refused(capsys, tmp_path / "out", "--gpu_arch_type", "cpu", "--execution_mode", "fake_pg")
+    assert "features:folder: " in err and "fake_pg.txt" in err
 
 
 def test_selection_skips_what_cannot_run_and_says_why(tmp_path, monkeypatch):
