@@ -170,10 +170,8 @@ def _check_entry(task: Task, args: argparse.Namespace) -> None:
             validate_fake_pg_compatibility(entry)
         if not args.export_numerics:
             check_golden(entry, task.mode, _hardware(args))
-    except (ValueError, OSError) as error:  # a recipe or golden the entry names is wrong
+    except (ValueError, OSError) as error:  # a recipe (RecipeError) or a golden file the entry names
         raise RunnerError(f"{where}: {error}") from None
-    except Exception as error:  # a recipe's module failed to import, or the recipe raised
-        raise RunnerError(f"{where}: {type(error).__name__}: {error}") from None
 
 
 def _hardware(args: argparse.Namespace) -> str:

@@ -135,15 +135,13 @@ def _check_safetensors(path: Path) -> None:
 
 
 def _check_recipe(flag: str, spec: str) -> None:
-    """Load the recipe and call it, as the run will: RecipeError or any exception is bad input."""
+    """Load the recipe and call it, as the run will (a failing import or recipe is a RecipeError)."""
     from titan_lightning.recipe import RecipeError, build_run
 
     try:
         build_run(spec)
     except RecipeError as error:
         raise CompareError(f"--{flag}: {error}") from None
-    except Exception as error:  # the recipe module's import failed or the recipe raised (not yet a RecipeError)
-        raise CompareError(f"--{flag}: recipe {spec!r}: {type(error).__name__}: {error}") from None
 
 
 def read_numbers(path: Path) -> dict:

@@ -118,8 +118,8 @@ def bad_recipes(tmp_path, monkeypatch):
 @pytest.mark.parametrize("recipe, message", [
     ("rt_no_such_module:debugmodel", r"'rt_no_such_module:debugmodel'.*no module named"),
     ("recipes.tests.features:no_such_recipe", r"has no recipe function 'no_such_recipe'"),
-    ("rt_import_fails:debugmodel", r"No module named 'rt_no_such_dependency'"),
-    ("rt_recipes:raises", r"no data at all"),  # the recipe's two-line message, on one line
+    ("rt_import_fails:debugmodel", r"'rt_import_fails:debugmodel'.*No module named 'rt_no_such_dependency'"),
+    ("rt_recipes:raises", r"'rt_recipes:raises'.*no data at all"),  # the recipe's two-line message, on one line
     ("rt_recipes:returns_int", r"'rt_recipes:returns_int' returned int"),
 ])
 def test_an_entry_whose_recipe_cannot_be_built_is_refused_before_anything_runs(
