@@ -29,6 +29,7 @@ A checkpoint is a folder::
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import pickle
@@ -248,9 +249,10 @@ class CheckpointWriter:
         world_size = dist.get_world_size() if _distributed() else 1
 
         def fail(error: BaseException) -> str:
+            reason = _describe(error, folder=staging.parent)
             if rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
-            return f"saving checkpoint {path} failed: {_describe(error)}"
+            return f"saving checkpoint {path} failed: {reason}"
 
         def prepare() -> None:
             if rank == 0:
@@ -266,9 +268,9 @@ class CheckpointWriter:
                     "world_size": world_size, "layout": rank_state.get("layout")}
 
         def write_own_files() -> None:
-            torch.save(rank_state, staging / rank_file(rank))
+            _save_small(rank_state, staging / rank_file(rank))
             if rank == 0:
-                torch.save(checkpoint, staging / META)
+                _save_small(checkpoint, staging / META)
 
         self.agree(write_own_files, fail)
         _die_at("files", fault)
@@ -351,18 +353,44 @@ def _FaultyWriter(path: Path):
     return writer
 
 
-def _describe(error: BaseException) -> str:
-    """One line for what went wrong: the OS error and its file, or DCP's first per-rank failure."""
+def _describe(error: BaseException, folder: Optional[Path] = None) -> str:
+    """One line for what went wrong: the OS error and its file, or DCP's first per-rank failure.
+
+    ``folder``: where a save wrote. torch.save reports a failed write as its zip writer's own
+    error ("unexpected pos ..."); when that folder's disk is full, say so."""
     failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
     if failures:
         rank, cause = next(iter(failures.items()))
         cause = cause[0] if isinstance(cause, tuple) else cause
-        return f"{_describe(cause)} (rank {rank})"
+        return f"{_describe(cause, folder)} (rank {rank})"
     if isinstance(error, OSError) and error.strerror:
         where = f": {error.filename}" if error.filename else ""
         return f"[Errno {error.errno}] {error.strerror}{where}"
+    free = _free_bytes(folder) if folder is not None else None
+    if free is not None and free < _FULL_DISK_BYTES:
+        return f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}: {free} bytes free under {folder}"
     text = " ".join(str(error).split()) or type(error).__name__
     return f"{type(error).__name__}: {text[:300]}"
+
+
+# A disk with less room than this is full for a checkpoint (its shards are megabytes at least).
+_FULL_DISK_BYTES = 1 << 20
+
+
+def _free_bytes(folder: Path) -> Optional[int]:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def _save_small(value: Any, file: Path) -> None:
+    """torch.save through memory, then one plain write: a failed write is the OS's own error (ENOSPC,
+    EACCES), not torch's zip writer's."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    with open(file, "wb") as f:
+        f.write(buffer.getbuffer())
 
 
 def _write_json(file: Path, value: dict[str, Any]) -> None:

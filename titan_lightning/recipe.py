@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from titan_lightning.callbacks import TrainingMetrics
+from titan_lightning.callbacks.preemption import PreemptionCheckpoint
 from titan_lightning.callbacks.profiling import ProfileSteps
 from titan_lightning.callbacks.weights import ExportWeights, LoadWeights, check_initial_weights
 from titan_lightning.config import ConfigError, JobConfig, validate_job
@@ -244,6 +245,8 @@ def build_trainer(run: Run) -> L.Trainer:
     callbacks = list(kwargs.get("callbacks") or [])
     if job is not None and not any(isinstance(c, TrainingMetrics) for c in callbacks):
         callbacks.append(TrainingMetrics())
+    if job is not None and not any(isinstance(c, PreemptionCheckpoint) for c in callbacks):
+        callbacks.append(PreemptionCheckpoint())
     if kwargs.get("enable_checkpointing", True) and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
         callbacks.append(checkpoint_callback(job, folder))
     if job is not None and job.checkpoint.initial_load_path is not None:

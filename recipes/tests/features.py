@@ -274,6 +274,17 @@ def llama3_pp2_every5_async() -> Run:
     return _every5(llama3_pp2(), async_save=True)
 
 
+def llama3_fsdp2_sigterm() -> Run:
+    """FSDP2 on 2 ranks, rank 1 sent SIGTERM after step 3: every rank saves step 3 and stops."""
+    import signal
+
+    from titan_lightning.testing.record import SignalAtStep
+
+    run = llama3_fsdp2()
+    run.trainer["callbacks"] = [SignalAtStep(3, rank=1, signum=signal.SIGTERM)]
+    return run
+
+
 def llama3_pp2_resume() -> Run:
     return _resuming(llama3_pp2())
 

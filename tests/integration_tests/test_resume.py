@@ -137,3 +137,19 @@ def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_previous_checkpoin
     assert folders == ["epoch=0-step=5.ckpt"]  # the .partial was removed, the previous one is whole
     assert verify(_step5(run_dir))["global_step"] == 5 and latest_checkpoint(run_dir) == _step5(run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_sigterm_saves_after_the_step_and_the_same_command_continues_exactly(straight, tmp_path):
+    """Rank 1 alone gets SIGTERM after step 3: both ranks save step 3 and exit cleanly; rerun with
+    `resume_from latest`, steps 4-10 equal the uninterrupted run's."""
+    run_dir = tmp_path / "run"
+    result = launch(["fit", "--recipe", f"{_R}:llama3_fsdp2_sigterm", "--trainer.accelerator", "cpu",
+                     "--trainer.devices", "2"], 2, out_dir=tmp_path / "stopped", timeout=300,
+                    env={RUN_DIR_ENV: str(run_dir)})
+    assert result.returncodes == [0, 0]
+    assert [rank["steps"] for rank in result.ranks] == [[1, 2, 3]] * 2
+    assert "SIGTERM: stopped after step 3" in result.log(0)
+    assert verify(run_dir / "checkpoints" / "epoch=0-step=3.ckpt")["global_step"] == 3
+    resumed = fit("llama3_fsdp2_resume", 2, tmp_path / "resume", run_dir)
+    assert resumed["steps"] == [4, 5, 6, 7, 8, 9, 10]
+    assert (resumed["losses"], resumed["grad_norms"]) == _tail(straight("llama3_fsdp2", 2), 4)

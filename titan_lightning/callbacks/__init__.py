@@ -1,4 +1,5 @@
 from titan_lightning.callbacks.golden import GoldenNumerics
 from titan_lightning.callbacks.metrics import TrainingMetrics
+from titan_lightning.callbacks.preemption import PreemptionCheckpoint
 
-__all__ = ["GoldenNumerics", "TrainingMetrics"]
+__all__ = ["GoldenNumerics", "PreemptionCheckpoint", "TrainingMetrics"]

@@ -96,6 +96,8 @@ class ExportWeights(L.Callback):
         self.folder, self.fmt, self.dtype = Path(folder), fmt, _DTYPES[dtype]
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if any(getattr(callback, "preempted", None) for callback in trainer.callbacks):
+            return  # stopped by SIGTERM: the run is not over, its restart exports
         if self.fmt == "dcp":
             self._export_sharded(trainer, pl_module)
         else:

@@ -45,3 +45,18 @@ class StopAtStep(L.Callback):
                            batch_idx: int) -> None:
         if trainer.global_step >= self.step:
             trainer.should_stop = True
+
+
+class SignalAtStep(L.Callback):
+    """Send ``signum`` to this process after optimizer step ``step`` on ``rank`` only (a preemption
+    that reaches one rank; the others must learn it)."""
+
+    def __init__(self, step: int, rank: int, signum: int) -> None:
+        self.step, self.rank, self.signum = step, rank, signum
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        import os
+
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            os.kill(os.getpid(), self.signum)

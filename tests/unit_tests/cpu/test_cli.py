@@ -93,46 +93,7 @@ def test_whole_numbers_stay_batch_counts_not_fractions(workdir):
     assert trainer.limit_train_batches == 0.5
 
 
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["fit", "--recipe", "no_such_module:debugmodel"], "--recipe='no_such_module:debugmodel': no module named 'no_such_module'"),
-        (["fit", "--recipe", "my_recipes:nope"], "module 'my_recipes' has no recipe function 'nope'; it defines: good, not_a_run"),
-        (["fit", "--recipe", "my_recipes"], "must look like package.module:function"),
-        (["fit", "--recipe", "my_recipes:not_a_run"], "returned dict, expected titan_lightning.recipe.Run"),
-        (["fit"], "--recipe is required"),
-        (["train", "--recipe", "my_recipes:good"], "unknown command 'train'; expected one of fit, validate, test, estimate"),
-        (["fit", "--recipe", "my_recipes:good", "--job.training.sed", "3"],
-         "unknown option --job.training.sed; valid keys under job.training: seed, seq_len"),
-        (["fit", "--recipe", "my_recipes:good", "--trainer.max_stepz", "3"], "unknown option --trainer.max_stepz"),
-        (["fit", "--recipe", "my_recipes:good", "--job.training.seed", "abc"], "job.training.seed: Expected a <class 'int'>. Got value: abc"),
-        (["fit", "--recipe", "my_recipes:good", "--job.optimizer.lr", "-1"], "optimizer.lr=-1.0 must be > 0"),
-        (["fit", "--recipe", "my_recipes:good", "--job.parallelism.tp", "2"],
-         "world size 1 is not divisible by dp_replicate*tp*pp*cp = 1*2*1*1 = 2"),
-        (["fit", "--recipe", "my_recipes:good", "--job.parallelism.dp_shard", "2"],
-         "dp_replicate*dp_shard*tp*pp*cp = 1*2*1*1*1 = 2 must equal the world size 1"),
-        (["fit", "--recipe", "my_recipes:good", "--trainer.max_steps", "0"],
-         "trainer.max_steps=0 must be >= 1"),
-    ],
-)
-def test_bad_input_is_one_line_exit_2_nothing_written(workdir, capsys, argv, message):
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1, err
-    assert err.startswith("titan-lightning: error: ")
-    assert message in err
-    assert "Traceback" not in err
-    assert not (workdir / "runs").exists()
-
-
-def test_console_script_reports_bad_input_without_traceback(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "titan_lightning.cli", "fit", "--recipe", "recipes.llama3:nope"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
-    assert "has no recipe function 'nope'" in result.stderr
+# Bad input (one line, exit 2, nothing written): tests/unit_tests/cpu/test_bad_input.py.
 
 
 @pytest.mark.slow
