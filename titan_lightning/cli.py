@@ -69,12 +69,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if prepared is None:
         return 0
     command, run, trainer = prepared
+    rank = trainer.global_rank if trainer.world_size > 1 else None
     try:
         execute(command, run, trainer)
     except RUN_FAILURES as err:
-        _report(err, rank=trainer.global_rank if trainer.world_size > 1 else None)
+        _report(err, rank=rank)
         return 1
+    except Exception as err:
+        heartbeat = getattr(trainer.strategy, "heartbeat", None)
+        lost = heartbeat.explain() if heartbeat is not None else None
+        if lost is None:
+            raise
+        _report(RankLost(lost), rank=rank)
+        os._exit(1)  # a peer is gone: leave without the backend's shutdown, which would wait for it
     return 0
+
+
+class RankLost(RuntimeError):
+    """Another rank of the run died; the message names it and where its output went."""
 
 
 # Failures of a launched run that explain themselves in one line; anything else keeps its traceback.
@@ -332,7 +344,7 @@ def _valid_keys_near(option: str, run: Run) -> str:
 
 
 # Errors whose message is written for the user (it names the field); others get their type too.
-_OWN_MESSAGES = (UsageError, RecipeError, ConfigError, CheckpointError, ValueError, TypeError, OSError)
+_OWN_MESSAGES = (UsageError, RecipeError, ConfigError, CheckpointError, RankLost, ValueError, TypeError, OSError)
 
 
 def _one_line(err: BaseException) -> str:

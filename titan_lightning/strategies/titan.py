@@ -11,6 +11,9 @@ Degrees come from the module's ``job.parallelism`` when it has one (every titan_
 model does), else from the strategy's own arguments: ``TitanStrategy(dp_shard=2, tp=2)``.
 """
 
+import os
+import signal
+import sys
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -19,10 +22,13 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -38,6 +44,7 @@ from titan_lightning.parallel.determinism import set_determinism
 from titan_lightning.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel, grouped_experts
 from titan_lightning.parallel.fsdp import apply_ddp, apply_fsdp, find_repeated_blocks, model_blocks
 from titan_lightning.parallel.grad_norm import clip_grad_norm_
+from titan_lightning.parallel.heartbeat import Heartbeat, output_target
 from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_caches
 from titan_lightning.parallel.pipeline import (
     PipelinePlan,
@@ -64,6 +71,42 @@ def _accumulating(trainer: L.Trainer, batch_idx: Optional[int]) -> bool:
     if callable(should):
         return bool(should())
     return batch_idx is not None and (batch_idx + 1) % trainer.accumulate_grad_batches != 0
+
+
+class _Launcher(_SubprocessScriptLauncher):
+    """Lightning's launcher (rank 0 starts ranks 1..n-1 as copies of its command), whose watch over
+    the ranks it started says in one line which rank died, how, and where its output went."""
+
+    def launch(self, function, *args: Any, trainer: Optional[L.Trainer] = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            _RankObserver(main_pid=os.getpid(), child_processes=self.procs, sleep_period=1).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+
+class _RankObserver(_ChildProcessObserver):
+    def _run(self) -> bool:
+        for proc in self._child_processes:
+            proc.poll()
+        if all(proc.returncode == 0 for proc in self._child_processes):
+            return True
+        for local_rank, proc in enumerate(self._child_processes, start=1):
+            if proc.returncode:
+                code = proc.returncode
+                how = (f"was killed by {signal.Signals(-code).name} (the out-of-memory killer, a scheduler or a user)"
+                       if code < 0 else f"exited with status {code} (its error is above)")
+                print(f"titan-lightning: error: rank {local_rank} (pid {proc.pid}) {how}; its output: {output_target()}; "
+                      f"stopping every rank", file=sys.stderr, flush=True)
+                self._terminate_all()
+                return True
+        return False
+
+    def _terminate_all(self) -> None:
+        for proc in self._child_processes:
+            proc.send_signal(self._termination_signal)
+        os._exit(1)  # this (rank 0's) process too, with a failure status rather than a kill signal
 
 
 class TitanStrategy(ModelParallelStrategy):
@@ -110,6 +153,7 @@ class TitanStrategy(ModelParallelStrategy):
         # What training_step logged in the microbatches of the optimizer step so far.
         self._window: list = []
         self._checkpoint_writer = ckpt.CheckpointWriter()
+        self.heartbeat: Optional[Heartbeat] = None
 
     # -- configuration ---------------------------------------------------------------------
 
@@ -154,6 +198,8 @@ class TitanStrategy(ModelParallelStrategy):
         config = self._parallelism if self._parallelism is not None else self.default_parallelism()
         self._check_degrees(config, self.num_nodes * self.num_processes)
         super()._configure_launcher()
+        if isinstance(self._launcher, _SubprocessScriptLauncher):
+            self._launcher = _Launcher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def check_module(self, module: L.LightningModule) -> None:
         """Everything that can be checked before launch once the module is known: the degrees,
@@ -178,6 +224,7 @@ class TitanStrategy(ModelParallelStrategy):
         self.mesh = self.dims.build_mesh(self.root_device.type)
         self._device_mesh = self.mesh.device_mesh
         self._checkpoint_writer = ckpt.CheckpointWriter(ckpt.checkpoint_group())
+        self.heartbeat = Heartbeat.from_env()  # names a rank that dies (see parallel/heartbeat.py)
         self.lightning_module._device_mesh = self._device_mesh
         self._set_determinism()
 
@@ -533,13 +580,22 @@ class TitanStrategy(ModelParallelStrategy):
             group = loss_mesh.get_group()
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
+    def on_exception(self, exception: BaseException) -> None:
+        # A peer may be gone: teardown must not wait for it in a collective.
+        self._failed = True
+        super().on_exception(exception)
+
     def teardown(self) -> None:
-        self._checkpoint_writer.wait()  # an asynchronous save still being written
+        failed = getattr(self, "_failed", False)
+        if not failed:
+            self._checkpoint_writer.wait()  # an asynchronous save still being written
+        if getattr(self, "heartbeat", None) is not None and not failed:
+            self.heartbeat.stop()  # (after a failure it beats on: the peers are told who really died)
         super().teardown()
         if getattr(self, "_determinism", None) is not None:
             self._determinism.restore()
             self._determinism = None
-        if _distributed_is_initialized():
+        if _distributed_is_initialized() and not failed:
             dist.barrier()
             dist.destroy_process_group()
             release_dtensor_caches()

@@ -1,0 +1,120 @@
+"""Which rank died: a heartbeat per rank in the rendezvous store, each rank watching the next.
+
+When a rank is killed (OOM killer, SIGKILL, a node lost), its peers see only the backend's
+error ("Connection reset by peer"). With ``Heartbeat`` running, every rank counts up its own
+key in the store once a second and watches its ring neighbour's; a neighbour whose count stops
+for ``stall_s`` is marked dead in the store. ``explain()``, called by a rank whose collective
+failed, waits a few seconds for such a mark and names the rank, its host and pid, and where its
+output went. If the store itself is gone, its host (rank 0 under env:// launches) died.
+
+Store traffic is O(world size) per second (one write, one read per rank), not O(world size^2).
+"""
+
+import json
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+_PREFIX = "titan_lightning/heartbeat"
+
+
+def output_target() -> str:
+    """Where this process's stderr goes, as a reader would look for it."""
+    try:
+        target = os.readlink("/proc/self/fd/2")
+    except OSError:
+        return "its launcher's output"
+    if target.startswith("/dev/pts/") or target.startswith("/dev/tty"):
+        return f"the terminal {target}"
+    if target.startswith("/"):
+        return target
+    return f"its launcher's log (stderr is a {target.split(':')[0]})"
+
+
+class Heartbeat:
+    """A daemon thread beating for this rank and watching rank ``(rank + 1) % world_size``."""
+
+    def __init__(self, rank: int, world_size: int, host: str, port: int, *, interval_s: float = 1.0,
+                 stall_s: float = 3.0) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.address = f"{host}:{port}"
+        self.interval_s, self.stall_s = interval_s, stall_s
+        # A client of its own: the main thread's store connection stays untouched.
+        self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10),
+                                    wait_for_workers=False)
+        self._store.set(f"{_PREFIX}/where/{rank}", json.dumps(
+            {"host": socket.gethostname(), "pid": os.getpid(), "output": output_target()}))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="titan-lightning-heartbeat")
+        self._thread.start()
+
+    @classmethod
+    def from_env(cls) -> Optional["Heartbeat"]:
+        """For an env:// launch (torchrun, Lightning's launcher, SLURM) of several ranks; else None."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not host or not port or dist.get_backend() == "fake":
+            return None
+        try:
+            return cls(dist.get_rank(), dist.get_world_size(), host, int(port))
+        except (RuntimeError, ValueError, OSError):
+            return None  # no store to reach: failures are reported without naming a rank
+
+    def _run(self) -> None:
+        watched = (self.rank + 1) % self.world_size
+        last, since = None, time.monotonic()
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._store.add(f"{_PREFIX}/beat/{self.rank}", 1)
+                count = self._store.add(f"{_PREFIX}/beat/{watched}", 0)
+            except Exception:  # noqa: BLE001 - the store's host is gone; explain() says so
+                return
+            now = time.monotonic()
+            if count != last:
+                last, since = count, now
+            elif now - since > self.stall_s:
+                self._store.set(f"{_PREFIX}/dead/{watched}", f"{now - since:.0f}")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def explain(self, wait_s: float = 6.0) -> Optional[str]:
+        """One line naming the rank(s) that stopped beating, waiting up to ``wait_s`` for the
+        evidence; None when every rank still beats (the failure is something else)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                dead = [r for r in range(self.world_size) if r != self.rank
+                        and self._store.check([f"{_PREFIX}/dead/{r}"])]
+                if dead:
+                    self._linger(len(dead))
+                    return "; ".join(self._describe(r) for r in dead)
+            except Exception:  # noqa: BLE001 - the store's host died
+                return (f"rank 0 (the host of the rendezvous store {self.address}) is gone: killed, out of memory or "
+                        f"crashed; its output: the launching process's")
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.2)
+
+    def _linger(self, dead: int, wait_s: float = 5.0) -> None:
+        """Count this rank as told; rank 0, which hosts the store under env:// launches, stays until
+        every surviving rank has read it (or ``wait_s``), so that none blames rank 0 for leaving."""
+        told = self._store.add(f"{_PREFIX}/told", 1)
+        deadline = time.monotonic() + wait_s
+        while self.rank == 0 and told < self.world_size - dead and time.monotonic() < deadline:
+            time.sleep(0.1)
+            told = self._store.add(f"{_PREFIX}/told", 0)
+
+    def _describe(self, rank: int) -> str:
+        try:
+            where = json.loads(self._store.get(f"{_PREFIX}/where/{rank}"))
+        except Exception:  # noqa: BLE001
+            where = {"host": "?", "pid": "?", "output": "unknown"}
+        return (f"rank {rank} (pid {where['pid']} on {where['host']}) stopped: no heartbeat for {self.stall_s:.0f} s "
+                f"(killed, out of memory or crashed); its output: {where['output']}")
