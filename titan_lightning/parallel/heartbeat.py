@@ -93,8 +93,9 @@ class Heartbeat:
                 dead = [r for r in range(self.world_size) if r != self.rank
                         and self._store.check([f"{_PREFIX}/dead/{r}"])]
                 if dead:
-                    self._linger(len(dead))
-                    return "; ".join(self._describe(r) for r in dead)
+                    account = "; ".join(self._describe(r) for r in dead)
+                    self._linger(len(dead))  # after reading: rank 0 may leave (with the store) once told
+                    return account
             except Exception:  # noqa: BLE001 - the store's host died
                 return (f"rank 0 (the host of the rendezvous store {self.address}) is gone: killed, out of memory or "
                         f"crashed; its output: the launching process's")
