@@ -595,8 +595,9 @@ class TitanStrategy(ModelParallelStrategy):
         if getattr(self, "_determinism", None) is not None:
             self._determinism.restore()
             self._determinism = None
-        if _distributed_is_initialized() and not failed:
-            dist.barrier()
+        if _distributed_is_initialized():
+            if not failed:
+                dist.barrier()
             dist.destroy_process_group()
             release_dtensor_caches()
         self.mesh = None
