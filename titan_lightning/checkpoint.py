@@ -142,13 +142,24 @@ def resolve_resume(resume_from: Optional[str], runs_root: Path) -> Optional[str]
         return None
     if resume_from == "latest":
         found = latest_checkpoint(runs_root)
-        return None if found is None else str(found)
-    path = Path(resume_from)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint.resume_from={resume_from!r} does not exist; give a checkpoint folder "
-                              f"(<run>/checkpoints/epoch=...-step=....ckpt) or 'latest'")
-    verify(path, what=f"checkpoint.resume_from={resume_from!r}")
+        if found is None:
+            return None
+        path, what = found, f"checkpoint.resume_from='latest' ({found})"
+    else:
+        path, what = Path(resume_from), f"checkpoint.resume_from={resume_from!r}"
+        if not path.exists():
+            raise CheckpointError(f"{what} does not exist; give a checkpoint folder "
+                                  f"(<run>/checkpoints/epoch=...-step=....ckpt) or 'latest'")
+    verify(path, what=what)
+    load_meta(path)  # readable without running code, before any process starts
     return str(path)
+
+
+def unfinished_checkpoints(root: Union[str, Path]) -> list[Path]:
+    """Folders under ``root`` with shards but no valid manifest: saves that did not finish, or
+    checkpoints of a titan_lightning that wrote no manifest (neither is resumed from)."""
+    return sorted(metadata.parent for metadata in Path(root).rglob(DCP_METADATA)
+                  if (metadata.parent / META).exists() and read_manifest(metadata.parent) is None)
 
 
 def verify(path: Path, *, what: Optional[str] = None, ranks: bool = True) -> dict[str, Any]:

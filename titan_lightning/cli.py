@@ -107,10 +107,16 @@ def held_lightning_output() -> Iterator[None]:
     records: list[logging.LogRecord] = []
 
     def hold(record: logging.LogRecord) -> bool:
-        records.append(record)
+        if not record.name.startswith("lightning"):
+            return True
+        if not any(held is record for held in records):  # a record passes every handler up its chain
+            records.append(record)
         return False
 
-    handlers = [h for name in ("lightning.pytorch", "lightning.fabric") for h in logging.getLogger(name).handlers]
+    # Lightning's own handlers, and any a program or a test added elsewhere (the root's, ...).
+    loggers = [logging.getLogger(), *(value for value in logging.root.manager.loggerDict.values()
+                                      if isinstance(value, logging.Logger))]
+    handlers = list({id(h): h for logger in loggers for h in logger.handlers}.values())
     for handler in handlers:
         handler.addFilter(hold)
     try:

@@ -187,14 +187,17 @@ def resume_path(run: Run, trainer: L.Trainer) -> Optional[str]:
     job = run.job
     if job is None or job.checkpoint.resume_from is None:
         return None
-    from titan_lightning.checkpoint import resolve_resume
+    from titan_lightning.checkpoint import resolve_resume, unfinished_checkpoints
 
     # "latest" searches every run of this recipe: <root>/<name>/<timestamp>/checkpoints.
     root = Path(trainer.default_root_dir).parent
     path = resolve_resume(job.checkpoint.resume_from, root)
     if path is None and trainer.global_rank == 0:
+        ignored = unfinished_checkpoints(root)
+        note = (f" ({len(ignored)} folder(s) without a completion manifest ignored, e.g. {ignored[-1]}: "
+                f"unfinished saves)" if ignored else "")
         print(f"titan-lightning: checkpoint.resume_from='latest': no complete checkpoint under {root} yet; "
-              f"starting from step 0", file=sys.stderr, flush=True)
+              f"starting from step 0{note}", file=sys.stderr, flush=True)
     return path
 
 

@@ -81,23 +81,27 @@ class _Launcher(_SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
-            _RankObserver(main_pid=os.getpid(), child_processes=self.procs, sleep_period=1).start()
+            observer = _RankObserver(main_pid=os.getpid(), child_processes=self.procs, sleep_period=1)
+            observer.first_rank = self.cluster_environment.node_rank() * self.num_processes + 1
+            observer.start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
 
 class _RankObserver(_ChildProcessObserver):
+    first_rank = 1  # the global rank of the first process it watches (local rank 1 of this node)
+
     def _run(self) -> bool:
         for proc in self._child_processes:
             proc.poll()
         if all(proc.returncode == 0 for proc in self._child_processes):
             return True
-        for local_rank, proc in enumerate(self._child_processes, start=1):
+        for rank, proc in enumerate(self._child_processes, start=self.first_rank):
             if proc.returncode:
                 code = proc.returncode
                 how = (f"was killed by {signal.Signals(-code).name} (the out-of-memory killer, a scheduler or a user)"
                        if code < 0 else f"exited with status {code} (its error is above)")
-                print(f"titan-lightning: error: rank {local_rank} (pid {proc.pid}) {how}; its output: {output_target()}; "
+                print(f"titan-lightning: error: rank {rank} (pid {proc.pid}) {how}; its output: {output_target()}; "
                       f"stopping every rank", file=sys.stderr, flush=True)
                 self._terminate_all()
                 return True

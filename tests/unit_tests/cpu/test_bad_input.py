@@ -271,3 +271,21 @@ def test_console_script_prints_the_error_alone(tmp_path, argv, message):
     assert result.stdout == "" and result.stderr.count("\n") == 1, (result.stdout, result.stderr)
     assert message in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_banner_is_held_even_when_the_program_logs_through_the_root_logger(inputs, capfd, monkeypatch):
+    """A program (or an earlier test) that configured the root logger still sees only the error."""
+    import logging
+
+    monkeypatch.chdir(inputs)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    root, lightning = logging.getLogger(), logging.getLogger("lightning.pytorch")
+    monkeypatch.setattr(lightning, "propagate", True)
+    root.addHandler(handler)
+    try:
+        assert cli.main([*D, "--trainer.devices", "3", "--job.parallelism.tp", "3"]) == 2
+    finally:
+        root.removeHandler(handler)
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "model.n_heads=16 must be divisible by parallelism.tp=3" in err, err
