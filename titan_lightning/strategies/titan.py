@@ -81,23 +81,32 @@ class _Launcher(_SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
-            observer = _RankObserver(main_pid=os.getpid(), child_processes=self.procs, sleep_period=1)
-            observer.first_rank = self.cluster_environment.node_rank() * self.num_processes + 1
-            observer.start()
+            self._observer = _RankObserver(main_pid=os.getpid(), child_processes=self.procs, sleep_period=1)
+            self._observer.first_rank = self.cluster_environment.node_rank() * self.num_processes + 1
+            self._observer.start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
+
+    def kill(self, signum) -> None:
+        # Rank 0 is failing and stops the others itself: their exit is no news to report.
+        if getattr(self, "_observer", None) is not None:
+            self._observer.stopped = True
+        super().kill(signum)
 
 
 class _RankObserver(_ChildProcessObserver):
     first_rank = 1  # the global rank of the first process it watches (local rank 1 of this node)
+    stopped = False  # set when rank 0 itself stops the ranks (it failed, or was interrupted)
 
     def _run(self) -> bool:
+        if self.stopped:
+            return True
         for proc in self._child_processes:
             proc.poll()
         if all(proc.returncode == 0 for proc in self._child_processes):
             return True
         for rank, proc in enumerate(self._child_processes, start=self.first_rank):
-            if proc.returncode:
+            if proc.returncode and not self.stopped:
                 code = proc.returncode
                 how = (f"was killed by {signal.Signals(-code).name} (the out-of-memory killer, a scheduler or a user)"
                        if code < 0 else f"exited with status {code} (its error is above)")
