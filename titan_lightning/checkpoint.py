@@ -430,12 +430,12 @@ def _barrier(group: Any = None) -> None:
 
 
 def checkpoint_group() -> Any:
-    """A gloo group over every rank for the checkpoints' collectives (None without real ranks).
+    """A gloo group over every rank for the checkpoints' collectives (None without a real process group).
 
     Called by every rank at the same point (a new group is a collective)."""
-    if not _distributed() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+    if not _distributed() or dist.get_backend() == "fake":
         return None
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo")  # also for one rank: DCP's async save needs a CPU backend (not NCCL)
 
 
 # -- load ----------------------------------------------------------------------------------
