@@ -585,8 +585,8 @@ def _load_small(file: Path, *, weights_only: bool = True) -> Any:
         if refused:
             raise CheckpointError(
                 f"checkpoint file {file} holds {refused}, which a weights-only load refuses (it could run code); "
-                f"if you trust this file, allow the type with torch.serialization.add_safe_globals, or load with "
-                f"trainer.fit(..., weights_only=False)"
+                f"if you trust this file, allow the type with torch.serialization.add_safe_globals, or pass "
+                f"weights_only as False to trainer.fit"
             ) from None
         raise CheckpointError(f"checkpoint file {file} is unreadable ({_describe(error)})") from None
     except (EOFError, RuntimeError, ValueError, OSError, UnicodeDecodeError, AttributeError) as error:

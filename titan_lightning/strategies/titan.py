@@ -535,8 +535,8 @@ class TitanStrategy(ModelParallelStrategy):
         """Model and optimizer from the shards (any layout), the rest from meta.pt, this rank's RNG
         and data position from its own file (when the checkpoint was saved by as many ranks).
 
-        No file runs code: ``weights_only=False`` (``trainer.fit(..., weights_only=False)``, for
-        hyperparameters of your own types) relaxes only Lightning's part, meta.pt."""
+        No file runs code: ``trainer.fit``'s ``weights_only`` set to False (for hyperparameters of
+        your own types, in a checkpoint you trust) relaxes only Lightning's part, meta.pt."""
         from pathlib import Path
 
         from torch.distributed.checkpoint.state_dict import (
