@@ -84,7 +84,7 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
 
-    def explain(self, wait_s: float = 6.0) -> Optional[str]:
+    def explain(self, wait_s: float = 15.0) -> Optional[str]:
         """One line naming the rank(s) that stopped beating, waiting up to ``wait_s`` for the
         evidence; None when every rank still beats (the failure is something else)."""
         deadline = time.monotonic() + wait_s
