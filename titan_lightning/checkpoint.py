@@ -424,11 +424,6 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _barrier(group: Any = None) -> None:
-    if _distributed():
-        dist.barrier(group=group)
-
-
 def checkpoint_group() -> Any:
     """A gloo group over every rank for the checkpoints' collectives (None without a real process group).
 
@@ -606,10 +601,6 @@ def load_rank_state(path: Path, rank: int) -> dict[str, Any]:
     if not isinstance(state, dict) or "rng" not in state:
         raise CheckpointError(f"checkpoint file {path / rank_file(rank)} is not a rank state (no 'rng')")
     return state
-
-
-def env_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
 
 
 # -- full (unsharded) weights into a sharded model -----------------------------------------
