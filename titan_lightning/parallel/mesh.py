@@ -8,6 +8,11 @@ degree above 1 exist (disabled dims cost no process groups). Flattened views:
     dp_cp        dp_replicate x dp_shard x cp   loss and metric reduction
     stage        every dim but pp               (pp > 1 only) ranks holding the same layers
 
+Lightning's ModelParallelStrategy names: ``data_parallel`` (dp_replicate x dp_shard) and
+``tensor_parallel`` (tp) are flattened views too, so code written for it (``fully_shard(mesh=
+self.device_mesh["data_parallel"])``) runs unchanged. For them dp_shard and tp are dims of
+the root mesh even at degree 1 (a size-1 dim costs a size-1 group, nothing else).
+
 Experts (ep > 1) live on a second mesh over the same ranks, the sparse mesh
 (pp, dp_replicate, efsdp, ep): the ep ranks are taken from dp_shard x cp x tp (innermost,
 contiguous ranks), and routed experts are FSDP-sharded over the rest, efsdp = dp_shard *
@@ -31,6 +36,9 @@ FLATTENED = {
     # Under pipeline parallelism: the ranks of one stage (they hold the same layers).
     "stage": ("dp_replicate", "dp_shard", "cp", "tp"),
 }
+
+# ModelParallelStrategy's dim names, over the dims present in the root mesh.
+LIGHTNING_NAMES = {"data_parallel": ("dp_replicate", "dp_shard"), "tensor_parallel": ("tp",)}
 
 
 @dataclass(frozen=True)
@@ -120,10 +128,11 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> "Mesh":
         dims = self.enabled_dims
-        if not dims:
-            return Mesh(self, init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",)), {})
-        mesh = init_device_mesh(device_type, tuple(self.degree(d) for d in dims), mesh_dim_names=dims)
+        root_dims = tuple(d for d in MESH_DIMS if d in dims or d in ("dp_shard", "tp"))
+        mesh = init_device_mesh(device_type, tuple(self.degree(d) for d in root_dims), mesh_dim_names=root_dims)
         views = {dim: mesh[dim] for dim in dims}
+        for name, parts in LIGHTNING_NAMES.items():
+            views[name] = mesh[tuple(d for d in parts if d in root_dims)]._flatten(mesh_dim_name=name)
         for name, parts in FLATTENED.items():
             present = tuple(d for d in parts if d in dims)
             if name == "stage" and not self.pp_enabled:

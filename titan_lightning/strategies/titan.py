@@ -12,9 +12,10 @@ model does), else from the strategy's own arguments: ``TitanStrategy(dp_shard=2,
 """
 
 import os
+import shutil
 import signal
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -34,6 +35,7 @@ from torch import Tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_lightning import checkpoint as ckpt
+from titan_lightning.checkpoint import CheckpointError
 from titan_lightning.config import ConfigError, ParallelismConfig
 from titan_lightning.config.parallelism import V_PP_SCHEDULES
 from titan_lightning.config.validation import validate_degrees
@@ -71,6 +73,79 @@ def _accumulating(trainer: L.Trainer, batch_idx: Optional[int]) -> bool:
     if callable(should):
         return bool(should())
     return batch_idx is not None and (batch_idx + 1) % trainer.accumulate_grad_batches != 0
+
+
+def _optimizer_names(model: torch.nn.Module, optimizer) -> list[str]:
+    """The parameter names of ``optimizer``, in its own order (what its state_dict indexes)."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    return [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+
+
+def _names_to_indices(state: dict[str, Any], model: torch.nn.Module, optimizer) -> dict[str, Any]:
+    index = {name: i for i, name in enumerate(_optimizer_names(model, optimizer))}
+    return {
+        "state": {index[name]: value for name, value in state["state"].items()},
+        "param_groups": [{**group, "params": [index[name] for name in group["params"]]} for group in state["param_groups"]],
+    }
+
+
+def _indices_to_names(state: dict[str, Any], model: torch.nn.Module, optimizer) -> dict[str, Any]:
+    names = _optimizer_names(model, optimizer)
+    if any(isinstance(key, str) for key in state.get("state", {})):
+        return state  # already keyed by name
+    return {
+        "state": {names[index]: value for index, value in state["state"].items()},
+        "param_groups": [{**group, "params": [names[index] for index in group["params"]]} for group in state["param_groups"]],
+    }
+
+
+def _parallelizes_itself(module: L.LightningModule) -> bool:
+    """Whether the module has a ``configure_model`` of its own: code written for Lightning's
+    ModelParallelStrategy applies TP (and FSDP) there, so a TP degree needs no ``tp_plan``."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return is_overridden("configure_model", module, parent=L.LightningModule)
+
+
+def _applied_by_user(module: torch.nn.Module) -> tuple[bool, bool]:
+    """(FSDP, TP) the module's own configure_model already applied: any ``fully_shard`` module;
+    DTensor parameters on a tensor-parallel mesh dim (or any DTensor parameter without FSDP)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    fsdp = any(isinstance(m, FSDPModule) for m in module.modules())
+    tp = False
+    for param in module.parameters():
+        if isinstance(param, DTensor):
+            names = param.device_mesh.mesh_dim_names or ()
+            if not fsdp or any(n in ("tp", "tensor_parallel") for n in names):
+                tp = True
+                break
+    return fsdp, tp
+
+
+@contextmanager
+def _nestable_loss_parallel():
+    """``loss_parallel()`` that a user's own ``with loss_parallel():`` may nest in (torch's removes
+    the loss handlers on exit, so the outer exit would fail with ``KeyError: aten._log_softmax``):
+    on exit it removes only the handlers it added and that are still there."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss as torch_loss
+
+    ops = getattr(torch_loss, "customized_loss_ops", None)
+    handlers = getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", None)
+    if not isinstance(ops, dict) or not isinstance(handlers, dict):  # another torch: its own context
+        with loss_parallel():
+            yield
+        return
+    added = {op: handler for op, handler in ops.items() if handlers.get(op) is not handler}
+    handlers.update(added)
+    try:
+        yield
+    finally:
+        for op, handler in added.items():
+            if handlers.get(op) is handler:
+                del handlers[op]
 
 
 class _Launcher(_SubprocessScriptLauncher):
@@ -142,9 +217,11 @@ class TitanStrategy(ModelParallelStrategy):
         *,
         mixed_precision_param: str = "float32",
         mixed_precision_reduce: str = "float32",
+        data_parallel_size: Union[str, int, None] = None,
+        tensor_parallel_size: Union[str, int, None] = None,
+        save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
-        save_distributed_checkpoint: bool = True,
         **degrees: Any,
     ) -> None:
         super().__init__(
@@ -154,6 +231,18 @@ class TitanStrategy(ModelParallelStrategy):
         )
         if parallelism is not None and degrees:
             raise ValueError("TitanStrategy takes either parallelism=ParallelismConfig(...) or degrees, not both")
+        # ModelParallelStrategy's sizes: FSDP over data_parallel_size ranks, TP over tensor_parallel_size.
+        self._lightning_sizes = None
+        if data_parallel_size is not None or tensor_parallel_size is not None:
+            if parallelism is not None or degrees:
+                raise ValueError(
+                    f"{type(self).__name__} takes either ModelParallelStrategy's data_parallel_size/"
+                    f"tensor_parallel_size or its own degrees ({', '.join(sorted(degrees)) or 'parallelism'}), not both"
+                )
+            for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
+                if size is not None and size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+                    raise ValueError(f"{type(self).__name__}({name}={size!r}): expected a positive int or 'auto'")
+            self._lightning_sizes = (data_parallel_size or "auto", tensor_parallel_size or "auto")
         for name, value in (("mixed_precision_param", mixed_precision_param), ("mixed_precision_reduce", mixed_precision_reduce)):
             if value not in _DTYPES:
                 raise ValueError(f"TitanStrategy({name}={value!r}): expected one of {', '.join(_DTYPES)}")
@@ -208,18 +297,34 @@ class TitanStrategy(ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         # Runs in Trainer.__init__, before any process is spawned: reject bad degrees now.
         # (A module's job is validated by build_trainer; the module is not attached yet.)
+        if self._lightning_sizes is not None:
+            self._parallelism = self._resolve_lightning_sizes(*self._lightning_sizes)
         config = self._parallelism if self._parallelism is not None else self.default_parallelism()
         self._check_degrees(config, self.num_nodes * self.num_processes)
         super()._configure_launcher()
         if isinstance(self._launcher, _SubprocessScriptLauncher):
             self._launcher = _Launcher(self.cluster_environment, self.num_processes, self.num_nodes)
 
+    def _resolve_lightning_sizes(self, data_parallel: Union[str, int], tensor_parallel: Union[str, int]) -> ParallelismConfig:
+        """ModelParallelStrategy's sizes as degrees: "auto" is the number of nodes (data parallel)
+        and the devices of one node (tensor parallel), as there."""
+        dp = self.num_nodes if data_parallel == "auto" else data_parallel
+        tp = self.num_processes if tensor_parallel == "auto" else tensor_parallel
+        world = self.num_nodes * self.num_processes
+        if dp * tp != world:
+            raise ConfigError(
+                f"{type(self).__name__}(data_parallel_size={data_parallel!r}, tensor_parallel_size={tensor_parallel!r}): "
+                f"{dp} * {tp} = {dp * tp} must equal the world size {world} (num_nodes * devices)"
+            )
+        self._data_parallel_size, self._tensor_parallel_size = dp, tp
+        return ParallelismConfig(dp_shard=dp, tp=tp)
+
     def check_module(self, module: L.LightningModule) -> None:
         """Everything that can be checked before launch once the module is known: the degrees,
         and the plans the module must declare for them."""
         config = self.parallelism(module)
         self._check_degrees(config, self.world_size)
-        if config.tp > 1:
+        if config.tp > 1 and not _parallelizes_itself(module):
             self._tp_plan(module, config.tp)
         if config.pp > 1:
             self._pipeline_plan(module, config.pp)
@@ -278,8 +383,11 @@ class TitanStrategy(ModelParallelStrategy):
         """PP split -> TP -> (CP, EP slots) -> (AC, compile) -> FSDP/DDP -> materialize, in this order."""
         dims, config = self.dims, self.parallelism(module)
         inner = getattr(module, "model", None) if hasattr(module, "materialize") else None
+        # What the module's own configure_model already applied (code written for Lightning's
+        # ModelParallelStrategy does its TP and FSDP there) stays as the user made it.
+        self._user_applied = user_fsdp, user_tp = _applied_by_user(module)
         stages = self._split_pipeline(module, config) if dims.pp_enabled else None
-        if dims.tp_enabled:
+        if dims.tp_enabled and not user_tp:
             apply_tp(module, self.mesh.get("tp"), self._tp_plan(module, dims.tp),
                      sequence_parallel=config.sequence_parallel, loss_parallel=config.loss_parallel)
         target = inner if inner is not None else module
@@ -303,9 +411,14 @@ class TitanStrategy(ModelParallelStrategy):
         # Under PP each stage is sharded on its own: the stage is FSDP's root, as the schedule expects.
         roots = [(target, blocks)] if stages is None else [(stage, model_blocks(stage)) for stage in stages]
         # Roots whose gradient sync follows the accumulation window (under PP the schedule does it).
-        sync_last = config.fsdp_sync_last_microbatch_only and dims.fsdp_enabled and stages is None
+        sync_last = config.fsdp_sync_last_microbatch_only and dims.fsdp_enabled and stages is None and not user_fsdp
         self._sync_last_roots = [root for root, _ in roots] if sync_last else []
-        if dims.fsdp_enabled:
+        # The LightningModule itself as FSDP's (or DDP's) root: see _call_step.
+        self._module_is_root = target is module and stages is None and not user_fsdp and (
+            dims.fsdp_enabled or dims.dp_replicate_enabled)
+        if user_fsdp:
+            pass
+        elif dims.fsdp_enabled:
             for root, root_blocks in roots:
                 apply_fsdp(root, self._fsdp_mesh(), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                            reshard_after_forward=config.fsdp_reshard_after_forward,
@@ -400,10 +513,13 @@ class TitanStrategy(ModelParallelStrategy):
 
     @property
     def loss_parallel_enabled(self) -> bool:
-        return self.dims is not None and self.dims.tp_enabled and self.parallelism().loss_parallel
+        """Our plan's vocab-sharded logits go into the loss (a module that applied its own TP
+        enters ``loss_parallel()`` itself, as with ModelParallelStrategy)."""
+        user_tp = getattr(self, "_user_applied", (False, False))[1]
+        return self.dims is not None and self.dims.tp_enabled and self.parallelism().loss_parallel and not user_tp
 
     def _loss_parallel(self):
-        return loss_parallel() if self.loss_parallel_enabled else nullcontext()
+        return _nestable_loss_parallel() if self.loss_parallel_enabled else nullcontext()
 
     def _shard_sequence(self, args: tuple) -> tuple:
         """Under CP, each rank keeps its slice of every [B, S, ...] tensor of the batch (dim 1)."""
@@ -422,14 +538,42 @@ class TitanStrategy(ModelParallelStrategy):
         with self._loss_parallel():
             if self.pipeline is None:
                 if records is None:
-                    return getattr(super(), hook)(*args, **kwargs)
+                    return self._call_step(hook, args, kwargs)
                 with patched(self.lightning_module, "log", record_logs(records)):
-                    return getattr(super(), hook)(*args, **kwargs)
+                    return self._call_step(hook, args, kwargs)
             if kwargs:
                 raise TypeError(f"pipeline parallelism passes the batch positionally to {hook}; got {sorted(kwargs)}")
             context = self.precision_plugin.train_step_context() if hook == "training_step" else nullcontext()
             with context, self._pipeline_autocast():
                 return self.pipeline.run(hook, *args, records=records)
+
+    def _call_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
+        """Run the module's step hook (no pipeline).
+
+        When the LightningModule itself is FSDP's (or DDP's) root, the hook runs inside the
+        root's forward: FSDP gathers the root's own parameters (whatever no block holds: an
+        embedding, a head, parameters of the LightningModule itself) in the root's pre-forward
+        hook, and DDP prepares its gradient reduction in the root's post-forward hook. A
+        training_step that calls a submodule directly (``self.model(x)``, ``self.encoder(...)``,
+        the usual Lightning pattern) never runs ``self.forward``, so without this the root's
+        parameters stay sharded ("mixed torch.Tensor and DTensor") and DDP never reduces.
+
+        The alternative, sharding each submodule as a root of its own, breaks on parameters of
+        the LightningModule itself, on submodules called in any order or from several places,
+        and changes nothing the user sees; the redirection is Lightning's own (its DDP and FSDP
+        strategies route steps through their wrapper's forward the same way), and ``self(x)``
+        inside the hook is an ordinary nested call.
+        """
+        context = {
+            "training_step": self.precision_plugin.train_step_context,
+            "validation_step": self.precision_plugin.val_step_context,
+            "test_step": self.precision_plugin.test_step_context,
+            "predict_step": self.precision_plugin.predict_step_context,
+        }[hook]
+        if not getattr(self, "_module_is_root", False):
+            return getattr(super(), hook)(*args, **kwargs)
+        with context():
+            return self._forward_redirection(self.model, self.lightning_module, hook, *args, **kwargs)
 
     def _pipeline_autocast(self):
         """bf16 autocast over fp32 parameters without FSDP, as CausalLMModule.forward does on one
@@ -476,7 +620,7 @@ class TitanStrategy(ModelParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline is not None:
             raise NotImplementedError("predict under pipeline parallelism is not supported; predict with pp=1")
-        return super().predict_step(*args, **kwargs)
+        return self._call_step("predict_step", args, kwargs)
 
     def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
         if self.pipeline is not None:
@@ -502,13 +646,22 @@ class TitanStrategy(ModelParallelStrategy):
 
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
+        if not self._save_distributed_checkpoint:
+            # As ModelParallelStrategy: the whole state on rank 0, keyed as a plain optimizer's
+            # state_dict() (parameter indices), so torch.optim loads it without this project.
+            full = get_optimizer_state_dict(self.model, optimizer,
+                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return _names_to_indices(full, self.model, optimizer) if self.global_rank == 0 else {}
         options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=False)
         return get_optimizer_state_dict(self.model, optimizer, options=options)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's shards (DTensors); with ``save_distributed_checkpoint=False`` the full
+        tensors on rank 0 (empty elsewhere), as ModelParallelStrategy."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
+        full = not self._save_distributed_checkpoint
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
 
     def _rank_state(self) -> dict[str, Any]:
         """What this rank alone knows: its RNG states and its data module's position."""
@@ -526,10 +679,51 @@ class TitanStrategy(ModelParallelStrategy):
         from pathlib import Path
 
         path = Path(self.broadcast(str(filepath)))
+        if not self._save_distributed_checkpoint:
+            self._save_full(checkpoint, path)
+            return
         job = getattr(self.lightning_module, "job", None)
         async_save = bool(job is not None and job.checkpoint.async_save)
         self._checkpoint_writer.save(checkpoint, path, rank=self.global_rank, rank_state=self._rank_state(),
                                      async_save=async_save)
+
+    def _save_full(self, checkpoint: dict[str, Any], path) -> None:
+        """One file written by rank 0 (``torch.load(path)["state_dict"]`` loads into a plain module),
+        under a temporary name until complete."""
+        writer = self._checkpoint_writer
+        writer.wait()
+
+        def write() -> None:
+            if self.global_rank != 0:
+                return
+            if path.is_dir():
+                if not ckpt.is_complete(path):
+                    raise CheckpointError(f"{path} is a folder that is not a checkpoint; not replacing it with a file")
+                shutil.rmtree(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(path.name + ckpt.PARTIAL)
+            torch.save(checkpoint, partial)
+            os.replace(partial, path)
+
+        writer.agree(write, lambda error: f"saving checkpoint {path} failed: {ckpt._describe(error, folder=path.parent)}")
+
+    def _load_full(self, path, weights_only: bool) -> dict[str, Any]:
+        """A single-file (full) checkpoint into the sharded model and optimizers: every rank maps
+        the file and keeps its own shards."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+        checkpoint = self._checkpoint_writer.agree(
+            lambda: torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only))
+        strict = self.lightning_module.strict_loading
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
+        states = checkpoint.pop("optimizer_states", [])
+        if self.optimizers and len(states) != len(self.optimizers):
+            raise CheckpointError(f"checkpoint {path} holds {len(states)} optimizer state(s); this run has "
+                                  f"{len(self.optimizers)} optimizer(s)")
+        for optimizer, state in zip(self.optimizers, states):
+            set_optimizer_state_dict(self.model, optimizer, _indices_to_names(state, self.model, optimizer), options=options)
+        return checkpoint
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Model and optimizer from the shards (any layout), the rest from meta.pt, this rank's RNG
@@ -550,6 +744,8 @@ class TitanStrategy(ModelParallelStrategy):
         writer = self._checkpoint_writer
         writer.wait()
         path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_file():
+            return self._load_full(path, weights_only=weights_only is not False)
         manifest = writer.agree(lambda: ckpt.verify(path, ranks=False))
         same_world = manifest["world_size"] == self.world_size
         mine = writer.agree(lambda: ckpt.load_rank_state(path, self.global_rank) if same_world else None)
@@ -578,7 +774,12 @@ class TitanStrategy(ModelParallelStrategy):
         """keep_latest_k: an older checkpoint folder goes, never leaving a half-deleted one that looks whole."""
         from pathlib import Path
 
-        self._checkpoint_writer.remove(Path(filepath), rank=self.global_rank)
+        path = Path(filepath)
+        if path.is_file():  # a full checkpoint (save_distributed_checkpoint=False)
+            if self.global_rank == 0:
+                path.unlink()
+            return
+        self._checkpoint_writer.remove(path, rank=self.global_rank)
 
     # -- collectives -----------------------------------------------------------------------
 
