@@ -6,7 +6,14 @@ Options (frozen by tests/unit_tests/cpu/test_cli.py; new knobs go into the confi
     --config FILE        a YAML file written by --print_config (it names its recipe)
     --print_config       print the fully resolved run as YAML and exit
     --job.SECTION.FIELD  override a JobConfig field (model, training, parallelism, ...)
-    --trainer.ARG        override a lightning.Trainer argument
+    --trainer.ARG        override a lightning.Trainer argument; --trainer.logger and
+                         --trainer.callbacks take class paths as in LightningCLI (a logger
+                         replaces the recipe's, callbacks are added to the recipe's):
+                           --trainer.logger lightning.pytorch.loggers.CSVLogger --trainer.logger.save_dir logs
+                           --trainer.callbacks+ lightning.pytorch.callbacks.LearningRateMonitor
+                           --trainer.logger false
+
+``titan-lightning fit --help`` lists every option (with --recipe, that recipe's values as defaults).
 
 ``estimate`` takes the same options and overrides, plus its own (see titan_lightning/estimate.py):
 
@@ -15,6 +22,7 @@ Options (frozen by tests/unit_tests/cpu/test_cli.py; new knobs go into the confi
     --json               print bytes as JSON instead of the table in GiB
 
 Bad input exits with status 2 and one line on stderr, before anything is written.
+A recipe module in the current folder is found (``--recipe my_recipes:fn``), as with ``python -m``.
 """
 
 import argparse
@@ -36,14 +44,18 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 import lightning as L
 
 from titan_lightning.checkpoint import CheckpointError
-from titan_lightning.config import ConfigError
+from titan_lightning.config import ConfigError, JobConfig
 from titan_lightning.recipe import Run, RecipeError, build_run, build_trainer, check_inputs, execute
 
 SUBCOMMANDS = ("fit", "validate", "test", "estimate")
 OPTIONS = ("--recipe", "--config", "--print_config", "--job", "--trainer")
 # Trainer arguments that hold objects: a recipe sets them, the command line does not.
 # (`strategy` is on the command line as a registry name or a class path, see build_parser.)
-_OBJECT_ARGS = ("callbacks", "logger", "plugins")
+_OBJECT_ARGS = ("plugins",)
+# Objects both may set, the command line as LightningCLI does (class_path + init_args). The
+# recipe's are never parser defaults (objects do not print): the command line's logger replaces
+# the recipe's, its callbacks are added to the recipe's.
+_ADDED_ARGS = ("logger", "callbacks")
 
 
 # Set to 1 to see the traceback behind a one-line error.
@@ -56,13 +68,28 @@ class UsageError(ValueError):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Bad input (found before launch): one line on stderr, exit 2, nothing written. A known
-    failure of the run itself (a checkpoint that cannot be written, ...): one line, exit 1."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    failure of the run itself (a checkpoint that cannot be written, ...): one line, exit 1.
+    A reader that stops early (``titan-lightning fit --help | head``): exit 1, nothing printed."""
+    try:
+        try:
+            return _main(list(sys.argv[1:] if argv is None else argv))
+        finally:
+            sys.stdout.flush()  # here, not at exit: a closed pipe is then caught below
+    except BrokenPipeError:
+        # Python's advice (library/signal.html, "Note on SIGPIPE"): send what is left to devnull.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str]) -> int:
     try:
         with held_lightning_output():
             if argv and argv[0] == "estimate":
                 return estimate_command(argv[1:])
             prepared = prepare(argv)
+    except BrokenPipeError:
+        raise
     except Exception as err:  # noqa: BLE001 - every failure before launch is reported in one line
         _report(err)
         return 2
@@ -152,6 +179,9 @@ def prepare(argv: list[str]) -> Optional[tuple[str, Run, L.Trainer]]:
 
 def parse_run(argv: list[str]) -> Optional[Run]:
     """The recipe's run with the command line's overrides applied; None when only printing."""
+    if {"-h", "--help"} & set(argv) and _recipe_arg(argv) is None and _config_path(argv) is None:
+        build_parser(None).print_help()  # every option, with JobConfig's and Trainer's defaults
+        return None
     spec = _recipe_spec(argv)
     run = build_run(spec)
     parser = build_parser(run)
@@ -178,7 +208,7 @@ def estimate_command(argv: list[str]) -> int:
         options, rest = own.parse_known_args(argv)
     except argparse.ArgumentError as err:
         raise UsageError(f"estimate: {err}") from None
-    if options.world_size is None and "--print_config" not in rest:
+    if options.world_size is None and not {"--print_config", "-h", "--help"} & set(rest):
         raise UsageError("estimate needs --world_size N (the number of ranks to estimate for)")
     if options.world_size is not None and options.world_size < 1:
         raise UsageError(f"--world_size={options.world_size} must be >= 1")
@@ -192,17 +222,23 @@ def estimate_command(argv: list[str]) -> int:
     return 0
 
 
-def build_parser(run: Run) -> ArgumentParser:
-    parser = ArgumentParser(prog="titan-lightning", exit_on_error=False, default_env=False, print_config=None)
+def build_parser(run: Optional[Run]) -> ArgumentParser:
+    """The options of ``run``, its values as defaults; without a run (``fit --help`` alone), those
+    of any recipe with JobConfig's and Trainer's defaults."""
+    parser = ArgumentParser(prog="titan-lightning", exit_on_error=False, default_env=False, print_config=None,
+                            description=None if run is not None else
+                            "Options of every recipe; add --recipe MOD:FN to see that recipe's values as defaults.")
     parser.add_argument("--config", action=ActionConfigFile, help="YAML written by --print_config")
     parser.add_argument("--recipe", type=str, required=True, help="package.module:function")
     parser.add_argument("--print_config", action="store_true", help="print the resolved run and exit")
-    if run.job is not None:
-        parser.add_argument("--job", type=type(run.job), default=run.job, help="the run's JobConfig")
+    job = run.job if run is not None else JobConfig()
+    recipe_trainer = run.trainer if run is not None else {}
+    if job is not None:
+        parser.add_argument("--job", type=type(job), default=job, help="the run's JobConfig")
     # Method arguments, not class arguments: the CLI builds the Trainer itself.
     int_first = _int_or_float_args()
     skip = set(_OBJECT_ARGS) | set(int_first)
-    if _kept_by_recipe("strategy", run.trainer.get("strategy", "auto")):
+    if _kept_by_recipe("strategy", recipe_trainer.get("strategy", "auto")):
         skip.add("strategy")
     parser.add_method_arguments(L.Trainer, "__init__", "trainer", skip=skip)
     for key, default in int_first.items():
@@ -211,10 +247,10 @@ def build_parser(run: Run) -> ArgumentParser:
         parser.add_argument(f"--trainer.{key}", type=Optional[Union[int, Annotated[float, "fraction"]]], default=default)
     trainer_args = _trainer_signature_defaults()
     trainer_defaults = {}
-    for key, value in run.trainer.items():
+    for key, value in recipe_trainer.items():
         if key not in trainer_args:
             raise RecipeError(f"recipe trainer argument {key!r} is not an argument of lightning.Trainer")
-        if not _kept_by_recipe(key, value):
+        if not _kept_by_recipe(key, value) and key not in _ADDED_ARGS:
             trainer_defaults[f"trainer.{key}"] = value
     parser.set_defaults(trainer_defaults)
     return parser
@@ -230,14 +266,25 @@ def apply_namespace(run: Run, parser: ArgumentParser, namespace) -> None:
     for key, value in vars(init.trainer).items():
         if key not in defaults:
             continue  # jsonargparse bookkeeping, not a Trainer argument
-        if key in run.trainer or value != defaults[key]:
+        if key == "logger" and value is not None:
+            trainer[key] = value
+        elif key == "callbacks" and value is not None:
+            trainer[key] = _as_list(trainer.get(key)) + _as_list(value)
+        elif key not in _ADDED_ARGS and (key in run.trainer or value != defaults[key]):
             trainer[key] = value
     run.trainer = trainer
 
 
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
 def _kept_by_recipe(key: str, value) -> bool:
-    """Objects a recipe sets stay as they are; the command line neither shows nor overrides them."""
-    return key in _OBJECT_ARGS or (key == "strategy" and not isinstance(value, str))
+    """Objects a recipe sets stay as they are; the command line replaces (logger) or adds to
+    (callbacks) some of them, and neither shows nor overrides the others."""
+    return key in _OBJECT_ARGS or key in _ADDED_ARGS or (key == "strategy" and not isinstance(value, str))
 
 
 def _trainer_signature_defaults() -> dict:
@@ -254,11 +301,9 @@ def _int_or_float_args() -> dict:
 
 
 def _recipe_spec(argv: list[str]) -> str:
-    for i, arg in enumerate(argv):
-        if arg == "--recipe" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--recipe="):
-            return arg.split("=", 1)[1]
+    spec = _recipe_arg(argv)
+    if spec is not None:
+        return spec
     path = _config_path(argv)
     if path is not None:
         saved = _read_yaml(path)
@@ -266,6 +311,15 @@ def _recipe_spec(argv: list[str]) -> str:
             return saved["recipe"]
         raise UsageError(f"--config={path!r} names no recipe; add 'recipe: package.module:function'")
     raise UsageError("--recipe is required (e.g. --recipe recipes.llama3:debugmodel)")
+
+
+def _recipe_arg(argv: list[str]) -> Optional[str]:
+    for i, arg in enumerate(argv):
+        if arg == "--recipe" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--recipe="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def _config_path(argv: list[str]) -> Optional[str]:
@@ -325,12 +379,30 @@ def _describe_parse_error(message: str, run: Run, config: Optional[str] = None) 
     if group:
         name = f"{group.group(1)}.{group.group(2)}"
         message = f"unknown key {name}; {_valid_keys_near(name, run)}"
+    if name in _CLASS_EXAMPLES:
+        message = _describe_class_error(name, message)
     if config is not None and name is not None:
         # A value from the config file (a command-line override of the same key would have won).
         line = _yaml_line(config, name)
         if line is not None:
             return f"--config={config!r}, line {line}: {message}"
     return message
+
+
+_CLASS_EXAMPLES = {
+    "trainer.logger": "lightning.pytorch.loggers.CSVLogger --trainer.logger.save_dir logs",
+    "trainer.callbacks": "lightning.pytorch.callbacks.LearningRateMonitor",
+}
+
+
+def _describe_class_error(name: str, message: str) -> str:
+    """jsonargparse's tried-every-Union-member report, cut to the class that was meant."""
+    problem = re.search(r"Problem with given class_path '([^']+)':\s*\n\s*(.+)", message)
+    if problem:
+        return f"{name}={problem.group(1)}: {problem.group(2).strip()}"
+    given = re.search(r"Given value: (.+)", message)
+    value = given.group(1).strip() if given else "the value"
+    return f"{name}: {value!r} is not a class path; e.g. --{name} {_CLASS_EXAMPLES[name]}"
 
 
 def _valid_keys_near(option: str, run: Run) -> str:

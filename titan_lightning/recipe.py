@@ -6,7 +6,8 @@ A recipe is a plain function with no arguments returning a ``Run``::
         job = Llama3Job(model=llama3_args("debugmodel"), ...)
         return Run(module=Llama3Module(job), datamodule=TextDataModule(job), trainer=dict(max_steps=100))
 
-It is selected as ``package.module:function`` (``recipes.llama3:debugmodel``).
+It is selected as ``package.module:function`` (``recipes.llama3:debugmodel``); a module in the
+current folder is found too, as ``python -m`` would find it.
 """
 
 import datetime
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from titan_lightning.callbacks import TrainingMetrics
@@ -76,6 +77,7 @@ def load_recipe(spec: str) -> Callable[[], Run]:
     module_name, sep, function_name = spec.partition(":")
     if not sep or not module_name or not function_name:
         raise RecipeError(f"--recipe={spec!r} must look like package.module:function (e.g. recipes.llama3:debugmodel)")
+    _find_modules_in_cwd()
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
@@ -96,6 +98,14 @@ def load_recipe(spec: str) -> Callable[[], Run]:
             f"it defines: {', '.join(available) or 'nothing'}"
         )
     return function
+
+
+def _find_modules_in_cwd() -> None:
+    """Put the current folder first on sys.path, as ``python -m`` does (the console script's
+    sys.path starts with its own folder instead). Ranks a launcher starts inherit the folder."""
+    cwd = os.getcwd()
+    if "" not in sys.path and not any(os.path.abspath(p) == cwd for p in sys.path if p):
+        sys.path.insert(0, cwd)
 
 
 def build_run(spec: str) -> Run:
@@ -185,7 +195,9 @@ def resume_path(run: Run, trainer: L.Trainer) -> Optional[str]:
     """The checkpoint ``job.checkpoint.resume_from`` names, checked (one-line CheckpointError
     otherwise); None to start fresh, saying so when "latest" finds nothing yet."""
     job = run.job
-    if job is None or job.checkpoint.resume_from is None:
+    if job is None:
+        return run.ckpt_path  # a user's module: the recipe's own Run(ckpt_path=...)
+    if job.checkpoint.resume_from is None:
         return None
     from titan_lightning.checkpoint import resolve_resume, unfinished_checkpoints
 
@@ -224,6 +236,47 @@ def execute(command: str, run: Run, trainer: L.Trainer) -> None:
     getattr(trainer, command)(run.module, datamodule=run.datamodule, **kwargs)
 
 
+def train_description(trainer: L.Trainer) -> str:
+    """"Epoch 2" for a run limited by epochs; a run limited by steps (max_epochs=-1, which
+    Lightning's RichProgressBar would print as "Epoch 0/-2") also counts its steps: "Epoch 0, step 3/10"."""
+    description = f"Epoch {trainer.current_epoch}"
+    if trainer.max_epochs is not None and trainer.max_epochs >= 0:
+        return f"{description}/{trainer.max_epochs - 1}"
+    if trainer.max_steps is not None and trainer.max_steps > 0:
+        return f"{description}, step {trainer.global_step}/{trainer.max_steps}"
+    return description
+
+
+class StepProgressBar(TQDMProgressBar):
+    """Lightning's progress bar, its training bar described by ``train_description``."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        self.train_progress_bar.set_description(train_description(trainer))
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if not self.train_progress_bar.disable:
+            self.train_progress_bar.set_description(train_description(trainer), refresh=False)
+        super().on_train_batch_end(trainer, *args)
+
+
+class StepRichProgressBar(RichProgressBar):
+    """Lightning's RichProgressBar, its training bar described by ``train_description``."""
+
+    def _get_train_description(self, current_epoch: int) -> str:  # Lightning's only hook for it
+        return f"{train_description(self.trainer):{len(self.validation_description)}}"
+
+
+def _progress_bar(callbacks: list) -> list:
+    """Ours unless the run brings its own; Lightning's RichProgressBar becomes ours, settings kept."""
+    for bar in callbacks:
+        if type(bar) is RichProgressBar:
+            bar.__class__ = StepRichProgressBar  # adds one method, no state
+    if any(isinstance(c, ProgressBar) for c in callbacks):
+        return callbacks
+    return [*callbacks, StepProgressBar()]
+
+
 def build_trainer(run: Run) -> L.Trainer:
     """Validate the run and build its Trainer. Nothing is written and nothing is spawned."""
     kwargs = dict(run.trainer)
@@ -259,6 +312,8 @@ def build_trainer(run: Run) -> L.Trainer:
     if job is not None and job.checkpoint.export_format is not None:
         where = folder / ("export_hf" if job.checkpoint.export_format == "hf" else "export")
         callbacks.append(ExportWeights(where, job.checkpoint.export_format, job.checkpoint.export_dtype))
+    if kwargs.get("enable_progress_bar") is not False:
+        callbacks = _progress_bar(callbacks)
     kwargs["callbacks"] = callbacks
     trainer = L.Trainer(**kwargs)
     if job is not None:
