@@ -31,22 +31,69 @@ stands for a layer index). This file knows *how* each style is sharded:
     moe_replicated       a per-token module inside an MoE layer (router gate, shared
                          experts): weights replicated on the TP mesh, run on the rank's own
                          tokens (dim 0), gradients summed over the TP ranks
+    colwise_fused:N      colwise for an nn.Linear whose output rows are N equal blocks:
+                         nanoGPT-style [all q; all k; all v] ("colwise_fused:3") or a fused
+                         [gate; up] ("colwise_fused:2"). Each block is split on its own, so
+                         rank r returns [q_r, k_r, v_r]: split it with ``.chunk(N, dim=-1)``.
+                         The weight keeps the module's layout (a ``_StridedShard`` DTensor:
+                         ``full_tensor()`` and a full state dict are the unsharded [q; k; v]).
+                         Limits: FSDP on top is not verified; a sharded (DCP) checkpoint of
+                         it fails (DCP takes a shard for one contiguous chunk, and refuses
+                         the overlapping ones)
+    heads                not a module: an integer attribute that counts heads (below)
 
 Every parameter of a sharded module becomes a DTensor on the TP mesh, norms included, so
 one grad-norm and one optimizer path serve the whole model.
 
-Weights are not broadcast (``src_data_rank=None``): build the model on the meta device,
-apply TP, then materialize it; the layout-independent init gives every rank its own shard.
+Weights are not broadcast (``src_data_rank=None``): each rank shards the full weights it
+holds. Build the model on the meta device, apply TP, then materialize it (the
+layout-independent init gives every rank its own shard); or, for a user's module built
+normally, build it with the same seed on every rank: its weights are kept, not re-initialized.
+
+Head counts. Colwise projections give each rank 1/tp of the heads, so a module that
+reshapes with a head count (``q.view(B, T, self.n_head, hs)``) must read the local count.
+``apply_tp`` divides these integer attributes by tp, in place:
+
+- found by name on every module that owns a colwise-sharded child (the attention) and on
+  that module's ``config`` object: ``HEAD_COUNT_NAMES`` (n_head, n_heads, num_heads,
+  num_attention_heads, n_kv_heads, n_kv_head, num_key_value_heads, n_query_groups,
+  num_kv_heads), when they are plain instance attributes. A ``config`` shared by every
+  block (LitGPT) is divided once.
+- declared in the plan with the style ``heads``: the pattern names a module, then
+  attributes, e.g. ``"blocks.*.attn.n_head": "heads"`` or ``"config.n_head": "heads"``.
+
+Nothing else is touched: hidden sizes (n_embd, dim), head sizes and ratios such as
+``n_head // n_query_groups`` stay what they were (the ratio is the same locally). A shape
+computed from a hidden size or from the input's last dim (``C // self.n_head``,
+``split(self.n_embd)``) is still global: such a module fails under TP, and the error names
+it (a module that owns sharded children re-raises a shape error of its forward as
+``TensorParallelShapeError``, saying what to declare). What no check can see: a global head
+count under a name of its own with -1 for the head size (``view(B, T, self.nh, -1)``) runs,
+on heads of the wrong size; declare such a count.
+
+A fused projection is sharded correctly by plain ``colwise`` when its rows are grouped per
+head or per query group (LitGPT's qkv: [n_query_groups, q_per_kv + 2, head_size]): each rank
+gets whole groups. Rows stacked as [all q; all k; all v] need ``colwise_fused:3``.
 """
 
 import inspect
+import re
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -55,6 +102,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from titan_lightning.config import ConfigError
 
 # (module, sequence_parallel, loss_parallel) -> the style to apply, or None for nothing.
 StyleFactory = Callable[[nn.Module, bool, bool], Optional[ParallelStyle]]
@@ -154,6 +204,32 @@ def _local_output(module: nn.Module, output, mesh: DeviceMesh):
     return output.to_local() if isinstance(output, DTensor) else output
 
 
+class FusedColwiseParallel(ColwiseParallel):
+    """Colwise for an nn.Linear whose output rows are ``parts`` equal blocks ([q; k; v]).
+
+    Each block is split over the ranks on its own (``_StridedShard(0, split_factor=parts)``):
+    rank r computes [q_r, k_r, v_r] and returns it as a local tensor.
+    """
+
+    def __init__(self, parts: int) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        placement = _StridedShard(0, split_factor=self.parts)
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.to_local()  # already each block's rank-local part, in block order
+
+
+FUSED = "colwise_fused"
+HEADS = "heads"  # plan style of an integer attribute that counts heads (not a module)
+
+
 STYLES: dict[str, StyleFactory] = {
     "embedding": _embedding,
     "colwise": _colwise,
@@ -169,7 +245,16 @@ STYLES: dict[str, StyleFactory] = {
 }
 
 # The weight dimension each style splits across the TP ranks (nn.Linear weights are [out, in]).
-_SHARDED_WEIGHT_DIM = {"embedding": 0, "colwise": 0, "output": 0, "rowwise": 1}
+_SHARDED_WEIGHT_DIM = {"embedding": 0, "colwise": 0, "output": 0, "rowwise": 1, FUSED: 0}
+# Styles whose output features are split: their module's owner holds 1/tp of the heads.
+_HEAD_SPLITTING = ("colwise", FUSED)
+# Styles that make their owner's forward see local sizes (its shape errors are explained).
+_SPLITTING = (*_HEAD_SPLITTING, "rowwise")
+# Integer attributes that count heads, localized on the owners of colwise children and their ``config``.
+HEAD_COUNT_NAMES = (
+    "n_head", "n_heads", "num_heads", "num_attention_heads", "n_kv_heads", "n_kv_head",
+    "num_key_value_heads", "n_query_groups", "num_kv_heads",
+)
 
 
 def apply_tp(
@@ -182,66 +267,263 @@ def apply_tp(
 ) -> nn.Module:
     """Shard ``model`` over the 1-D ``tp_mesh`` as ``plan`` says; the model is changed in place.
 
-    The whole plan is checked (style names, patterns, divisible sizes) before anything is
-    sharded. With ``loss_parallel`` the model returns vocab-sharded DTensor logits: compute
-    the loss and run backward inside ``torch.distributed.tensor.parallel.loss_parallel()``.
+    The whole plan is checked (style names, patterns, divisible sizes and head counts) before
+    anything is sharded. Head counts are then made per-rank (see the module docstring), and
+    every module that owns sharded children explains a shape error of its forward. With
+    ``loss_parallel`` the model returns vocab-sharded DTensor logits: compute the loss and run
+    backward inside ``torch.distributed.tensor.parallel.loss_parallel()``.
     """
-    resolved = [
-        (fqn, module, style) for pattern, style in plan.items() for fqn, module in _resolve(model, pattern, style)
-    ]
+    tp = tp_mesh.size()
+    resolved, heads = _checked_plan(model, plan, tp, sequence_parallel)
     for fqn, module, style in resolved:
-        _check_divisible(fqn, module, style, tp_mesh.size())
-    for fqn, module, style in resolved:
-        parallel_style = STYLES[style](module, sequence_parallel, loss_parallel)
+        parallel_style = _factory(style)(module, sequence_parallel, loss_parallel)
         if parallel_style is not None:
             parallelize_module(module, tp_mesh, parallel_style, src_data_rank=None)
+    for count in heads:
+        setattr(count.owner, count.attr, count.value // tp)
+    _explain_shape_errors(model, resolved, heads, tp)
     return model
 
 
+def check_tp_plan(model: nn.Module, plan: dict[str, str], tp: int, *, sequence_parallel: bool) -> None:
+    """Raise what ``apply_tp`` would raise about ``plan`` on ``model`` at degree ``tp``, changing
+    nothing and needing no process group (for a check before launch)."""
+    _checked_plan(model, plan, tp, sequence_parallel)
+
+
+def _checked_plan(
+    model: nn.Module, plan: dict[str, str], tp: int, sequence_parallel: bool
+) -> tuple[list[tuple[str, nn.Module, str]], list["_HeadCount"]]:
+    """The plan's (fqn, module, style) entries and the head counts to divide, all checked."""
+    _check_sequence_parallel(plan, sequence_parallel)
+    resolved = [
+        (fqn, module, style)
+        for pattern, style in plan.items()
+        if style != HEADS
+        for fqn, module in _resolve(model, pattern, style)
+    ]
+    for fqn, module, style in resolved:
+        _check_divisible(fqn, module, style, tp)
+    return resolved, _head_counts(model, plan, resolved, tp)
+
+
+def _parse_style(style: str) -> tuple[str, Optional[int]]:
+    """``"colwise_fused:3"`` -> ("colwise_fused", 3); other styles have no argument."""
+    name, colon, arg = style.partition(":")
+    if name == FUSED and colon and arg.isdigit() and int(arg) >= 2:
+        return name, int(arg)
+    return (style, None) if style in STYLES or style == HEADS else ("", None)
+
+
+def _factory(style: str) -> StyleFactory:
+    name, parts = _parse_style(style)
+    if name == FUSED:
+        return lambda module, sp, loss_parallel: FusedColwiseParallel(parts)
+    return STYLES[name]
+
+
 def _resolve(model: nn.Module, pattern: str, style: str) -> list[tuple[str, nn.Module]]:
-    if style not in STYLES:
-        raise ValueError(f"TP plan entry {pattern!r}: unknown style {style!r}; valid styles are {', '.join(STYLES)}")
+    name, _ = _parse_style(style)
+    if not name:
+        raise ValueError(
+            f"TP plan entry {pattern!r}: unknown style {style!r}; valid styles are {', '.join(STYLES)}, "
+            f"{FUSED}:N (N >= 2 equal blocks of output rows), {HEADS} (an integer attribute)"
+        )
     matches, removed = _match(model, pattern)
     if not matches and not removed:
         raise ValueError(
             f"TP plan pattern {pattern!r} (style {style!r}) matches no module of {type(model).__name__}; "
             f"patterns are module names with '*' for one name part, e.g. 'layers.*.attention.wq'"
         )
+    if name == FUSED:
+        for fqn, module in matches:
+            if not isinstance(module, nn.Linear):
+                raise ValueError(f"TP style {style!r} shards an nn.Linear; {fqn} is a {type(module).__name__}")
     return matches
 
 
-def _match(model: nn.Module, pattern: str) -> tuple[list[tuple[str, nn.Module]], int]:
+def _match(model: nn.Module, pattern: str, attributes: bool = False) -> tuple[list[tuple[str, Any]], int]:
     """Modules whose name matches ``pattern`` part by part, and how many matched slots are None.
 
     A None slot is a submodule a pipeline stage removed (``model.output = None``): it is
-    skipped, not an error.
+    skipped, not an error. With ``attributes``, a part that names no submodule may name a plain
+    attribute (a config object), matched exactly.
     """
-    frontier: list[tuple[str, nn.Module]] = [("", model)]
+    frontier: list[tuple[str, Any]] = [("", model)]
     removed = 0
-    for part in pattern.split("."):
+    for part in pattern.split(".") if pattern else []:
         found = []
-        for fqn, module in frontier:
-            for name, child in module._modules.items():  # named_children() would hide the None slots
-                if not fnmatchcase(name, part):
-                    continue
-                if child is None:
-                    removed += 1
-                else:
-                    found.append((f"{fqn}.{name}" if fqn else name, child))
+        for fqn, obj in frontier:
+            children = obj._modules if isinstance(obj, nn.Module) else {}  # named_children() hides None slots
+            names = [name for name in children if fnmatchcase(name, part)]
+            removed += sum(children[name] is None for name in names)
+            found += [(_join(fqn, name), children[name]) for name in names if children[name] is not None]
+            if attributes and not names and getattr(obj, part, None) is not None:
+                found.append((_join(fqn, part), getattr(obj, part)))
         frontier = found
     return frontier, removed
 
 
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
 def _check_divisible(fqn: str, module: nn.Module, style: str, tp: int) -> None:
-    dim = _SHARDED_WEIGHT_DIM.get(style)
+    name, parts = _parse_style(style)
+    dim = _SHARDED_WEIGHT_DIM.get(name)
     weight = getattr(module, "weight", None)
     if dim is None or weight is None:
         return
-    if weight.shape[dim] % tp:
+    size = weight.shape[dim] // (parts or 1)  # of each block
+    if weight.shape[dim] % (tp * (parts or 1)):
+        blocks = f" into {parts} blocks of {size}, each" if parts else ""
         raise ValueError(
-            f"TP style {style!r} splits dim {dim} of {fqn}.weight {tuple(weight.shape)}, "
-            f"which is not divisible by parallelism.tp={tp}; choose a tp degree that divides {weight.shape[dim]}"
+            f"TP style {style!r} splits dim {dim} of {fqn}.weight {tuple(weight.shape)}{blocks}, "
+            f"which is not divisible by parallelism.tp={tp}; choose a tp degree that divides {size}"
         )
+
+
+def _check_sequence_parallel(plan: dict[str, str], sequence_parallel: bool) -> None:
+    """Under sequence parallelism a rowwise layer returns the hidden states sharded on the
+    sequence: something must carry them (a sharded embedding, norms, gathered block inputs)."""
+    styles = {_parse_style(style)[0] for style in plan.values()}
+    if sequence_parallel and "rowwise" in styles and not styles & {"embedding", "norm", "prepare_block_input"}:
+        raise ConfigError(
+            "parallelism.sequence_parallel=True, but the TP plan has rowwise layers (which then return the hidden "
+            "states sharded on the sequence) and no 'embedding', 'norm' or 'prepare_block_input' entries to carry "
+            "them; declare those (see titan_lightning/parallel/tensor.py) or set parallelism.sequence_parallel=False"
+        )
+
+
+# -- head counts ------------------------------------------------------------------------------
+
+
+@dataclass
+class _HeadCount:
+    label: str  # where it is, from the model: "blocks.0.attn.config.n_head"
+    owner: Any  # the module or config object holding it
+    attr: str
+    value: int
+
+
+def _head_counts(model: nn.Module, plan: dict[str, str], resolved: list, tp: int) -> list[_HeadCount]:
+    """The head counts to divide by tp: declared ones, then those found by name; each object's
+    attribute once (a config shared by every block is one object)."""
+    found: dict[tuple[int, str], _HeadCount] = {}
+    candidates = [match for pattern, style in plan.items() if style == HEADS
+                  for match in _resolve_heads(model, pattern)]
+    for fqn, owner in _owners(model, resolved, _HEAD_SPLITTING).items():
+        for prefix, obj in ((fqn, owner), (_join(fqn, "config"), getattr(owner, "config", None))):
+            attributes = vars(obj) if obj is not None and hasattr(obj, "__dict__") else {}
+            # Instance attributes only: a property or an alias (HF's attribute_map) is not a count of its own.
+            candidates += [(_join(prefix, name), obj, name) for name in HEAD_COUNT_NAMES
+                           if _is_count(attributes.get(name))]
+    for label, obj, attr in candidates:
+        found.setdefault((id(obj), attr), _HeadCount(label, obj, attr, getattr(obj, attr)))
+    for count in found.values():
+        if count.value % tp:
+            raise ConfigError(
+                f"tensor parallelism gives each of parallelism.tp={tp} ranks 1/{tp} of the heads, but "
+                f"{count.label}={count.value} is not divisible by {tp}; choose a tp that divides {count.value}"
+            )
+        try:
+            setattr(count.owner, count.attr, count.value)  # the same value: can it be set at all?
+        except AttributeError as error:
+            raise ConfigError(f"{count.label} counts heads and must become {count.value // tp} under "
+                              f"parallelism.tp={tp}, but it cannot be set: {error}") from error
+    return list(found.values())
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _resolve_heads(model: nn.Module, pattern: str) -> list[tuple[str, Any, str]]:
+    """(label, object, attribute) for a ``heads`` entry: module names (``*`` for one part),
+    then plain attributes (a config object), then the integer attribute."""
+    path, _, attr = pattern.rpartition(".")
+    frontier, removed = _match(model, path, attributes=True)
+    matches = [(_join(fqn, attr), obj, attr) for fqn, obj in frontier if hasattr(obj, attr)]
+    if not matches and not removed:
+        raise ValueError(
+            f"TP plan entry {pattern!r} (style {HEADS!r}) matches no attribute of {type(model).__name__}; name a "
+            f"module ('*' for one name part), then the integer attribute: 'blocks.*.attn.n_head' or 'config.n_head'"
+        )
+    for label, obj, name in matches:
+        if not _is_count(getattr(obj, name)):
+            raise ValueError(f"TP plan entry {pattern!r} (style {HEADS!r}): {label} is {getattr(obj, name)!r}, "
+                             f"not an integer head count")
+    return matches
+
+
+def _owners(model: nn.Module, resolved: list, styles: tuple[str, ...]) -> dict[str, nn.Module]:
+    """The modules that own a child sharded with one of ``styles`` (an attention, an MLP), by fqn."""
+    owners: dict[str, nn.Module] = {}
+    for fqn, _, style in resolved:
+        if _parse_style(style)[0] in styles:
+            parent = fqn.rpartition(".")[0]
+            owners.setdefault(parent, model.get_submodule(parent))
+    return owners
+
+
+# -- naming the module whose reshape fails ------------------------------------------------------
+
+
+class TensorParallelShapeError(RuntimeError):
+    """A module's forward failed on the per-rank sizes that tensor parallelism gave it."""
+
+
+# What a shape error of a reshape, a split or a matmul says (torch's and Python's unpacking).
+_SHAPE_ERROR = re.compile(r"shape|size|unpack|dimension|mat1 and mat2", re.IGNORECASE)
+
+
+class _ExplainShapeErrors:
+    """A module's forward that re-raises its shape errors as one TensorParallelShapeError saying
+    what to declare. Set as the module's ``forward`` (hooks run in ``__call__``, around it)."""
+
+    def __init__(self, forward: Callable, explain: Callable[[str], str]) -> None:
+        self.forward = forward
+        self.explain = explain
+        self.__wrapped__ = forward  # inspect.signature sees the module's own arguments
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return self.forward(*args, **kwargs)
+        try:
+            return self.forward(*args, **kwargs)
+        except TensorParallelShapeError:
+            raise
+        except (RuntimeError, ValueError) as error:
+            text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            if not _SHAPE_ERROR.search(text):
+                raise
+            raise TensorParallelShapeError(self.explain(text)) from error
+
+
+def _explain_shape_errors(model: nn.Module, resolved: list, heads: list[_HeadCount], tp: int) -> None:
+    sharded: dict[str, list[str]] = {}
+    for fqn, _, style in resolved:
+        if _parse_style(style)[0] in _SPLITTING:
+            parent, _, name = fqn.rpartition(".")
+            sharded.setdefault(parent, []).append(f"{name}: {style}")
+    for fqn, owner in _owners(model, resolved, _SPLITTING).items():
+        mine = (owner, getattr(owner, "config", None))
+        local = [f"{c.label} {c.value} -> {c.value // tp}" for c in heads if any(c.owner is o for o in mine)]
+        owner.forward = _ExplainShapeErrors(owner.forward, _explanation(fqn, owner, sharded[fqn], local, tp))
+
+
+def _explanation(fqn: str, owner: nn.Module, children: list[str], local: list[str], tp: int) -> Callable[[str], str]:
+    where = f"{fqn}." if fqn else ""
+    done = f"made per-rank: {', '.join(local)}" if local else f"none found by name ({', '.join(HEAD_COUNT_NAMES)})"
+    return lambda error: (
+        f"{fqn or 'the model'} ({type(owner).__name__}): its forward failed under parallelism.tp={tp} ({error}). "
+        f"Its sharded projections ({', '.join(children)}) give each rank 1/{tp} of their output features, so the "
+        f"head counts it reads must be per-rank ({done}): declare them in tp_plan as '{where}<attr>': 'heads' (or "
+        f"'{where}config.<attr>': 'heads'). Sizes read from a hidden size or the input's width (split(n_embd), "
+        f"x.size(-1) // n_head) stay global: use a head size, and -1 for a merged width (y.reshape(B, T, -1)). "
+        f"A fused projection whose rows are [all q; all k; all v] (nanoGPT's c_attn) needs the style '{FUSED}:3', "
+        f"its output split with .chunk(3, dim=-1) (see titan_lightning/parallel/tensor.py)"
+    )
 
 
 def _positional_arity(module: nn.Module) -> int:

@@ -1,0 +1,204 @@
+"""Tensor parallelism on a user's own module, from the plan it declares.
+
+Head counts become per-rank (found by name, or declared as 'heads'); a fused projection is
+sharded block by block ('colwise_fused:N'); a module whose reshape still fails under TP is
+named, with what to declare. The in-process tests run one rank of two under the fake process
+group (no collective is real, local shapes are); the multi-process test trains on two real
+gloo ranks against one process.
+"""
+
+import contextlib
+import copy
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from titan_lightning.config import ConfigError
+from titan_lightning.parallel.tensor import TensorParallelShapeError, apply_tp, check_tp_plan
+from titan_lightning.testing.launch import launch, run_single
+from user_gpt import Config, GPTModule
+
+TP = 2
+
+
+@contextlib.contextmanager
+def tp_mesh(rank: int = 1):
+    """Rank ``rank`` of a fake world of TP ranks, and its 1-D mesh."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=TP)
+    try:
+        yield init_device_mesh("cpu", (TP,))
+    finally:
+        dist.destroy_process_group()
+
+
+def apply(module: nn.Module, plan: dict, mesh, sequence_parallel: bool = False) -> nn.Module:
+    return apply_tp(module, mesh, plan, sequence_parallel=sequence_parallel, loss_parallel=False)
+
+
+def tokens(vocab_size: int = 128) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
+
+
+# -- head counts -------------------------------------------------------------------------------
+
+
+def test_head_counts_on_a_shared_config_are_divided_once_and_hidden_sizes_kept():
+    module = GPTModule()
+    with tp_mesh() as mesh:
+        apply(module, GPTModule.tp_plan, mesh, sequence_parallel=True)
+        config = module.config
+        assert config is module.model.h[1].attn.config  # one object, shared by every block
+        assert (config.n_head, config.n_query_groups) == (2, 1)
+        assert (config.n_embd, config.head_size, config.intermediate_size) == (64, 16, 96)
+        assert module.model.h[0].attn.attn.weight.to_local().shape == ((2 + 2 * 1) * 16, 64)
+        logits = module(tokens())  # every reshape runs on the local heads
+    assert logits.shape == (2, 32, 128)
+
+
+def test_a_head_count_the_tp_degree_does_not_divide_is_refused_before_sharding():
+    module = GPTModule(Config(n_head=3, n_query_groups=3))
+    message = r"model.h.0.attn.config.n_head=3 is not divisible by 2; choose a tp that divides 3$"
+    with pytest.raises(ConfigError, match=message):
+        check_tp_plan(module, GPTModule.tp_plan, TP, sequence_parallel=True)
+    with tp_mesh() as mesh, pytest.raises(ConfigError, match=message):
+        apply(module, GPTModule.tp_plan, mesh, sequence_parallel=True)
+    assert not isinstance(module.model.wte.weight, DTensor) and module.config.n_head == 3
+
+
+class NanoAttention(nn.Module):
+    """nanoGPT's attention: q, k, v split by the hidden size, head size from the input's width."""
+
+    def __init__(self, n_embd: int = 64, n_head: int = 4) -> None:
+        super().__init__()
+        self.n_embd, self.n_head = n_embd, n_head
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class ChunkAttention(nn.Module):
+    """Rows [all q; all k; all v] as in nanoGPT, but split into thirds, reshaped with a head count
+    stored under a name of its own (``heads``) and a head size, and -1 for the width."""
+
+    def __init__(self, n_embd: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.head_size = heads, n_embd // heads
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, self.heads, self.head_size).transpose(1, 2) for t in self.c_attn(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def blocks(attention: type) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.ModuleDict({"h": nn.ModuleList(nn.ModuleDict({"attn": attention()}) for _ in range(2))})
+
+
+PLAN = {"h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise"}
+FUSED_PLAN = {**PLAN, "h.*.attn.c_attn": "colwise_fused:3"}
+
+
+def test_a_reshape_that_fails_under_tp_names_the_module_and_what_to_declare():
+    model = blocks(ChunkAttention)
+    x = torch.randn(2, 8, 64)
+    with tp_mesh() as mesh:
+        apply(model, FUSED_PLAN, mesh)
+        with pytest.raises(TensorParallelShapeError) as failed:
+            model["h"][0]["attn"](x)
+    message = str(failed.value)
+    assert message.startswith("h.0.attn (ChunkAttention): its forward failed under parallelism.tp=2 "
+                              "(shape '[2, 8, 4, 16]' is invalid")
+    assert "declare them in tp_plan as 'h.0.attn.<attr>': 'heads'" in message
+    assert "\n" not in message and isinstance(failed.value.__cause__, RuntimeError)
+
+
+def test_declaring_the_head_count_it_asks_for_makes_the_forward_run():
+    model = blocks(ChunkAttention)
+    with tp_mesh() as mesh:
+        apply(model, {**FUSED_PLAN, "h.*.attn.heads": "heads"}, mesh)
+        assert [model["h"][i]["attn"].heads for i in (0, 1)] == [2, 2]
+        assert model["h"][1]["attn"](torch.randn(2, 8, 64)).shape == (2, 8, 64)
+
+
+def test_nanogpt_attention_is_refused_with_a_pointer_to_fused_projections():
+    model = blocks(NanoAttention)
+    with tp_mesh() as mesh:
+        apply(model, PLAN, mesh)
+        assert model["h"][0]["attn"].n_head == 2 and model["h"][0]["attn"].n_embd == 64
+        unpack = r"^h.0.attn \(NanoAttention\): .*not enough values to unpack"
+        with pytest.raises(TensorParallelShapeError, match=unpack) as failed:
+            model["h"][0]["attn"](torch.randn(2, 8, 64))
+    assert "made per-rank: h.0.attn.n_head 4 -> 2" in str(failed.value)
+    assert "needs the style 'colwise_fused:3', its output split with .chunk(3, dim=-1)" in str(failed.value)
+
+
+def test_fused_qkv_shards_each_third_and_the_rank_partials_sum_to_one_process():
+    """Rank r's c_attn output is [q_r, k_r, v_r]; its weight stays the user's [q; k; v] layout
+    (a strided shard); the rowwise partial outputs of the two ranks add up to one process."""
+    reference = blocks(ChunkAttention)
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(2))
+    q, k, v = reference["h"][0]["attn"].c_attn(x).chunk(3, dim=-1)
+    expected, partials = reference["h"][0]["attn"](x), []
+    plan = {**FUSED_PLAN, "h.*.attn.heads": "heads"}
+    for rank in range(TP):
+        model = copy.deepcopy(reference)
+        with tp_mesh(rank) as mesh:
+            apply(model, plan, mesh)
+            attn = model["h"][0]["attn"]
+            mine = slice(rank * 32, (rank + 1) * 32)
+            assert torch.equal(attn.c_attn(x), torch.cat([q[..., mine], k[..., mine], v[..., mine]], dim=-1))
+            assert type(attn.c_attn.weight.placements[0]).__name__ == "_StridedShard"
+            partials.append(attn(x))  # the fake all-reduce leaves each rank's partial sum
+    torch.testing.assert_close(partials[0] + partials[1], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_sequence_parallel_plan_without_norms_is_refused():
+    with tp_mesh() as mesh, pytest.raises(ConfigError, match=r"sequence_parallel=True, but the TP plan has rowwise"):
+        apply(blocks(ChunkAttention), FUSED_PLAN, mesh, sequence_parallel=True)
+
+
+# -- two real ranks against one process ------------------------------------------------------------
+
+
+USER_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+
+
+def _relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+@pytest.mark.multi_process
+def test_users_litgpt_style_module_on_two_tp_ranks_matches_one_process(tmp_path):
+    with ThreadPoolExecutor(1) as pool:  # the reference runs beside the two ranks
+        single = pool.submit(run_single, ["fit", "--recipe", "user_gpt:single"], out_dir=tmp_path / "single",
+                             timeout=300, env=USER_ENV)
+        result = launch(["fit", "--recipe", "user_gpt:tp2", "--trainer.devices", "2"], 2, out_dir=tmp_path / "tp2",
+                        timeout=300, env=USER_ENV)
+        expected = single.result().ranks[0]
+    assert len(expected["losses"]) == 5 and expected["losses"][-1] < expected["losses"][0]
+    assert expected["metrics"]["probe/n_head"] == 4.0
+    for rank in result.ranks:
+        assert rank["metrics"]["probe/n_head"] == 2.0  # each rank's local heads
+        assert len(rank["losses"]) == 5
+        for name in ("losses", "grad_norms"):
+            for value, ref in zip(rank[name], expected[name]):
+                assert _relative(value, ref) < 1e-5, (name, rank[name], expected[name])
