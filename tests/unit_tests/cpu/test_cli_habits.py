@@ -123,15 +123,9 @@ def test_a_pipe_closed_before_anything_is_written_exits_1_quietly(monkeypatch, c
     """What ``titan-lightning --help | true`` meets: Python's advice, output to devnull, no traceback."""
     read, write = os.pipe()
     os.close(read)
-    saved = os.dup(1)
-    stdout = os.fdopen(write, "w")
-    monkeypatch.setattr(sys, "stdout", stdout)
-    try:
+    with os.fdopen(write, "w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
         assert cli.main(["--help"]) == 1
-    finally:
-        stdout.close()
-        os.dup2(saved, 1)
-        os.close(saved)
     assert capfd.readouterr().err == ""
 
 
