@@ -20,6 +20,7 @@ from typing import Optional
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -235,44 +236,45 @@ class GradNorm(L.Callback):
         pl_module.last_grad_norm = global_grad_norm([p.grad for p in pl_module.parameters() if p.grad is not None])
 
 
-class SaveAtEnd(L.Callback):
-    """``trainer.save_checkpoint`` at the end of fit, into $STYLES_CHECKPOINT."""
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        trainer.save_checkpoint(os.environ["STYLES_CHECKPOINT"])
-
-
 STEPS = 5
 
 
-def _run(module: L.LightningModule, strategy, *, steps: int = STEPS, save: bool = False,
-         ckpt_path: Optional[str] = None) -> Run:
-    trainer = dict(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+def _run(module: L.LightningModule, strategy, *, ckpt_path: Optional[str] = None) -> Run:
+    """STEPS steps; with $STYLES_CHECKPOINTS set, Lightning's ModelCheckpoint saves there at each
+    epoch's end (step 3)."""
+    folder = os.environ.get("STYLES_CHECKPOINTS")
+    callbacks = [GradNorm()]
+    if folder:
+        callbacks.append(ModelCheckpoint(dirpath=folder, every_n_epochs=1, save_top_k=-1))
+    trainer = dict(max_steps=STEPS, logger=False, enable_checkpointing=bool(folder), enable_progress_bar=False,
                    enable_model_summary=False, accelerator="cpu", num_sanity_val_steps=0, limit_val_batches=0,
-                   callbacks=[GradNorm(), *([SaveAtEnd()] if save else [])], strategy=strategy)
+                   callbacks=callbacks, strategy=strategy)
     return Run(module=module, trainer=trainer, ckpt_path=ckpt_path)
 
 
 # One process through TitanStrategy (which applies nothing at world size 1), so that Lightning
 # feeds the same DistributedSampler order as the multi-rank runs.
 def submodule_single() -> Run:
-    return _run(SubmoduleModule(batch_size=8), TitanStrategy(dp_shard=1))
+    return _run(SubmoduleModule(batch_size=8), TitanStrategy(dp_shard=1, save_distributed_checkpoint=False))
 
 
 def submodule_titan_fsdp2() -> Run:
-    """Saves a sharded checkpoint (the default) at the end."""
-    return _run(SubmoduleModule(batch_size=4), TitanStrategy(dp_shard=2), save=True)
+    return _run(SubmoduleModule(batch_size=4), TitanStrategy(dp_shard=2))
 
 
 def submodule_fsdp2_full_checkpoint() -> Run:
-    """FSDP2Strategy for one epoch (3 steps), then one full checkpoint file
-    (ModelParallelStrategy's ``save_distributed_checkpoint=False``)."""
-    return _run(SubmoduleModule(batch_size=4), FSDP2Strategy(save_distributed_checkpoint=False), steps=3, save=True)
+    """FSDP2Strategy with ModelParallelStrategy's ``save_distributed_checkpoint=False``: one file."""
+    return _run(SubmoduleModule(batch_size=4), FSDP2Strategy(save_distributed_checkpoint=False))
 
 
-def submodule_resume_full() -> Run:
-    """Two ranks resume from the full checkpoint in $STYLES_RESUME and train to STEPS."""
-    return _run(SubmoduleModule(batch_size=4), TitanStrategy(dp_shard=2), ckpt_path=os.environ["STYLES_RESUME"])
+def submodule_resume(world_size: int = 2) -> Run:
+    """Resume from the checkpoint in $STYLES_RESUME and train to STEPS."""
+    return _run(SubmoduleModule(batch_size=8 // world_size), TitanStrategy(dp_shard=world_size),
+                ckpt_path=os.environ["STYLES_RESUME"])
+
+
+def submodule_resume_single() -> Run:
+    return submodule_resume(world_size=1)
 
 
 def submodule_ddp() -> Run:
