@@ -34,6 +34,7 @@ TAIL_LINES = 50
 PORTABLE_CPU_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 _POLL_S = 0.05
 _STACK_DUMP_S = 0.5  # time given to hung ranks to print their stacks before SIGKILL
+_LAUNCH_ENV = "TITAN_LIGHTNING_LAUNCH_ID"  # marks the processes of one launch_nodes call
 
 
 @dataclass(kw_only=True)
@@ -97,18 +98,6 @@ def rank_env(rank: int, world_size: int, *, port: int, out_dir: Path, env: Optio
     """
     from titan_lightning.recipe import RUN_DIR_ENV  # here: importing the launcher costs no torch/lightning
 
-    base = {key: value for key, value in os.environ.items() if not key.startswith("TORCHELASTIC_")}
-    threads = (env or {}).get(THREADS_ENV, os.environ.get(THREADS_ENV, "1"))
-    defaults = {
-        **{key: os.environ.get(key, value) for key, value in PORTABLE_CPU_ENV.items()},
-        "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONUNBUFFERED": "1",
-        THREADS_ENV: threads,
-        "OMP_NUM_THREADS": threads,  # also keeps Lightning from choosing a thread count itself
-        RUN_DIR_ENV: str(out_dir / "run"),
-    }
-    if os.path.exists("/sys/class/net/lo"):
-        defaults["GLOO_SOCKET_IFNAME"] = "lo"  # all ranks are local; do not trust the hostname's address
     ranks = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
@@ -121,7 +110,27 @@ def rank_env(rank: int, world_size: int, *, port: int, out_dir: Path, env: Optio
         "NODE_RANK": "0",
         "TORCHELASTIC_RUN_ID": f"titan-lightning-{port}",
     }
-    return {**base, **defaults, **(env or {}), **ranks}
+    return {**launch_env({RUN_DIR_ENV: str(out_dir / "run"), **(env or {})}), **ranks}
+
+
+def launch_env(env: Optional[dict] = None) -> dict[str, str]:
+    """This process's environment without ``TORCHELASTIC_*`` leftovers, the test defaults, then ``env``.
+
+    The defaults: no CUDA, unbuffered output, one torch thread (``THREADS_ENV``), CPU kernels
+    pinned to AVX2 (``PORTABLE_CPU_ENV``) and gloo on the loopback interface.
+    """
+    base = {key: value for key, value in os.environ.items() if not key.startswith("TORCHELASTIC_")}
+    threads = (env or {}).get(THREADS_ENV, os.environ.get(THREADS_ENV, "1"))
+    defaults = {
+        **{key: os.environ.get(key, value) for key, value in PORTABLE_CPU_ENV.items()},
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONUNBUFFERED": "1",
+        THREADS_ENV: threads,
+        "OMP_NUM_THREADS": threads,  # also keeps Lightning from choosing a thread count itself
+    }
+    if os.path.exists("/sys/class/net/lo"):
+        defaults["GLOO_SOCKET_IFNAME"] = "lo"  # all ranks are local; do not trust the hostname's address
+    return {**base, **defaults, **(env or {})}
 
 
 def launch(
@@ -174,20 +183,8 @@ def launch(
         returncodes=[p.returncode for p in procs],
         ranks=[_read_json(out_dir / f"rank{rank}.json") for rank in range(world_size)],
     )
-    shown = " ".join(argv)
-    if running:
-        raise LaunchTimeout(
-            f"`{shown}` on {world_size} rank(s) did not finish within timeout={timeout} s; "
-            f"ranks {running} were still running and were killed\n{result.log_tails()}",
-            result,
-        )
-    if failed:
-        codes = ", ".join(f"rank {r} exited {result.returncodes[r]}" for r in failed)
-        raise LaunchFailed(
-            f"`{shown}` on {world_size} rank(s) failed ({codes}); the other ranks were killed\n"
-            f"{result.log_tails(failed)}",
-            result,
-        )
+    codes = ", ".join(f"rank {r} exited {result.returncodes[r]}" for r in failed)
+    _raise_unless_done(result, f"{world_size} rank(s)", "rank", timeout, running, failed, codes, failed)
     return result
 
 
@@ -197,6 +194,122 @@ def run_single(
 ) -> LaunchResult:
     """The single-process reference run of ``argv``."""
     return launch(argv, 1, out_dir=out_dir, timeout=timeout, env=env, worker_options=worker_options)
+
+
+@dataclass(kw_only=True)
+class NodesLaunchResult(LaunchResult):
+    """What a multi-node launch left behind: ``pids`` and ``returncodes`` are the node launchers'
+    (one per node), ``ranks`` one per global rank, read from ``out_dir/node{n}/rank{r}.json``.
+    A rank's log is its node's launcher log, ``out_dir/node{n}.log`` (its local ranks interleaved)."""
+
+    nproc_per_node: int
+
+    def node_log(self, node: int) -> Path:
+        return self.out_dir / f"node{node}.log"
+
+    def log(self, rank: int) -> str:
+        path = self.node_log(rank // self.nproc_per_node)
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def log_tails(self, ranks: Optional[list[int]] = None, lines: int = TAIL_LINES) -> str:
+        """The last ``lines`` of the log of each node holding one of ``ranks`` (all by default)."""
+        ranks = range(self.world_size) if ranks is None else ranks
+        nodes = sorted({rank // self.nproc_per_node for rank in ranks})
+        return "\n".join(
+            f"--- node {node} (launcher exit {self.returncodes[node]}), last {lines} lines of "
+            f"{self.node_log(node)} ---\n{self.log_tail(node * self.nproc_per_node, lines)}"
+            for node in nodes
+        )
+
+
+def launch_nodes(
+    argv: list[str],
+    nnodes: int,
+    nproc_per_node: int,
+    *,
+    out_dir: Path,
+    timeout: float,
+    env: Optional[dict] = None,
+) -> NodesLaunchResult:
+    """Run ``titan-lightning *argv`` as ``nnodes`` torchrun launchers on this machine, as on ``nnodes`` machines.
+
+    Node ``n`` runs ``torchrun --nnodes N --nproc-per-node P --node-rank n --master-addr 127.0.0.1
+    --master-port PORT -m titan_lightning.testing.worker --out out_dir/node{n} -- argv`` in
+    ``out_dir/node{n}``, its own working directory as on another machine, so rank ``r`` writes
+    ``out_dir/node{r // P}/rank{r}.json``, and its run folder defaults to ``out_dir/node{n}/run``
+    (``env`` may name one folder for all). Errors and the no-survivor promise are ``launch``'s: when a
+    launcher exits non-zero or ``timeout`` passes, every launcher and every rank it started is killed
+    (torchrun starts each rank in a session of its own: the ranks are found by a variable only this
+    launch's processes carry, even a rank whose launcher died first).
+    """
+    from titan_lightning.recipe import RUN_DIR_ENV
+
+    if nnodes < 1 or nproc_per_node < 1:
+        raise ValueError(f"nnodes={nnodes} and nproc_per_node={nproc_per_node} must be >= 1")
+    out_dir = Path(out_dir)
+    world_size = nnodes * nproc_per_node
+    port = free_port()
+    base = launch_env(env)
+    if RUN_DIR_ENV not in (env or {}):
+        base.pop(RUN_DIR_ENV, None)
+    base[_LAUNCH_ENV] = f"{os.getpid()}-{port}-{time.time_ns()}"
+    procs: list[subprocess.Popen] = []
+    deadline = time.monotonic() + timeout
+    running: list[int] = []
+    try:
+        for node in range(nnodes):
+            folder = out_dir / f"node{node}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for stale in [*folder.glob("rank*.json"), *folder.glob("rank*.error")]:
+                stale.unlink()
+            command = [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+                "--nproc-per-node", str(nproc_per_node), "--node-rank", str(node),
+                "--master-addr", "127.0.0.1", "--master-port", str(port),
+                "-m", WORKER, "--out", str(folder), "--", *argv,
+            ]
+            with open(out_dir / f"node{node}.log", "wb") as log:
+                procs.append(subprocess.Popen(
+                    command, env=base, cwd=folder, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                ))
+        failed, running = _wait(procs, deadline)
+        launchers = {proc.pid for proc in procs}
+        if running:
+            for pid in set(_carrying(_LAUNCH_ENV, base[_LAUNCH_ENV])) - launchers:
+                _signal(pid, signal.SIGUSR1, group=False)  # the ranks print their stacks into the node logs
+            time.sleep(_STACK_DUMP_S)
+    finally:
+        _kill(procs)
+        for pid in _carrying(_LAUNCH_ENV, base[_LAUNCH_ENV]):
+            _signal(pid, signal.SIGKILL, group=True)
+            _signal(pid, signal.SIGKILL, group=False)
+    result = NodesLaunchResult(
+        argv=list(argv), world_size=world_size, out_dir=out_dir, nproc_per_node=nproc_per_node,
+        pids=[p.pid for p in procs], returncodes=[p.returncode for p in procs],
+        ranks=[_read_json(out_dir / f"node{r // nproc_per_node}" / f"rank{r}.json") for r in range(world_size)],
+    )
+    codes = ", ".join(f"node {n}'s torchrun exited {result.returncodes[n]}" for n in failed)
+    _raise_unless_done(result, f"{nnodes} node(s) x {nproc_per_node}", "node", timeout, running, failed, codes,
+                       [n * nproc_per_node for n in failed])
+    return result
+
+
+def _raise_unless_done(result: LaunchResult, where: str, unit: str, timeout: float, running: list[int],
+                       failed: list[int], codes: str, failed_ranks: list[int]) -> None:
+    """LaunchTimeout if ``running`` ``unit``s (ranks or nodes) remain, else LaunchFailed if any ``failed``."""
+    shown = " ".join(result.argv)
+    if running:
+        raise LaunchTimeout(
+            f"`{shown}` on {where} did not finish within timeout={timeout} s; "
+            f"{unit}s {running} were still running and were killed\n{result.log_tails()}",
+            result,
+        )
+    if failed:
+        raise LaunchFailed(
+            f"`{shown}` on {where} failed ({codes}); the other {unit}s were killed\n{result.log_tails(failed_ranks)}",
+            result,
+        )
 
 
 def _wait(procs: list[subprocess.Popen], deadline: float) -> tuple[list[int], list[int]]:
@@ -225,6 +338,19 @@ def _kill(procs: list[subprocess.Popen]) -> None:
         _signal(proc.pid, signal.SIGKILL, group=True)
     for proc in procs:
         proc.wait()
+
+
+def _carrying(name: str, value: str) -> list[int]:
+    """The processes started with ``name=value`` in their environment (Linux /proc; elsewhere none)."""
+    entry = f"{name}={value}".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if entry in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except OSError:
+            continue  # gone, or another user's
+    return found
 
 
 def _signal(pid: int, sig: int, *, group: bool) -> None:
