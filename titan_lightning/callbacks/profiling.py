@@ -23,6 +23,10 @@ class ProfileSteps(L.Callback):
         self._recording = False
         self._warned = False
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # One folder for every rank's trace: rank 0's (under torchrun or srun each rank named its own).
+        self.folder = Path(trainer.strategy.broadcast(str(self.folder)))
+
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if batch_idx % trainer.accumulate_grad_batches:
             return  # not the first microbatch of a step

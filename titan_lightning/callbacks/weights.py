@@ -95,6 +95,11 @@ class ExportWeights(L.Callback):
     def __init__(self, folder: Path, fmt: str = "dcp", dtype: str = "float32") -> None:
         self.folder, self.fmt, self.dtype = Path(folder), fmt, _DTYPES[dtype]
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Rank 0's folder on every rank (as ModelCheckpoint does with its dirpath): under torchrun or
+        # srun each rank named its run folder from its own start time, and every rank writes shards here.
+        self.folder = Path(trainer.strategy.broadcast(str(self.folder)))
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if any(getattr(callback, "preempted", None) for callback in trainer.callbacks):
             return  # stopped by SIGTERM: the run is not over, its restart exports

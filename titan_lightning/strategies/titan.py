@@ -62,7 +62,7 @@ from titan_lightning.parallel.pipeline import (
     stage_ids,
     stage_module_names,
 )
-from titan_lightning.parallel.tensor import apply_tp
+from titan_lightning.parallel.tensor import apply_tp, check_tp_plan
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -325,7 +325,9 @@ class TitanStrategy(ModelParallelStrategy):
         config = self.parallelism(module)
         self._check_degrees(config, self.world_size)
         if config.tp > 1 and not _parallelizes_itself(module):
-            self._tp_plan(module, config.tp)
+            plan = self._tp_plan(module, config.tp)
+            if not hasattr(module, "materialize"):  # a user's module: its network exists already
+                check_tp_plan(module, plan, config.tp, sequence_parallel=config.sequence_parallel)
         if config.pp > 1:
             self._pipeline_plan(module, config.pp)
 

@@ -239,15 +239,15 @@ class GradNorm(L.Callback):
 STEPS = 5
 
 
-def _run(module: L.LightningModule, strategy, *, ckpt_path: Optional[str] = None) -> Run:
+def _run(module: L.LightningModule, strategy, *, ckpt_path: Optional[str] = None, validate: bool = False) -> Run:
     """STEPS steps; with $STYLES_CHECKPOINTS set, Lightning's ModelCheckpoint saves there at each
-    epoch's end (step 3)."""
+    epoch's end (step 3); ``validate``: 2 validation batches at each epoch's end."""
     folder = os.environ.get("STYLES_CHECKPOINTS")
     callbacks = [GradNorm()]
     if folder:
         callbacks.append(ModelCheckpoint(dirpath=folder, every_n_epochs=1, save_top_k=-1))
     trainer = dict(max_steps=STEPS, logger=False, enable_checkpointing=bool(folder), enable_progress_bar=False,
-                   enable_model_summary=False, accelerator="cpu", num_sanity_val_steps=0, limit_val_batches=0,
+                   enable_model_summary=False, accelerator="cpu", num_sanity_val_steps=0, limit_val_batches=2 if validate else 0,
                    callbacks=callbacks, strategy=strategy)
     return Run(module=module, trainer=trainer, ckpt_path=ckpt_path)
 
@@ -255,16 +255,17 @@ def _run(module: L.LightningModule, strategy, *, ckpt_path: Optional[str] = None
 # One process through TitanStrategy (which applies nothing at world size 1), so that Lightning
 # feeds the same DistributedSampler order as the multi-rank runs.
 def submodule_single() -> Run:
-    return _run(SubmoduleModule(batch_size=8), TitanStrategy(dp_shard=1, save_distributed_checkpoint=False))
+    return _run(SubmoduleModule(batch_size=8), TitanStrategy(dp_shard=1, save_distributed_checkpoint=False),
+                validate=True)
 
 
 def submodule_titan_fsdp2() -> Run:
-    return _run(SubmoduleModule(batch_size=4), TitanStrategy(dp_shard=2))
+    return _run(SubmoduleModule(batch_size=4), TitanStrategy(dp_shard=2), validate=True)
 
 
 def submodule_fsdp2_full_checkpoint() -> Run:
     """FSDP2Strategy with ModelParallelStrategy's ``save_distributed_checkpoint=False``: one file."""
-    return _run(SubmoduleModule(batch_size=4), FSDP2Strategy(save_distributed_checkpoint=False))
+    return _run(SubmoduleModule(batch_size=4), FSDP2Strategy(save_distributed_checkpoint=False), validate=True)
 
 
 def submodule_resume(world_size: int = 2) -> Run:
@@ -278,7 +279,7 @@ def submodule_resume_single() -> Run:
 
 
 def submodule_ddp() -> Run:
-    return _run(SubmoduleModule(batch_size=4), TitanStrategy(dp_replicate=2, dp_shard=1))
+    return _run(SubmoduleModule(batch_size=4), TitanStrategy(dp_replicate=2, dp_shard=1), validate=True)
 
 
 def two_part_single() -> Run:
