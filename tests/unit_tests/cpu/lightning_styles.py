@@ -92,6 +92,24 @@ class SubmoduleModule(L.LightningModule):
         return regression_data(self.batch_size)
 
 
+class ManualModule(SubmoduleModule):
+    """Manual optimization (GAN-style code): backward and step inside training_step."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__(batch_size)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        x, y = batch
+        loss = F.mse_loss(self.model(x), y)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.last_grad_norm = global_grad_norm([p.grad for p in self.parameters() if p.grad is not None])
+        optimizer.step()
+        self.log("train/loss", loss, sync_dist=True)
+
+
 class TwoPartModule(SubmoduleModule):
     def __init__(self, batch_size: int) -> None:
         L.LightningModule.__init__(self)
@@ -297,3 +315,15 @@ def mps_single() -> Run:
 def mps_dp2_tp2() -> Run:
     """The only change from ModelParallelStrategy code: the class name."""
     return _run(MPSModule(batch_size=4), TitanStrategy(data_parallel_size=2, tensor_parallel_size=2))
+
+
+
+def manual_fsdp2() -> Run:
+    return _run(ManualModule(batch_size=4), TitanStrategy(dp_shard=2), validate=True)
+
+
+def submodule_accumulate_fsdp2() -> Run:
+    """Two microbatches of 2 per rank and optimizer step: the same steps as one batch of 8."""
+    run = _run(SubmoduleModule(batch_size=2), TitanStrategy(dp_shard=2))
+    run.trainer["accumulate_grad_batches"] = 2
+    return run

@@ -41,13 +41,15 @@ def submodule_reference(tmp_path_factory):
 
 
 @pytest.mark.multi_process
-@pytest.mark.parametrize("recipe", ["submodule_titan_fsdp2", "submodule_ddp"])
+@pytest.mark.parametrize("recipe", ["submodule_titan_fsdp2", "submodule_ddp", "manual_fsdp2", "submodule_accumulate_fsdp2"])
 def test_training_step_calling_a_submodule_matches_one_process(recipe, submodule_reference, tmp_path):
-    """``self.model(x)`` in training_step and validation_step: the LightningModule's forward never runs."""
+    """``self.model(x)`` in training_step and validation_step: the LightningModule's forward never
+    runs. Also with manual optimization (backward and step inside training_step) and with
+    gradient accumulation."""
     reference, _ = submodule_reference
     ranks = _fit(recipe, 2, tmp_path)
     _assert_matches(ranks, reference)
-    for rank in ranks:  # (the validation at the end of the first epoch, step 3)
+    for rank in ranks if recipe != "submodule_accumulate_fsdp2" else []:  # (validation at step 3; smaller batches there)
         assert abs(rank["metrics"]["val/loss"] - reference["metrics"]["val/loss"]) <= 1e-5 * reference["metrics"]["val/loss"]
 
 
