@@ -37,3 +37,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"needs several GPUs, {count} visible"))
         elif "gpu" in item.keywords and count < 1:
             item.add_marker(pytest.mark.skip(reason="needs a GPU, none visible"))
+
+
+# -- the time guard ---------------------------------------------------------------------------
+# A test (setup + call + teardown: a module fixture's reference run counts for the first test
+# that uses it) taking longer than this without @pytest.mark.slow fails: the suite has a time
+# budget (CI <= 30 min on 2 cores), and a long test must say so. Every test over it is listed at
+# the end of the run, slow or not.
+SLOW_TEST_S = float(os.environ.get("TITAN_LIGHTNING_SLOW_TEST_S", "60"))
+_durations: dict = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    total = _durations.get(item.nodeid, 0.0) + report.duration
+    _durations[item.nodeid] = total
+    if report.when != "teardown" or report.outcome != "passed" or total <= SLOW_TEST_S:
+        return
+    if item.get_closest_marker("slow") is None:
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} took {total:.0f} s (over {SLOW_TEST_S:.0f} s) and is not marked "
+                           f"@pytest.mark.slow: make it faster (smaller shapes, fewer steps, a shared reference run) "
+                           f"or mark it slow")
+
+
+def pytest_terminal_summary(terminalreporter):
+    over = sorted(((t, nodeid) for nodeid, t in _durations.items() if t > SLOW_TEST_S), reverse=True)
+    if over:
+        terminalreporter.write_sep("=", f"tests over {SLOW_TEST_S:.0f} s (setup + call + teardown)")
+        for seconds, nodeid in over:
+            terminalreporter.write_line(f"{seconds:7.1f} s  {nodeid}")
