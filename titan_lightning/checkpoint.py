@@ -11,7 +11,9 @@ A checkpoint is a folder::
 
 - Model and optimizer are saved by name (the unsplit module names, the optimizer state
   flattened per parameter), so a checkpoint loads on any other layout: another FSDP degree,
-  TP, PP stages (each rank reads only its stages' keys).
+  TP, PP stages (each rank reads only its stages' keys). A DTensor whose shard is several pieces
+  of the tensor (TP's ``colwise_fused``: [q_r; k_r; v_r]) is saved replicated, in the module's own
+  rows, and each rank reads its pieces back out of it.
 - A save is atomic: it is written to ``<name>.partial``, completed by its manifest and
   renamed when every rank is done. A run killed at any moment of a save leaves the previous
   checkpoints intact and at most a ``.partial`` folder, which ``latest`` skips. A save that
@@ -270,11 +272,12 @@ class CheckpointWriter:
                 shutil.rmtree(staging, ignore_errors=True)
                 staging.mkdir(parents=True)
 
-        self.agree(prepare, fail)
-        _die_at("begin", fault)
         state = {"state_dict": checkpoint.pop("state_dict")}
         for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{index}"] = optimizer_state
+        state = dcp_saveable(state)
+        self.agree(prepare, fail)
+        _die_at("begin", fault)
         manifest = {"format": FORMAT, "global_step": int(checkpoint.get("global_step", -1)),
                     "world_size": world_size, "layout": rank_state.get("layout")}
 
@@ -557,15 +560,31 @@ def check_checkpoint(path: Path, state: dict[str, Any]) -> None:
 
 
 def load_sharded(path: Path, state: dict[str, Any], group: Any = None) -> None:
-    """Read ``state`` (tensors updated in place) from the checkpoint folder ``path``."""
+    """Read ``state`` (tensors updated in place) from the checkpoint folder ``path``.
+
+    A DTensor whose shard DCP cannot describe (see ``dcp_saveable``) is read replicated along
+    the dims it splits into pieces, then each rank copies its own pieces out of it."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import empty
 
     check_checkpoint(path, state)
+    swapped = []  # (container, key, the caller's DTensor, what DCP reads into)
+    for container, key, value in _dtensor_slots(state):
+        placements = _one_chunk_placements(value, str(key))
+        if placements is not None:
+            readable = empty(value.shape, dtype=value.dtype, device_mesh=value.device_mesh, placements=placements)
+            swapped.append((container, key, value, readable))
+            container[key] = readable
     try:
         dcp.load(state, storage_reader=_safe_reader(path), planner=_safe_planner(), process_group=group)
     except _FAILURES as error:
         raise CheckpointError(f"checkpoint {path}: reading the shards failed ({_describe(error)}); "
                               f"the files may be truncated or corrupt") from error
+    finally:
+        for container, key, value, _ in swapped:
+            container[key] = value
+    for _, _, value, readable in swapped:
+        value.to_local().copy_(readable.redistribute(value.device_mesh, value.placements).to_local())
 
 
 def _load_small(file: Path, *, weights_only: bool = True) -> Any:
@@ -633,3 +652,91 @@ def load_full_state_dict(
             target.to_local().copy_(local)
         else:
             target.copy_(full.to(device=target.device, dtype=target.dtype))
+
+
+# -- shards DCP cannot describe ----------------------------------------------------------------
+#
+# DCP records each rank's shard of a DTensor as one block of the global tensor (an offset and a
+# size per dim). A ``_StridedShard`` may give a rank several pieces instead: TP's
+# ``colwise_fused:N`` gives rank r its part of each of N blocks of rows ([q_r; k_r; v_r]), which
+# DCP would place wrongly (its save refuses: "overlapping chunks"). Such a DTensor is saved and
+# read replicated along the dims it splits into pieces: the unsplit rows, in the module's own
+# layout, which every other layout reads.
+
+
+def dcp_saveable(state: Any, name: str = "") -> Any:
+    """``state`` (nested dicts and lists; not changed) with each DTensor whose shard is several
+    pieces replaced by the same values replicated along those dims (a collective on its mesh)."""
+    if isinstance(state, dict):
+        return {key: dcp_saveable(value, str(key)) for key, value in state.items()}
+    if isinstance(state, list):
+        return [dcp_saveable(value, name) for value in state]
+    placements = _one_chunk_placements(state, name)
+    return state if placements is None else state.detach().redistribute(state.device_mesh, placements)
+
+
+def _dtensor_slots(state: Any):
+    """(container, key, DTensor) for every DTensor in nested dicts and lists."""
+    from torch.distributed.tensor import DTensor
+
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, list) else ()
+    for key, value in items:
+        if isinstance(value, DTensor):
+            yield state, key, value
+        else:
+            yield from _dtensor_slots(value)
+
+
+def check_placements(named_tensors: Any) -> None:
+    """Raise CheckpointError for a (name, DTensor) whose placements do not say where its shards
+    are (see ``_check_described``); before a full state dict is gathered or loaded."""
+    for name, value in named_tensors:
+        _check_described(value, name)
+
+
+def _check_described(value: Any, name: str) -> None:
+    """FSDP on top of a ``_StridedShard`` (TP's ``colwise_fused``) gives a second ``_StridedShard``
+    on the same dim, computed as if TP's shard were one block: the placements no longer say which
+    rows a rank holds (training is right: FSDP gathers back what it split), so the full tensor,
+    a full state dict and any checkpoint of it would hold the rows out of order."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(value, DTensor):
+        return
+    strided = [p.dim for p in value.placements if isinstance(p, _StridedShard)]
+    if len(strided) > len(set(strided)):
+        raise CheckpointError(
+            f"{name} {tuple(value.shape)}: FSDP (parallelism.dp_shard > 1) over the TP style 'colwise_fused' gave "
+            f"it placements {tuple(value.placements)} that do not say where its rows are, so a checkpoint of it "
+            f"would hold them out of order; checkpoint such a model with parallelism.dp_shard=1 (TP alone), or "
+            f"group its rows per head and use the TP style 'colwise'"
+        )
+
+
+def _one_chunk_placements(value: Any, name: str = "") -> Optional[tuple]:
+    """For a DTensor whose shard on a rank may be several pieces, its placements with those dims
+    replicated; None for any other value. Decided from the placements alone (the same on every rank).
+
+    A ``_StridedShard(d, split_factor=f)`` splits dim d into f blocks and gives each rank a piece
+    of every block: one piece only when later mesh dims split d into exactly f parts (FSDP's form
+    over TP's plain shards, which DCP reads); any other use is several pieces."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(value, DTensor):
+        return None
+    _check_described(value, name)
+    placements, sizes = value.placements, value.device_mesh.shape
+    splits = lambda p, dim: isinstance(p, (Shard, _StridedShard)) and p.dim == dim  # noqa: E731
+    in_pieces = set()
+    for index, strided in enumerate(placements):
+        if isinstance(strided, _StridedShard):
+            parts = 1
+            for later, size in zip(placements[index + 1:], sizes[index + 1:]):
+                parts *= size if splits(later, strided.dim) else 1
+            if parts != strided.split_factor:
+                in_pieces.add(strided.dim)
+    if not in_pieces:
+        return None
+    return tuple(Replicate() if any(splits(p, dim) for dim in in_pieces) else p for p in placements)

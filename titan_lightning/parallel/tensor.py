@@ -37,9 +37,10 @@ stands for a layer index). This file knows *how* each style is sharded:
                          rank r returns [q_r, k_r, v_r]: split it with ``.chunk(N, dim=-1)``.
                          The weight keeps the module's layout (a ``_StridedShard`` DTensor:
                          ``full_tensor()`` and a full state dict are the unsharded [q; k; v]).
-                         Limits: FSDP on top is not verified; a sharded (DCP) checkpoint of
-                         it fails (DCP takes a shard for one contiguous chunk, and refuses
-                         the overlapping ones)
+                         A sharded checkpoint saves it replicated (the unsharded rows).
+                         Limit: FSDP on top trains, but gives the weight placements that
+                         no longer say where its rows are (``full_tensor()`` is out of
+                         order): its checkpoints are refused (titan_lightning/checkpoint.py)
     heads                not a module: an integer attribute that counts heads (below)
 
 Every parameter of a sharded module becomes a DTensor on the TP mesh, norms included, so

@@ -663,6 +663,8 @@ class TitanStrategy(ModelParallelStrategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = not self._save_distributed_checkpoint
+        if full:  # (a sharded save checks its DTensors itself)
+            ckpt.check_placements(self.model.named_parameters())
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
 
     def _rank_state(self) -> dict[str, Any]:
@@ -747,6 +749,7 @@ class TitanStrategy(ModelParallelStrategy):
         writer.wait()
         path = Path(self.broadcast(str(checkpoint_path)))
         if path.is_file():
+            ckpt.check_placements(self.model.named_parameters())
             return self._load_full(path, weights_only=weights_only is not False)
         manifest = writer.agree(lambda: ckpt.verify(path, ranks=False))
         same_world = manifest["world_size"] == self.world_size

@@ -1,10 +1,11 @@
 """Tensor parallelism on a user's own module, from the plan it declares.
 
 Head counts become per-rank (found by name, or declared as 'heads'); a fused projection is
-sharded block by block ('colwise_fused:N'); a module whose reshape still fails under TP is
-named, with what to declare. The in-process tests run one rank of two under the fake process
-group (no collective is real, local shapes are); the multi-process test trains on two real
-gloo ranks against one process.
+sharded block by block ('colwise_fused:N') and checkpointed whole; a module whose reshape still
+fails under TP is named, with what to declare. The in-process tests run one rank of two (or of
+2 x 2) under the fake process group (no collective is real, local shapes are); the multi-process
+tests train on two real gloo ranks against one process, and resume from their sharded checkpoint
+on two ranks and on one.
 """
 
 import contextlib
@@ -19,9 +20,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from titan_lightning.checkpoint import CheckpointError, dcp_saveable
 from titan_lightning.config import ConfigError
 from titan_lightning.parallel.tensor import TensorParallelShapeError, apply_tp, check_tp_plan
 from titan_lightning.testing.launch import launch, run_single
@@ -176,6 +179,38 @@ def test_a_sequence_parallel_plan_without_norms_is_refused():
         apply(blocks(ChunkAttention), FUSED_PLAN, mesh, sequence_parallel=True)
 
 
+# -- checkpoints ----------------------------------------------------------------------------------
+
+
+def test_a_sharded_checkpoint_holds_a_fused_projection_replicated_and_the_rest_as_their_shards():
+    """DCP takes a rank's shard for one block of the tensor; a fused projection's is [gate_r; up_r]."""
+    module = GPTModule()
+    with tp_mesh() as mesh:
+        apply(module, GPTModule.tp_plan, mesh, sequence_parallel=True)
+        params = dict(module.named_parameters())
+        saved = dcp_saveable({"state_dict": params})["state_dict"]
+        fused = saved["model.h.0.mlp.fc.weight"]
+        assert fused.placements == (Replicate(),) and fused.to_local().shape == (192, 64)
+        assert all(saved[name] is param for name, param in params.items() if ".mlp.fc." not in name)
+
+
+def test_a_checkpoint_of_fsdp_over_a_fused_projection_is_refused():
+    """FSDP over TP's strided shard gives placements that do not say where the rows are."""
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        fsdp_over_colwise = DTensor.from_local(torch.zeros(32, 64), mesh, [_StridedShard(0, split_factor=2), Shard(0)],
+                                               shape=(128, 64), stride=(64, 1))
+        assert dcp_saveable(fsdp_over_colwise) is fsdp_over_colwise  # DCP's own case: one block per rank
+        over_fused = DTensor.from_local(torch.zeros(48, 64), mesh, [_StridedShard(0, split_factor=2)] * 2,
+                                        shape=(192, 64), stride=(64, 1))
+        with pytest.raises(CheckpointError, match=r"^fc.weight \(192, 64\): FSDP \(parallelism.dp_shard > 1\) over "
+                                                  r"the TP style 'colwise_fused' .* would hold them out of order"):
+            dcp_saveable({"fc.weight": over_fused})
+    finally:
+        dist.destroy_process_group()
+
+
 # -- two real ranks against one process ------------------------------------------------------------
 
 
@@ -202,3 +237,29 @@ def test_users_litgpt_style_module_on_two_tp_ranks_matches_one_process(tmp_path)
         for name in ("losses", "grad_norms"):
             for value, ref in zip(rank[name], expected[name]):
                 assert _relative(value, ref) < 1e-5, (name, rank[name], expected[name])
+
+
+@pytest.mark.multi_process
+def test_a_sharded_checkpoint_with_a_fused_projection_resumes_exactly_on_tp_ranks_and_on_one_process(tmp_path):
+    """Two TP ranks (the MLP's [gate; up] is 'colwise_fused:2') save a sharded checkpoint at step 3
+    of 5 (Lightning's ModelCheckpoint); resumed from it, two TP ranks redo steps 4 and 5 bit for
+    bit, one process within 1e-6."""
+    tp2 = ["fit", "--recipe", "user_gpt:tp2", "--trainer.devices", "2"]
+    ckpt = tmp_path / "ckpt"
+    (uninterrupted, _) = launch(tp2, 2, out_dir=tmp_path / "tp2", timeout=300,
+                                env={**USER_ENV, "USER_GPT_CHECKPOINTS": str(ckpt)}).ranks
+    saved = ckpt / "epoch=0-step=3.ckpt"
+    assert sorted(p.name for p in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    resume = {**USER_ENV, "USER_GPT_RESUME": str(saved)}
+    with ThreadPoolExecutor(1) as pool:
+        single = pool.submit(run_single, ["fit", "--recipe", "user_gpt:single"], out_dir=tmp_path / "single",
+                             timeout=300, env=resume)
+        resumed = launch(tp2, 2, out_dir=tmp_path / "resumed", timeout=300, env=resume).ranks
+        one_process = single.result().ranks[0]
+    for rank in resumed:
+        assert rank["steps"] == [4, 5]
+        assert (rank["losses"], rank["grad_norms"]) == (uninterrupted["losses"][3:], uninterrupted["grad_norms"][3:])
+    assert one_process["steps"] == [4, 5]
+    for name in ("losses", "grad_norms"):
+        for value, ref in zip(one_process[name], uninterrupted[name][3:], strict=True):
+            assert _relative(value, ref) < 1e-6, (name, one_process[name], uninterrupted[name])

@@ -6,12 +6,14 @@ whose rows are grouped per query group ([n_query_groups, q_per_kv + 2, head_size
 [gate; up] MLP projection. Imported by test_user_tp.py and, through PYTHONPATH, by its workers.
 """
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -110,11 +112,11 @@ class GPTModule(L.LightningModule):
         "model.lm_head": "output",
     }
 
-    def __init__(self, config: Optional[Config] = None, batch_size: int = 4) -> None:
+    def __init__(self, config: Optional[Config] = None, batch_size: int = 4, samples: int = 64) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.config = config or Config()
-        self.batch_size = batch_size
+        self.batch_size, self.samples = batch_size, samples
         self.model = GPT(self.config)
         self.last_grad_norm = None
 
@@ -138,19 +140,39 @@ class GPTModule(L.LightningModule):
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
-        data = torch.randint(0, self.config.vocab_size, (64, self.config.block_size + 1), generator=g)
+        data = torch.randint(0, self.config.vocab_size, (self.samples, self.config.block_size + 1), generator=g)
         return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=self.batch_size, shuffle=False)
 
 
 _TRAINER = dict(max_steps=5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                 enable_model_summary=False, accelerator="cpu")
+# A global batch of 4 sequences. With $USER_GPT_CHECKPOINTS set, an epoch is 3 steps and Lightning's
+# ModelCheckpoint saves there after step 3, the epoch's last batch (not at the epoch's end: Lightning
+# 2.6 resumes such a checkpoint in the old epoch, one batch too many); $USER_GPT_RESUME: the run
+# resumes from that checkpoint (Run's ckpt_path), with the same 3-step epochs.
+EPOCH_STEPS, EPOCH_SAMPLES = 3, 12
+
+
+def _run(strategy: TitanStrategy, batch_size: int = 4) -> Run:
+    folder, resume = os.environ.get("USER_GPT_CHECKPOINTS"), os.environ.get("USER_GPT_RESUME")
+    module = GPTModule(batch_size=batch_size, samples=EPOCH_SAMPLES if folder or resume else 64)
+    trainer = dict(_TRAINER, strategy=strategy)
+    if folder:
+        trainer.update(enable_checkpointing=True,
+                       callbacks=[ModelCheckpoint(dirpath=folder, every_n_train_steps=EPOCH_STEPS, save_top_k=-1)])
+    return Run(module=module, trainer=trainer, ckpt_path=resume)
 
 
 def single() -> Run:
     """One process, through TitanStrategy (which applies nothing at world size 1)."""
-    return Run(module=GPTModule(), trainer=dict(_TRAINER, strategy=TitanStrategy(dp_shard=1)))
+    return _run(TitanStrategy(dp_shard=1))
 
 
 def tp2() -> Run:
     """Two TP ranks, each on the whole batch; weights built on every rank with the same seed."""
-    return Run(module=GPTModule(), trainer=dict(_TRAINER, strategy=TitanStrategy(dp_shard=1, tp=2)))
+    return _run(TitanStrategy(dp_shard=1, tp=2))
+
+
+def dp2_tp2() -> Run:
+    """FSDP over two ranks on top of two TP ranks: half the batch per data-parallel rank."""
+    return _run(TitanStrategy(dp_shard=2, tp=2), batch_size=2)
