@@ -18,6 +18,7 @@ from titan_lightning.checkpoint import (
     DCP_METADATA,
     PARTIAL,
     CheckpointError,
+    dcp_saveable,
     load_full_state_dict,
     load_sharded,
     read_dcp_metadata,
@@ -118,7 +119,7 @@ class ExportWeights(L.Callback):
         if trainer.is_global_zero:
             shutil.rmtree(staging, ignore_errors=True)
         trainer.strategy.barrier()
-        dcp.save({"state_dict": state}, checkpoint_id=str(staging))
+        dcp.save({"state_dict": dcp_saveable(state)}, checkpoint_id=str(staging))
         trainer.strategy.barrier()
         if trainer.is_global_zero:
             torch.save({"global_step": trainer.global_step, "export_dtype": str(self.dtype)}, staging / "meta.pt")

@@ -62,7 +62,7 @@ from titan_lightning.parallel.pipeline import (
     stage_ids,
     stage_module_names,
 )
-from titan_lightning.parallel.tensor import apply_tp, check_tp_plan
+from titan_lightning.parallel.tensor import FUSED, apply_tp, check_tp_plan
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -328,6 +328,16 @@ class TitanStrategy(ModelParallelStrategy):
             plan = self._tp_plan(module, config.tp)
             if not hasattr(module, "materialize"):  # a user's module: its network exists already
                 check_tp_plan(module, plan, config.tp, sequence_parallel=config.sequence_parallel)
+            fused = sorted(name for name, style in plan.items() if str(style).startswith(FUSED))
+            if fused and config.resolved_dp_shard(self.world_size) * config.cp > 1:
+                # FSDP over a _StridedShard computes its split as if TP's shard were one block: training
+                # is right, but the placements no longer say which rows a rank holds (checkpoints would
+                # store them out of order).
+                raise ConfigError(
+                    f"tp_plan entries {fused} ({FUSED}) do not compose with FSDP (parallelism.dp_shard*cp="
+                    f"{config.resolved_dp_shard(self.world_size) * config.cp}): with data parallelism, store the "
+                    f"projection's rows per head group ([q_g; k_g; v_g] for each group g, as LitGPT) and use 'colwise'"
+                )
         if config.pp > 1:
             self._pipeline_plan(module, config.pp)
 
@@ -383,6 +393,7 @@ class TitanStrategy(ModelParallelStrategy):
 
     def parallelize(self, module: L.LightningModule) -> None:
         """PP split -> TP -> (CP, EP slots) -> (AC, compile) -> FSDP/DDP -> materialize, in this order."""
+        self.check_module(module)  # (again: a Trainer built by hand skipped build_trainer's call)
         dims, config = self.dims, self.parallelism(module)
         inner = getattr(module, "model", None) if hasattr(module, "materialize") else None
         # What the module's own configure_model already applied (code written for Lightning's

@@ -172,7 +172,3 @@ def tp2() -> Run:
     """Two TP ranks, each on the whole batch; weights built on every rank with the same seed."""
     return _run(TitanStrategy(dp_shard=1, tp=2))
 
-
-def dp2_tp2() -> Run:
-    """FSDP over two ranks on top of two TP ranks: half the batch per data-parallel rank."""
-    return _run(TitanStrategy(dp_shard=2, tp=2), batch_size=2)
