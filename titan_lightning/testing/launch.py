@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,7 +170,8 @@ def launch(
     try:
         for rank in range(world_size):
             with open(out_dir / f"rank{rank}.log", "wb") as log:  # the child keeps its own descriptor
-                procs.append(subprocess.Popen(
+                forked = _fork_server().start(command[2:], envs[rank], out_dir / f"rank{rank}.log") if cwd is None else None
+                procs.append(forked or subprocess.Popen(
                     command, env=envs[rank], cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     start_new_session=True,
                 ))
@@ -365,3 +367,123 @@ def _read_json(path: Path) -> Optional[dict]:
         return None
     with open(path) as f:
         return json.load(f)
+
+
+# -- the fork server (titan_lightning/testing/zygote.py) ------------------------------------------
+
+FORK_SERVER_ENV = "TITAN_LIGHTNING_FORK_SERVER"  # "0": every rank a fresh interpreter
+# Read by the interpreter, torch or its libraries when they load: a rank that needs other values
+# than the server's gets a fresh interpreter.
+_IMPORT_TIME_ENV = (*PORTABLE_CPU_ENV, "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONOPTIMIZE", "PYTHONDEVMODE")
+_SERVER_START_S = 180.0
+
+
+class _Forked:
+    """A rank forked by the server, with the part of Popen's interface launch uses."""
+
+    def __init__(self, conn: socket.socket, pid: int) -> None:
+        self.conn, self.pid = conn, pid
+        self.returncode: Optional[int] = None
+        self._buffer = b""
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            self.conn.setblocking(False)
+            try:
+                self._feed(self.conn.recv(4096))
+            except BlockingIOError:
+                pass
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.conn.setblocking(True)
+        while self.returncode is None:
+            self._feed(self.conn.recv(4096))
+        return self.returncode
+
+    def _feed(self, data: bytes) -> None:
+        if not data:  # the server is gone: the rank with it (killpg'ed by launch), status unknown
+            self.returncode = -signal.SIGKILL
+        else:
+            self._buffer += data
+            if not self._buffer.endswith(b"\n"):
+                return
+            self.returncode = json.loads(self._buffer)["exit"]
+        self.conn.close()
+
+
+class _ForkServer:
+    """The server process of this test process, started at the first launch; ``start`` returns
+    None (the caller starts a fresh interpreter) when it is off, failed to start, or the rank's
+    environment needs a fresh interpreter."""
+
+    def __init__(self) -> None:
+        import atexit
+        import tempfile
+
+        self.env = launch_env(None)
+        self.pid = os.getpid()  # (a forked copy of this process starts its own)
+        self.proc: Optional[subprocess.Popen] = None
+        if os.environ.get(FORK_SERVER_ENV, "1") == "0" or not hasattr(os, "fork") or not hasattr(socket, "AF_UNIX"):
+            return
+        self.folder = tempfile.mkdtemp(prefix="titan-zygote-")
+        self.path = os.path.join(self.folder, "socket")
+        self.log = open(os.path.join(self.folder, "server.log"), "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "titan_lightning.testing.zygote", self.path], env=self.env,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log,
+                                     start_new_session=True)
+        atexit.register(self.stop)
+        import select
+
+        ready, _, _ = select.select([self.proc.stdout], [], [], _SERVER_START_S)
+        line = self.proc.stdout.readline() if ready else b""
+        if line.strip() != b"ready":
+            print(f"titan_lightning.testing.launch: the fork server did not start ({line.strip()!r}; "
+                  f"{os.path.join(self.folder, 'server.log')}); every rank is a fresh interpreter", file=sys.stderr)
+            self.stop()
+
+    def start(self, args: list[str], env: dict[str, str], log: Path) -> Optional[_Forked]:
+        if self.proc is None or self.proc.poll() is not None:
+            return None
+        if any(env.get(key) != self.env.get(key) for key in _IMPORT_TIME_ENV):
+            return None
+        module, rest = args[0], args[1:]
+        request = {"module": module, "args": rest, "env": env, "cwd": os.getcwd(), "log": str(log)}
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.settimeout(60)
+            conn.connect(self.path)
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            answer = b""
+            while not answer.endswith(b"\n"):
+                chunk = conn.recv(4096)
+                if not chunk:
+                    raise ConnectionError("the fork server closed the connection")
+                answer += chunk
+        except OSError as error:
+            conn.close()
+            print(f"titan_lightning.testing.launch: the fork server failed ({error}); a fresh interpreter instead",
+                  file=sys.stderr)
+            self.stop()
+            return None
+        return _Forked(conn, json.loads(answer)["pid"])
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+_SERVER: Optional[_ForkServer] = None
+_SERVER_LOCK = threading.Lock()
+
+
+def _fork_server() -> _ForkServer:
+    """This process's fork server (started at the first call; launches may run in threads)."""
+    global _SERVER
+    with _SERVER_LOCK:
+        if _SERVER is None or _SERVER.pid != os.getpid():
+            _SERVER = _ForkServer()
+        return _SERVER

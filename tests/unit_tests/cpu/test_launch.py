@@ -142,3 +142,64 @@ def test_an_interrupted_launch_kills_every_rank(tmp_path, monkeypatch):
         launch(FIT, 2, out_dir=tmp_path, timeout=120)
     assert len(started) == 2
     assert_all_gone(started)
+
+
+# -- the fork server ------------------------------------------------------------------------------
+
+PROBE = textwrap.dedent("""
+    # Run as `python -m probe --out DIR -- ACTION`: what a rank sees when it starts, then ACTION.
+    import json, os, signal, sys
+    preloaded = "torch" in sys.modules and "lightning" in sys.modules
+    from lightning_utilities.core.rank_zero import rank_zero_only
+    out, action = sys.argv[2], sys.argv[4]
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"preloaded": preloaded, "own_session": os.getsid(0) == os.getpid(), "argv": sys.argv[1:],
+                   "marker": os.environ.get("PROBE_MARKER"), "rank_zero": getattr(rank_zero_only, "rank", None),
+                   "cwd": os.getcwd(), "stdin": sys.stdin.read()}, f)
+    print(f"rank {rank} says hello")
+    if action == "exit3" and rank == 1:
+        sys.exit(3)
+    if action == "term" and rank == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+""")
+
+
+@pytest.fixture
+def probe(tmp_path):
+    folder = tmp_path / "probe_path"
+    folder.mkdir()
+    (folder / "probe.py").write_text(PROBE)
+    env = {"PYTHONPATH": str(folder), "PROBE_MARKER": "here"}
+
+    def run(action, **extra):
+        return launch([action], 2, out_dir=tmp_path / action, timeout=120, env={**env, **extra}, module="probe")
+
+    return run
+
+
+@pytest.mark.multi_process
+def test_ranks_are_forked_ready_with_their_own_environment_session_and_log(probe, tmp_path):
+    result = probe("ok")
+    for rank, seen in enumerate(result.ranks):
+        assert seen["preloaded"]  # torch and Lightning were imported before the rank started
+        assert seen["own_session"] and seen["marker"] == "here" and seen["stdin"] == ""
+        assert seen["argv"] == ["--out", str(tmp_path / "ok"), "--", "ok"] and seen["cwd"] == os.getcwd()
+        assert seen["rank_zero"] == rank  # Lightning's flag, computed at import, follows the rank's RANK
+        assert f"rank {rank} says hello" in result.log(rank)
+    assert_all_gone(result.pids)
+
+
+@pytest.mark.multi_process
+@pytest.mark.parametrize("action, code", [("exit3", 3), ("term", -15)])
+def test_forked_rank_exit_status_is_a_popens(probe, action, code):
+    with pytest.raises(LaunchFailed) as failed:
+        probe(action)
+    assert failed.value.result.returncodes[1] == code
+    assert_all_gone(failed.value.result.pids)
+
+
+@pytest.mark.multi_process
+def test_environment_read_at_import_gets_a_fresh_interpreter(probe):
+    result = probe("ok", ATEN_CPU_CAPABILITY="default")
+    assert not any(seen["preloaded"] for seen in result.ranks)
