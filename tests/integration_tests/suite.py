@@ -44,6 +44,8 @@ def params(suite: str) -> list:
             marks = [getattr(pytest.mark, mode)]
             if mode == "real_pg":
                 marks.append(pytest.mark.multi_process)
+                if entry.ngpu >= 4:  # 4-8 ranks on 2 cores: 30-80 s each (see the time guard in tests/conftest.py)
+                    marks.append(pytest.mark.slow)
                 if on_gpu and entry.ngpu > 1:
                     marks.append(pytest.mark.multi_gpu)
                 if suite in HARDWARE_SUITES:

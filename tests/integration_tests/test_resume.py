@@ -18,7 +18,8 @@ from titan_lightning.checkpoint import FAULT_ENV, PARTIAL, CheckpointError, chec
 from titan_lightning.recipe import RUN_DIR_ENV
 from titan_lightning.testing.launch import LaunchFailed, launch
 
-pytestmark = pytest.mark.multi_process
+# Each test is a save-then-resume pair of multi-rank runs: tens of seconds on 2 cores.
+pytestmark = [pytest.mark.multi_process, pytest.mark.slow]
 
 _R = "recipes.tests.features"
 

@@ -27,6 +27,7 @@ def _hf(folder) -> dict[str, torch.Tensor]:
     return tensors
 
 
+@pytest.mark.slow
 def test_weights_round_trip_through_hugging_face_and_sharded_exports_on_three_layouts(tmp_path):
     frozen = ("--job.optimizer.lr", "1e-30")
     fit("llama3_pp2", 2, tmp_path / "a", "--job.checkpoint.export_format", "hf")

@@ -60,6 +60,7 @@ def test_two_submodules_and_a_parameter_of_the_module_itself_match_one_process(t
 
 
 @pytest.mark.multi_process
+@pytest.mark.slow
 def test_model_parallel_strategy_code_with_only_the_class_name_changed(tmp_path):
     """Lightning's TP + FSDP2 pattern: configure_model parallelizes through
     device_mesh["tensor_parallel"] / ["data_parallel"], the module enters loss_parallel() in
@@ -69,6 +70,7 @@ def test_model_parallel_strategy_code_with_only_the_class_name_changed(tmp_path)
 
 
 @pytest.mark.multi_process
+@pytest.mark.slow
 def test_full_checkpoint_loads_into_a_plain_module_and_resumes_on_another_world_size(submodule_reference, tmp_path):
     """save_distributed_checkpoint=False: one file, the same as one process saves, loadable by
     plain torch; two ranks resume from it exactly as one process does."""
