@@ -57,6 +57,11 @@ def test_users_own_module_shards_its_repeated_blocks_and_matches_one_process(rec
         assert rank["metrics"]["fsdp_units"] == 5.0
 
 
+# The debug model's layout, smaller: Lightning's launcher, not the model's size, is under test.
+SMALL_MODEL = ["--job.model.dim", "64", "--job.model.n_layers", "2", "--job.model.n_heads", "4",
+               "--job.model.n_kv_heads", "4", "--job.training.seq_len", "64"]
+
+
 @pytest.mark.multi_process
 @pytest.mark.slow
 def test_lightning_launcher_runs_the_cli_on_four_ranks(tmp_path):
@@ -64,22 +69,24 @@ def test_lightning_launcher_runs_the_cli_on_four_ranks(tmp_path):
     import csv
     import subprocess
 
-    def fit(recipe, *extra):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "TITAN_LIGHTNING_RUN_DIR"))}
-        env["CUDA_VISIBLE_DEVICES"] = ""
-        folder = tmp_path / recipe
-        folder.mkdir()
-        subprocess.run(
-            ["titan-lightning", "fit", "--recipe", f"recipes.llama3:{recipe}", "--trainer.max_steps", "3",
-             "--trainer.accelerator", "cpu", "--trainer.enable_checkpointing", "false",
-             "--trainer.limit_val_batches", "0", *extra],
-            cwd=folder, env=env, check=True, timeout=420, capture_output=True,
-        )
-        (metrics,) = folder.glob("runs/*/*/csv/metrics.csv")
-        return [float(r["train/loss"]) for r in csv.DictReader(open(metrics)) if r.get("train/loss")]
+    common = ["--trainer.max_steps", "3", "--trainer.accelerator", "cpu", "--trainer.enable_checkpointing", "false",
+              "--trainer.limit_val_batches", "0", *SMALL_MODEL]
+    # The same global batch: 4 sequences on one process, 2 on each of the 2 data-parallel ranks.
+    single = run_single(["fit", "--recipe", "recipes.llama3:debugmodel", *common,
+                         "--job.training.tokens_per_microbatch_per_dp_rank", "256"],
+                        out_dir=tmp_path / "single", timeout=300).ranks[0]["losses"]
 
-    single = fit("debugmodel")
-    parallel = fit("fsdp2_tp2", "--trainer.devices", "4")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "TITAN_LIGHTNING_RUN_DIR"))}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    folder = tmp_path / "fsdp2_tp2"
+    folder.mkdir()
+    subprocess.run(
+        ["titan-lightning", "fit", "--recipe", "recipes.llama3:fsdp2_tp2", *common,
+         "--job.training.tokens_per_microbatch_per_dp_rank", "128", "--trainer.devices", "4"],
+        cwd=folder, env=env, check=True, timeout=420, capture_output=True,
+    )
+    (metrics,) = folder.glob("runs/*/*/csv/metrics.csv")
+    parallel = [float(r["train/loss"]) for r in csv.DictReader(open(metrics)) if r.get("train/loss")]
     assert len(parallel) == 3
     for loss, ref in zip(parallel, single):
         assert _relative(loss, ref) < 1e-5
