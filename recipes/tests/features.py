@@ -1,6 +1,7 @@
 """Runs the `features` integration suite trains (entries live in tests/integration_tests/).
 
-Small, deterministic and quick on 2 CPU cores: 10 steps of the Llama 3 debug model.
+Small, deterministic and quick on 2 CPU cores: 5 steps of the Llama 3 debug model (the layout is
+under test, not the length: 5 steps exercise warmup, decay, and the optimizer state of every step).
 """
 
 from recipes.llama3 import llama3, on_layout, with_cp
@@ -16,7 +17,7 @@ def llama3_debugmodel() -> Run:
         lr_schedule=LRScheduleConfig(warmup_steps=1),
     )
     run.trainer.update(
-        max_steps=10, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        max_steps=5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
     )
     return run
@@ -213,13 +214,13 @@ def llama3_pp2_csv() -> Run:
     return run
 
 
-# Save, then resume (tests/integration_tests/test_resume.py): the first half stops after step 5
-# (its checkpoint written at step 5), the second resumes from the newest checkpoint of the run.
+# Save, then resume (tests/integration_tests/test_resume.py): the first part stops after step 2
+# (its checkpoint written at step 2), the second resumes from the newest checkpoint of the run.
 def _saving(run: Run) -> Run:
     from titan_lightning.testing.record import StopAtStep
 
-    run.job.checkpoint.interval = 5
-    run.trainer.update(enable_checkpointing=True, callbacks=[StopAtStep(5)])
+    run.job.checkpoint.interval = 2
+    run.trainer.update(enable_checkpointing=True, callbacks=[StopAtStep(2)])
     return run
 
 
@@ -228,8 +229,8 @@ def _resuming(run: Run) -> Run:
     return run
 
 
-def _every5(run: Run, *, async_save: bool = False) -> Run:
-    """Saving every 5 steps without stopping: training goes on while an async save is written."""
+def _every2(run: Run, *, async_save: bool = False) -> Run:
+    """Saving every 2 steps (at 2 and 4 of 5) without stopping: training goes on while an async save is written."""
     run = _saving(run)
     run.trainer["callbacks"] = []
     run.job.checkpoint.async_save = async_save
@@ -253,25 +254,25 @@ def llama3_fsdp4_save() -> Run:
     return _saving(llama3_fsdp4())
 
 
-def llama3_fsdp2_every5() -> Run:
-    return _every5(llama3_fsdp2())
+def llama3_fsdp2_every2() -> Run:
+    return _every2(llama3_fsdp2())
 
 
-def llama3_fsdp2_every5_async() -> Run:
-    return _every5(llama3_fsdp2(), async_save=True)
+def llama3_fsdp2_every2_async() -> Run:
+    return _every2(llama3_fsdp2(), async_save=True)
 
 
-def llama3_fsdp2_tp2_every5_async() -> Run:
-    return _every5(llama3_fsdp2_tp2(), async_save=True)
+def llama3_fsdp2_tp2_every2_async() -> Run:
+    return _every2(llama3_fsdp2_tp2(), async_save=True)
 
 
-def llama3_pp2_every5() -> Run:
-    """pp2 saving every 5 steps without stopping (the kill-during-save test dies in a save)."""
-    return _every5(llama3_pp2())
+def llama3_pp2_every2() -> Run:
+    """pp2 saving every 2 steps without stopping (the kill-during-save test dies in a save)."""
+    return _every2(llama3_pp2())
 
 
-def llama3_pp2_every5_async() -> Run:
-    return _every5(llama3_pp2(), async_save=True)
+def llama3_pp2_every2_async() -> Run:
+    return _every2(llama3_pp2(), async_save=True)
 
 
 def llama3_fsdp2_sigterm() -> Run:
