@@ -17,13 +17,17 @@ from titan_lightning.checkpoint import verify
 from titan_lightning.cli import prepare
 from titan_lightning.testing.launch import launch_nodes, run_single
 
-STEPS = 5
+STEPS = 3
 NODES, PER_NODE = 2, 2
+# The debug model's layers on a smaller shape (the layout across nodes, not the size, is under test).
 FIT = ["fit", "--trainer.accelerator", "cpu", "--trainer.max_steps", str(STEPS), "--trainer.limit_val_batches", "0",
-       "--trainer.enable_progress_bar", "false"]
-# The README's layout: recipes.llama3:hsdp2x2 is recipes.llama3:debugmodel with the same global batch.
-HSDP = [*FIT, "--recipe", "recipes.llama3:hsdp2x2", "--trainer.devices", str(PER_NODE),
-        "--trainer.num_nodes", str(NODES)]
+       "--trainer.enable_progress_bar", "false", "--job.model.dim", "64", "--job.model.n_layers", "2",
+       "--job.model.n_heads", "4", "--job.model.n_kv_heads", "4", "--job.training.seq_len", "64"]
+# The README's layout: recipes.llama3:hsdp2x2 is recipes.llama3:debugmodel with the same global batch
+# (4 sequences: one on each of the 2 x 2 data-parallel ranks).
+SINGLE = [*FIT, "--recipe", "recipes.llama3:debugmodel", "--job.training.tokens_per_microbatch_per_dp_rank", "256"]
+HSDP = [*FIT, "--recipe", "recipes.llama3:hsdp2x2", "--job.training.tokens_per_microbatch_per_dp_rank", "64",
+        "--trainer.devices", str(PER_NODE), "--trainer.num_nodes", str(NODES)]
 
 
 def _relative(a: float, b: float) -> float:
@@ -33,8 +37,8 @@ def _relative(a: float, b: float) -> float:
 @pytest.mark.multi_process
 @pytest.mark.slow
 def test_hsdp_across_two_torchrun_nodes_matches_one_process_and_writes_its_run_once(tmp_path):
-    single = run_single([*FIT, "--recipe", "recipes.llama3:debugmodel", "--trainer.enable_checkpointing", "false"],
-                        out_dir=tmp_path / "single", timeout=300).ranks[0]
+    single = run_single([*SINGLE, "--trainer.enable_checkpointing", "false"], out_dir=tmp_path / "single",
+                        timeout=300).ranks[0]
     nodes = launch_nodes(HSDP, NODES, PER_NODE, out_dir=tmp_path / "nodes", timeout=300)
 
     for rank, record in enumerate(nodes.ranks):
