@@ -1,7 +1,8 @@
 """The LightningDataModule a run trains on: the corpus as next-token windows, resumable."""
 
+from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning as L
 import numpy as np
@@ -16,7 +17,7 @@ from titan_lightning.data.dataset import (
     split_documents,
     tokenize_documents,
 )
-from titan_lightning.data.tokenizer import CORPUS_PATH, Tokenizer, load_tokenizer, shipped_asset
+from titan_lightning.data.tokenizer import CORPUS_PATH, Tokenizer, load_tokenizer, shipped_asset, tokenizer_file
 
 
 class TextDataModule(L.LightningDataModule):
@@ -63,13 +64,7 @@ class TextDataModule(L.LightningDataModule):
         if self._streams is not None and self._streams[0] == key:
             return self._streams[1]
         path = shipped_asset(CORPUS_PATH) if data.dataset_path is None else Path(data.dataset_path)
-        documents = read_documents(path)
-        try:
-            train_docs, val_docs = split_documents(documents, data.val_fraction)
-        except ValueError as error:
-            raise ValueError(f"data.dataset_path={str(path)!r}: {error}") from None
-        splits = {"train": train_docs, "val": val_docs}
-        streams = {name: tokenize_documents(docs, self.tokenizer) for name, docs in splits.items()}
+        streams = tokenized_splits(path, data.tokenizer_path, data.val_fraction, lambda: self.tokenizer)
         if data.repeat_to_fit and 0 < len(streams["train"]) < seq_len + 1:
             train = streams["train"]
             streams["train"] = np.tile(train, -(-(seq_len + 1) // len(train)))
@@ -180,6 +175,46 @@ class TextDataModule(L.LightningDataModule):
         if windows is None:
             raise RuntimeError("TextDataModule.setup() must run before its dataloaders are built")
         return windows
+
+
+# Token streams tokenized in this process, by corpus file and tokenizer file (path, size and
+# modification time of each) and val_fraction, the newest few kept: the runs of one test
+# session, and the ranks its fork server starts (titan_lightning/testing/zygote.py), tokenize
+# the shipped corpus once instead of once per run and rank (~0.9 s of CPU each).
+_TOKENIZED: "OrderedDict[tuple, dict[str, np.ndarray]]" = OrderedDict()
+_TOKENIZED_KEPT = 4
+
+
+def tokenized_splits(path: Path, tokenizer_path: Optional[str], val_fraction: float,
+                     tokenizer: Callable[[], Tokenizer]) -> dict[str, np.ndarray]:
+    """The ``train`` and ``val`` token streams of the corpus file ``path`` (the arrays are shared
+    between callers: never write into them). ``tokenizer`` is called only on a miss.
+
+    Raises FileNotFoundError/ValueError naming ``data.dataset_path`` or ``data.tokenizer_path``."""
+    key = (_file_identity(path), _file_identity(tokenizer_file(tokenizer_path)), val_fraction)
+    if key[0] is not None and key in _TOKENIZED:
+        _TOKENIZED.move_to_end(key)
+        return dict(_TOKENIZED[key])
+    documents = read_documents(path)
+    try:
+        train_docs, val_docs = split_documents(documents, val_fraction)
+    except ValueError as error:
+        raise ValueError(f"data.dataset_path={str(path)!r}: {error}") from None
+    encoder = tokenizer()
+    streams = {name: tokenize_documents(docs, encoder) for name, docs in (("train", train_docs), ("val", val_docs))}
+    if key[0] is not None:
+        _TOKENIZED[key] = streams
+        while len(_TOKENIZED) > _TOKENIZED_KEPT:
+            _TOKENIZED.popitem(last=False)
+    return dict(streams)
+
+
+def _file_identity(path: Path) -> Optional[tuple[str, int, int]]:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None  # read_documents names the problem
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
 
 
 def _batches_trained(trainer: L.Trainer) -> int:

@@ -50,11 +50,11 @@ class Tokenizer:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
-def load_tokenizer(path: Optional[str] = None) -> Tokenizer:
-    """The tokenizer in the `tokenizers` JSON file ``path`` (or a folder holding ``tokenizer.json``,
-    as Hugging Face saves one); None is the shipped one. Errors name ``data.tokenizer_path``."""
+def tokenizer_file(path: Optional[str] = None) -> Path:
+    """The `tokenizers` JSON file ``data.tokenizer_path`` names: the file, ``tokenizer.json`` in a
+    folder (as Hugging Face saves one), or the shipped one for None. Errors name the field."""
     if path is None:
-        return Tokenizer(HFTokenizer.from_file(str(shipped_asset(TOKENIZER_PATH))))
+        return shipped_asset(TOKENIZER_PATH)
     field = f"data.tokenizer_path={path!r}"
     file = Path(path)
     if file.is_dir():
@@ -63,6 +63,16 @@ def load_tokenizer(path: Optional[str] = None) -> Tokenizer:
             raise FileNotFoundError(f"{field} is a folder without tokenizer.json; give a `tokenizers` JSON file")
     elif not file.exists():
         raise FileNotFoundError(f"{field}: no such file")
+    return file
+
+
+def load_tokenizer(path: Optional[str] = None) -> Tokenizer:
+    """The tokenizer in the `tokenizers` JSON file ``path`` (or a folder holding ``tokenizer.json``,
+    as Hugging Face saves one); None is the shipped one. Errors name ``data.tokenizer_path``."""
+    file = tokenizer_file(path)
+    if path is None:
+        return Tokenizer(HFTokenizer.from_file(str(file)))
+    field = f"data.tokenizer_path={path!r}"
     try:
         tokenizer = HFTokenizer.from_file(str(file))
     except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for any bad file

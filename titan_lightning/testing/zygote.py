@@ -21,7 +21,8 @@ Protocol (a Unix socket, one connection per rank, JSON lines): the client sends
 ``{"module", "args", "env", "cwd", "log"}``; the server answers ``{"pid": N}`` once forked and
 ``{"exit": CODE}`` when the rank ended. The server is single-threaded (``select`` over the
 socket, the connections and SIGCHLD's wakeup pipe: forking from a threaded process is unsafe)
-and exits when its parent (the test process) is gone.
+and exits when its parent (the test process) is gone. Besides the imports it tokenizes the shipped
+corpus once (``tokenized_splits`` keeps it), which most test runs train on.
 
     python -m titan_lightning.testing.zygote SOCKET_PATH
 """
@@ -44,6 +45,7 @@ def main(path: str) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    _tokenize_shipped_corpus()
     if threading.active_count() != 1:
         print(f"not ready: {threading.active_count()} threads after the imports", flush=True)
         os._exit(1)
@@ -91,6 +93,27 @@ def main(path: str) -> None:
             children[pid] = conn
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         _reap(children)
+
+
+def _tokenize_shipped_corpus() -> None:
+    """Most test runs train on the shipped corpus: tokenized here once, each forked rank finds it in
+    ``tokenized_splits``'s memo. Sequentially (``TOKENIZERS_PARALLELISM=false``): a thread pool of
+    the tokenizers library started here would be unusable after the fork."""
+    from titan_lightning.config import DataConfig
+    from titan_lightning.data.datamodule import tokenized_splits
+    from titan_lightning.data.tokenizer import CORPUS_PATH, load_tokenizer
+
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        tokenized_splits(CORPUS_PATH, None, DataConfig().val_fraction, load_tokenizer)
+    except (OSError, ValueError) as error:  # the assets are missing: the ranks report it themselves
+        print(f"the shipped corpus is not tokenized ahead: {error}", file=sys.stderr, flush=True)
+    finally:
+        if saved is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
 
 
 def _reap(children: dict[int, socket.socket]) -> None:

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from titan_lightning.data.tokenizer import CORPUS_PATH
 from titan_lightning.testing import LaunchFailed, LaunchTimeout, launch, rank_env, run_single
 
 launch_module = importlib.import_module("titan_lightning.testing.launch")  # the package's `launch` is the function
@@ -150,13 +151,17 @@ PROBE = textwrap.dedent("""
     # Run as `python -m probe --out DIR -- ACTION`: what a rank sees when it starts, then ACTION.
     import json, os, signal, sys
     preloaded = "torch" in sys.modules and "lightning" in sys.modules
+    from titan_lightning.data import datamodule
+    from titan_lightning.data.tokenizer import load_tokenizer
+    tokenized = [key[0][0] for key in datamodule._TOKENIZED]  # corpora the fork server tokenized ahead
+    load_tokenizer().encode_batch(["def f(x): return x"] * 64)  # tokenizers' thread pool works after the fork
     from lightning_utilities.core.rank_zero import rank_zero_only
     out, action = sys.argv[2], sys.argv[4]
     rank = int(os.environ["RANK"])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"preloaded": preloaded, "own_session": os.getsid(0) == os.getpid(), "argv": sys.argv[1:],
                    "marker": os.environ.get("PROBE_MARKER"), "rank_zero": getattr(rank_zero_only, "rank", None),
-                   "cwd": os.getcwd(), "stdin": sys.stdin.read()}, f)
+                   "cwd": os.getcwd(), "stdin": sys.stdin.read(), "tokenized": tokenized}, f)
     print(f"rank {rank} says hello")
     if action == "exit3" and rank == 1:
         sys.exit(3)
@@ -187,6 +192,8 @@ def test_ranks_are_forked_ready_with_their_own_environment_session_and_log(probe
         assert seen["argv"] == ["--out", str(tmp_path / "ok"), "--", "ok"] and seen["cwd"] == os.getcwd()
         assert seen["rank_zero"] == rank  # Lightning's flag, computed at import, follows the rank's RANK
         assert f"rank {rank} says hello" in result.log(rank)
+        assert seen["tokenized"] == [str(CORPUS_PATH.resolve())]  # the server tokenized it once for every rank
+        assert "tokenizers" not in result.log(rank)  # no "process just got forked ... disabling parallelism"
     assert_all_gone(result.pids)
 
 
@@ -202,4 +209,4 @@ def test_forked_rank_exit_status_is_a_popens(probe, action, code):
 @pytest.mark.multi_process
 def test_environment_read_at_import_gets_a_fresh_interpreter(probe):
     result = probe("ok", ATEN_CPU_CAPABILITY="default")
-    assert not any(seen["preloaded"] for seen in result.ranks)
+    assert not any(seen["preloaded"] or seen["tokenized"] for seen in result.ranks)
