@@ -6,17 +6,13 @@ that train 3 steps and must match a single process step for step.
 """
 
 import contextlib
-import json
 import os
-import socket
-import time
 from dataclasses import dataclass
-from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -30,6 +26,7 @@ from titan_lightning.models.llama3.parallelize import TP_PLAN, llama3_tp_plan
 from titan_lightning.parallel.fsdp import apply_ddp, apply_fsdp, find_repeated_blocks
 from titan_lightning.parallel.mesh import Mesh, ParallelDims
 from titan_lightning.parallel.tensor import apply_tp
+from titan_lightning.testing.spawn import run_function
 
 # Small enough for 2 CPU cores; n_kv_heads < n_heads so GQA shards are checked too.
 # head_dim 16, ffn_hidden_dim 192.
@@ -338,43 +335,19 @@ def train_layout(name: str) -> dict[str, list[float]]:
     return train(model, batches, loss_parallel_enabled=layout.loss_parallel, dp_group=dp_group)
 
 
-def _worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=WORKER_TIMEOUT_S))
-    results = {name: train_layout(name) for name in names}
-    if rank == 0:
-        with open(os.path.join(out_dir, "results.json"), "w") as f:
-            json.dump(results, f)
-    # Ending this way avoids gloo's "terminate called without an active exception" at exit.
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+def train_layouts(*, rank: int, world_size: int, names: list[str]) -> dict[str, dict[str, list[float]]]:
+    """Run on each rank by titan_lightning.testing.spawn: every layout in ``names``, one after another."""
+    return {name: train_layout(name) for name in names}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# The ranks import this file as a top-level module (their interpreter was started before this test).
+HERE_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
 
 
-def spawn(world_size: int, names: list[str], out_dir: str) -> dict[str, dict[str, list[float]]]:
-    """Run ``names`` in one spawned gloo world; kill the workers if they outlive the timeout."""
-    context = mp.start_processes(
-        _worker, args=(world_size, free_port(), names, out_dir), nprocs=world_size, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + WORKER_TIMEOUT_S
-    try:
-        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world_size} gloo workers running {names} did not finish in {WORKER_TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join()
-    with open(os.path.join(out_dir, "results.json")) as f:
-        return json.load(f)
+def spawn(world_size: int, names: list[str], out_dir: Path) -> dict[str, dict[str, list[float]]]:
+    """Run ``names`` in one gloo world of ranks forked by the launcher; killed if they outlive the timeout."""
+    return run_function(f"{Path(__file__).stem}:train_layouts", world_size, out_dir=out_dir,
+                        timeout=WORKER_TIMEOUT_S, env=HERE_ENV, names=names)[0]
 
 
 @pytest.fixture(scope="module")
@@ -391,7 +364,7 @@ def parallel_runs(tmp_path_factory):
         if world_size not in runs:
             names = [name for name, layout in LAYOUTS.items() if layout.world_size == world_size]
             try:
-                runs[world_size] = spawn(world_size, names, str(tmp_path_factory.mktemp(f"world{world_size}")))
+                runs[world_size] = spawn(world_size, names, tmp_path_factory.mktemp(f"world{world_size}"))
             except Exception as error:  # noqa: BLE001 - reported by every test of this world size
                 runs[world_size] = error
         if isinstance(runs[world_size], Exception):
