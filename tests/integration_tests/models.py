@@ -19,8 +19,8 @@ def _entry(recipe: str, description: str, ngpu: int = 1, seed: str = None, *, go
 ENTRIES = [
     _entry("llama3_debugmodel", "Llama 3 debug model, one process"),
     _entry("qwen3_debugmodel", "Qwen 3 dense debug model (QK-norm), one process"),
-    _entry("qwen3_moe_debugmodel", "Qwen 3 MoE debug model (64 experts, top-8), one process"),
-    _entry("deepseek_v3_debugmodel", "DeepSeek V3 debug model (MLA, 8 routed + 2 shared experts), one process"),
+    _entry("qwen3_moe_debugmodel", "Qwen 3 MoE debug model (4 layers of 16 experts, top-4), one process"),
+    _entry("deepseek_v3_debugmodel", "DeepSeek V3 debug model (3 layers: MLA, 8 routed + 2 shared experts), one process"),
     _entry("qwen3_moe_fsdp2_ep2", "Qwen 3 MoE: FSDP2, experts over EP2", 2, "qwen3_moe_debugmodel", golden=True),
     _entry("qwen3_moe_fsdp2_tp2_cp2_ep8", "Qwen 3 MoE: FSDP2 x TP2 x CP2 dense, EP8 experts", 8,
            "qwen3_moe_debugmodel"),
