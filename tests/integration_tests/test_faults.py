@@ -17,8 +17,11 @@ from titan_lightning.testing.launch import free_port, rank_env
 
 pytestmark = pytest.mark.multi_process
 
+# The debug model's layers on a smaller shape: what a dying rank leaves behind is under test, not the model.
 FIT = ["fit", "--recipe", "recipes.llama3:fsdp2", "--trainer.accelerator", "cpu", "--trainer.max_steps", "1000",
-       "--trainer.enable_checkpointing", "false", "--trainer.limit_val_batches", "0"]
+       "--trainer.enable_checkpointing", "false", "--trainer.limit_val_batches", "0", "--job.model.dim", "64",
+       "--job.model.n_layers", "2", "--job.model.n_heads", "4", "--job.model.n_kv_heads", "4",
+       "--job.training.seq_len", "64"]
 EXIT_WITHIN_S = 30
 
 
