@@ -28,6 +28,9 @@ PP_LAYOUTS = [
 ]
 PP_MOE_LAYOUTS = [("qwen3_moe_pp2_fsdp2_ep2", 4, "qwen3_moe_debugmodel"), ("deepseek_v3_pp2_ep2", 4, "deepseek_v3_debugmodel")]
 
+# The one-process run of a layout that is not the debug model's (the bf16 layout runs on a smaller shape).
+SEEDS = {"llama3_fsdp2_tp2_bf16": "llama3_small"}
+
 # (recipe in recipes.tests.models, world size, its one-process run)
 MOE_LAYOUTS = [
     ("qwen3_moe_fsdp2_ep2", 2, "qwen3_moe_debugmodel"), ("qwen3_moe_tp2", 2, "qwen3_moe_debugmodel"),
@@ -47,7 +50,7 @@ def main() -> None:
                              "pp: the pipeline-parallel ones")
     args = parser.parse_args()
     fit = ["fit", "--trainer.accelerator", "cpu", "--trainer.max_steps", str(args.steps)]
-    dense = [(f"recipes.tests.features:{r}", w, "recipes.tests.features:llama3_debugmodel")
+    dense = [(f"recipes.tests.features:{r}", w, f"recipes.tests.features:{SEEDS.get(r, 'llama3_debugmodel')}")
              for r, w in {"all": LAYOUTS + CP_LAYOUTS + PP_LAYOUTS, "cp": CP_LAYOUTS, "moe": [],
                           "pp": PP_LAYOUTS}[args.only]]
     moe_layouts = {"all": MOE_LAYOUTS + PP_MOE_LAYOUTS, "moe": MOE_LAYOUTS, "pp": PP_MOE_LAYOUTS, "cp": []}[args.only]

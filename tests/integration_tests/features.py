@@ -12,8 +12,9 @@ _SEED = f"{_R}:llama3_debugmodel"
 _GOLDEN = "{execution_mode}/{hardware}/%s.txt"
 
 
-def _entry(recipe: str, description: str, ngpu: int = 1, *, golden: bool = False, **kwargs) -> TestEntry:
-    seed = _SEED if ngpu > 1 else None  # a parallel layout must reproduce the one-process run
+def _entry(recipe: str, description: str, ngpu: int = 1, *, golden: bool = False, seed: str = _SEED,
+           **kwargs) -> TestEntry:
+    seed = seed if ngpu > 1 else None  # a parallel layout must reproduce the one-process run
     return TestEntry(
         recipes=(f"{_R}:{recipe}",), name=recipe, description=description, ngpu=ngpu, seed_recipe=seed,
         golden_numerics_path=_GOLDEN % recipe if golden else None, **kwargs,
@@ -23,7 +24,7 @@ def _entry(recipe: str, description: str, ngpu: int = 1, *, golden: bool = False
 ENTRIES = [
     _entry("llama3_debugmodel", "one process, fp32, deterministic"),
     _entry("llama3_debugmodel_accumulation", "two microbatches per step from tokens_per_step"),
-    _entry("llama3_debugmodel_bf16", "bf16 autocast over fp32 parameters"),
+    _entry("llama3_debugmodel_bf16", "bf16 autocast over fp32 parameters (the small shape)"),
     _entry("llama3_fsdp2", "FSDP2 over 2 ranks", 2),
     _entry("llama3_fsdp4", "FSDP2 over 4 ranks", 4, golden=True),
     _entry("llama3_ddp2", "DDP over 2 ranks", 2),
@@ -35,9 +36,9 @@ ENTRIES = [
     _entry("llama3_tp4_no_sp", "TP4 without sequence parallel", 4),
     _entry("llama3_fsdp2_tp2", "FSDP2 x TP2", 4, golden=True),
     _entry("llama3_hsdp2x2_tp2", "2 replicas of FSDP2 x TP2", 8),
-    # bf16 compute vs the fp32 seed: measured 2.5e-4 (loss) / 2.2e-3 (grad norm) apart.
+    # bf16 compute vs the fp32 seed of the same (small) shape: measured 2.6e-4 (loss) / 1.6e-3 (grad norm) apart.
     _entry("llama3_fsdp2_tp2_bf16", "FSDP2 x TP2, bf16 parameters in compute, fp32 reduce", 4,
-           loss_rtol=1e-2, grad_norm_rtol=5e-2),
+           seed=f"{_R}:llama3_small", loss_rtol=1e-2, grad_norm_rtol=5e-2),
     _entry("llama3_fsdp2_ac_full", "FSDP2 with full activation checkpointing", 2),
     _entry("llama3_fsdp2_tp2_ac_op", "FSDP2 x TP2 with per-op selective activation checkpointing", 4),
     _entry("llama3_cp2", "CP2, all-gather K/V, headtail", 2, golden=True),
