@@ -1,6 +1,7 @@
 """Seed checkpoints and the loss-compare tool."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -207,9 +208,15 @@ def test_the_script_reports_a_bad_flag_in_one_line_and_exit_2(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multi_process
-def test_fsdp2_matches_one_process_from_the_seed_checkpoint_and_export_import_round_trips(tmp_path, capsys):
+def test_fsdp2_matches_one_process_from_the_seed_checkpoint_and_export_import_round_trips(tmp_path, capsys,
+                                                                                         monkeypatch):
+    # The features recipes on a smaller shape: the tool's seed checkpoint, launches and files are under test.
+    here = str(Path(__file__).parent)
+    monkeypatch.syspath_prepend(here)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    base = "small_llama3:llama3_debugmodel"
     exported = tmp_path / "numbers.json"
-    argv = ["--baseline", BASE, "--test", "recipes.tests.features:llama3_fsdp2", "--test-ngpu", "2", "--steps", "2",
+    argv = ["--baseline", base, "--test", "small_llama3:llama3_fsdp2", "--test-ngpu", "2", "--steps", "2",
             "--rtol", "1e-5", "--out", str(tmp_path / "out"), "--export", str(exported)]
     assert loss_compare.main(argv) == 0, capsys.readouterr().err
     assert "within rtol 1e-05" in capsys.readouterr().out
@@ -217,6 +224,6 @@ def test_fsdp2_matches_one_process_from_the_seed_checkpoint_and_export_import_ro
     numbers = json.loads(exported.read_text())
     assert numbers["test"]["ngpu"] == 2 and len(numbers["baseline"]["losses"]) == 2
     # The same single-process run again, against the imported baseline: bitwise equal.
-    argv = ["--import", str(exported), "--test", BASE, "--steps", "2", "--assert-equal", "--out", str(tmp_path / "again")]
+    argv = ["--import", str(exported), "--test", base, "--steps", "2", "--assert-equal", "--out", str(tmp_path / "again")]
     assert loss_compare.main(argv) == 0, capsys.readouterr().err
     assert "loss_compare: equal" in capsys.readouterr().out
