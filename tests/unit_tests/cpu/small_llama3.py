@@ -1,6 +1,6 @@
 """The features suite's debug-model recipes on a smaller shape (2 layers of width 64), for tests
-that check a tool or a launch, not the model: imported by test_loss_compare.py and, through
-PYTHONPATH, by the processes its tool starts."""
+of a tool or a launch, not of the model (test_loss_compare.py, test_run_tests.py): imported
+through PYTHONPATH, by the test and by the processes the tool starts."""
 
 from recipes.tests import features
 from titan_lightning.recipe import Run

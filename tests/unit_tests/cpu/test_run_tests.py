@@ -1,5 +1,6 @@
 """The integration runner: flag validation, the empty-dir rule, device packing, the summary, exit codes."""
 
+import os
 import re
 import sys
 import threading
@@ -215,9 +216,13 @@ def test_summary_has_a_row_per_test_and_counts():
 
 @pytest.mark.slow
 def test_a_real_run_passes_and_a_golden_mismatch_fails_with_exit_1_and_the_log_tail(tmp_path, monkeypatch, capsys):
-    """End to end on one fake-PG entry: export, compare (passes), edit the golden, compare (fails)."""
+    """End to end on one fake-PG entry: export, compare (passes), edit the golden, compare (fails).
+    The entry trains the debug-model recipe at a smaller shape (the runner is under test)."""
+    here = str(Path(__file__).parent)
+    monkeypatch.syspath_prepend(here)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
     golden = tmp_path / "golden" / "fake_pg.txt"
-    entry = TestEntry(recipes=(RECIPE,), name="llama3_debugmodel", description="d",
+    entry = TestEntry(recipes=("small_llama3:llama3_debugmodel",), name="llama3_debugmodel", description="d",
                       golden_numerics_path=str(tmp_path / "golden" / "{execution_mode}.txt"))
     _suite(monkeypatch, entry)
     common = ["--gpu_arch_type", "cpu", "--execution_mode", "fake_pg", "--ngpu", "1"]
