@@ -13,9 +13,14 @@ from titan_lightning.testing.launch import launch
 pytestmark = pytest.mark.multi_process
 
 
+# The debug model's 6 layers (3 per pipeline stage) at a smaller width: the layouts are under test.
+SHAPE = {"dim": 64, "n_heads": 4, "n_kv_heads": 4}
+
+
 def fit(recipe: str, world: int, run_dir, *overrides: str) -> dict:
+    shape = [arg for name, value in SHAPE.items() for arg in (f"--job.model.{name}", str(value))]
     argv = ["fit", "--recipe", f"recipes.tests.features:{recipe}", "--trainer.accelerator", "cpu",
-            "--trainer.devices", str(world), "--trainer.max_steps", "2", *overrides]
+            "--trainer.devices", str(world), "--trainer.max_steps", "2", *shape, *overrides]
     return launch(argv, world, out_dir=run_dir.with_name(run_dir.name + "_logs"), timeout=300,
                   env={RUN_DIR_ENV: str(run_dir)}).ranks[0]
 
@@ -44,7 +49,10 @@ def test_weights_round_trip_through_hugging_face_and_sharded_exports_on_three_la
     from recipes.tests import features
     from titan_lightning.models.llama3 import Transformer
 
-    init = Transformer(features.llama3_debugmodel().job.model)
+    run = features.llama3_debugmodel()
+    for name, value in SHAPE.items():
+        setattr(run.job.model, name, value)
+    init = Transformer(run.job.model)
     init.init_weights(seed=0)
-    hf_init = features.llama3_debugmodel().module.state_dict_adapter().to_hf(init.state_dict())
+    hf_init = run.module.state_dict_adapter().to_hf(init.state_dict())
     assert not torch.equal(hf_init["model.layers.0.self_attn.q_proj.weight"], first["model.layers.0.self_attn.q_proj.weight"])
