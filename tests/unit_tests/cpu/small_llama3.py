@@ -1,20 +1,15 @@
-"""The features suite's debug-model recipes on a smaller shape (2 layers of width 64), for tests
-of a tool or a launch, not of the model (test_loss_compare.py, test_run_tests.py): imported
-through PYTHONPATH, by the test and by the processes the tool starts."""
+"""features.llama3_small (the debug model cut to 2 layers of width 128) and its FSDP2 layout, for
+tests of a tool, not of the model (test_loss_compare.py, test_run_tests.py): imported through
+PYTHONPATH, by the test and by the processes the tool starts."""
 
+from recipes.llama3 import on_layout
 from recipes.tests import features
 from titan_lightning.recipe import Run
 
 
-def _small(run: Run) -> Run:
-    model = run.job.model
-    model.dim, model.n_layers, model.n_heads, model.n_kv_heads = 64, 2, 4, 4
-    return run
-
-
 def llama3_debugmodel() -> Run:
-    return _small(features.llama3_debugmodel())
+    return features.llama3_small()
 
 
 def llama3_fsdp2() -> Run:
-    return _small(features.llama3_fsdp2())
+    return on_layout(features.llama3_small(), dp_shard=2)
