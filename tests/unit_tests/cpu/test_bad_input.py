@@ -257,20 +257,45 @@ def test_resume_latest_with_nothing_saved_starts_fresh_in_one_line(tmp_path, cap
     assert "checkpoint.resume_from='latest': no complete checkpoint under" in err and "starting from step 0" in err
 
 
-@pytest.mark.parametrize("argv, message", [
+CONSOLE_CASES = [
     (["fit", "--recipe", "recipes.llama3:nope"], "has no recipe function 'nope'"),
     # Needs the Trainer (the world size): Lightning's banner must not come first.
     (["fit", "--recipe", "recipes.llama3:debugmodel", "--trainer.devices", "3", "--job.parallelism.tp", "3"],
      "model.n_heads=16 must be divisible by parallelism.tp=3"),
-])
-def test_console_script_prints_the_error_alone(tmp_path, argv, message):
+]
+
+
+@pytest.fixture(scope="module")
+def console_runs(tmp_path_factory):
+    """The console-script runs of CONSOLE_CASES, started together (the import is most of their
+    time), each in an empty folder of its own; ``console_runs(argv)`` waits for one."""
     env = {k: v for k, v in os.environ.items() if k != RUN_DIR_ENV}
-    result = subprocess.run([sys.executable, "-m", "titan_lightning.cli", *argv], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=120, env=env)
+    started = {}
+    for argv, _ in CONSOLE_CASES:
+        folder = tmp_path_factory.mktemp("console")
+        started[tuple(argv)] = folder, subprocess.Popen(
+            [sys.executable, "-m", "titan_lightning.cli", *argv], cwd=folder, env=env, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def wait(argv):
+        folder, process = started[tuple(argv)]
+        stdout, stderr = process.communicate(timeout=120)
+        return subprocess.CompletedProcess(argv, process.returncode, stdout, stderr), folder
+
+    yield wait
+    for _, process in started.values():
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+@pytest.mark.parametrize("argv, message", CONSOLE_CASES)
+def test_console_script_prints_the_error_alone(console_runs, argv, message):
+    result, folder = console_runs(argv)
     assert result.returncode == 2
     assert result.stdout == "" and result.stderr.count("\n") == 1, (result.stdout, result.stderr)
     assert message in result.stderr
-    assert list(tmp_path.iterdir()) == []
+    assert list(folder.iterdir()) == []
 
 
 def test_banner_is_held_even_when_the_program_logs_through_the_root_logger(inputs, capfd, monkeypatch):
