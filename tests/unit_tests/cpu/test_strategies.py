@@ -17,6 +17,10 @@ from titan_lightning.testing.launch import launch, run_single
 
 STEPS = 5
 FIT = ["fit", "--trainer.accelerator", "cpu", "--trainer.max_steps", str(STEPS)]
+# The debug model at width 64, and also cut to 2 blocks of 64 tokens: for tests of a launch or a
+# schedule, not of the model's size.
+NARROW = ["--job.model.dim", "64", "--job.model.n_heads", "4", "--job.model.n_kv_heads", "4"]
+SMALL_MODEL = [*NARROW, "--job.model.n_layers", "2", "--job.training.seq_len", "64"]
 
 
 def _argv(recipe: str, world_size: int) -> list[str]:
@@ -55,11 +59,6 @@ def test_users_own_module_shards_its_repeated_blocks_and_matches_one_process(rec
             assert _relative(loss, ref) < 1e-5
         # 4 blocks + the root
         assert rank["metrics"]["fsdp_units"] == 5.0
-
-
-# The debug model's layout, smaller: Lightning's launcher, not the model's size, is under test.
-SMALL_MODEL = ["--job.model.dim", "64", "--job.model.n_layers", "2", "--job.model.n_heads", "4",
-               "--job.model.n_kv_heads", "4", "--job.training.seq_len", "64"]
 
 
 @pytest.mark.multi_process
@@ -123,7 +122,8 @@ def test_pipeline_without_a_plan_names_the_missing_attribute(tmp_path):
 def test_pipeline_validation_loss_matches_one_process(tmp_path):
     """Validation under PP runs a forward-only schedule; the torchmetrics mean that only the last
     stage updates, synced over every rank, equals the one-process validation loss and perplexity."""
-    extra = ["--trainer.limit_val_batches", "2", "--trainer.val_check_interval", "3", "--trainer.max_steps", "3"]
+    extra = ["--trainer.limit_val_batches", "2", "--trainer.val_check_interval", "3", "--trainer.max_steps", "3",
+             *NARROW]
     single = run_single([*_argv("llama3_debugmodel", 1), *extra], out_dir=tmp_path / "single", timeout=300)
     result = launch([*_argv("llama3_pp2_interleaved", 2), *extra], 2, out_dir=tmp_path / "pp2", timeout=300)
     expected = single.ranks[0]["metrics"]
