@@ -66,24 +66,33 @@ def test_users_own_module_shards_its_repeated_blocks_and_matches_one_process(rec
 def test_lightning_launcher_runs_the_cli_on_four_ranks(tmp_path):
     """The README command: Lightning's own launcher re-executes titan-lightning per rank."""
     import csv
+    import signal
     import subprocess
 
     common = ["--trainer.max_steps", "3", "--trainer.accelerator", "cpu", "--trainer.enable_checkpointing", "false",
               "--trainer.limit_val_batches", "0", *SMALL_MODEL]
-    # The same global batch: 4 sequences on one process, 2 on each of the 2 data-parallel ranks.
-    single = run_single(["fit", "--recipe", "recipes.llama3:debugmodel", *common,
-                         "--job.training.tokens_per_microbatch_per_dp_rank", "256"],
-                        out_dir=tmp_path / "single", timeout=300).ranks[0]["losses"]
-
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "TITAN_LIGHTNING_RUN_DIR"))}
     env["CUDA_VISIBLE_DEVICES"] = ""
     folder = tmp_path / "fsdp2_tp2"
     folder.mkdir()
-    subprocess.run(
-        ["titan-lightning", "fit", "--recipe", "recipes.llama3:fsdp2_tp2", *common,
-         "--job.training.tokens_per_microbatch_per_dp_rank", "128", "--trainer.devices", "4"],
-        cwd=folder, env=env, check=True, timeout=420, capture_output=True,
-    )
+    with open(tmp_path / "fsdp2_tp2.log", "wb") as log:
+        launcher = subprocess.Popen(
+            ["titan-lightning", "fit", "--recipe", "recipes.llama3:fsdp2_tp2", *common,
+             "--job.training.tokens_per_microbatch_per_dp_rank", "128", "--trainer.devices", "4"],
+            cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        # The one-process reference, while the launcher imports: the same global batch, 4 sequences
+        # on one process, 2 on each of the 2 data-parallel ranks.
+        single = run_single(["fit", "--recipe", "recipes.llama3:debugmodel", *common,
+                             "--job.training.tokens_per_microbatch_per_dp_rank", "256"],
+                            out_dir=tmp_path / "single", timeout=300).ranks[0]["losses"]
+        status = launcher.wait(timeout=420)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)  # the ranks it started are in its process group
+        launcher.wait()
+    assert status == 0, (tmp_path / "fsdp2_tp2.log").read_text(errors="replace")[-3000:]
     (metrics,) = folder.glob("runs/*/*/csv/metrics.csv")
     parallel = [float(r["train/loss"]) for r in csv.DictReader(open(metrics)) if r.get("train/loss")]
     assert len(parallel) == 3
