@@ -211,7 +211,9 @@ def run_side(recipe: str, ngpu: int, args: argparse.Namespace, root: Path, out: 
     if args.accelerator == "gpu":
         env["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(ngpu))))
     options = ["--seed-checkpoint", str(seed)] if seed is not None else []
-    result = launch(argv, ngpu, out_dir=out, timeout=args.timeout, env=env, worker_options=options, cwd=root)
+    # Another commit's checkout runs there (fresh interpreters: its imports); this one's ranks are forked.
+    result = launch(argv, ngpu, out_dir=out, timeout=args.timeout, env=env, worker_options=options,
+                    cwd=None if root == REPO else root)
     rank0 = result.ranks[0]
     return {"recipe": recipe, "ngpu": ngpu, "steps": rank0["steps"], "losses": rank0["losses"],
             "grad_norms": rank0["grad_norms"]}
