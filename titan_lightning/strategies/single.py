@@ -95,6 +95,7 @@ class PipelineParallelStrategy(_OneDegreeStrategy):
 
     The module declares where its blocks are (``pipeline_plan``, see
     titan_lightning/parallel/pipeline.py); its ``training_step`` is unchanged: the strategy
+    (titan_lightning/strategies/pipeline.py)
     runs forward and backward of every microbatch through the schedule and reports the last
     stage's loss and logs on every rank.
     """

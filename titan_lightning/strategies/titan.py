@@ -50,19 +50,15 @@ from titan_lightning.parallel.heartbeat import Heartbeat, output_target
 from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_caches
 from titan_lightning.parallel.pipeline import (
     PipelinePlan,
-    PipelineRunner,
-    average_records,
     check_stage_modules,
     describe_split,
-    patched,
-    record_logs,
-    replay_records,
     split_layers,
     split_model,
     stage_ids,
     stage_module_names,
 )
 from titan_lightning.parallel.tensor import FUSED, apply_tp, check_tp_plan
+from titan_lightning.strategies.pipeline import PipelineRunner, average_records, patched, record_logs, replay_records
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

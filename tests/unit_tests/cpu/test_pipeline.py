@@ -15,8 +15,6 @@ from titan_lightning.config import ConfigError, ParallelismConfig, validate_job
 from titan_lightning.models.llama3.model import Llama3Args, Transformer
 from titan_lightning.parallel.pipeline import (
     PipelinePlan,
-    average_records,
-    _rows,
     check_stage_modules,
     describe_split,
     split_layers,
@@ -25,6 +23,7 @@ from titan_lightning.parallel.pipeline import (
     stage_module_names,
     stage_rank,
 )
+from titan_lightning.strategies.pipeline import _rows, average_records
 
 PLAN = PipelinePlan()
 

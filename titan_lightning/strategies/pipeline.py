@@ -1,0 +1,386 @@
+"""Pipeline parallelism inside Lightning's training loop: the stages of one rank (cut by
+``titan_lightning/parallel/pipeline.py``) run through ``torch.distributed.pipelining`` schedules
+(GPipe, 1F1B, Interleaved1F1B, LoopedBFS, zero bubble ...) over the microbatches of every step.
+
+How the LightningModule's own ``training_step`` stays unchanged:
+
+- the first stage learns what the module feeds its model by running ``training_step`` up to
+  the model call (``PipelinePlan.model``'s forward raises once it has seen its arguments);
+- the schedule splits that input into ``pp_microbatches`` and runs forward and backward;
+- on the last stage, the schedule's loss function is ``training_step`` itself, called on
+  each microbatch's rows of the batch with the model's forward answering the stage output;
+- ``self.log`` calls made there are recorded, averaged over the microbatches and replayed
+  on every rank after the step (values sent from the last stage), so the progress bar,
+  loggers, checkpoint monitors and golden numerics see the same numbers everywhere (the
+  same helpers average what gradient accumulation logs without PP);
+- the strategy returns the mean microbatch loss, detached: the schedule already ran
+  backward, so Lightning's own backward is skipped. Lightning zeroes the gradients after
+  ``training_step`` and before backward; the schedule's gradients are therefore set aside
+  during that call and put back in ``backward`` (and the runner clears them itself before
+  the first microbatch of an accumulation window).
+
+Validation and test run a forward-only schedule the same way.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from titan_lightning.config import ConfigError
+from titan_lightning.parallel.pipeline import PipelinePlan, stage_rank
+
+class _Captured(Exception):
+    """Raised by the model's forward on the first stage once it has seen its input."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__("pipeline input captured")
+        self.args, self.kwargs = args, kwargs
+
+
+@contextmanager
+def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    had = name in obj.__dict__
+    old = obj.__dict__.get(name)
+    object.__setattr__(obj, name, value)
+    try:
+        yield
+    finally:
+        if had:
+            object.__setattr__(obj, name, old)
+        else:
+            delattr(obj, name)
+
+
+def _local(value: Any) -> Any:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _rows(batch: Any, index: Tensor, batch_size: int) -> Any:
+    """The rows ``index`` of every [batch_size, ...] tensor in ``batch``."""
+
+    def take(t: Tensor) -> Tensor:
+        return t.index_select(0, index.to(t.device)) if t.dim() > 0 and t.shape[0] == batch_size else t
+
+    return apply_to_collection(batch, Tensor, take)
+
+
+class PipelineRunner:
+    """One rank's stages and schedules, and the step logic that keeps ``training_step`` unchanged."""
+
+    def __init__(
+        self,
+        module: Any,
+        plan: PipelinePlan,
+        stage_modules: list[nn.Module],
+        local_stages: list[int],
+        num_stages: int,
+        pp_mesh: DeviceMesh,
+        device: torch.device,
+        *,
+        schedule: str,
+        microbatches: int,
+        placement: str,
+        schedule_csv: Optional[str] = None,
+        stage_group: Optional[dist.ProcessGroup] = None,
+    ) -> None:
+        self.module = module
+        self.plan = plan
+        self.stage_modules = stage_modules
+        self.local_stages = local_stages
+        self.num_stages = num_stages
+        self.pp_group = pp_mesh.get_group()
+        self.pp_size = pp_mesh.size()
+        self.device = device
+        self.schedule_name = schedule
+        self.microbatches = microbatches
+        self.placement = placement
+        self.schedule_csv = schedule_csv
+        # Ranks that hold the same stages (everything but pp); None when that is this rank alone.
+        self.stage_group = stage_group
+        self.last_rank = stage_rank(num_stages - 1, self.pp_size, placement)
+        self.is_first = 0 in local_stages
+        self.is_last = num_stages - 1 in local_stages
+        self._schedules: dict[bool, Any] = {}
+        self._started = False
+        self._saved_buffers: list[tuple[Tensor, Tensor]] = []
+        self._mode = "training_step"
+        self._records: list[tuple[str, Any, dict]] = []
+        self._outputs: list[Any] = []
+        self._error: Optional[BaseException] = None
+        self._batch: Any = None
+        self._batch_size = 0
+        self._batch_idx: Any = None
+        self._extra: tuple = ()
+        self._loss_scale = 1.0
+
+    # -- schedule ------------------------------------------------------------------------
+
+    def _build_schedule(self):
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+        stages = [
+            PipelineStage(submodule, s, self.num_stages, self.device, group=self.pp_group)
+            for submodule, s in zip(self.stage_modules, self.local_stages)
+        ]
+        for stage in stages:
+            stage.forward_one_chunk = self._first_chunk_hook(stage.forward_one_chunk)
+        if self.schedule_csv is not None:
+            from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+            schedule = _PipelineScheduleRuntime(stages, self.microbatches, loss_fn=self._loss_fn, scale_grads=False)
+            schedule._load_csv(self.schedule_csv)
+            return schedule
+        cls = get_schedule_class(self.schedule_name)
+        if issubclass(cls, PipelineScheduleSingle):
+            return cls(stages[0], self.microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        return cls(stages, self.microbatches, loss_fn=self._loss_fn, scale_grads=False)
+
+    def schedule(self, train: bool):
+        """The training schedule, or a second one over its own stages for forward-only steps:
+        each infers its stage metadata once, instead of again at every train/eval switch."""
+        if train not in self._schedules:
+            self._schedules[train] = self._build_schedule()
+        return self._schedules[train]
+
+    def _first_chunk_hook(self, forward_one_chunk: Callable) -> Callable:
+        """Mark where the real microbatches start. Before that, a new schedule infers its
+        stages' shapes by running them (the last with the loss function) on uninitialized
+        inputs; buffers that forward changed (MoE token counts) are put back."""
+
+        def hooked(*args: Any, **kwargs: Any) -> Any:
+            if not self._started:
+                self._started = True
+                for buffer, saved in self._saved_buffers:
+                    buffer.copy_(saved)
+                self._saved_buffers = []
+            return forward_one_chunk(*args, **kwargs)
+
+        return hooked
+
+    # -- the loss function: the module's own step on the last stage ---------------------
+
+    def _loss_fn(self, output: Any, index: Tensor) -> Tensor:
+        module = self.module
+        model = getattr(module, self.plan.model)
+        mb = _rows(self._batch, index, self._batch_size)
+
+        def answer(*args: Any, **kwargs: Any) -> Any:
+            return output
+
+        record = record_logs(self._records)
+
+        if self._error is not None or not self._started:
+            # not started: the schedule's one-time metadata inference, on uninitialized inputs
+            return _zero_loss(output)
+        try:
+            with patched(model, "forward", answer), patched(module, "log", record):
+                result = getattr(module, self._mode)(mb, self._batch_idx, *self._extra)
+        except Exception as error:  # reported on every rank after the step, so no rank waits forever
+            self._error = error
+            return _zero_loss(output)
+        loss = result.get("loss") if isinstance(result, dict) else result
+        if self._mode != "training_step":
+            self._outputs.append(None if loss is None else _local(loss).detach())
+            return _zero_loss(output) if loss is None else loss
+        if not isinstance(loss, Tensor):
+            self._error = TypeError(
+                f"{type(module).__name__}.training_step must return the loss tensor (or a dict with 'loss') "
+                f"under pipeline parallelism; got {type(result).__name__}"
+            )
+            return _zero_loss(output)
+        self._outputs.append(_local(loss).detach())
+        return loss * self._loss_scale
+
+    # -- a step ----------------------------------------------------------------------------
+
+    def _pipeline_input(self, batch: Any, batch_idx: Any, extra: tuple, mode: str) -> tuple[tuple, dict]:
+        model = getattr(self.module, self.plan.model)
+
+        def capture(*args: Any, **kwargs: Any) -> Any:
+            raise _Captured(args, kwargs)
+
+        try:
+            with patched(model, "forward", capture), patched(self.module, "log", lambda *a, **k: None):
+                getattr(self.module, mode)(batch, batch_idx, *extra)
+        except _Captured as captured:
+            return captured.args, captured.kwargs
+        raise RuntimeError(
+            f"{type(self.module).__name__}.{mode} never called its `{self.plan.model}`: pipeline parallelism "
+            f"feeds the first stage with what {mode} passes to self.{self.plan.model}(...)"
+        )
+
+    def run(self, mode: str, batch: Any, batch_idx: Any, *extra: Any, records: Optional[list] = None) -> Any:
+        """Run ``mode`` ("training_step", "validation_step", "test_step") of the module on one batch.
+
+        The module's ``self.log`` calls, averaged over the microbatches, are replayed on this rank,
+        or appended to ``records`` (name, value, options) when a list is given."""
+        train = mode == "training_step"
+        self._mode, self._batch, self._batch_idx, self._extra = mode, batch, batch_idx, extra
+        self._records, self._outputs, self._error = [], [], None
+        size = _batch_size(batch)
+        self._batch_size = size
+        if size % self.microbatches:
+            raise ConfigError(
+                f"the local batch of {size} samples does not split into parallelism.pp_microbatches="
+                f"{self.microbatches}; use a batch size divisible by the microbatches"
+            )
+        trainer = self.module.trainer
+        self._loss_scale = 1.0 / (self.microbatches * (trainer.accumulate_grad_batches if train else 1))
+        args, kwargs = self._pipeline_input(batch, batch_idx, extra, mode) if self.is_first else ((), {})
+        target = torch.arange(size, device=self.device) if self.is_last else None
+        new = train not in self._schedules
+        schedule = self.schedule(train)
+        self._started = False
+        if new:
+            self._saved_buffers = [(b, b.detach().clone()) for m in self.stage_modules for b in m.buffers()]
+        if train:
+            if batch_idx % trainer.accumulate_grad_batches == 0:
+                self.clear_grads()  # a new accumulation window (Lightning zeroes only after this step)
+            schedule.step(*args, target=target, return_outputs=False, **kwargs)
+            self.stash_grads()
+        else:
+            with torch.inference_mode(False), torch.no_grad():
+                args = apply_to_collection(args, Tensor, lambda t: t.clone())
+                kwargs = apply_to_collection(kwargs, Tensor, lambda t: t.clone())
+                schedule.eval(*args, target=target, **kwargs)
+        return self._finish(records)
+
+    def _finish(self, records: Optional[list]) -> Any:
+        payload = None
+        if self.is_last:
+            payload = {
+                "error": None if self._error is None else (type(self._error), str(self._error)),
+                "records": average_records(self._records),
+                "loss": _mean(self._outputs),
+            }
+        payload = self._broadcast(payload)
+        if payload["error"] is not None:
+            if self._error is not None:
+                raise self._error
+            kind, message = payload["error"]
+            try:
+                error = kind(message)
+            except Exception:
+                error = RuntimeError(message)
+            raise error
+        if records is not None:
+            records.extend(payload["records"])
+        else:
+            replay_records(self.module, payload["records"], self.device)
+        loss = payload["loss"]
+        if loss is None:
+            return None
+        return _to_device(loss, self.device)
+
+    def _broadcast(self, payload: Any) -> Any:
+        objects = [payload]
+        dist.broadcast_object_list(objects, group=self.pp_group, group_src=self.last_rank,
+                                   device=self.device if self.device.type != "cpu" else None)
+        return objects[0]
+
+    # -- gradients across Lightning's zero_grad ----------------------------------------
+
+    def clear_grads(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+    def stash_grads(self) -> None:
+        """Take the schedule's gradients off the parameters (Lightning's zero_grad comes next)."""
+        self._stash = [(p, p.grad) for p in self.parameters()]
+        for p, _ in self._stash:
+            p.grad = None
+
+    def restore_grads(self) -> None:
+        for p, grad in getattr(self, "_stash", ()):
+            if grad is None:
+                continue
+            p.grad = grad if p.grad is None else p.grad + grad
+        self._stash = []
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        seen = set()
+        for stage in self.stage_modules:
+            for p in stage.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+
+def _zero_loss(output: Any) -> Tensor:
+    tensors = [t for t in _flatten(output) if isinstance(t, Tensor) and t.is_floating_point()]
+    total = sum(t.sum() for t in tensors)
+    return total * 0.0
+
+
+def _flatten(value: Any) -> list:
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _flatten(v)]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _flatten(v)]
+    return [value]
+
+
+def _batch_size(batch: Any) -> int:
+    sizes = {t.shape[0] for t in _flatten(batch) if isinstance(t, Tensor) and t.dim() > 0}
+    if not sizes:
+        raise ValueError("pipeline parallelism needs a batch with tensors to split into microbatches")
+    return max(sizes)
+
+
+def _mean(values: list) -> Optional[Tensor]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    stacked = torch.stack([v.to(torch.float64) for v in values])
+    return stacked.mean().to(values[0].dtype).cpu()
+
+
+def average_records(records: list[tuple[str, Any, dict]]) -> list[tuple[str, Any, dict]]:
+    """One (name, value, options) per logged name: the mean over the microbatches that logged it."""
+    from torchmetrics import Metric
+
+    grouped: dict[str, tuple[list, dict]] = {}
+    for name, value, kwargs in records:
+        if isinstance(value, Metric):
+            raise TypeError(
+                f"self.log({name!r}, <{type(value).__name__}>) under pipeline parallelism: the metric lives on the "
+                f"last stage only; log its computed value instead"
+            )
+        grouped.setdefault(name, ([], kwargs))[0].append(value)
+    out = []
+    for name, (values, kwargs) in grouped.items():
+        if isinstance(values[0], (Tensor, float, int)) and not isinstance(values[0], bool):
+            tensors = [_local(v).detach() if isinstance(v, Tensor) else torch.tensor(float(v)) for v in values]
+            out.append((name, _mean(tensors), kwargs))
+        else:
+            out.append((name, values[-1], kwargs))
+    return out
+
+
+def replay_records(module: Any, records: list[tuple[str, Any, dict]], device: torch.device) -> None:
+    for name, value, kwargs in records:
+        module.log(name, _to_device(value, device), **kwargs)
+
+
+def record_logs(records: list):
+    """A stand-in for ``LightningModule.log`` that appends (name, value, options) to ``records``."""
+
+    def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if args:
+            raise TypeError("pass self.log options as keywords when steps are averaged (PP or accumulation)")
+        records.append((name, value, kwargs))
+
+    return record
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, Tensor) else value
