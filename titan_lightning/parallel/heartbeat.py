@@ -7,12 +7,19 @@ for ``stall_s`` is marked dead in the store. ``explain()``, called by a rank who
 failed, waits a few seconds for such a mark and names the rank, its host and pid, and where its
 output went. If the store itself is gone, its host (rank 0 under env:// launches) died.
 
+A survivor may never see its collective fail: blocked on a peer that is alive (a ring step
+waiting for rank 0), it would fail only when that peer leaves, and with rank 0 the store goes
+too. So every rank's heartbeat also reads one "someone died" counter, and a rank whose main
+thread has not called ``explain()`` within ``grace_s`` of a mark reports it itself (the same
+one line) and exits with status 1.
+
 Store traffic is O(world size) per second (one write, one read per rank), not O(world size^2).
 """
 
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -40,10 +47,13 @@ class Heartbeat:
     """A daemon thread beating for this rank and watching rank ``(rank + 1) % world_size``."""
 
     def __init__(self, rank: int, world_size: int, host: str, port: int, *, interval_s: float = 1.0,
-                 stall_s: float = 3.0) -> None:
+                 stall_s: float = 3.0, grace_s: float = 5.0) -> None:
         self.rank, self.world_size = rank, world_size
         self.address = f"{host}:{port}"
-        self.interval_s, self.stall_s = interval_s, stall_s
+        self.interval_s, self.stall_s, self.grace_s = interval_s, stall_s, grace_s
+        # One reporter per process: the main thread's explain() or, when it never comes, the heartbeat's.
+        self._report_lock = threading.Lock()
+        self._reporting = False
         # A client of its own: the main thread's store connection stays untouched.
         self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10),
                                     wait_for_workers=False)
@@ -68,25 +78,54 @@ class Heartbeat:
 
     def _run(self) -> None:
         watched = (self.rank + 1) % self.world_size
-        last, since = None, time.monotonic()
+        last, since, marked, told_at = None, time.monotonic(), False, None
         while not self._stop.wait(self.interval_s):
             try:
                 self._store.add(f"{_PREFIX}/beat/{self.rank}", 1)
                 count = self._store.add(f"{_PREFIX}/beat/{watched}", 0)
+                now = time.monotonic()
+                if count != last:
+                    last, since = count, now
+                elif now - since > self.stall_s and not marked and not self._store.check([f"{_PREFIX}/done/{watched}"]):
+                    self._store.set(f"{_PREFIX}/dead/{watched}", f"{now - since:.0f}")
+                    self._store.add(f"{_PREFIX}/dead_any", 1)
+                    marked = True
+                if told_at is None and self._store.add(f"{_PREFIX}/dead_any", 0) > 0:
+                    told_at = now
             except Exception:  # noqa: BLE001 - the store's host is gone; explain() says so
                 return
-            now = time.monotonic()
-            if count != last:
-                last, since = count, now
-            elif now - since > self.stall_s:
-                self._store.set(f"{_PREFIX}/dead/{watched}", f"{now - since:.0f}")
+            if told_at is not None and now - told_at > self.grace_s:
+                self._report_stuck()
+                return
+
+    def _report_stuck(self) -> None:
+        """A peer is dead and the main thread has not noticed (blocked on a live peer): report and leave."""
+        with self._report_lock:
+            if self._reporting:
+                return  # the main thread is explaining
+            self._reporting = True
+        account = self._account(wait_s=0.0) or "a peer stopped beating (see the other ranks' output)"
+        print(f"titan-lightning: error: [rank {self.rank}] {account}", file=sys.stderr, flush=True)
+        os._exit(1)
 
     def stop(self) -> None:
+        """This rank ends normally: its watcher must not take the silence for a death."""
+        try:
+            self._store.set(f"{_PREFIX}/done/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - the store's host already left at the end of the run
+            pass
         self._stop.set()
 
     def explain(self, wait_s: float = 15.0) -> Optional[str]:
         """One line naming the rank(s) that stopped beating, waiting up to ``wait_s`` for the
         evidence; None when every rank still beats (the failure is something else)."""
+        with self._report_lock:
+            reporting, self._reporting = self._reporting, True
+        while reporting:  # the heartbeat thread reports and ends the process
+            time.sleep(1.0)
+        return self._account(wait_s)
+
+    def _account(self, wait_s: float) -> Optional[str]:
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -103,9 +142,10 @@ class Heartbeat:
                 return None
             time.sleep(0.2)
 
-    def _linger(self, dead: int, wait_s: float = 5.0) -> None:
+    def _linger(self, dead: int, wait_s: float = 20.0) -> None:
         """Count this rank as told; rank 0, which hosts the store under env:// launches, stays until
-        every surviving rank has read it (or ``wait_s``), so that none blames rank 0 for leaving."""
+        every surviving rank has read it (or ``wait_s``), so that none blames rank 0 for leaving.
+        (5 s was too short on a loaded machine: a survivor whose collective failed later blamed rank 0.)"""
         told = self._store.add(f"{_PREFIX}/told", 1)
         deadline = time.monotonic() + wait_s
         while self.rank == 0 and told < self.world_size - dead and time.monotonic() < deadline:
