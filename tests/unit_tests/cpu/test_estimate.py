@@ -74,6 +74,7 @@ def test_activations_grow_linearly_with_the_sequence():
     assert 1.9 < long.activations / short.activations < 2.1
 
 
+@pytest.mark.slow  # inductor's decompositions and partitioner: ~7 s, out of the inner loop
 def test_compile_saves_less_than_eager():
     eager = estimate(debug_run(mixed_precision_param="bfloat16"), 1)
     run = debug_run(mixed_precision_param="bfloat16")

@@ -207,6 +207,7 @@ def test_forked_rank_exit_status_is_a_popens(probe, action, code):
 
 
 @pytest.mark.multi_process
+@pytest.mark.slow  # two fresh interpreters importing torch: ~10 s, out of the inner loop
 def test_environment_read_at_import_gets_a_fresh_interpreter(probe):
     result = probe("ok", ATEN_CPU_CAPABILITY="default")
     assert not any(seen["preloaded"] or seen["tokenized"] for seen in result.ranks)

@@ -253,7 +253,8 @@ def quick(recipe):
     return run
 
 
-@pytest.mark.parametrize("recipe", [debugmodel, debugmodel_moe])
+# The MoE model (8 layers of 64 experts, 9 steps) is ~10 s: out of the inner loop (CONTRIBUTING).
+@pytest.mark.parametrize("recipe", [debugmodel, pytest.param(debugmodel_moe, marks=pytest.mark.slow)])
 def test_debug_model_trains_with_falling_loss_and_bitwise_identical_reruns(recipe):
     first, rerun = fit(quick(recipe), max_steps=6), fit(quick(recipe), max_steps=3)
     assert rerun.losses == first.losses[:3] and rerun.grad_norms == first.grad_norms[:3]
