@@ -13,7 +13,8 @@ too. So every rank's heartbeat also reads one "someone died" counter, and a rank
 thread has not called ``explain()`` within ``grace_s`` of a mark reports it itself (the same
 one line) and exits with status 1.
 
-Store traffic is O(world size) per second (one write, one read per rank), not O(world size^2).
+Store traffic is O(world size) per second (one write and two reads per rank: its neighbour's count
+and the "someone died" counter), not O(world size^2).
 """
 
 import json
