@@ -31,14 +31,25 @@ class ModelArgs:
     def __post_init__(self) -> None:
         if self.attention not in ATTENTIONS:
             raise ValueError(f"model.attention={self.attention!r} is not one of {', '.join(ATTENTIONS)}")
-        for name in ("vocab_size", "n_heads", "n_kv_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"model.{name}={value!r} must be a positive integer")
+        self.require_positive_ints("vocab_size", "n_heads", "n_kv_heads")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}"
             )
+
+    def require_positive_ints(self, *names: str, minimum: int = 1) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < minimum:
+                what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+                raise ValueError(f"model.{name}={value!r} must be {what}")
+
+    def require_positive(self, *names: str) -> None:
+        """Fields that must be > 0 (None passes: an optional field left unset)."""
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"model.{name}={value!r} must be > 0")
 
 
 @dataclass(kw_only=True)

@@ -1,7 +1,7 @@
 """The LightningModule every model family shares: next-token loss, optimizer, schedule."""
 
 import math
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import lightning as L
 import torch
@@ -11,6 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from titan_lightning.config import JobConfig
+from titan_lightning.models.common.decoder import Decoder, decoder_class
 from titan_lightning.models.common.moe import update_expert_bias
 from titan_lightning.optim import build_lr_scheduler, build_optimizer
 from titan_lightning.parallel.grad_norm import global_grad_norm
@@ -37,11 +38,17 @@ def _local(loss: torch.Tensor) -> torch.Tensor:
 class CausalLMModule(L.LightningModule):
     """A causal language model trained on {"input_ids", "labels"} batches.
 
-    Subclasses implement ``build_model`` (an ``nn.Module`` with ``init_weights(seed)``).
+    ``job.model``'s args class picks the family's decoder (models/common/decoder.py), which
+    declares the tensor-parallel plan and the FLOP terms; a family's subclass adds only its
+    Hugging Face adapter class (``hf_adapter``). A module of another kind overrides
+    ``build_model`` (an ``nn.Module`` with ``init_weights(seed)``) and sets ``tp_plan``.
     The model is built on the meta device in ``configure_model`` and materialized with a
     deterministic, layout-independent init. A strategy that parallelizes the model sets
     ``materializes_model = True`` and calls ``materialize`` itself after sharding.
     """
+
+    # The family's Hugging Face state-dict adapter class (models/common/hf_checkpoint.py), or None.
+    hf_adapter: ClassVar[Optional[type]] = None
 
     def __init__(self, job: JobConfig) -> None:
         super().__init__()
@@ -52,8 +59,18 @@ class CausalLMModule(L.LightningModule):
         # This optimizer step's microbatch losses, checked for finiteness with the grad norm.
         self._step_losses: list[torch.Tensor] = []
 
+    @property
+    def decoder_class(self) -> Optional[type[Decoder]]:
+        """The family's decoder for ``job.model``'s args class; None if no Decoder declares it."""
+        return decoder_class(type(self.job.model))
+
     def build_model(self) -> torch.nn.Module:
-        raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
+        if self.decoder_class is None:
+            raise NotImplementedError(
+                f"{type(self).__name__}: no Decoder declares model args {type(self.job.model).__name__}; subclass "
+                f"models.common.decoder.Decoder with args_class = {type(self.job.model).__name__}, or override build_model()"
+            )
+        return self.decoder_class(self.job.model)
 
     # -- model lifecycle ---------------------------------------------------------------
 
@@ -71,8 +88,12 @@ class CausalLMModule(L.LightningModule):
         self.model.to_empty(device=device)
         self.model.init_weights(self.job.training.seed)
 
-    # Module names (relative to this LightningModule) -> tensor-parallel styles; set by families.
-    tp_plan: Optional[dict[str, str]] = None
+    @property
+    def tp_plan(self) -> Optional[dict[str, str]]:
+        """Module names (relative to this LightningModule) -> tensor-parallel styles."""
+        plan = self.decoder_class.tp_plan(self.job.model) if self.decoder_class is not None else None
+        return None if plan is None else {f"model.{name}": style for name, style in plan.items()}
+
     # What a pipeline split cuts: model.layers (a ModuleDict), embeddings first, norm and head last.
     pipeline_plan: PipelinePlan = PipelinePlan()
 
@@ -94,11 +115,13 @@ class CausalLMModule(L.LightningModule):
 
     def _flop_terms(self) -> tuple[int, int]:
         """(parameters a token multiplies with, layers x heads x (d_qk + d_v))."""
-        raise NotImplementedError(f"{type(self).__name__} does not estimate its FLOPs")
+        if self.decoder_class is None:
+            raise NotImplementedError(f"{type(self).__name__} does not estimate its FLOPs")
+        return self.decoder_class.flop_terms(self.job.model)
 
     def state_dict_adapter(self):
-        """The family's Hugging Face state-dict adapter (models/common/hf_checkpoint.py), or None."""
-        return None
+        """The family's Hugging Face state-dict adapter for ``job.model``, or None."""
+        return self.hf_adapter(self.job.model) if self.hf_adapter is not None else None
 
     @property
     def loss_fn(self):

@@ -164,9 +164,9 @@ def test_flops_per_token_is_six_n_plus_attention_by_hand():
     active = moe._flop_terms()[0]
     dense_ffn_all = 3 * a.dim * a.moe.hidden_dim * a.moe.num_experts
     dense_ffn_top = 3 * a.dim * a.moe.hidden_dim * a.moe.top_k
-    from titan_lightning.models.qwen3.model import count_parameters
+    from titan_lightning.models.qwen3.model import Transformer
 
-    assert count_parameters(a) - a.vocab_size * a.dim - active == a.n_layers * (dense_ffn_all - dense_ffn_top)
+    assert Transformer.count_parameters(a) - a.vocab_size * a.dim - active == a.n_layers * (dense_ffn_all - dense_ffn_top)
     # DeepSeek V3: MLA heads have query-key dim nope + rope and value dim v.
     ds = deepseek_v3.debugmodel().module
     d = ds.job.model

@@ -12,7 +12,6 @@ from titan_lightning.models.llama3 import (
     Llama3Args,
     RopeScaling,
     Transformer,
-    count_parameters,
     llama3_args,
 )
 
@@ -62,13 +61,13 @@ def fake_pg():
 def test_parameter_count_matches_published(flavor):
     args = llama3_args(flavor)
     assert args.ffn_hidden_dim == PUBLISHED_FFN_HIDDEN[flavor]
-    assert count_parameters(args) == PUBLISHED_PARAMS[flavor]
+    assert Transformer.count_parameters(args) == PUBLISHED_PARAMS[flavor]
     assert sum(p.numel() for p in meta_model(args).parameters()) == PUBLISHED_PARAMS[flavor]
 
 
 def test_debugmodel_parameter_count_is_arithmetic():
     args = llama3_args("debugmodel")
-    assert count_parameters(args) == sum(p.numel() for p in Transformer(args).parameters()) == 6_163_712
+    assert Transformer.count_parameters(args) == sum(p.numel() for p in Transformer(args).parameters()) == 6_163_712
 
 
 def test_module_names_follow_torchtitan():

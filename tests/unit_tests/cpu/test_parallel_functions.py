@@ -22,7 +22,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titan_lightning.config import ParallelismConfig
 from titan_lightning.models.llama3.model import Llama3Args, Transformer
-from titan_lightning.models.llama3.parallelize import TP_PLAN, llama3_tp_plan
+from titan_lightning.models.llama3.parallelize import TP_PLAN
 from titan_lightning.parallel.fsdp import apply_ddp, apply_fsdp, find_repeated_blocks
 from titan_lightning.parallel.mesh import Mesh, ParallelDims
 from titan_lightning.parallel.tensor import apply_tp
@@ -212,7 +212,7 @@ def test_fsdp_rejects_an_unknown_reshard_policy(fake_world_2):
 
 def test_tp_rejects_an_unknown_style_before_sharding_anything(fake_world_2):
     model = meta_llama()
-    plan = {**llama3_tp_plan(), "layers.*.attention.wq": "diagonal"}
+    plan = {**TP_PLAN, "layers.*.attention.wq": "diagonal"}
     message = r"'layers.\*.attention.wq': unknown style 'diagonal'; valid styles are embedding, colwise"
     with pytest.raises(ValueError, match=message):
         apply_tp(model, build_mesh(2, tp=2).get("tp"), plan, sequence_parallel=True, loss_parallel=False)

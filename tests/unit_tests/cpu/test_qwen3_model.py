@@ -16,7 +16,6 @@ from titan_lightning.models.qwen3 import (
     Qwen3Args,
     Qwen3StateDictAdapter,
     Transformer,
-    count_parameters,
     qwen3_args,
 )
 from titan_lightning.models.qwen3.parallelize import TP_PLAN
@@ -86,11 +85,11 @@ def test_parameter_count_matches_the_model_card(flavor):
     args = qwen3_args(flavor)
     published = PUBLISHED[flavor]
     total = sum(p.numel() for p in meta_model(args).parameters())
-    assert total == count_parameters(args)
+    assert total == Transformer.count_parameters(args)
     embedding = args.vocab_size * args.dim
     card_total = total - embedding if flavor in TIED_ON_HF else total
     for count, key in ((card_total, "total"), (total - 2 * embedding, "non_embedding"),
-                       (count_parameters(args, active=True), "active")):
+                       (Transformer.count_parameters(args, active=True), "active")):
         if key in published:  # the cards round to 2-3 significant digits
             assert count == pytest.approx(published[key], rel=0.02), key
 
@@ -171,8 +170,8 @@ def test_qk_norm_on_and_off():
     on, off = materialized(small()), materialized(small(qk_norm=False))
     assert on.layers["0"].attention.q_norm.weight.shape == (32,)  # one [head_dim] weight for all heads
     assert off.layers["0"].attention.q_norm is None and off.layers["0"].attention.k_norm is None
-    assert count_parameters(small()) - count_parameters(small(qk_norm=False)) == 2 * 2 * 32
-    assert sum(p.numel() for p in off.parameters()) == count_parameters(small(qk_norm=False))
+    assert Transformer.count_parameters(small()) - Transformer.count_parameters(small(qk_norm=False)) == 2 * 2 * 32
+    assert sum(p.numel() for p in off.parameters()) == Transformer.count_parameters(small(qk_norm=False))
     # The norm really runs: scaling q_norm's weight changes the logits.
     tokens = torch.randint(0, 128, (1, 16))
     with torch.no_grad():

@@ -2,8 +2,6 @@ from titan_lightning.models.deepseek_v3.model import (
     DeepSeekV3Args,
     MultiHeadLatentAttention,
     Transformer,
-    TransformerBlock,
-    count_parameters,
     yarn_rope_cache,
 )
 from titan_lightning.models.deepseek_v3.module import DeepSeekV3Job, DeepSeekV3Module
@@ -17,8 +15,6 @@ __all__ = [
     "DeepSeekV3Module",
     "MultiHeadLatentAttention",
     "Transformer",
-    "TransformerBlock",
-    "count_parameters",
     "deepseek_v3_args",
     "deepseek_v3_tp_plan",
     "yarn_rope_cache",

@@ -19,8 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_lightning.config.job import ModelArgs
-from titan_lightning.models.common import FeedForward, RMSNorm, apply_rope, init_params, rope_frequencies
-from titan_lightning.models.common.moe import MoE, MoEArgs, reset_moe_buffers
+from titan_lightning.models.common import FeedForward, RMSNorm, apply_rope, rope_frequencies
+from titan_lightning.models.common.decoder import Block, Decoder
+from titan_lightning.models.common.moe import MoE, MoEArgs
+from titan_lightning.models.deepseek_v3.parallelize import deepseek_v3_tp_plan
 from titan_lightning.parallel.context import context_parallel_attention
 
 
@@ -56,24 +58,17 @@ class DeepSeekV3Args(ModelArgs):
     beta_slow: float = 1.0
     mscale: float = 0.70
     moe: MoEArgs = field(default_factory=_debug_moe)
+    # std of wo/w2/w3 (and the router): 0.02 / sqrt(2 * (layer_id + 1)) if True, else 0.02 / sqrt(2 * n_layers).
+    depth_init: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("dim", "n_layers", "inter_dim", "max_seq_len", "kv_lora_rank", "qk_nope_head_dim",
-                     "qk_rope_head_dim", "v_head_dim", "original_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"model.{name}={value!r} must be a positive integer")
-        for name in ("n_dense_layers", "q_lora_rank"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"model.{name}={value!r} must be an integer >= 0")
+        self.require_positive_ints("dim", "n_layers", "inter_dim", "max_seq_len", "kv_lora_rank", "qk_nope_head_dim",
+                                   "qk_rope_head_dim", "v_head_dim", "original_seq_len")
+        self.require_positive_ints("n_dense_layers", "q_lora_rank", minimum=0)
         if self.n_dense_layers > self.n_layers:
             raise ValueError(f"model.n_dense_layers={self.n_dense_layers} must be <= model.n_layers={self.n_layers}")
-        for name in ("norm_eps", "rope_theta", "rope_factor", "beta_fast", "beta_slow", "mscale"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"model.{name}={value!r} must be > 0")
+        self.require_positive("norm_eps", "rope_theta", "rope_factor", "beta_fast", "beta_slow", "mscale")
         if self.n_kv_heads != self.n_heads:
             raise ValueError(
                 f"model.n_kv_heads={self.n_kv_heads} must equal model.n_heads={self.n_heads}: "
@@ -117,28 +112,6 @@ def yarn_rope_cache(args: DeepSeekV3Args) -> torch.Tensor:
         freqs = freqs / args.rope_factor * ramp + freqs * (1 - ramp)
     angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float32), freqs)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
-
-
-def count_parameters(args: DeepSeekV3Args, *, active: bool = False) -> int:
-    """Parameters of ``Transformer(args)`` by arithmetic (embeddings and output are not tied).
-
-    ``active``: those one token computes with: its ``top_k`` routed experts instead of all of
-    them, and not the embedding table (a row lookup). This is how DeepSeek's published counts
-    come out: 671B total / 37B active, and DeepSeek-V2-Lite's 15.7B / 2.4B.
-    """
-    d, h, m = args.dim, args.n_heads, args.moe
-    if args.q_lora_rank:
-        q = d * args.q_lora_rank + args.q_lora_rank + args.q_lora_rank * h * args.qk_head_dim
-    else:
-        q = d * h * args.qk_head_dim
-    kv = d * (args.kv_lora_rank + args.qk_rope_head_dim) + args.kv_lora_rank
-    kv += args.kv_lora_rank * h * (args.qk_nope_head_dim + args.v_head_dim)
-    attention = q + kv + h * args.v_head_dim * d + 2 * d  # + attention_norm, ffn_norm
-    routed = m.top_k if active else m.num_experts
-    moe = d * m.num_experts + 3 * d * m.hidden_dim * (routed + m.num_shared_experts)
-    n_moe = args.n_layers - args.n_dense_layers
-    layers = args.n_layers * attention + args.n_dense_layers * 3 * d * args.inter_dim + n_moe * moe
-    return (1 if active else 2) * args.vocab_size * d + layers + d
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -197,77 +170,48 @@ class MultiHeadLatentAttention(nn.Module):
         return self.wo(y.reshape(B, S, -1))  # y [B, S, H, v]
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm MLA, then a dense SwiGLU (``feed_forward``) or a ``moe``; the other slot is None,
-    so a tensor-parallel plan names both and a pipeline stage of only one kind still matches."""
-
-    def __init__(self, layer_id: int, args: DeepSeekV3Args):
-        super().__init__()
-        dense = layer_id < args.n_dense_layers
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = MultiHeadLatentAttention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.inter_dim) if dense else None
-        self.moe = None if dense else MoE(args.dim, args.moe)
-
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
-        ffn = self.feed_forward if self.feed_forward is not None else self.moe
-        return h + ffn(self.ffn_norm(h))
-
-
-class Transformer(nn.Module):
+class Transformer(Decoder):
     """DeepSeek V3: token embeddings, pre-norm MLA blocks (dense first, then MoE), final norm,
-    untied output.
+    untied output (models/common/decoder.py has the skeleton)."""
 
-    Build it on the meta device, shard it, then ``to_empty(device=...)`` and
-    ``init_weights(seed)``. ``layers`` is a ModuleDict keyed "0", "1", ... so a pipeline
-    stage can delete blocks and keep the names; a stage may also set ``tok_embeddings``,
-    ``norm`` or ``output`` to None, and then takes or returns hidden states [B, S, dim].
+    args_class = DeepSeekV3Args
+    input_projections = Decoder.input_projections + ("wq_a.weight", "wq_b.weight", "wkv_a.weight", "wkv_b.weight")
 
-    ``rope_cache`` is a non-persistent float32 buffer rebuilt by ``init_weights``.
-    """
+    def build_block(self, layer_id: int) -> Block:
+        a = self.args
+        ffn = FeedForward(a.dim, a.inter_dim) if layer_id < a.n_dense_layers else MoE(a.dim, a.moe)
+        return Block(a.dim, a.norm_eps, MultiHeadLatentAttention(a), ffn)
 
-    def __init__(self, args: DeepSeekV3Args):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.register_buffer("rope_cache", yarn_rope_cache(args), persistent=False)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+    def build_rope_cache(self) -> torch.Tensor:
+        return yarn_rope_cache(self.args)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, S] -> logits [B, S, vocab_size], in the dtype of the parameters."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+    @classmethod
+    def tp_plan(cls, args: DeepSeekV3Args) -> dict[str, str]:
+        return deepseek_v3_tp_plan(args)
 
-    def init_weights(self, seed: int) -> None:
-        """Draw every parameter from (seed, its name), as in torchtitan; zero the MoE buffers;
-        rebuild ``rope_cache``."""
-        init_params(self, seed, self._init_param)
-        reset_moe_buffers(self)
-        with torch.device("cpu"):
-            cache = yarn_rope_cache(self.args)
-        self.rope_cache = cache.to(self.rope_cache.device)
+    @classmethod
+    def count_parameters(cls, args: DeepSeekV3Args, *, active: bool = False) -> int:
+        """Parameters of ``Transformer(args)`` by arithmetic (embeddings and output are not tied).
 
-    def _init_param(self, fqn: str, w: torch.Tensor, g: torch.Generator) -> None:
-        if fqn == "tok_embeddings.weight":
-            nn.init.normal_(w, std=1.0, generator=g)
-        elif fqn == "output.weight":
-            std = self.args.dim**-0.5
-            nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std, generator=g)
-        elif fqn.endswith("norm.weight"):
-            nn.init.ones_(w)
-        elif fqn.endswith(("wq.weight", "wq_a.weight", "wq_b.weight", "wkv_a.weight", "wkv_b.weight",
-                           "w1.weight", "experts.w1")):
-            nn.init.trunc_normal_(w, std=0.02, generator=g)
-        elif fqn.endswith(("wo.weight", "w2.weight", "w3.weight", "experts.w2", "experts.w3", "router.gate.weight")):
-            # torchtitan's depth init: 0.02 / sqrt(2 * (layer_id + 1)).
-            depth = 2 * (int(fqn.split(".")[1]) + 1)
-            nn.init.trunc_normal_(w, std=0.02 / depth**0.5, generator=g)
+        ``active``: those one token computes with: its ``top_k`` routed experts instead of all of
+        them, and not the embedding table (a row lookup). This is how DeepSeek's published counts
+        come out: 671B total / 37B active, and DeepSeek-V2-Lite's 15.7B / 2.4B.
+        """
+        d, h, m = args.dim, args.n_heads, args.moe
+        if args.q_lora_rank:
+            q = d * args.q_lora_rank + args.q_lora_rank + args.q_lora_rank * h * args.qk_head_dim
         else:
-            raise ValueError(f"no init rule for parameter {fqn!r}")
+            q = d * h * args.qk_head_dim
+        kv = d * (args.kv_lora_rank + args.qk_rope_head_dim) + args.kv_lora_rank
+        kv += args.kv_lora_rank * h * (args.qk_nope_head_dim + args.v_head_dim)
+        attention = q + kv + h * args.v_head_dim * d + 2 * d  # + attention_norm, ffn_norm
+        routed = m.top_k if active else m.num_experts
+        moe = d * m.num_experts + 3 * d * m.hidden_dim * (routed + m.num_shared_experts)
+        n_moe = args.n_layers - args.n_dense_layers
+        layers = args.n_layers * attention + args.n_dense_layers * 3 * d * args.inter_dim + n_moe * moe
+        return (1 if active else 2) * args.vocab_size * d + layers + d
+
+    @classmethod
+    def flop_terms(cls, args: DeepSeekV3Args) -> tuple[int, int]:
+        # The active count already leaves out the embedding table.
+        return cls.count_parameters(args, active=True), args.n_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim)

@@ -1,6 +1,6 @@
 """The tensor-parallel plan of the DeepSeek V3 Transformer, as data.
 
-Like Llama 3's (models/llama3/parallelize.py), with MLA's projections:
+The decoder skeleton's plan (models/common/decoder.py, as Llama 3's), with MLA's projections:
 
     wq, or wq_b        colwise: each rank holds n_heads/tp query heads
     wkv_b              colwise: the same heads' k_nope and v
@@ -16,37 +16,15 @@ take models/common/moe.py's MOE_TP_PLAN: each TP rank routes its own sequence sh
 routed experts are expert-parallel.
 """
 
+from titan_lightning.models.common.decoder import decoder_tp_plan
 from titan_lightning.models.common.moe import MOE_TP_PLAN
-from titan_lightning.models.deepseek_v3.model import DeepSeekV3Args
 
-_QUERY = {
-    False: {"layers.*.attention.wq": "colwise"},
-    True: {
-        "layers.*.attention.wq_a": "replicate",
-        "layers.*.attention.q_norm": "replicate",
-        "layers.*.attention.wq_b": "colwise",
-    },
-}
+_QUERY = {False: {"wq": "colwise"}, True: {"wq_a": "replicate", "q_norm": "replicate", "wq_b": "colwise"}}
 
 
-def deepseek_v3_tp_plan(args: DeepSeekV3Args) -> dict[str, str]:
-    """Module-name patterns -> style names for ``args`` (the query projections depend on q_lora_rank)."""
-    return {
-        "tok_embeddings": "embedding",
-        "layers.*.attention_norm": "norm",
-        "layers.*.attention": "prepare_block_input",
-        **_QUERY[args.q_lora_rank > 0],
-        "layers.*.attention.wkv_a": "replicate",
-        "layers.*.attention.kv_norm": "replicate",
-        "layers.*.attention.k_pe_shared": "head_shared",
-        "layers.*.attention.wkv_b": "colwise",
-        "layers.*.attention.wo": "rowwise",
-        "layers.*.ffn_norm": "norm",
-        "layers.*.feed_forward": "prepare_block_input",
-        "layers.*.feed_forward.w1": "colwise",
-        "layers.*.feed_forward.w2": "rowwise",
-        "layers.*.feed_forward.w3": "colwise",
-        "norm": "norm",
-        "output": "output",
-        **MOE_TP_PLAN,
-    }
+def deepseek_v3_tp_plan(args) -> dict[str, str]:
+    """Module-name patterns -> style names for DeepSeekV3Args ``args`` (the query projections
+    depend on q_lora_rank)."""
+    attention = {**_QUERY[args.q_lora_rank > 0], "wkv_a": "replicate", "kv_norm": "replicate",
+                 "k_pe_shared": "head_shared", "wkv_b": "colwise", "wo": "rowwise"}
+    return decoder_tp_plan(attention, MOE_TP_PLAN)

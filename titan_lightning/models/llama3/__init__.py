@@ -1,5 +1,5 @@
 from titan_lightning.models.common import RopeScaling
-from titan_lightning.models.llama3.model import Llama3Args, Transformer, TransformerBlock, count_parameters
+from titan_lightning.models.llama3.model import Llama3Args, Transformer
 from titan_lightning.models.llama3.module import Llama3Job, Llama3Module
 from titan_lightning.models.llama3.presets import LLAMA3_PRESETS, llama3_args
 from titan_lightning.models.llama3.state_dict_adapter import Llama3StateDictAdapter
@@ -12,7 +12,5 @@ __all__ = [
     "Llama3StateDictAdapter",
     "RopeScaling",
     "Transformer",
-    "TransformerBlock",
-    "count_parameters",
     "llama3_args",
 ]

@@ -12,27 +12,11 @@ torchtitan's plan (Megatron-style, with sequence parallelism between blocks):
     wo, w2             rowwise: reduce-scatter back onto the sequence (SP) or all-reduce
     output             colwise over the vocab; vocab-sharded logits with loss parallel
 
-``titan_lightning.parallel.tensor`` turns the style names into torch ParallelStyles.
+The skeleton's entries are models/common/decoder.py's; ``titan_lightning.parallel.tensor``
+turns the style names into torch ParallelStyles.
 """
 
-TP_PLAN: dict[str, str] = {
-    "tok_embeddings": "embedding",
-    "layers.*.attention_norm": "norm",
-    "layers.*.attention": "prepare_block_input",
-    "layers.*.attention.wq": "colwise",
-    "layers.*.attention.wk": "colwise",
-    "layers.*.attention.wv": "colwise",
-    "layers.*.attention.wo": "rowwise",
-    "layers.*.ffn_norm": "norm",
-    "layers.*.feed_forward": "prepare_block_input",
-    "layers.*.feed_forward.w1": "colwise",
-    "layers.*.feed_forward.w2": "rowwise",
-    "layers.*.feed_forward.w3": "colwise",
-    "norm": "norm",
-    "output": "output",
-}
+from titan_lightning.models.common.attention import ATTENTION_TP_PLAN
+from titan_lightning.models.common.decoder import decoder_tp_plan
 
-
-def llama3_tp_plan() -> dict[str, str]:
-    """A copy of TP_PLAN, safe to edit."""
-    return dict(TP_PLAN)
+TP_PLAN: dict[str, str] = decoder_tp_plan(ATTENTION_TP_PLAN)

@@ -14,17 +14,8 @@ which the plan skips) take models/common/moe.py's MOE_TP_PLAN: each TP rank rout
 sequence shard, and the routed experts are expert-parallel.
 """
 
+from titan_lightning.models.common.attention import ATTENTION_TP_PLAN
+from titan_lightning.models.common.decoder import decoder_tp_plan
 from titan_lightning.models.common.moe import MOE_TP_PLAN
-from titan_lightning.models.llama3.parallelize import TP_PLAN as LLAMA3_TP_PLAN
 
-TP_PLAN: dict[str, str] = {
-    **LLAMA3_TP_PLAN,
-    "layers.*.attention.q_norm": "head_norm",
-    "layers.*.attention.k_norm": "head_norm",
-    **MOE_TP_PLAN,
-}
-
-
-def qwen3_tp_plan() -> dict[str, str]:
-    """A copy of TP_PLAN, safe to edit."""
-    return dict(TP_PLAN)
+TP_PLAN: dict[str, str] = decoder_tp_plan({**ATTENTION_TP_PLAN, "q_norm": "head_norm", "k_norm": "head_norm"}, MOE_TP_PLAN)

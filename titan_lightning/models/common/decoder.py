@@ -1,0 +1,168 @@
+"""The decoder every family shares: token embeddings, pre-norm blocks, final norm, untied head.
+
+A family subclasses ``Decoder`` and declares what differs: its args class, its block's
+attention and feed-forward (``build_block``), its RoPE table, the parameter groups of its
+init, its tensor-parallel plan and its FLOP terms. The rest (the module names that FSDP
+grouping, pipeline splitting and the TP plans rely on, the forward, the name-seeded init)
+is here once.
+
+Build a decoder on the meta device, shard it, then ``to_empty(device=...)`` and
+``init_weights(seed)``. ``layers`` is a ModuleDict keyed "0", "1", ... so a pipeline stage
+can delete blocks and keep the names; a stage may also set ``tok_embeddings``, ``norm`` or
+``output`` to None, and then takes or returns hidden states [B, S, dim].
+
+``rope_cache`` is a non-persistent float32 buffer rebuilt by ``init_weights``; casting the
+whole model to bfloat16 afterwards would round it too.
+"""
+
+from typing import ClassVar, Optional
+
+import torch
+from torch import nn
+
+from titan_lightning.config.job import ModelArgs
+from titan_lightning.models.common.init import init_params
+from titan_lightning.models.common.moe import MoE, reset_moe_buffers
+from titan_lightning.models.common.norms import RMSNorm
+
+# The plan entries of the decoder skeleton (parallel/tensor.py styles), around a family's
+# attention entries: embeddings and head split over the vocab, norms on the sequence shard
+# (sequence parallelism), each block input gathered, the SwiGLU split column- then row-wise.
+SKELETON_TP_PLAN: dict[str, str] = {
+    "tok_embeddings": "embedding",
+    "layers.*.attention_norm": "norm",
+    "layers.*.attention": "prepare_block_input",
+}
+FEED_FORWARD_TP_PLAN: dict[str, str] = {
+    "layers.*.ffn_norm": "norm",
+    "layers.*.feed_forward": "prepare_block_input",
+    "layers.*.feed_forward.w1": "colwise",
+    "layers.*.feed_forward.w2": "rowwise",
+    "layers.*.feed_forward.w3": "colwise",
+    "norm": "norm",
+    "output": "output",
+}
+
+
+def decoder_tp_plan(attention: dict[str, str], *extra: dict[str, str]) -> dict[str, str]:
+    """The whole plan: the skeleton's entries with ``attention``'s (names inside
+    ``layers.*.attention``) in between, then ``extra`` (e.g. MoE entries)."""
+    entries = {f"layers.*.attention.{name}": style for name, style in attention.items()}
+    plan = {**SKELETON_TP_PLAN, **entries, **FEED_FORWARD_TP_PLAN}
+    for more in extra:
+        plan.update(more)
+    return plan
+
+
+def decoder_class(args_class: type) -> Optional[type["Decoder"]]:
+    """The Decoder subclass built from ``args_class`` (or the nearest of its bases that has one)."""
+    return next((Decoder.registry[c] for c in args_class.__mro__ if c in Decoder.registry), None)
+
+
+class Block(nn.Module):
+    """Pre-norm ``attention``, then ``ffn`` (a dense SwiGLU or an MoE) in the ``feed_forward`` or
+    the ``moe`` slot. The other slot is kept as None so one tensor-parallel plan names both, and
+    a pipeline stage holding blocks of one kind only still matches the plan."""
+
+    def __init__(self, dim: int, norm_eps: float, attention: nn.Module, ffn: nn.Module):
+        super().__init__()
+        self.attention_norm = RMSNorm(dim, norm_eps)
+        self.attention = attention
+        self.ffn_norm = RMSNorm(dim, norm_eps)
+        moe = isinstance(ffn, MoE)
+        self.add_module("feed_forward", None if moe else ffn)
+        self.add_module("moe", ffn if moe else None)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache)
+        ffn = self.feed_forward if self.feed_forward is not None else self.moe
+        return h + ffn(self.ffn_norm(h))
+
+
+class Decoder(nn.Module):
+    """A causal decoder; see the module docstring. Subclasses set ``args_class`` and implement
+    ``build_block``, ``build_rope_cache``, ``tp_plan`` and ``count_parameters``."""
+
+    args_class: ClassVar[type] = ModelArgs
+    # Parameter groups of the init, by name suffix: drawn with std 0.02, or 0.02 / sqrt(2 *
+    # (layer_id + 1)) with ``args.depth_init`` (else / sqrt(2 * n_layers)); every ``*norm.weight``
+    # starts at one, the embeddings at N(0, 1), the head at N(0, dim^-0.5) cut at 3 std.
+    input_projections: ClassVar[tuple[str, ...]] = ("wq.weight", "wk.weight", "wv.weight", "w1.weight", "experts.w1")
+    output_projections: ClassVar[tuple[str, ...]] = (
+        "wo.weight", "w2.weight", "w3.weight", "experts.w2", "experts.w3", "router.gate.weight"
+    )
+    # Decoder classes by args class: CausalLMModule builds the one its job's args ask for.
+    registry: ClassVar[dict[type, type["Decoder"]]] = {}
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "args_class" in cls.__dict__:  # (a subclass that keeps its parent's args does not take them over)
+            Decoder.registry[cls.args_class] = cls
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.register_buffer("rope_cache", self.build_rope_cache(), persistent=False)
+        self.layers = nn.ModuleDict({str(i): self.build_block(i) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def build_block(self, layer_id: int) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} must implement build_block(layer_id)")
+
+    def build_rope_cache(self) -> torch.Tensor:
+        """(cos, sin) for every position, [max_seq_len, rotated features // 2, 2] float32."""
+        raise NotImplementedError(f"{type(self).__name__} must implement build_rope_cache()")
+
+    @classmethod
+    def tp_plan(cls, args: ModelArgs) -> Optional[dict[str, str]]:
+        """Module-name patterns (relative to the decoder) -> tensor-parallel style names."""
+        return None
+
+    @classmethod
+    def count_parameters(cls, args: ModelArgs, *, active: bool = False) -> int:
+        """Parameters of ``cls(args)`` by arithmetic; ``active``: those one token computes with."""
+        raise NotImplementedError(f"{cls.__name__} does not count its parameters")
+
+    @classmethod
+    def flop_terms(cls, args: ModelArgs) -> tuple[int, int]:
+        """(parameters a token multiplies with, layers x heads x (d_qk + d_v)); see
+        ``CausalLMModule.flops_per_token``. The default is for RoPE attention with equal q/k/v
+        head dims."""
+        matmul = cls.count_parameters(args, active=True) - args.vocab_size * args.dim
+        return matmul, args.n_layers * args.n_heads * 2 * args.head_dim
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] -> logits [B, S, vocab_size], in the dtype of the parameters."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cache)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def init_weights(self, seed: int) -> None:
+        """Draw every parameter from (seed, its name), as in torchtitan; zero the MoE buffers;
+        rebuild ``rope_cache``."""
+        init_params(self, seed, self.init_param)
+        reset_moe_buffers(self)
+        with torch.device("cpu"):
+            cache = self.build_rope_cache()
+        self.rope_cache = cache.to(self.rope_cache.device)
+
+    def init_param(self, fqn: str, w: torch.Tensor, g: torch.Generator) -> None:
+        a = self.args
+        if fqn == "tok_embeddings.weight":
+            nn.init.normal_(w, std=1.0, generator=g)
+        elif fqn == "output.weight":
+            std = a.dim**-0.5
+            nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std, generator=g)
+        elif fqn.endswith("norm.weight"):
+            nn.init.ones_(w)
+        elif fqn.endswith(self.input_projections):
+            nn.init.trunc_normal_(w, std=0.02, generator=g)
+        elif fqn.endswith(self.output_projections):
+            depth = 2 * (int(fqn.split(".")[1]) + 1) if a.depth_init else 2 * a.n_layers
+            nn.init.trunc_normal_(w, std=0.02 / depth**0.5, generator=g)
+        else:
+            raise ValueError(f"no init rule for parameter {fqn!r} in {type(self).__name__}")
