@@ -1,39 +1,21 @@
 """DeepSeek V3 runs: the CPU debug model and the published sizes."""
 
-from titan_lightning.config import LRScheduleConfig, OptimizerConfig, TrainingConfig
-from titan_lightning.data.datamodule import TextDataModule
 from titan_lightning.models.deepseek_v3 import DeepSeekV3Job, DeepSeekV3Module, deepseek_v3_args
-from titan_lightning.recipe import Run
-from recipes.llama3 import on_layout
+from titan_lightning.recipe import Run, debug_run, family_run, on_layout, size_run
 
 
 def deepseek_v3(flavor: str, **job_sections) -> Run:
     """A DeepSeek V3 run of one size on the shipped corpus; sections override the defaults."""
-    job = DeepSeekV3Job(model=deepseek_v3_args(flavor), **job_sections)
-    return Run(module=DeepSeekV3Module(job), datamodule=TextDataModule(job), trainer=dict(max_steps=1000))
+    return family_run(DeepSeekV3Job, DeepSeekV3Module, deepseek_v3_args(flavor), **job_sections)
 
 
 def debugmodel() -> Run:
     """The 14M-parameter debug model (8 routed + 2 shared experts), sized for CPU; seq_len 256 like llama3's."""
-    run = deepseek_v3(
-        "debugmodel",
-        training=TrainingConfig(seq_len=256, tokens_per_microbatch_per_dp_rank=2048, max_grad_norm=1.0),
-        optimizer=OptimizerConfig(lr=2e-3),
-        lr_schedule=LRScheduleConfig(warmup_steps=10, decay_ratio=0.5),
-    )
-    run.trainer.update(max_steps=100, log_every_n_steps=1, val_check_interval=50, limit_val_batches=4)
-    return run
+    return debug_run(DeepSeekV3Job, DeepSeekV3Module, deepseek_v3_args("debugmodel"))
 
 
 def _size(flavor: str) -> Run:
-    return deepseek_v3(
-        flavor,
-        training=TrainingConfig(
-            seq_len=4096, tokens_per_microbatch_per_dp_rank=4096, dtype="float32", mixed_precision_param="bfloat16"
-        ),
-        optimizer=OptimizerConfig(lr=2.2e-4),
-        lr_schedule=LRScheduleConfig(warmup_steps=200, decay_ratio=0.2),
-    )
+    return size_run(DeepSeekV3Job, DeepSeekV3Module, deepseek_v3_args(flavor), seq_len=4096, lr=2.2e-4)
 
 
 def deepseek_v3_16b() -> Run:

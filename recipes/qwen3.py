@@ -1,48 +1,27 @@
 """Qwen 3 runs: the CPU debug models (dense and MoE) and the published sizes."""
 
-from titan_lightning.config import LRScheduleConfig, OptimizerConfig, TrainingConfig
-from titan_lightning.data.datamodule import TextDataModule
 from titan_lightning.models.qwen3 import Qwen3Job, Qwen3Module, qwen3_args
-from titan_lightning.recipe import Run
-from recipes.llama3 import on_layout, with_cp
+from titan_lightning.recipe import Run, debug_run, family_run, on_layout, size_run
+from recipes.llama3 import with_cp
 
 
 def qwen3(flavor: str, **job_sections) -> Run:
     """A Qwen 3 run of one size on the shipped corpus; sections override the defaults."""
-    job = Qwen3Job(model=qwen3_args(flavor), **job_sections)
-    return Run(module=Qwen3Module(job), datamodule=TextDataModule(job), trainer=dict(max_steps=1000))
-
-
-def _debug(flavor: str) -> Run:
-    run = qwen3(
-        flavor,
-        training=TrainingConfig(seq_len=256, tokens_per_microbatch_per_dp_rank=2048, max_grad_norm=1.0),
-        optimizer=OptimizerConfig(lr=2e-3),
-        lr_schedule=LRScheduleConfig(warmup_steps=10, decay_ratio=0.5),
-    )
-    run.trainer.update(max_steps=100, log_every_n_steps=1, val_check_interval=50, limit_val_batches=4)
-    return run
+    return family_run(Qwen3Job, Qwen3Module, qwen3_args(flavor), **job_sections)
 
 
 def debugmodel() -> Run:
     """The dense debug model (12M parameters), trainable on 2 CPU cores."""
-    return _debug("debugmodel")
+    return debug_run(Qwen3Job, Qwen3Module, qwen3_args("debugmodel"))
 
 
 def debugmodel_moe() -> Run:
     """The MoE debug model: 64 experts, top-8 (33M parameters, 11M active), trainable on CPU."""
-    return _debug("debugmodel_moe")
+    return debug_run(Qwen3Job, Qwen3Module, qwen3_args("debugmodel_moe"))
 
 
 def _size(flavor: str) -> Run:
-    return qwen3(
-        flavor,
-        training=TrainingConfig(
-            seq_len=4096, tokens_per_microbatch_per_dp_rank=4096, dtype="float32", mixed_precision_param="bfloat16"
-        ),
-        optimizer=OptimizerConfig(lr=3e-4),
-        lr_schedule=LRScheduleConfig(warmup_steps=200, decay_ratio=0.2),
-    )
+    return size_run(Qwen3Job, Qwen3Module, qwen3_args(flavor), seq_len=4096, lr=3e-4)
 
 
 def qwen3_0_6b() -> Run:
@@ -78,7 +57,7 @@ def qwen3_235b_a22b() -> Run:
 
 
 # The debug MoE model on expert-parallel layouts, with the same global batch as one process
-# (recipes.llama3.on_layout / with_cp), e.g.
+# (titan_lightning.recipe.on_layout, with_cp), e.g.
 #   titan-lightning fit --recipe recipes.qwen3:fsdp2_tp2_cp2_ep8 --trainer.devices 8 --trainer.accelerator cpu
 def moe_fsdp2_ep2() -> Run:
     return on_layout(debugmodel_moe(), dp_shard=2, ep=2)

@@ -26,8 +26,9 @@ from titan_lightning.callbacks import TrainingMetrics
 from titan_lightning.callbacks.preemption import PreemptionCheckpoint
 from titan_lightning.callbacks.profiling import ProfileSteps
 from titan_lightning.callbacks.weights import ExportWeights, LoadWeights, check_initial_weights
-from titan_lightning.config import ConfigError, JobConfig, validate_job
+from titan_lightning.config import ConfigError, JobConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig, validate_job
 from titan_lightning.config.validation import gradient_accumulation_steps
+from titan_lightning.data.datamodule import TextDataModule
 from titan_lightning.strategies import TitanStrategy
 
 RUN_DIR_ENV = "TITAN_LIGHTNING_RUN_DIR"
@@ -323,3 +324,49 @@ def build_trainer(run: Run) -> L.Trainer:
     if isinstance(trainer.strategy, TitanStrategy):
         trainer.strategy.check_module(run.module)
     return trainer
+
+
+# -- what recipes share ----------------------------------------------------------------------
+
+
+def family_run(job_class: type, module_class: type, args, **job_sections) -> Run:
+    """A run of a model family (``Llama3Job, Llama3Module, llama3_args("8B")``) on the shipped
+    corpus, 1000 steps; ``job_sections`` (``training=TrainingConfig(...)``, ...) replace the defaults."""
+    job = job_class(model=args, **job_sections)
+    return Run(module=module_class(job), datamodule=TextDataModule(job), trainer=dict(max_steps=1000))
+
+
+def debug_run(job_class: type, module_class: type, args) -> Run:
+    """A debug model's CPU run: 100 steps of 8 x 256 tokens at lr 2e-3, validated at steps 50 and 100."""
+    run = family_run(
+        job_class, module_class, args,
+        training=TrainingConfig(seq_len=256, tokens_per_microbatch_per_dp_rank=2048, max_grad_norm=1.0),
+        optimizer=OptimizerConfig(lr=2e-3),
+        lr_schedule=LRScheduleConfig(warmup_steps=10, decay_ratio=0.5),
+    )
+    run.trainer.update(max_steps=100, log_every_n_steps=1, val_check_interval=50, limit_val_batches=4)
+    return run
+
+
+def size_run(job_class: type, module_class: type, args, *, seq_len: int, lr: float) -> Run:
+    """A published size: one ``seq_len`` sequence per microbatch, fp32 weights with bf16 compute,
+    200 warmup steps then decay over the last 20%."""
+    return family_run(
+        job_class, module_class, args,
+        training=TrainingConfig(seq_len=seq_len, tokens_per_microbatch_per_dp_rank=seq_len, dtype="float32",
+                                mixed_precision_param="bfloat16"),
+        optimizer=OptimizerConfig(lr=lr),
+        lr_schedule=LRScheduleConfig(warmup_steps=200, decay_ratio=0.2),
+    )
+
+
+def on_layout(run: Run, **degrees) -> Run:
+    """``run`` on a parallel layout with the same global batch, so the same per-step losses.
+
+    The data-parallel degree must be explicit (``dp_shard=-1`` would depend on the launch).
+    """
+    for name, value in degrees.items():
+        setattr(run.job.parallelism, name, value)
+    p = run.job.parallelism
+    run.job.training.tokens_per_microbatch_per_dp_rank //= p.dp_replicate * max(p.dp_shard, 1)
+    return run

@@ -2,7 +2,7 @@
 tests of a tool, not of the model (test_loss_compare.py, test_run_tests.py): imported through
 PYTHONPATH, by the test and by the processes the tool starts."""
 
-from recipes.llama3 import on_layout
+from titan_lightning.recipe import on_layout
 from recipes.tests import features
 from titan_lightning.recipe import Run
 

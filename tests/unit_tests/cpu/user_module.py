@@ -150,7 +150,7 @@ class ComputeDtype(L.Callback):
 def llama3_pp2_bf16() -> Run:
     """The Llama 3 debug model cut small (bf16 matmuls are slow on CPU) on 2 pipeline stages, no
     FSDP, bf16 compute over fp32 parameters."""
-    from recipes.llama3 import on_layout
+    from titan_lightning.recipe import on_layout
     from recipes.tests.features import llama3_small
 
     run = on_layout(llama3_small(), pp=2, dp_shard=1)
