@@ -234,7 +234,8 @@ def test_adapter_reads_fused_experts_and_skips_layers_past_n_layers():
     del hf["model.layers.1.mlp.experts.down_proj"]
     hf.update({f"model.layers.1.mlp.experts.{j}.down_proj.weight": state["layers.1.moe.experts.w2"][j]
                for j in range(e - 1)})
-    with pytest.raises(ValueError, match=r"experts\.\*\.down_proj: expected experts 0\.\.7 .*missing \[7\]"):
+    with pytest.raises(ValueError, match=r"experts\.\*\.down_proj\.weight \(ours layers\.1\.moe\.experts\.w2\): "
+                                         r"expected experts 0\.\.7 .*missing \[7\]"):
         adapter.from_hf(hf)
 
 

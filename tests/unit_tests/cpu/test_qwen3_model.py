@@ -2,6 +2,7 @@
 through the Trainer, and Hugging Face checkpoints through the state-dict adapter."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -396,15 +397,17 @@ def test_loading_names_missing_and_unexpected_keys(tmp_path):
     hf = adapter.to_hf(materialized(args).state_dict())
     del hf["model.layers.1.self_attn.k_norm.weight"]
     save_hf_safetensors(hf, tmp_path)
-    missing = r"missing keys \[layers\.1\.attention\.k_norm\.weight\]; unexpected keys \[\]"
-    with pytest.raises(ValueError, match=missing):
+    missing = ("missing keys [model.layers.1.self_attn.k_norm.weight (ours layers.1.attention.k_norm.weight)]; "
+               "unexpected keys []")
+    with pytest.raises(ValueError, match=re.escape(missing)):
         adapter.load_into(materialized(args), tmp_path)
     adapter.save_from(materialized(args), tmp_path)  # complete again
-    unexpected = r"missing keys \[\]; unexpected keys \[layers\.0\.attention\.k_norm\.weight, layers\.0\.attention"
-    with pytest.raises(ValueError, match=unexpected):
+    unexpected = "missing keys []; unexpected keys [model.layers.0.self_attn.k_norm.weight (ours layers.0.attention"
+    with pytest.raises(ValueError, match=re.escape(unexpected)):
         adapter.load_into(materialized(small(qk_norm=False)), tmp_path)
-    with pytest.raises(ValueError, match=r"loading .*: layers\.0\.attention\.wq\.weight has shape \(128, 64\), "
-                                         r"the model has \(64, 64\)"):
+    shape = ("model.layers.0.self_attn.q_proj.weight (ours layers.0.attention.wq.weight) has shape (128, 64), "
+             "the model has (64, 64)")
+    with pytest.raises(ValueError, match=re.escape(shape)):
         adapter.load_into(materialized(small(n_heads=2, n_kv_heads=2)), tmp_path)
     hf["model.layers.0.mlp.shared_expert.weight"] = torch.zeros(1)
     with pytest.raises(ValueError, match=r"no Qwen3 name for Hugging Face keys model\.layers\.0\.mlp\.shared_expert"):
@@ -416,8 +419,26 @@ def test_missing_expert_is_named():
     adapter = Qwen3StateDictAdapter(args)
     hf = adapter.to_hf(materialized(args).state_dict())
     del hf["model.layers.0.mlp.experts.3.up_proj.weight"]
-    with pytest.raises(ValueError, match=r"layers\.0\.moe\.experts\.w3: Hugging Face experts \[3\] missing"):
+    missing = ("model.layers.0.mlp.experts.*.up_proj.weight (ours layers.0.moe.experts.w3): expected experts 0..7 "
+               "(model.moe.num_experts=8), missing [3]")
+    with pytest.raises(ValueError, match=re.escape(missing)):
         adapter.from_hf(hf)
+
+
+def test_wrong_shapes_name_the_hugging_face_key_and_ours():
+    args = small(moe=True)
+    adapter = Qwen3StateDictAdapter(args)
+    hf = adapter.to_hf(materialized(args).state_dict())
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    wrong = ("q_proj shape [120, 64] for model.layers.0.self_attn.q_proj.weight (ours layers.0.attention.wq.weight) "
+             "expected [128, 64]")
+    with pytest.raises(ValueError, match=re.escape(wrong)):
+        adapter.from_hf({**hf, q_proj: hf[q_proj][:120]})
+    up_proj = "model.layers.1.mlp.experts.5.up_proj.weight"
+    wrong = ("up_proj shape [32, 63] for model.layers.1.mlp.experts.5.up_proj.weight (ours layers.1.moe.experts.w3[5]) "
+             "expected [32, 64]")
+    with pytest.raises(ValueError, match=re.escape(wrong)):
+        adapter.from_hf({**hf, up_proj: hf[up_proj][:, :63]})
 
 
 def test_missing_or_truncated_checkpoint_files_fail_naming_the_file(tmp_path):

@@ -10,16 +10,17 @@ Layout, as ``transformers`` writes and reads it:
 Each file carries the metadata {"format": "pt"}, which ``transformers`` requires. Files are
 written whole on the CPU; a sharded (DTensor) state dict must be gathered first.
 
-A model family's ``StateDictAdapter`` maps its own parameter names and layouts to
-Hugging Face's (``to_hf``) and back (``from_hf``); ``load_into`` and ``save_from`` join
+A model family's ``StateDictAdapter`` declares tables that map its parameter names and layouts
+to Hugging Face's (``to_hf``) and back (``from_hf``); ``load_into`` and ``save_from`` join
 that to the files, with strict key and shape checks.
 """
 
 import json
 import os
 import re
+import warnings
 from pathlib import Path
-from typing import Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from safetensors import SafetensorError
@@ -120,40 +121,203 @@ def load_hf_safetensors(folder: PathLike) -> dict[str, Tensor]:
     return state_dict
 
 
-def check_keys(expected: dict[str, Tensor], got: dict[str, Tensor], what: str) -> None:
-    """Raise one line naming the missing and unexpected keys, or the first shape that differs."""
-    missing, unexpected = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
-    if missing or unexpected:
-        raise ValueError(f"{what}: missing keys {_names(missing)}; unexpected keys {_names(unexpected)}")
-    for name, t in expected.items():
-        if tuple(got[name].shape) != tuple(t.shape):
-            raise ValueError(f"{what}: {name} has shape {tuple(got[name].shape)}, the model has {tuple(t.shape)}")
+# Every family's top-level names; ours inside ``layers.N.`` -> Hugging Face's inside ``model.layers.N.``
+# for the parts every family has, and with Llama's grouped-query keys and values.
+_TOP_KEYS = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+BLOCK_KEYS = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+}
+LLAMA_BLOCK_KEYS = {**BLOCK_KEYS, "attention.wk.weight": "self_attn.k_proj.weight",
+                    "attention.wv.weight": "self_attn.v_proj.weight"}
+# Our stacked expert weights [E, ...] -> the projection of Hugging Face's ``mlp.experts.J``.
+EXPERT_KEYS = {"moe.experts.w1": "gate_proj", "moe.experts.w3": "up_proj", "moe.experts.w2": "down_proj"}
+# Layer keys whose features rotate halves in Hugging Face's RoPE -> the args field with their head count
+# (None: one head).
+HALF_ROTATED = {"attention.wq.weight": "n_heads", "attention.wk.weight": "n_kv_heads",
+                "attention.q_norm.weight": None, "attention.k_norm.weight": None}
+EXPERT_BIAS = "moe.expert_bias"
+
+_OUR_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_HF_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(\w+)\.weight")
 
 
 def _names(keys: list[str], limit: int = 8) -> str:
-    shown = ", ".join(keys[:limit])
-    return f"[{shown}{f', ... ({len(keys)} in all)' if len(keys) > limit else ''}]"
+    return ", ".join(keys[:limit]) + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+def _inverse(table: dict[str, str]) -> dict[str, str]:
+    return {theirs: ours for ours, theirs in table.items()}
+
+
+def _shape_error(hf_key: str, ours: str, shape: torch.Size, expected: tuple, why: str) -> ValueError:
+    what = hf_key.split(".")[-2]
+    return ValueError(f"{what} shape {list(shape)} for {hf_key} (ours {ours}) expected {list(expected)} ({why})")
 
 
 class StateDictAdapter:
-    """Converts one model family's state dict to Hugging Face names and layouts and back.
+    """Converts one model family's state dict to Hugging Face names and layouts (``to_hf``) and
+    back (``from_hf``), from the tables the family declares:
 
-    Subclasses implement ``to_hf`` and ``from_hf``, each the inverse of the other, raising on
-    a key they cannot map. ``load_into``/``save_from`` work on an unsharded model whose
-    tensors are materialized (not on the meta device); values are cast to the model's dtype.
+    ``layer_keys``     our name inside ``layers.N.`` -> Hugging Face's inside ``model.layers.N.``
+                       (the top-level names are the same for every family)
+    ``expert_keys``    our stacked ``[E, ...]`` expert weight -> its projection in Hugging Face's
+                       per-expert ``mlp.experts.J.<projection>.weight``
+    ``rope_halves``    layer keys whose rows (per head) are permuted between RoPE layouts, with
+                       the args field giving their head count: Hugging Face rotates feature i with
+                       i + head_dim/2 ("rotate_half"), models/common/rope.py rotates adjacent pairs,
+                       so HF feature c * head_dim/2 + i is our feature 2i + c. QK-norm weights
+                       (applied before RoPE, feature by feature) move the same way.
+    ``extra_from_hf``  other Hugging Face names inside ``model.layers.N.`` that ``from_hf`` reads
+                       (never writes): a function from the tensor to ours inside ``layers.N.``
+
+    ``moe.expert_bias`` (auxiliary-loss-free load balancing), where ``layer_keys`` does not name
+    it, has no Hugging Face counterpart: ``to_hf`` drops it (with a warning if it is not zero: the
+    HF model will route differently) and ``from_hf`` starts it at zero. ``tie_word_embeddings``:
+    the Hugging Face model ties ``lm_head`` to the embeddings and its checkpoint has no
+    ``lm_head.weight``; ``from_hf`` copies the embeddings into our untied output, and ``to_hf``
+    refuses an output that no longer equals them.
+
+    Errors name the Hugging Face key and ours. ``load_into``/``save_from`` work on an unsharded
+    model whose tensors are materialized (not on the meta device); values are cast to the
+    model's dtype.
     """
 
+    family: str
+    layer_keys: dict[str, str]
+    expert_keys: dict[str, str] = {}
+    rope_halves: dict[str, Optional[str]] = {}
+    extra_from_hf: dict[str, Callable[[Tensor], dict[str, Tensor]]] = {}
+    ignored_hf_suffixes: tuple[str, ...] = ()  # top-level Hugging Face keys from_hf skips
+    ignores_layers_past_n_layers = False  # from_hf skips model.layers.N for N >= args.n_layers
+
+    def __init__(self, args: Any, *, tie_word_embeddings: bool = False):
+        self.args = args
+        self.tie_word_embeddings = tie_word_embeddings
+
+    def hf_key(self, ours: str) -> Optional[str]:
+        """The Hugging Face name of our key (``*`` for the experts of a stacked one), or None."""
+        match = _OUR_LAYER.fullmatch(ours)
+        if match is None:
+            return _TOP_KEYS.get(ours)
+        layer, name = match.groups()
+        if name in self.expert_keys:
+            return f"model.layers.{layer}.mlp.experts.*.{self.expert_keys[name]}.weight"
+        return f"model.layers.{layer}.{self.layer_keys[name]}" if name in self.layer_keys else None
+
     def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-        raise NotImplementedError(f"{type(self).__name__} must implement to_hf()")
+        hf: dict[str, Tensor] = {}
+        unknown = []
+        for key, value in state_dict.items():
+            hf_key, match = self.hf_key(key), _OUR_LAYER.fullmatch(key)
+            name = match and match[2]
+            if hf_key is None and name == EXPERT_BIAS:
+                if value.any():
+                    warnings.warn(f"{key} is not zero; Hugging Face {self.family}-MoE has no expert bias, it is dropped")
+            elif hf_key is None:
+                unknown.append(key)
+            elif name in self.expert_keys:
+                hf.update({hf_key.replace("*", str(j)): expert for j, expert in enumerate(value.unbind(0))})
+            else:
+                hf[hf_key] = self._permute_rope(name, hf_key, key, value, to_hf=True)
+        if unknown:
+            raise ValueError(f"no Hugging Face {self.family} name for {', '.join(unknown)}")
+        if self.tie_word_embeddings:
+            output = hf.pop("lm_head.weight")
+            if not torch.equal(output, hf["model.embed_tokens.weight"]):
+                raise ValueError(
+                    "tie_word_embeddings=True, but output.weight differs from tok_embeddings.weight; "
+                    "save with tie_word_embeddings=False"
+                )
+        return hf
 
     def from_hf(self, hf_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-        raise NotImplementedError(f"{type(self).__name__} must implement from_hf()")
+        top, layer_keys = _inverse(_TOP_KEYS), _inverse(self.layer_keys)
+        moe = getattr(self.args, "moe", None)
+        expert_keys = _inverse(self.expert_keys) if moe is not None else {}
+        sd: dict[str, Tensor] = {}
+        experts: dict[str, dict[int, tuple[str, Tensor]]] = {}  # our stacked key -> J -> (HF key, weight)
+        unknown = []
+        for key, value in hf_state_dict.items():
+            match = _HF_LAYER.fullmatch(key)
+            layer, name = match.groups() if match else (None, key)
+            expert = _HF_EXPERT.fullmatch(name) if match else None
+            if key in top:
+                sd[top[key]] = value
+            elif match is None:
+                if not key.endswith(self.ignored_hf_suffixes):
+                    unknown.append(key)
+            elif self.ignores_layers_past_n_layers and int(layer) >= self.args.n_layers:
+                continue
+            elif name in layer_keys:
+                ours = f"layers.{layer}.{layer_keys[name]}"
+                sd[ours] = self._permute_rope(layer_keys[name], key, ours, value, to_hf=False)
+            elif expert is not None and expert[2] in expert_keys:
+                experts.setdefault(f"layers.{layer}.{expert_keys[expert[2]]}", {})[int(expert[1])] = (key, value)
+            elif name in self.extra_from_hf:
+                sd.update({f"layers.{layer}.{ours}": t for ours, t in self.extra_from_hf[name](value).items()})
+            else:
+                unknown.append(key)
+        if unknown:
+            raise ValueError(f"no {self.family} name for Hugging Face keys {_names(sorted(unknown))}")
+        for key, by_index in experts.items():
+            sd[key] = self._stack(key, by_index)
+        if self.tie_word_embeddings and "output.weight" not in sd and "tok_embeddings.weight" in sd:
+            sd["output.weight"] = sd["tok_embeddings.weight"].clone()
+        if EXPERT_BIAS not in self.layer_keys and moe is not None and moe.load_balance_coeff is not None:
+            for layer in range(self.args.n_layers):
+                sd[f"layers.{layer}.{EXPERT_BIAS}"] = torch.zeros(moe.num_experts, dtype=torch.float32)
+        return sd
+
+    def _permute_rope(self, name: str, hf_key: str, ours: str, w: Tensor, *, to_hf: bool) -> Tensor:
+        """``w`` with the rows of each head from our adjacent pairs to Hugging Face's halves, or back."""
+        if name not in self.rope_halves:
+            return w
+        field = self.rope_halves[name]
+        heads, head_dim = getattr(self.args, field) if field else 1, self.args.head_dim
+        if w.shape[0] != heads * head_dim:
+            expected = (heads * head_dim, *w.shape[1:])
+            raise _shape_error(hf_key, ours, w.shape, expected, f"{heads} heads of head_dim {head_dim}")
+        per_head = (heads, -1, 2) if to_hf else (heads, 2, -1)
+        return w.reshape(*per_head, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+    def _stack(self, ours: str, by_index: dict[int, tuple[str, Tensor]]) -> Tensor:
+        n = self.args.moe.num_experts
+        missing, extra = sorted(set(range(n)) - by_index.keys()), sorted(by_index.keys() - set(range(n)))
+        if missing or extra:
+            raise ValueError(f"{self.hf_key(ours)} (ours {ours}): expected experts 0..{n - 1} "
+                             f"(model.moe.num_experts={n}), missing {missing[:8]}, extra {extra[:8]}")
+        first_key, first = by_index[0]
+        for j, (key, w) in sorted(by_index.items()):
+            if w.shape != first.shape:
+                raise _shape_error(key, f"{ours}[{j}]", w.shape, tuple(first.shape), f"as {first_key}")
+        return torch.stack([by_index[j][1] for j in range(n)])
+
+    def _check(self, expected: dict[str, Tensor], got: dict[str, Tensor], what: str) -> None:
+        """Raise one line naming the missing and unexpected tensors, or the first shape that differs."""
+        missing, unexpected = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+        if missing or unexpected:
+            raise ValueError(f"{what}: missing keys [{self._both(missing)}]; unexpected keys [{self._both(unexpected)}]")
+        for name, t in expected.items():
+            if got[name].shape != t.shape:
+                raise ValueError(f"{what}: {self._both([name])} has shape {tuple(got[name].shape)}, "
+                                 f"the model has {tuple(t.shape)}")
+
+    def _both(self, keys: list[str]) -> str:
+        return _names([f"{self.hf_key(k)} (ours {k})" if self.hf_key(k) else k for k in keys])
 
     @torch.no_grad()
     def load_into(self, model: nn.Module, folder: PathLike) -> None:
         """Load the Hugging Face checkpoint in ``folder`` into ``model``; every key must match."""
         state_dict = self.from_hf(load_hf_safetensors(folder))
-        check_keys(model.state_dict(), state_dict, f"loading {folder} into {type(model).__name__}")
+        self._check(model.state_dict(), state_dict, f"loading {folder} into {type(model).__name__}")
         model.load_state_dict(state_dict, strict=True)
 
     def save_from(self, model: nn.Module, folder: PathLike, max_shard_bytes: int = 5 * 2**30) -> None:

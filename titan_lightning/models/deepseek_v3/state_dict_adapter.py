@@ -14,119 +14,40 @@ Layers at or past ``n_layers`` (the 671B checkpoint's multi-token-prediction lay
 skipped. FP8 checkpoints (``weight_scale_inv`` tensors) must be dequantized first.
 """
 
-import re
 from typing import Any
 
-import torch
-
-from titan_lightning.models.common.hf_checkpoint import StateDictAdapter
+from titan_lightning.models.common.hf_checkpoint import BLOCK_KEYS, EXPERT_KEYS, StateDictAdapter
 from titan_lightning.models.deepseek_v3.model import DeepSeekV3Args
-
-_TOP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_TOP_FROM_HF = {hf: ours for ours, hf in _TOP.items()}
-
-# Inside ``layers.N.`` -> inside ``model.layers.N.``.
-_LAYER = {
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
-    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
-    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
-    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
-    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "moe.router.gate.weight": "mlp.gate.weight",
-    "moe.expert_bias": "mlp.gate.e_score_correction_bias",
-    "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
-    "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
-    "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
-}
-_LAYER_FROM_HF = {hf: ours for ours, hf in _LAYER.items()}
-
-# Stacked expert weight -> the per-expert Hugging Face projection.
-_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_EXPERTS_FROM_HF = {hf: ours for ours, hf in _EXPERTS.items()}
-
-_OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_HF_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 class DeepSeekV3StateDictAdapter(StateDictAdapter):
     """Converts between ``Transformer(args)`` state dicts and Hugging Face DeepseekV3ForCausalLM ones."""
 
+    family = "DeepSeek V3"
+    layer_keys = {
+        **BLOCK_KEYS,
+        "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+        "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+        "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+        "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+        "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+        "moe.router.gate.weight": "mlp.gate.weight",
+        "moe.expert_bias": "mlp.gate.e_score_correction_bias",
+        "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+        "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+        "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+    }
+    expert_keys = EXPERT_KEYS
+    extra_from_hf = {
+        "mlp.experts.gate_up_proj": lambda t: dict(zip(("moe.experts.w1", "moe.experts.w3"), t.chunk(2, dim=1))),
+        "mlp.experts.down_proj": lambda t: {"moe.experts.w2": t},
+    }
+    ignored_hf_suffixes = ("rotary_emb.inv_freq",)
+    ignores_layers_past_n_layers = True
+
     def __init__(self, args: DeepSeekV3Args):
-        self.args = args
-
-    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        hf = {}
-        for key, tensor in state_dict.items():
-            if key in _TOP:
-                hf[_TOP[key]] = tensor
-                continue
-            match = _OURS_LAYER.fullmatch(key)
-            rest = match and match.group(2)
-            if rest in _LAYER:
-                hf[f"model.layers.{match.group(1)}.{_LAYER[rest]}"] = tensor
-            elif rest and rest.startswith("moe.experts.") and rest[len("moe.experts."):] in _EXPERTS:
-                projection = _EXPERTS[rest[len("moe.experts."):]]
-                for j, weight in enumerate(tensor.unbind(0)):
-                    hf[f"model.layers.{match.group(1)}.mlp.experts.{j}.{projection}.weight"] = weight
-            else:
-                raise ValueError(f"no Hugging Face name for DeepSeek V3 state-dict key {key!r}")
-        return hf
-
-    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        ours: dict[str, torch.Tensor] = {}
-        experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-        unknown = []
-        for key, tensor in hf_state_dict.items():
-            if key in _TOP_FROM_HF:
-                ours[_TOP_FROM_HF[key]] = tensor
-                continue
-            match = _HF_LAYER.fullmatch(key)
-            if match is None:
-                if not key.endswith("rotary_emb.inv_freq"):
-                    unknown.append(key)
-                continue
-            layer, rest = int(match.group(1)), match.group(2)
-            if layer >= self.args.n_layers:
-                continue
-            expert = _HF_EXPERT.fullmatch(rest)
-            if rest in _LAYER_FROM_HF:
-                ours[f"layers.{layer}.{_LAYER_FROM_HF[rest]}"] = tensor
-            elif expert is not None:
-                experts.setdefault((layer, _EXPERTS_FROM_HF[expert.group(2)]), {})[int(expert.group(1))] = tensor
-            elif rest == "mlp.experts.gate_up_proj":
-                ours[f"layers.{layer}.moe.experts.w1"], ours[f"layers.{layer}.moe.experts.w3"] = tensor.chunk(2, dim=1)
-            elif rest == "mlp.experts.down_proj":
-                ours[f"layers.{layer}.moe.experts.w2"] = tensor
-            else:
-                unknown.append(key)
-        if unknown:
-            raise ValueError(f"Hugging Face keys with no DeepSeek V3 equivalent: {', '.join(sorted(unknown)[:8])}")
-        for (layer, name), per_expert in experts.items():
-            ours[f"layers.{layer}.moe.experts.{name}"] = self._stack(layer, name, per_expert)
-        return ours
-
-    def _stack(self, layer: int, name: str, per_expert: dict[int, torch.Tensor]) -> torch.Tensor:
-        expected = self.args.moe.num_experts
-        if sorted(per_expert) != list(range(expected)):
-            missing = sorted(set(range(expected)) - set(per_expert))
-            raise ValueError(
-                f"model.layers.{layer}.mlp.experts.*.{_EXPERTS[name]}: expected experts 0..{expected - 1} "
-                f"(model.moe.num_experts={expected}), missing {missing[:8]}, got {len(per_expert)}"
-            )
-        return torch.stack([per_expert[j] for j in range(expected)])
+        super().__init__(args)
 
 
 def to_hf_config(args: DeepSeekV3Args) -> dict[str, Any]:
