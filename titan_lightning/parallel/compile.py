@@ -17,23 +17,22 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from titan_lightning.parallel.expert import moe_layers
+
 
 def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor", fullgraph: bool = True,
                    per_child: bool = False) -> int:
     """Compile each block's forward in place (or, with ``per_child`` or an MoE layer inside,
     each of its non-MoE children's); returns how many forwards were compiled."""
-    from titan_lightning.models.common.moe import MoE
-
     count = 0
     for block in blocks:
-        has_moe = any(isinstance(m, MoE) for m in block.modules())
-        if not (per_child or has_moe):
+        if not (per_child or moe_layers(block)):
             block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph)
             block.compiled = backend
             count += 1
             continue
         for child in block.children():
-            if any(isinstance(m, MoE) for m in child.modules()):
+            if moe_layers(child):
                 continue
             child.forward = torch.compile(child.forward, backend=backend, fullgraph=fullgraph)
             child.compiled = backend

@@ -29,7 +29,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-BACKENDS = ("allgather", "ring", "ulysses")
+from titan_lightning.config import ConfigError
+from titan_lightning.config.job import CP_ATTENTIONS
+from titan_lightning.parallel.collectives import AllGather, AllToAll, all_to_all
 
 
 # -- which tokens a rank holds -------------------------------------------------------------
@@ -103,69 +105,11 @@ class ContextParallel:
         return tensor.index_select(dim, positions)
 
 
-# -- autograd-aware collectives ------------------------------------------------------------
-
-
-def _funcol():
-    from torch.distributed import _functional_collectives as funcol
-
-    return funcol
-
-
-def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    funcol = _funcol()
-    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-    out = gather(x.movedim(dim, 0).contiguous(), 0, group)
-    return funcol.wait_tensor(out).movedim(0, dim)
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    funcol = _funcol()
-    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-    out = scatter(x.movedim(dim, 0).contiguous(), "sum", 0, group)
-    return funcol.wait_tensor(out).movedim(0, dim)
-
-
-class _AllGather(torch.autograd.Function):
-    """Concatenate every rank's ``x`` along ``dim``; the gradient is reduce-scattered back."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
-def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
-    funcol = _funcol()
-    return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), None, None, group))
-
-
-class _AllToAll(torch.autograd.Function):
-    """Equal-split all-to-all along dim 0; its own adjoint, so the gradient takes the same way back."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _all_to_all(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_to_all(grad, ctx.group), None
-
-
 def _shift(x: torch.Tensor, group, rank: int, size: int, step: int) -> torch.Tensor:
     """Send ``x`` to rank ``rank + step``, receive the block of rank ``rank - step`` (mod size)."""
-    funcol = _funcol()
-    n = x.shape[0]
-    send = [0] * size
-    recv = [0] * size
-    send[(rank + step) % size] = n
-    recv[(rank - step) % size] = n
-    return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), recv, send, group))
+    send, recv = [0] * size, [0] * size
+    send[(rank + step) % size] = recv[(rank - step) % size] = x.shape[0]
+    return all_to_all(x, group, recv, send)
 
 
 # -- attention -----------------------------------------------------------------------------
@@ -189,7 +133,7 @@ def context_parallel_attention(
         return _ring_attention(q, k, v, cp)
     if backend == "ulysses":
         return _ulysses_attention(q, k, v, cp)
-    raise ValueError(f"context-parallel attention backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    raise ValueError(f"context-parallel attention backend {backend!r} is not one of {', '.join(CP_ATTENTIONS)}")
 
 
 def _allgather_attention(q, k, v, cp: ContextParallel) -> torch.Tensor:
@@ -197,8 +141,8 @@ def _allgather_attention(q, k, v, cp: ContextParallel) -> torch.Tensor:
     order = cp.gathered_order(local, q.device)
     n_rep = q.shape[2] // k.shape[2]
     # Gather before repeating the KV heads: GQA sends n_heads / n_kv_heads times less.
-    k_all = _repeat_kv(_AllGather.apply(k, 1, cp.group)[:, order], n_rep).transpose(1, 2)
-    v_all = _repeat_kv(_AllGather.apply(v, 1, cp.group)[:, order], n_rep).transpose(1, 2)
+    k_all = _repeat_kv(AllGather.apply(k, 1, cp.group)[:, order], n_rep).transpose(1, 2)
+    v_all = _repeat_kv(AllGather.apply(v, 1, cp.group)[:, order], n_rep).transpose(1, 2)
     q = q.transpose(1, 2)
     outs = []
     for start, end, global_end in cp.runs(local, q.device):
@@ -385,7 +329,7 @@ def _to_heads(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     """[B, S_local, H, D] sequence-sharded -> [B, S, H / cp, D] head-sharded, positions sorted."""
     B, S, H, D = x.shape
     parts = x.view(B, S, cp.size, H // cp.size, D).permute(2, 0, 1, 3, 4)  # [cp, B, S_local, H/cp, D]
-    gathered = _AllToAll.apply(parts, cp.group)  # chunk j: rank j's tokens, my heads
+    gathered = AllToAll.apply(parts, cp.group)  # chunk j: rank j's tokens, my heads
     whole = gathered.permute(1, 0, 2, 3, 4).reshape(B, cp.size * S, H // cp.size, D)
     return whole[:, cp.gathered_order(S, x.device)]
 
@@ -395,7 +339,7 @@ def _to_sequence(x: torch.Tensor, cp: ContextParallel, local: int) -> torch.Tens
     B, _, h, D = x.shape
     unsorted = x[:, torch.argsort(cp.gathered_order(local, x.device))]
     parts = unsorted.view(B, cp.size, local, h, D).permute(1, 0, 2, 3, 4)  # chunk j: rank j's tokens
-    back = _AllToAll.apply(parts, cp.group)  # chunk j: my tokens, rank j's heads
+    back = AllToAll.apply(parts, cp.group)  # chunk j: my tokens, rank j's heads
     return back.permute(1, 2, 0, 3, 4).reshape(B, local, cp.size * h, D)
 
 
@@ -421,18 +365,16 @@ def apply_context_parallel(model: torch.nn.Module, mesh, load_balancer: Optional
     Attention modules are those with ``backend`` and ``cp`` attributes (models/common/attention.py).
     All must use one context-parallel backend.
     """
-    from titan_lightning.config import ConfigError
-
     modules = [m for m in model.modules() if hasattr(m, "backend") and hasattr(m, "cp")]
     size = mesh.size()
     if not modules:
         raise ConfigError(f"parallelism.cp={size}: {type(model).__name__} has no attention module that can do CP")
     backends = sorted({m.backend for m in modules})
-    non_cp = [b for b in backends if b not in BACKENDS]
+    non_cp = [b for b in backends if b not in CP_ATTENTIONS]
     if non_cp:
         raise ConfigError(
             f"parallelism.cp={size} but the model has attention {non_cp[0]!r}, which cannot do CP; "
-            f"apply ContextParallelTransform(attention=...) with one of {', '.join(BACKENDS)}"
+            f"apply ContextParallelTransform(attention=...) with one of {', '.join(CP_ATTENTIONS)}"
         )
     if len(backends) > 1:
         raise ConfigError(f"one model mixes the context-parallel attentions {backends}; use one backend")

@@ -31,32 +31,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from titan_lightning.parallel.context import _AllGather, _all_gather, _reduce_scatter
-
-
-def _funcol():
-    from torch.distributed import _functional_collectives as funcol
-
-    return funcol
-
-
-def _all_to_all(x: torch.Tensor, output_splits, input_splits, group) -> torch.Tensor:
-    funcol = _funcol()
-    return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), output_splits, input_splits, group))
-
-
-class _AllToAllV(torch.autograd.Function):
-    """All-to-all with uneven splits; the gradient takes the reverse exchange."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
-        ctx.splits, ctx.group = (output_splits, input_splits), group
-        return _all_to_all(x, output_splits, input_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        output_splits, input_splits = ctx.splits
-        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
+from titan_lightning.config import ConfigError
+from titan_lightning.parallel.collectives import AllGather, AllToAll, ReduceScatter, all_gather, all_to_all
 
 
 @dataclass
@@ -71,20 +47,19 @@ class ExpertParallel:
         """``x`` [N, dim] sorted by global expert, ``counts`` [E] -> the experts' outputs, same order."""
         input_splits, matrix, local_counts = self.splits(counts)
         output_splits = [sum(row) for row in matrix]
-        tokens = _AllToAllV.apply(x, output_splits, input_splits, self.group)
+        tokens = AllToAll.apply(x, self.group, output_splits, input_splits)
         # Arrived grouped by (source rank, local expert); the experts want (local expert, source rank).
         order = _expert_major_order(matrix, x.device)
         out = experts.compute(tokens[order], local_counts)
         back = torch.empty_like(out).index_copy_(0, order, out)
-        return _AllToAllV.apply(back, input_splits, output_splits, self.group)
-
+        return AllToAll.apply(back, self.group, input_splits, output_splits)
 
     def splits(self, counts: torch.Tensor) -> tuple[list[int], list[list[int]], torch.Tensor]:
         """From this rank's tokens per global expert: tokens sent to each rank, the matrix
         ``received[j][e]`` (rank j's tokens for my local expert e; exchanged with the other
         ranks and read on the host) and my local experts' token counts (on the device)."""
         n_local = counts.numel() // self.size
-        received = _all_to_all(counts.to(torch.int64), None, None, self.group).view(self.size, n_local)
+        received = all_to_all(counts.to(torch.int64), self.group).view(self.size, n_local)
         return counts.view(self.size, n_local).sum(dim=1).tolist(), received.tolist(), received.sum(dim=0)
 
 
@@ -102,16 +77,19 @@ def _expert_major_order(matrix: list[list[int]], device: torch.device) -> torch.
 
 
 def grouped_experts(model: nn.Module) -> list[nn.Module]:
-    """Every routed-expert module (models/common/moe.py GroupedExperts) in ``model``."""
-    from titan_lightning.models.common.moe import GroupedExperts
+    """Every module of ``model`` that declares ``routed_experts`` (stacked expert weights ``w1``,
+    ``w2``, ``w3`` [num_experts, ...] and an ``ep`` slot; models/common/moe.py GroupedExperts)."""
+    return [m for m in model.modules() if getattr(m, "routed_experts", False)]
 
-    return [m for m in model.modules() if isinstance(m, GroupedExperts)]
+
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    """Every module of ``model`` that declares ``moe_layer`` (its ``experts`` and an ``etp`` slot;
+    models/common/moe.py MoE)."""
+    return [m for m in model.modules() if getattr(m, "moe_layer", False)]
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh) -> ExpertParallel:
     """Shard every MoE layer's routed experts over ``ep_mesh`` (dim 0) and route through it."""
-    from titan_lightning.config import ConfigError
-
     modules = grouped_experts(model)
     size = ep_mesh.size()
     if not modules:
@@ -130,19 +108,6 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> ExpertParallel:
     return context
 
 
-class _ReduceScatter(torch.autograd.Function):
-    """Sum over the group and keep this rank's chunk of dim 0; the gradient is all-gathered."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _reduce_scatter(x, 0, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_gather(grad, 0, ctx.group), None
-
-
 @dataclass
 class ExpertTensorParallel:
     """The TP group of one rank when the experts are tensor-parallel (``MoE.etp``)."""
@@ -152,20 +117,17 @@ class ExpertTensorParallel:
 
     def gather(self, tokens: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor):
         """Every TP rank's routed tokens [T * tp, dim], their scores and experts (rank order)."""
-        return (_AllGather.apply(tokens, 0, self.group), _AllGather.apply(scores, 0, self.group),
-                _all_gather(experts, 0, self.group))
+        return (AllGather.apply(tokens, 0, self.group), AllGather.apply(scores, 0, self.group),
+                all_gather(experts, 0, self.group))
 
     def scatter(self, partial: torch.Tensor) -> torch.Tensor:
         """Partial outputs of all gathered tokens -> the summed outputs of this rank's tokens."""
-        return _ReduceScatter.apply(partial, self.group)
+        return ReduceScatter.apply(partial, 0, self.group)
 
 
 def apply_expert_tensor_parallel(model: nn.Module, tp_mesh) -> ExpertTensorParallel:
     """Split every MoE layer's routed experts over ``tp_mesh`` along their hidden dim."""
-    from titan_lightning.config import ConfigError
-    from titan_lightning.models.common.moe import moe_modules
-
-    layers, size = moe_modules(model), tp_mesh.size()
+    layers, size = moe_layers(model), tp_mesh.size()
     if not layers:
         raise ConfigError(f"expert tensor parallelism over tp={size}: {type(model).__name__} has no MoE layer")
     context = ExpertTensorParallel(group=tp_mesh.get_group(), size=size)

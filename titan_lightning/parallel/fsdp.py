@@ -15,7 +15,8 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-RESHARD_AFTER_FORWARD = ("default", "always", "never")
+from titan_lightning.config.parallelism import FSDP_RESHARD_POLICIES
+from titan_lightning.parallel.expert import grouped_experts
 
 
 def apply_fsdp(
@@ -39,10 +40,10 @@ def apply_fsdp(
     experts are sharded over it first, each MoE layer's experts as their own unit, so the
     dense units around them leave their (ep-sharded) weights alone.
     """
-    if reshard_after_forward not in RESHARD_AFTER_FORWARD:
+    if reshard_after_forward not in FSDP_RESHARD_POLICIES:
         raise ValueError(
             f"parallelism.fsdp_reshard_after_forward={reshard_after_forward!r} is not one of "
-            f"{', '.join(RESHARD_AFTER_FORWARD)}"
+            f"{', '.join(FSDP_RESHARD_POLICIES)}"
         )
     if mesh.ndim not in (1, 2):
         raise ValueError(
@@ -54,8 +55,6 @@ def apply_fsdp(
         config["offload_policy"] = CPUOffloadPolicy()
 
     if expert_mesh is not None:
-        from titan_lightning.parallel.expert import grouped_experts
-
         expert_config = {**config, "mesh": expert_mesh}
         for experts in grouped_experts(model):
             fully_shard(experts, **expert_config, reshard_after_forward=reshard_after_forward != "never")

@@ -127,6 +127,8 @@ class _ScaleGrad(torch.autograd.Function):
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts in stacked weights; tokens arrive sorted by expert."""
 
+    routed_experts = True  # what expert parallelism shards (parallel/expert.py)
+
     def __init__(self, dim: int, hidden_dim: int, num_experts: int):
         super().__init__()
         self.num_experts = num_experts
@@ -190,6 +192,8 @@ def _grouped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
 
 class MoE(nn.Module):
     """Routed experts plus optional shared experts; input and output [B, S, dim]."""
+
+    moe_layer = True  # for parallel/: expert tensor parallelism sets ``etp``; compile leaves it eager
 
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()

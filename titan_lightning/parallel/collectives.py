@@ -1,0 +1,66 @@
+"""Collectives inside autograd, shared by context and expert parallelism.
+
+Functional collectives, looked up at call time: under the fake process group its
+deterministic versions (parallel/fake.py) take their place.
+"""
+
+import torch
+from torch.distributed import _functional_collectives as funcol
+
+
+def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim``, in rank order."""
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return funcol.wait_tensor(gather(x.movedim(dim, 0).contiguous(), 0, group)).movedim(0, dim)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """``x`` summed over the group; this rank's chunk of ``dim``."""
+    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    return funcol.wait_tensor(scatter(x.movedim(dim, 0).contiguous(), "sum", 0, group)).movedim(0, dim)
+
+
+def all_to_all(x: torch.Tensor, group, output_splits=None, input_splits=None) -> torch.Tensor:
+    """Rows of ``x`` sent to each rank (``input_splits`` each), rows received from each
+    (``output_splits``); equal splits when None."""
+    return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), output_splits, input_splits, group))
+
+
+class AllGather(torch.autograd.Function):
+    """``all_gather``; the gradient is reduce-scattered back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class ReduceScatter(torch.autograd.Function):
+    """``reduce_scatter``; the gradient is all-gathered."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class AllToAll(torch.autograd.Function):
+    """``all_to_all``; the gradient takes the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, output_splits=None, input_splits=None) -> torch.Tensor:
+        ctx.group, ctx.splits = group, (output_splits, input_splits)
+        return all_to_all(x, group, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        output_splits, input_splits = ctx.splits
+        return all_to_all(grad, ctx.group, input_splits, output_splits), None, None, None
