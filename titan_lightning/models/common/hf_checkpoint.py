@@ -121,8 +121,7 @@ def load_hf_safetensors(folder: PathLike) -> dict[str, Tensor]:
     return state_dict
 
 
-# Every family's top-level names; ours inside ``layers.N.`` -> Hugging Face's inside ``model.layers.N.``
-# for the parts every family has, and with Llama's grouped-query keys and values.
+# Every family's top-level names, then ours inside ``layers.N.`` -> Hugging Face's inside ``model.layers.N.``.
 _TOP_KEYS = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
 BLOCK_KEYS = {
@@ -138,8 +137,7 @@ LLAMA_BLOCK_KEYS = {**BLOCK_KEYS, "attention.wk.weight": "self_attn.k_proj.weigh
                     "attention.wv.weight": "self_attn.v_proj.weight"}
 # Our stacked expert weights [E, ...] -> the projection of Hugging Face's ``mlp.experts.J``.
 EXPERT_KEYS = {"moe.experts.w1": "gate_proj", "moe.experts.w3": "up_proj", "moe.experts.w2": "down_proj"}
-# Layer keys whose features rotate halves in Hugging Face's RoPE -> the args field with their head count
-# (None: one head).
+# Layer keys whose rows are permuted per head for RoPE -> the args field with their head count (None: one).
 HALF_ROTATED = {"attention.wq.weight": "n_heads", "attention.wk.weight": "n_kv_heads",
                 "attention.q_norm.weight": None, "attention.k_norm.weight": None}
 EXPERT_BIAS = "moe.expert_bias"
@@ -167,27 +165,18 @@ class StateDictAdapter:
     back (``from_hf``), from the tables the family declares:
 
     ``layer_keys``     our name inside ``layers.N.`` -> Hugging Face's inside ``model.layers.N.``
-                       (the top-level names are the same for every family)
-    ``expert_keys``    our stacked ``[E, ...]`` expert weight -> its projection in Hugging Face's
-                       per-expert ``mlp.experts.J.<projection>.weight``
-    ``rope_halves``    layer keys whose rows (per head) are permuted between RoPE layouts, with
-                       the args field giving their head count: Hugging Face rotates feature i with
-                       i + head_dim/2 ("rotate_half"), models/common/rope.py rotates adjacent pairs,
-                       so HF feature c * head_dim/2 + i is our feature 2i + c. QK-norm weights
-                       (applied before RoPE, feature by feature) move the same way.
-    ``extra_from_hf``  other Hugging Face names inside ``model.layers.N.`` that ``from_hf`` reads
-                       (never writes): a function from the tensor to ours inside ``layers.N.``
+    ``expert_keys``    our stacked [E, ...] expert weight -> its projection in ``mlp.experts.J.``
+    ``rope_halves``    layer keys permuted per head (-> the args field with their head count):
+                       Hugging Face's RoPE rotates feature i with i + head_dim/2, ours adjacent
+                       pairs, so HF feature c * head_dim/2 + i is our feature 2i + c
+    ``extra_from_hf``  other names inside ``model.layers.N.`` that ``from_hf`` reads, never writes
 
-    ``moe.expert_bias`` (auxiliary-loss-free load balancing), where ``layer_keys`` does not name
-    it, has no Hugging Face counterpart: ``to_hf`` drops it (with a warning if it is not zero: the
-    HF model will route differently) and ``from_hf`` starts it at zero. ``tie_word_embeddings``:
-    the Hugging Face model ties ``lm_head`` to the embeddings and its checkpoint has no
-    ``lm_head.weight``; ``from_hf`` copies the embeddings into our untied output, and ``to_hf``
-    refuses an output that no longer equals them.
-
-    Errors name the Hugging Face key and ours. ``load_into``/``save_from`` work on an unsharded
-    model whose tensors are materialized (not on the meta device); values are cast to the
-    model's dtype.
+    ``moe.expert_bias``, unless ``layer_keys`` names it, has no Hugging Face counterpart: ``to_hf``
+    drops it (with a warning if it is not zero: the HF model will route differently) and ``from_hf``
+    starts it at zero. ``tie_word_embeddings``: the checkpoint has no ``lm_head.weight``;
+    ``from_hf`` copies the embeddings into our untied output, ``to_hf`` refuses an output that
+    differs from them. Errors name the Hugging Face key and ours. ``load_into``/``save_from`` work
+    on an unsharded, materialized model; values are cast to the model's dtype.
     """
 
     family: str
@@ -199,8 +188,7 @@ class StateDictAdapter:
     ignores_layers_past_n_layers = False  # from_hf skips model.layers.N for N >= args.n_layers
 
     def __init__(self, args: Any, *, tie_word_embeddings: bool = False):
-        self.args = args
-        self.tie_word_embeddings = tie_word_embeddings
+        self.args, self.tie_word_embeddings = args, tie_word_embeddings
 
     def hf_key(self, ours: str) -> Optional[str]:
         """The Hugging Face name of our key (``*`` for the experts of a stacked one), or None."""
@@ -220,7 +208,8 @@ class StateDictAdapter:
             name = match and match[2]
             if hf_key is None and name == EXPERT_BIAS:
                 if value.any():
-                    warnings.warn(f"{key} is not zero; Hugging Face {self.family}-MoE has no expert bias, it is dropped")
+                    warnings.warn(f"{key} is not zero; Hugging Face {self.family}-MoE has no expert bias, "
+                                  f"it is dropped")
             elif hf_key is None:
                 unknown.append(key)
             elif name in self.expert_keys:
@@ -232,10 +221,8 @@ class StateDictAdapter:
         if self.tie_word_embeddings:
             output = hf.pop("lm_head.weight")
             if not torch.equal(output, hf["model.embed_tokens.weight"]):
-                raise ValueError(
-                    "tie_word_embeddings=True, but output.weight differs from tok_embeddings.weight; "
-                    "save with tie_word_embeddings=False"
-                )
+                raise ValueError("tie_word_embeddings=True, but output.weight differs from tok_embeddings.weight; "
+                                 "save with tie_word_embeddings=False")
         return hf
 
     def from_hf(self, hf_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -248,7 +235,7 @@ class StateDictAdapter:
         for key, value in hf_state_dict.items():
             match = _HF_LAYER.fullmatch(key)
             layer, name = match.groups() if match else (None, key)
-            expert = _HF_EXPERT.fullmatch(name) if match else None
+            expert = _HF_EXPERT.fullmatch(name)
             if key in top:
                 sd[top[key]] = value
             elif match is None:
@@ -283,8 +270,7 @@ class StateDictAdapter:
         field = self.rope_halves[name]
         heads, head_dim = getattr(self.args, field) if field else 1, self.args.head_dim
         if w.shape[0] != heads * head_dim:
-            expected = (heads * head_dim, *w.shape[1:])
-            raise _shape_error(hf_key, ours, w.shape, expected, f"{heads} heads of head_dim {head_dim}")
+            raise _shape_error(hf_key, ours, w.shape, (heads * head_dim, *w.shape[1:]), f"{heads} heads of {head_dim}")
         per_head = (heads, -1, 2) if to_hf else (heads, 2, -1)
         return w.reshape(*per_head, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
@@ -304,7 +290,8 @@ class StateDictAdapter:
         """Raise one line naming the missing and unexpected tensors, or the first shape that differs."""
         missing, unexpected = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
         if missing or unexpected:
-            raise ValueError(f"{what}: missing keys [{self._both(missing)}]; unexpected keys [{self._both(unexpected)}]")
+            raise ValueError(f"{what}: missing keys [{self._both(missing)}]; "
+                             f"unexpected keys [{self._both(unexpected)}]")
         for name, t in expected.items():
             if got[name].shape != t.shape:
                 raise ValueError(f"{what}: {self._both([name])} has shape {tuple(got[name].shape)}, "

@@ -1,10 +1,9 @@
 """Hugging Face DeepSeek V3 checkpoints <-> our state dict.
 
-Names map one to one, except the routed experts: Hugging Face keeps one Linear per expert
-(``mlp.experts.J.{gate,up,down}_proj.weight``), we stack them (``moe.experts.w1/w3/w2``
-[E, ...]). transformers 5 holds them fused in memory (``mlp.experts.gate_up_proj``
-[E, 2 * hidden, dim], gate rows first, and ``mlp.experts.down_proj``); ``from_hf`` reads
-that layout too, ``to_hf`` writes the per-expert one of the published checkpoints.
+Names map one to one, the routed experts stacked (models/common/hf_checkpoint.py has the layouts).
+transformers 5 holds them fused in memory (``mlp.experts.gate_up_proj`` [E, 2 * hidden, dim], gate
+rows first, and ``mlp.experts.down_proj``); ``from_hf`` reads that layout too, ``to_hf`` writes the
+per-expert one of the published checkpoints.
 
 RoPE needs no permutation: DeepSeek's checkpoints rotate adjacent feature pairs, as
 models/common/rope.py does (transformers' ``rope_interleave=True``, its default, de-interleaves
@@ -45,9 +44,6 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
     }
     ignored_hf_suffixes = ("rotary_emb.inv_freq",)
     ignores_layers_past_n_layers = True
-
-    def __init__(self, args: DeepSeekV3Args):
-        super().__init__(args)
 
 
 def to_hf_config(args: DeepSeekV3Args) -> dict[str, Any]:

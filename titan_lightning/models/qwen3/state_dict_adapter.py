@@ -1,10 +1,8 @@
 """Qwen 3 <-> Hugging Face ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` state dicts.
 
-Llama's names plus QK-norm (``self_attn.q_norm``/``k_norm``) and, for MoE, the router
-(``mlp.gate``) and the per-expert ``mlp.experts.J.*_proj``, stacked here as ``moe.experts.w1/w3/w2``
-[E, ...]. The q_proj/k_proj rows and the q_norm/k_norm weights are permuted per head between the
-two RoPE layouts; ``moe.expert_bias`` has no Hugging Face counterpart (models/common/hf_checkpoint.py
-has both).
+Llama's names, QK-norm (``self_attn.q_norm``/``k_norm``, permuted per head like q_proj and k_proj:
+it runs before RoPE, feature by feature) and, for MoE, the router (``mlp.gate``) and the experts;
+``moe.expert_bias`` has no Hugging Face counterpart (models/common/hf_checkpoint.py).
 """
 
 from titan_lightning.models.common.hf_checkpoint import EXPERT_KEYS, HALF_ROTATED, LLAMA_BLOCK_KEYS, StateDictAdapter
@@ -28,7 +26,5 @@ class Qwen3StateDictAdapter(StateDictAdapter):
     def __init__(self, args: Qwen3Args, *, tie_word_embeddings: bool = False):
         super().__init__(args, tie_word_embeddings=tie_word_embeddings)
         if args.moe is not None and args.moe.num_shared_experts:
-            raise ValueError(
-                f"model.moe.num_shared_experts={args.moe.num_shared_experts}: Hugging Face Qwen3-MoE has no "
-                f"shared experts; use 0"
-            )
+            raise ValueError(f"model.moe.num_shared_experts={args.moe.num_shared_experts}: Hugging Face Qwen3-MoE "
+                             f"has no shared experts; use 0")
