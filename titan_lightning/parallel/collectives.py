@@ -1,4 +1,5 @@
-"""Collectives inside autograd, shared by context and expert parallelism.
+"""Collectives shared by context and expert parallelism; the ``*_autograd`` ones carry
+gradients (an all-gather's is reduce-scattered back, and so on).
 
 Functional collectives, looked up at call time: under the fake process group its
 deterministic versions (parallel/fake.py) take their place.
@@ -26,37 +27,30 @@ def all_to_all(x: torch.Tensor, group, output_splits=None, input_splits=None) ->
     return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), output_splits, input_splits, group))
 
 
-class AllGather(torch.autograd.Function):
-    """``all_gather``; the gradient is reduce-scattered back."""
+class _GatherScatter(torch.autograd.Function):
+    """``all_gather`` (``gather``) or ``reduce_scatter`` along ``dim``; the gradient takes the other."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
-class ReduceScatter(torch.autograd.Function):
-    """``reduce_scatter``; the gradient is all-gathered."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return reduce_scatter(x, dim, group)
+    def forward(ctx, x: torch.Tensor, dim: int, group, gather: bool) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.gather = dim, group, gather
+        return (all_gather if gather else reduce_scatter)(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
+        return (reduce_scatter if ctx.gather else all_gather)(grad, ctx.dim, ctx.group), None, None, None
 
 
-class AllToAll(torch.autograd.Function):
-    """``all_to_all``; the gradient takes the reverse exchange."""
+def all_gather_autograd(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return _GatherScatter.apply(x, dim, group, True)
 
+
+def reduce_scatter_autograd(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return _GatherScatter.apply(x, dim, group, False)
+
+
+class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group, output_splits=None, input_splits=None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group, output_splits, input_splits) -> torch.Tensor:
         ctx.group, ctx.splits = group, (output_splits, input_splits)
         return all_to_all(x, group, output_splits, input_splits)
 
@@ -64,3 +58,8 @@ class AllToAll(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         output_splits, input_splits = ctx.splits
         return all_to_all(grad, ctx.group, input_splits, output_splits), None, None, None
+
+
+def all_to_all_autograd(x: torch.Tensor, group, output_splits=None, input_splits=None) -> torch.Tensor:
+    """``all_to_all``; the gradient takes the reverse exchange."""
+    return _AllToAll.apply(x, group, output_splits, input_splits)

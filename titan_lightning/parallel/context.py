@@ -31,7 +31,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from titan_lightning.config import ConfigError
 from titan_lightning.config.job import CP_ATTENTIONS
-from titan_lightning.parallel.collectives import AllGather, AllToAll, all_to_all
+from titan_lightning.parallel.collectives import all_gather_autograd, all_to_all, all_to_all_autograd
 
 
 # -- which tokens a rank holds -------------------------------------------------------------
@@ -141,8 +141,8 @@ def _allgather_attention(q, k, v, cp: ContextParallel) -> torch.Tensor:
     order = cp.gathered_order(local, q.device)
     n_rep = q.shape[2] // k.shape[2]
     # Gather before repeating the KV heads: GQA sends n_heads / n_kv_heads times less.
-    k_all = _repeat_kv(AllGather.apply(k, 1, cp.group)[:, order], n_rep).transpose(1, 2)
-    v_all = _repeat_kv(AllGather.apply(v, 1, cp.group)[:, order], n_rep).transpose(1, 2)
+    k_all = _repeat_kv(all_gather_autograd(k, 1, cp.group)[:, order], n_rep).transpose(1, 2)
+    v_all = _repeat_kv(all_gather_autograd(v, 1, cp.group)[:, order], n_rep).transpose(1, 2)
     q = q.transpose(1, 2)
     outs = []
     for start, end, global_end in cp.runs(local, q.device):
@@ -329,7 +329,7 @@ def _to_heads(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     """[B, S_local, H, D] sequence-sharded -> [B, S, H / cp, D] head-sharded, positions sorted."""
     B, S, H, D = x.shape
     parts = x.view(B, S, cp.size, H // cp.size, D).permute(2, 0, 1, 3, 4)  # [cp, B, S_local, H/cp, D]
-    gathered = AllToAll.apply(parts, cp.group)  # chunk j: rank j's tokens, my heads
+    gathered = all_to_all_autograd(parts, cp.group)  # chunk j: rank j's tokens, my heads
     whole = gathered.permute(1, 0, 2, 3, 4).reshape(B, cp.size * S, H // cp.size, D)
     return whole[:, cp.gathered_order(S, x.device)]
 
@@ -339,7 +339,7 @@ def _to_sequence(x: torch.Tensor, cp: ContextParallel, local: int) -> torch.Tens
     B, _, h, D = x.shape
     unsorted = x[:, torch.argsort(cp.gathered_order(local, x.device))]
     parts = unsorted.view(B, cp.size, local, h, D).permute(1, 0, 2, 3, 4)  # chunk j: rank j's tokens
-    back = AllToAll.apply(parts, cp.group)  # chunk j: my tokens, rank j's heads
+    back = all_to_all_autograd(parts, cp.group)  # chunk j: my tokens, rank j's heads
     return back.permute(1, 2, 0, 3, 4).reshape(B, local, cp.size * h, D)
 
 

@@ -32,7 +32,8 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from titan_lightning.config import ConfigError
-from titan_lightning.parallel.collectives import AllGather, AllToAll, ReduceScatter, all_gather, all_to_all
+from titan_lightning.parallel.collectives import (all_gather, all_gather_autograd, all_to_all, all_to_all_autograd,
+                                                  reduce_scatter_autograd)
 
 
 @dataclass
@@ -47,12 +48,12 @@ class ExpertParallel:
         """``x`` [N, dim] sorted by global expert, ``counts`` [E] -> the experts' outputs, same order."""
         input_splits, matrix, local_counts = self.splits(counts)
         output_splits = [sum(row) for row in matrix]
-        tokens = AllToAll.apply(x, self.group, output_splits, input_splits)
+        tokens = all_to_all_autograd(x, self.group, output_splits, input_splits)
         # Arrived grouped by (source rank, local expert); the experts want (local expert, source rank).
         order = _expert_major_order(matrix, x.device)
         out = experts.compute(tokens[order], local_counts)
         back = torch.empty_like(out).index_copy_(0, order, out)
-        return AllToAll.apply(back, self.group, input_splits, output_splits)
+        return all_to_all_autograd(back, self.group, input_splits, output_splits)
 
     def splits(self, counts: torch.Tensor) -> tuple[list[int], list[list[int]], torch.Tensor]:
         """From this rank's tokens per global expert: tokens sent to each rank, the matrix
@@ -117,12 +118,12 @@ class ExpertTensorParallel:
 
     def gather(self, tokens: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor):
         """Every TP rank's routed tokens [T * tp, dim], their scores and experts (rank order)."""
-        return (AllGather.apply(tokens, 0, self.group), AllGather.apply(scores, 0, self.group),
+        return (all_gather_autograd(tokens, 0, self.group), all_gather_autograd(scores, 0, self.group),
                 all_gather(experts, 0, self.group))
 
     def scatter(self, partial: torch.Tensor) -> torch.Tensor:
         """Partial outputs of all gathered tokens -> the summed outputs of this rank's tokens."""
-        return ReduceScatter.apply(partial, 0, self.group)
+        return reduce_scatter_autograd(partial, 0, self.group)
 
 
 def apply_expert_tensor_parallel(model: nn.Module, tp_mesh) -> ExpertTensorParallel:
