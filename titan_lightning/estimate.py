@@ -3,8 +3,8 @@
 ``titan-lightning estimate --recipe MOD:FN --world_size N [--rank R] [--json]`` (see cli.py).
 
 How: the fake process group makes this process rank ``rank`` of ``world_size``; the
-strategy builds the same mesh and applies the same parallelisms as a real run
-(``TitanStrategy.parallelize``: TP, CP, EP, activation checkpointing, compile, FSDP), on
+estimate builds the same mesh and applies the same parallelisms as a real run
+(``parallel.parallelize``: PP split, TP, CP, EP, activation checkpointing, compile, FSDP), on
 fake tensors (``FakeTensorMode``: shapes, dtypes and storages, no data). Then two training
 steps run on a fake batch of the recipe's shape (``training.microbatch_size`` sequences of
 ``training.seq_len`` tokens, each CP rank keeping its slice), in the module's order: forward
@@ -57,9 +57,10 @@ lengths; the tensors torch keeps for its send/receive buffers are not counted.
 
 import json
 import weakref
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
+from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
@@ -70,14 +71,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from titan_lightning.config import ConfigError, validate_job
+from titan_lightning.config.validation import validate_estimate
 from titan_lightning.optim import build_optimizer
 from titan_lightning.parallel.fake import init_fake_process_group, memory_report
-from titan_lightning.parallel.mesh import release_dtensor_caches
+from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_caches
+from titan_lightning.parallel.parallelize import parallelize
+from titan_lightning.parallel.pipeline import PipelineSplit, describe_split, stage_autocast
 from titan_lightning.recipe import Run
-from titan_lightning.strategies.fake import FakePGStrategy
-from titan_lightning.strategies.titan import TitanStrategy
 
 GiB = 2**30
+CPU = torch.device("cpu")  # where the fake tensors live
 # The torch.compile backend the estimate compiles with, in place of the job's (see below).
 COMPILE_BACKEND = "titan_estimate"
 
@@ -129,26 +132,15 @@ def estimate(run: Run, world_size: int, rank: int = 0) -> MemoryEstimate:
     if job is None or not hasattr(module, "build_model"):
         raise ConfigError(f"estimate needs a titan_lightning model (a CausalLMModule with a job); got {type(module).__name__}")
     validate_job(job, world_size=world_size, max_steps=run.trainer.get("max_steps"))
-    p = job.parallelism
-    if p.pp > 1 and (p.tp > 1 or p.cp > 1 or p.ep > 1 or p.pp_schedule_csv is not None):
-        raise ConfigError(
-            f"parallelism.pp={p.pp} with tp={p.tp}, cp={p.cp}, ep={p.ep}"
-            f"{', pp_schedule_csv' if p.pp_schedule_csv else ''}: the estimator models pipeline stages with "
-            f"data parallelism (FSDP/HSDP/DDP) only; estimate the stages' layout with pp=1 or without the others"
-        )
+    validate_estimate(job, world_size, rank)
     if dist.is_initialized():
         raise RuntimeError("estimate() runs its own fake process group; a process group is already initialized")
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"--rank={rank} must be in [0, --world_size={world_size})")
-    strategy = _EstimateStrategy(world_size=world_size, rank=rank)
-    strategy.parallel_devices = [torch.device("cpu")]
-    strategy._lightning_module = module
     backend = job.compile.backend
     job.compile.backend = COMPILE_BACKEND
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with _value_free_model():
-            return _estimate(run, strategy, world_size, rank, fake_mode)
+            return _estimate(run, world_size, rank, fake_mode)
     except Exception as err:
         cause = _fake_cause(err)
         if cause is None:
@@ -161,44 +153,47 @@ def estimate(run: Run, world_size: int, rank: int = 0) -> MemoryEstimate:
         release_dtensor_caches()
 
 
-def _estimate(run: Run, strategy, world_size: int, rank: int, fake_mode) -> MemoryEstimate:
-    job, module = run.job, run.module
-    strategy.setup_environment()
+def _estimate(run: Run, world_size: int, rank: int, fake_mode) -> MemoryEstimate:
+    job, module, t = run.job, run.module, run.job.training
+    init_fake_process_group(rank, world_size)  # no deterministic collectives: they copy data a real run does not
+    mesh = ParallelDims.from_config(job.parallelism, world_size).build_mesh("cpu")
     with torch.device("meta"):
         module.model = module.build_model()
     # The model is sharded on the meta device (as in a real run) and materialized as fake
-    # tensors; device meshes stay real (FSDP builds some while sharding).
-    stages: list = []
-    if strategy.dims.pp_enabled:
-        # The schedule is torch's and cannot run under the fake process group: keep the rank's
-        # stage modules and run them as the schedule would (_PipelineStep).
-        strategy._build_pipeline = lambda module, config, built: stages.extend(built)
-    with _shapes_only(module, fake_mode):
-        strategy.parallelize(module)
-    t = job.training
-    if stages:
-        return _estimate_pipeline(run, strategy, world_size, rank, fake_mode, stages)
-    if strategy._cp is not None:  # CP reads its slices' positions on the host: compute them for real
-        strategy._cp.runs(t.seq_len // job.parallelism.cp, strategy.root_device)
+    # tensors, without the init (fake tensors hold no values, and some init laws read values);
+    # device meshes stay real (FSDP builds some while sharding).
+    applied = parallelize(module, mesh, job, model=module.model, tp_plan=module.tp_plan,
+                          pipeline_plan=module.pipeline_plan, ddp=False)
+    if applied.pipeline is not None and rank == 0:
+        print(f"[pipeline] {describe_split(applied.pipeline.names, job.parallelism, applied.pipeline.placement)}",
+              flush=True)
+    with fake_mode:  # as the module materializes: cast, then allocate on the device
+        module.model.to(getattr(torch, t.dtype))
+        module.model.to_empty(device=CPU)
+    if applied.pipeline is not None:
+        return _estimate_pipeline(run, mesh, applied.pipeline, world_size, rank, fake_mode)
+    cp = applied.cp
+    if cp is not None:  # CP reads its slices' positions on the host: compute them for real
+        cp.runs(t.seq_len // job.parallelism.cp, CPU)
     with fake_mode:
-        optimizer = build_optimizer(module.model.parameters(), job.optimizer, strategy.root_device)
+        optimizer = build_optimizer(module.model.parameters(), job.optimizer, CPU)
         tokens = torch.zeros(t.microbatch_size, t.seq_len, dtype=torch.long)
-        batch = strategy._shard_sequence(({"input_ids": tokens, "labels": tokens},))[0]
-        step = _TrainingStep(module, optimizer, strategy.loss_parallel_enabled)
+        batch = {key: tokens if cp is None else cp.shard(tokens) for key in ("input_ids", "labels")}
+        step = _TrainingStep(module, optimizer, applied.loss_parallel)
         step(batch)  # creates the optimizer state, compiles
         with _LiveBytes(fake_mode) as live:
             live.add_static(module, optimizer)
             step.live = live
             step(batch)
-    return _result(module, step.memory, live, strategy, world_size, rank,
+    return _result(module, step.memory, live, mesh, world_size, rank,
                    f"{t.microbatch_size} x {t.seq_len} tokens per microbatch")
 
 
-def _result(module, held: dict[str, int], live, strategy, world_size: int, rank: int, batch: str) -> MemoryEstimate:
+def _result(module, held: dict[str, int], live, mesh: Mesh, world_size: int, rank: int, batch: str) -> MemoryEstimate:
     buffers = sum(_local(b).untyped_storage().nbytes() for b in module.model.buffers())
     at_peak = held["parameters"] + held["gradients_at_peak"] + held["optimizer_state"] + buffers
     return MemoryEstimate(
-        world_size=world_size, rank=rank, layout=strategy.dims.describe(), batch=batch,
+        world_size=world_size, rank=rank, layout=mesh.dims.describe(), batch=batch,
         parameters=held["parameters"], gradients=held["gradients"], optimizer_state=held["optimizer_state"],
         buffers=buffers, activations=max(live.peak - at_peak, 0), peak=live.peak,
         gradients_at_peak=held["gradients_at_peak"],
@@ -227,28 +222,27 @@ def in_flight(schedule: str, pp_rank: int, pp: int, local: list[int], microbatch
     return [min(h, microbatches) for h in held]
 
 
-def _estimate_pipeline(run: Run, strategy, world_size: int, rank: int, fake_mode, stages: list) -> MemoryEstimate:
+def _estimate_pipeline(run: Run, mesh: Mesh, split: PipelineSplit, world_size: int, rank: int,
+                       fake_mode) -> MemoryEstimate:
     job, module = run.job, run.module
-    t, p = job.training, job.parallelism
-    names, local, _ = strategy._pipeline_layout
-    pp_rank, pp = strategy.mesh.rank_and_size("pp")
+    t, p, fsdp = job.training, job.parallelism, mesh.dims.fsdp_enabled
+    pp_rank, pp = mesh.rank_and_size("pp")
     rows = t.microbatch_size // p.pp_microbatches
-    held = in_flight(p.pp_schedule, pp_rank, pp, local, p.pp_microbatches)
-    param_dtype, _ = strategy._precision_dtypes()
+    held = in_flight(p.pp_schedule, pp_rank, pp, split.local, p.pp_microbatches)
     # What travels between stages: the residual stream, in the dtype the blocks compute in.
-    hidden = param_dtype if strategy.dims.fsdp_enabled else getattr(torch, t.dtype)
+    hidden = getattr(torch, t.mixed_precision_param if fsdp else t.dtype)
     with fake_mode:
-        optimizer = build_optimizer(module.model.parameters(), job.optimizer, strategy.root_device)
-        step = _PipelineStep(module, optimizer, stages, local, len(names), held, rows, t.seq_len,
+        optimizer = build_optimizer(module.model.parameters(), job.optimizer, CPU)
+        step = _PipelineStep(module, optimizer, split.stages, split.local, len(split.names), held, rows, t.seq_len,
                              job.model.dim, hidden)
-        with strategy._pipeline_autocast():  # what the strategy runs the schedule under
+        with stage_autocast(t, fsdp, CPU.type):  # what the strategy runs the schedule under
             step()  # creates the optimizer state, compiles
             with _LiveBytes(fake_mode) as live:
                 live.add_static(module, optimizer)
                 step.live = live
                 step()
-    placed = ", ".join(f"stage {s}: {h}" for s, h in zip(local, held))
-    return _result(module, step.memory, live, strategy, world_size, rank,
+    placed = ", ".join(f"stage {s}: {h}" for s, h in zip(split.local, held))
+    return _result(module, step.memory, live, mesh, world_size, rank,
                    f"{p.pp_schedule}, {p.pp_microbatches} microbatches of {rows} x {t.seq_len} tokens, in flight {placed}")
 
 
@@ -364,66 +358,21 @@ def _no_mask(seq_len_q: int, seq_len_kv: int) -> None:
     return None
 
 
-class _value_free_model:
+@contextmanager
+def _value_free_model():
     """While active, the pieces of the model that read tensor values compute them on the host
     under the estimate's assumptions (module docstring): balanced MoE routing, the GPU's
     grouped GEMM, no CP attention mask."""
+    from titan_lightning.models.common import moe
+    from titan_lightning.parallel import context, expert
 
-    def __enter__(self):
-        from titan_lightning.models.common import moe
-        from titan_lightning.parallel import context, expert
-
-        patches = [(torch, "bincount", _balanced_bincount), (moe, "grouped_mm_available", _grouped_mm_on_gpu),
-                   (expert.ExpertParallel, "splits", _balanced_splits),
-                   (context, "causal_lower_right", _no_mask)]
-        self._saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
-        for owner, name, value in patches:
-            setattr(owner, name, value)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for owner, name, value in self._saved:
-            setattr(owner, name, value)
-
-
-class _EstimateStrategy(FakePGStrategy):
-    """FakePGStrategy without a Trainer, for shapes rather than values: no deterministic
-    collectives (they copy data a real run does not), no seeding."""
-
-    def setup_environment(self) -> None:
-        TitanStrategy.setup_environment(self)
-
-    def _check_degrees(self, config, world_size: int) -> None:
-        TitanStrategy._check_degrees(self, config, world_size)  # pipeline stages are modeled here
-
-    def _setup_distributed(self) -> None:
-        self._process_group_backend = "fake"
-        init_fake_process_group(self._fake_rank, self.world_size)
-
-    def _set_determinism(self) -> None:
-        pass
-
-
-class _shapes_only:
-    """Materialize as the module does (cast, then allocate on the device), as fake tensors,
-    and skip the init: fake tensors hold no values, and some init laws read values."""
-
-    def __init__(self, module, fake_mode) -> None:
-        self.module, self.fake_mode = module, fake_mode
-
-    def __enter__(self):
-        module = self.module
-
-        def materialize(device: torch.device) -> None:
-            with self.fake_mode:
-                module.model.to(getattr(torch, module.job.training.dtype))
-                module.model.to_empty(device=device)
-
-        module.materialize = materialize
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.module.__dict__.pop("materialize", None)
+    with ExitStack() as patches:
+        for owner, name, value in ((torch, "bincount", _balanced_bincount),
+                                   (moe, "grouped_mm_available", _grouped_mm_on_gpu),
+                                   (expert.ExpertParallel, "splits", _balanced_splits),
+                                   (context, "causal_lower_right", _no_mask)):
+            patches.enter_context(patch.object(owner, name, value))
+        yield
 
 
 def _optimizer_step(module, optimizer, live: Optional["_LiveBytes"]) -> dict[str, int]:

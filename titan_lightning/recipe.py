@@ -317,12 +317,13 @@ def build_trainer(run: Run) -> L.Trainer:
         callbacks = _progress_bar(callbacks)
     kwargs["callbacks"] = callbacks
     trainer = L.Trainer(**kwargs)
-    if job is not None:
+    if isinstance(trainer.strategy, TitanStrategy):  # (the job with the module, once)
+        trainer.strategy.check_module(run.module, max_steps=trainer.max_steps)
+    elif job is not None:
         validate_job(job, world_size=trainer.world_size, max_steps=trainer.max_steps)
+    if job is not None:
         _validate_vocab(run, job)
         trainer.accumulate_grad_batches = gradient_accumulation_steps(job, trainer.world_size)
-    if isinstance(trainer.strategy, TitanStrategy):
-        trainer.strategy.check_module(run.module)
     return trainer
 
 

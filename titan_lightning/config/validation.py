@@ -1,18 +1,18 @@
-"""Rules that cross config sections. Single-field rules live in each class's __post_init__.
+"""Every rule a run's configuration must pass. Single-field rules live in each class's __post_init__.
 
-``validate_job`` runs when a whole run is assembled, before any process is spawned.
+These run once per launch, before any process is spawned: ``validate_job`` when a run is
+assembled (the strategy's ``check_module``), ``validate_degrees`` for a strategy's own degrees
+(Trainer construction), ``validate_strategy`` and ``validate_plans`` once the module is known.
 Every message names the fields, their values and what would be valid.
 """
-
-from typing import Optional
 
 import csv
 import os
 import re
 import warnings
+from typing import Optional, Sequence
 
 from titan_lightning.config.job import CP_ATTENTIONS, JobConfig
-
 from titan_lightning.config.parallelism import LOOPED_PP_SCHEDULES, V_PP_SCHEDULES, ParallelismConfig
 
 
@@ -20,24 +20,23 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message is one line."""
 
 
-def validate_job(job: JobConfig, *, world_size: int, max_steps: Optional[int] = None) -> None:
+def validate_job(job: JobConfig, *, world_size: int, max_steps: Optional[int] = None, fake_pg: bool = False) -> None:
     # Recipes derive runs by assigning fields, which skips __post_init__: run it again.
     for section in (job.model, job.training, job.parallelism, job.optimizer, job.lr_schedule, job.data,
                     job.activation_checkpoint, job.checkpoint, job.compile, job.profiling):
         section.__post_init__()
-    validate_parallelism(job, world_size)
+    validate_degrees(job.parallelism, world_size, fake_pg=fake_pg)
     validate_model_parallelism(job)
     validate_batch(job, world_size)
     if max_steps is not None:
         validate_schedule(job, max_steps)
 
 
-def validate_parallelism(job: JobConfig, world_size: int) -> None:
-    validate_degrees(job.parallelism, world_size)
-
-
-def validate_degrees(p: ParallelismConfig, world_size: int) -> None:
-    """Degrees against the world size; needs nothing but the parallelism section."""
+def validate_degrees(p: ParallelismConfig, world_size: int, *, fake_pg: bool = False) -> None:
+    """Degrees against the world size (under the fake process group with ``fake_pg``); needs
+    nothing but the parallelism section."""
+    if fake_pg and p.pp > 1:
+        raise ConfigError(f"parallelism.pp={p.pp}: pipeline parallelism cannot run under the fake process group")
     fixed = p.fixed_degrees
     if p.dp_shard == -1:
         if world_size % fixed:
@@ -279,3 +278,75 @@ def validate_schedule(job: JobConfig, max_steps: int) -> None:
     """The schedule is defined in steps; a too-long warmup is shortened (see optim.wsd_lambda)."""
     if max_steps < 1:
         raise ConfigError(f"trainer.max_steps={max_steps} must be >= 1")
+
+
+def validate_estimate(job: JobConfig, world_size: int, rank: int) -> None:
+    """What the memory estimator models: pipeline stages with data parallelism only."""
+    p = job.parallelism
+    if p.pp > 1 and (p.tp > 1 or p.cp > 1 or p.ep > 1 or p.pp_schedule_csv is not None):
+        raise ConfigError(
+            f"parallelism.pp={p.pp} with tp={p.tp}, cp={p.cp}, ep={p.ep}"
+            f"{', pp_schedule_csv' if p.pp_schedule_csv else ''}: the estimator models pipeline stages with "
+            f"data parallelism (FSDP/HSDP/DDP) only; estimate the stages' layout with pp=1 or without the others"
+        )
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"--rank={rank} must be in [0, --world_size={world_size})")
+
+
+# -- a strategy and the module it runs --------------------------------------------------------
+
+
+def validate_lightning_sizes(strategy: str, data_parallel, tensor_parallel, dp: int, tp: int, world_size: int) -> None:
+    """ModelParallelStrategy's ``data_parallel_size`` and ``tensor_parallel_size`` (``dp``, ``tp``
+    once "auto" is resolved) cover the world."""
+    if dp * tp != world_size:
+        raise ConfigError(
+            f"{strategy}(data_parallel_size={data_parallel!r}, tensor_parallel_size={tensor_parallel!r}): "
+            f"{dp} * {tp} = {dp * tp} must equal the world size {world_size} (num_nodes * devices)"
+        )
+
+
+def validate_strategy(strategy: str, scope: Sequence[str], p: ParallelismConfig,
+                      given: Optional[ParallelismConfig] = None) -> None:
+    """A strategy applies every degree of ``p`` above 1 (``scope``: those it applies); degrees it
+    was ``given`` besides a module's job agree with the job's, ``p``."""
+    # A default-constructed config is what class-path parsers pass for "not given".
+    if given is not None and given != ParallelismConfig() and given != p:
+        raise ConfigError(
+            f"{strategy} was given degrees {given} but the module's job.parallelism is {p}; "
+            f"set the degrees in one place (the job)"
+        )
+    for name in ("dp_replicate", "tp", "cp", "pp", "ep"):
+        if name not in scope and getattr(p, name) > 1:
+            raise ConfigError(f"{strategy} does not apply parallelism.{name}={getattr(p, name)}; "
+                              f"use TitanStrategy to combine parallelisms")
+
+
+def validate_tp_plan(module: str, p: ParallelismConfig, world_size: int, plan: Optional[dict], fused: str) -> None:
+    """A module under TP declares a plan, and FSDP composes with it: no ``fused`` style entries."""
+    if not plan:
+        raise ConfigError(
+            f"parallelism.tp={p.tp} needs a tensor-parallel plan, and {module} declares none: give it a `tp_plan` "
+            f"attribute mapping module names (relative to the LightningModule, '*' for layer indices) to styles "
+            f"such as 'colwise' and 'rowwise' (see titan_lightning/parallel/tensor.py)"
+        )
+    entries = sorted(name for name, style in plan.items() if str(style).startswith(fused))
+    shards = p.resolved_dp_shard(world_size) * p.cp
+    if entries and shards > 1:
+        # FSDP over a _StridedShard computes its split as if TP's shard were one block: training is
+        # right, but the placements no longer say which rows a rank holds (checkpoints would store
+        # them out of order).
+        raise ConfigError(
+            f"tp_plan entries {entries} ({fused}) do not compose with FSDP (parallelism.dp_shard*cp={shards}): "
+            f"with data parallelism, store the projection's rows per head group ([q_g; k_g; v_g] for each group g, "
+            f"as LitGPT) and use 'colwise'"
+        )
+
+
+def validate_pipeline_plan(module: str, p: ParallelismConfig, plan) -> None:
+    if p.pp > 1 and plan is None:
+        raise ConfigError(
+            f"parallelism.pp={p.pp} needs a pipeline plan, and {module} declares none: give it a "
+            f"`pipeline_plan = PipelinePlan(model=..., layers=..., first=..., last=...)` attribute "
+            f"(see titan_lightning/parallel/pipeline.py)"
+        )

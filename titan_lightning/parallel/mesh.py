@@ -25,8 +25,7 @@ from typing import Optional
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titan_lightning.config import ConfigError, ParallelismConfig
-from titan_lightning.config.validation import validate_degrees
+from titan_lightning.config import ParallelismConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FLATTENED = {
@@ -43,7 +42,8 @@ LIGHTNING_NAMES = {"data_parallel": ("dp_replicate", "dp_shard"), "tensor_parall
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved degrees of one run (dp_shard=-1 already replaced), validated on creation."""
+    """Resolved degrees of one run (dp_shard=-1 already replaced); ``from_config`` takes a
+    config that config/validation.py validated."""
 
     dp_replicate: int
     dp_shard: int
@@ -55,24 +55,8 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, config: ParallelismConfig, world_size: int) -> "ParallelDims":
-        validate_degrees(config, world_size)
-        return cls(
-            dp_replicate=config.dp_replicate,
-            dp_shard=config.resolved_dp_shard(world_size),
-            cp=config.cp,
-            tp=config.tp,
-            pp=config.pp,
-            ep=config.ep,
-            world_size=world_size,
-        )
-
-    def __post_init__(self) -> None:
-        product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
-        if product != self.world_size:
-            raise ConfigError(
-                f"pp*dp_replicate*dp_shard*cp*tp = {self.pp}*{self.dp_replicate}*{self.dp_shard}*{self.cp}*{self.tp}"
-                f" = {product} must equal the world size {self.world_size}"
-            )
+        return cls(dp_replicate=config.dp_replicate, dp_shard=config.resolved_dp_shard(world_size), cp=config.cp,
+                   tp=config.tp, pp=config.pp, ep=config.ep, world_size=world_size)
 
     def degree(self, dim: str) -> int:
         return getattr(self, dim)
@@ -174,6 +158,13 @@ class Mesh:
             return None
         # One enabled dim is that dim's mesh; several were flattened under `name` by build_mesh.
         return self._views[present[0] if len(present) == 1 else name]
+
+    def fsdp_mesh(self) -> Optional[DeviceMesh]:
+        """The mesh FSDP shards over: dp_shard x cp, or for HSDP (dp_replicate, dp_shard x cp)."""
+        if not self.dims.dp_replicate_enabled:
+            return self.get("dp_shard_cp")
+        shard = [d for d in ("dp_shard", "cp") if self.dims.degree(d) > 1]
+        return self.device_mesh["dp_replicate", "dp_shard_cp" if len(shard) == 2 else shard[0]]
 
     def expert_fsdp_mesh(self) -> Optional[DeviceMesh]:
         """The mesh routed experts are FSDP-sharded over: (dp_replicate, efsdp) or (efsdp,)."""

@@ -14,13 +14,15 @@ values averaged over microbatches): ``titan_lightning/strategies/pipeline.py``.
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import torch
 from torch import nn
 
-from titan_lightning.config import ConfigError
-
+from titan_lightning.config import ConfigError, ParallelismConfig, TrainingConfig
+from titan_lightning.config.parallelism import V_PP_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,44 @@ def split_model(model: nn.Module, plan: PipelinePlan, all_stages: list[list[str]
     return [_view(model, plan, set(all_stages[s])) for s in local]
 
 
+@dataclass
+class PipelineSplit:
+    """One pipeline rank's share: its stage modules (``local`` stage ids, in order), every
+    stage's module names, and the placement (``loop`` or ``v``)."""
+
+    stages: list[nn.Module]
+    names: list[list[str]]
+    local: list[int]
+    placement: str
+
+
+def split_pipeline(module: nn.Module, plan: PipelinePlan, p: ParallelismConfig, pp_rank: int) -> PipelineSplit:
+    """Cut ``module``'s model into ``p.num_stages`` stages (``p.pp_stage_modules``, else balanced
+    by layers) and keep pipeline rank ``pp_rank``'s (see ``split_model``)."""
+    model = getattr(module, plan.model, None)
+    if model is None:
+        raise ConfigError(f"pipeline plan: {type(module).__name__}.{plan.model} is None; build the model first")
+    keys = list(_layers(model, plan).keys())
+    if p.pp_stage_modules is not None:
+        names = [list(stage) for stage in p.pp_stage_modules]
+        check_stage_modules(plan, keys, names, p.num_stages)
+    else:
+        split = split_layers(len(keys), p.num_stages, first_weight=p.pp_first_stage_weight,
+                             last_weight=p.pp_last_stage_weight)
+        names = stage_module_names(plan, keys, split)
+    placement = "v" if p.pp_schedule in V_PP_SCHEDULES else "loop"
+    local = stage_ids(pp_rank, p.pp, p.stages_per_rank, placement)
+    return PipelineSplit(split_model(model, plan, names, local), names, local, placement)
+
+
+def stage_autocast(training: TrainingConfig | None, fsdp: bool, device_type: str):
+    """bf16 autocast over fp32 parameters without FSDP, as CausalLMModule.forward does on one
+    device: the schedule calls the stage modules directly, bypassing the module's forward."""
+    if training is None or fsdp or (training.dtype, training.mixed_precision_param) != ("float32", "bfloat16"):
+        return nullcontext()
+    return torch.autocast(device_type, dtype=torch.bfloat16)
+
+
 def describe_split(stages: list[list[str]], config: Any, placement: str) -> str:
     """One line: schedule, stages, placement, microbatches and each stage's modules."""
     parts = []
@@ -211,14 +251,3 @@ def describe_split(stages: list[list[str]], config: Any, placement: str) -> str:
     return (f"{name}, {len(stages)} stages ({config.stages_per_rank} per rank, {placement}), "
             f"{config.pp_microbatches} microbatches; stage " + "; ".join(parts))
 
-
-__all__ = [
-    "PipelinePlan",
-    "check_stage_modules",
-    "describe_split",
-    "split_layers",
-    "split_model",
-    "stage_ids",
-    "stage_module_names",
-    "stage_rank",
-]

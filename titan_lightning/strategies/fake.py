@@ -6,7 +6,7 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-from titan_lightning.config import ConfigError, ParallelismConfig
+from titan_lightning.config import ConfigError
 from titan_lightning.parallel.fake import deterministic_collectives, init_fake_process_group, memory_report
 from titan_lightning.strategies.titan import TitanStrategy
 
@@ -23,6 +23,10 @@ class FakePGStrategy(TitanStrategy):
     """
 
     strategy_name = "fake_pg"
+    # No pipeline (torch's schedules cannot run on fake collectives) and no DDP: it only
+    # all-reduces gradients, which moves no data here, and its C++ reducer rejects the fake
+    # group's empty futures (parameters stay replicated as under DDP).
+    fake_pg = True
 
     def __init__(self, world_size: Optional[int] = None, rank: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -57,14 +61,8 @@ class FakePGStrategy(TitanStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self._fake_rank
 
     def _configure_launcher(self) -> None:
-        if self._parallelism is not None:
-            self._check_degrees(self._parallelism, self.world_size)
+        self._check_own_degrees(self.world_size)
         self._launcher = None  # one process, whatever the simulated world size
-
-    def _check_degrees(self, config: ParallelismConfig, world_size: int) -> None:
-        if config.pp > 1:
-            raise ConfigError(f"parallelism.pp={config.pp}: pipeline parallelism cannot run under the fake process group")
-        super()._check_degrees(config, world_size)
 
     def _setup_distributed(self) -> None:
         self.accelerator.setup_device(self.root_device)
@@ -89,11 +87,6 @@ class FakePGStrategy(TitanStrategy):
                 "set trainer.enable_checkpointing=False"
             )
         super().setup_environment()
-
-    def _apply_ddp(self, module) -> None:
-        # DDP only all-reduces gradients, which moves no data here (and its C++ reducer
-        # rejects the fake group's empty futures): parameters stay replicated as under DDP.
-        pass
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)

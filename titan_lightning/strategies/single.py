@@ -24,9 +24,10 @@ class FSDP2Strategy(TitanStrategy):
 
 
 class _OneDegreeStrategy(TitanStrategy):
-    """A strategy of one degree (``_degree``) that takes every rank unless given; dp_shard=1."""
+    """A strategy of one degree (``_degree``) that takes every rank unless given; dp_shard=``_dp_shard``."""
 
     _degree: str
+    _dp_shard = 1
 
     def __init__(self, options: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -37,7 +38,7 @@ class _OneDegreeStrategy(TitanStrategy):
     def default_parallelism(self) -> ParallelismConfig:
         options = dict(self._options)
         options[self._degree] = options[self._degree] or self.num_nodes * max(self.num_processes, 1)
-        return ParallelismConfig(dp_shard=1, **options)
+        return ParallelismConfig(dp_shard=self._dp_shard, **options)
 
 
 class TensorParallelStrategy(_OneDegreeStrategy):
@@ -69,7 +70,7 @@ class ContextParallelStrategy(_OneDegreeStrategy):
         super().__init__(dict(cp=cp, cp_load_balancer=cp_load_balancer), **kwargs)
 
 
-class ExpertParallelStrategy(TitanStrategy):
+class ExpertParallelStrategy(_OneDegreeStrategy):
     """Expert parallel over ``ep`` ranks (every rank by default) on top of FSDP over every rank:
     the dense layers are FSDP-sharded as usual; each MoE layer's routed experts are split
     ``ep`` ways and FSDP-sharded over the remaining ``world / ep`` ranks, and tokens reach
@@ -78,15 +79,11 @@ class ExpertParallelStrategy(TitanStrategy):
 
     strategy_name = "expert_parallel"
     scope = ("dp_shard", "ep")
+    _degree = "ep"
+    _dp_shard = -1  # the dense layers: FSDP over every rank
 
     def __init__(self, *, ep: Optional[int] = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._ep = ep
-        if ep is not None:
-            self._parallelism = self.default_parallelism()
-
-    def default_parallelism(self) -> ParallelismConfig:
-        return ParallelismConfig(ep=self._ep or self.num_nodes * max(self.num_processes, 1))
+        super().__init__(dict(ep=ep), **kwargs)
 
 
 class PipelineParallelStrategy(_OneDegreeStrategy):

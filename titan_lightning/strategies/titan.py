@@ -1,11 +1,9 @@
 """TitanStrategy: N-D parallelism (FSDP2/HSDP/DDP, TP, CP, PP, EP) as one Lightning strategy.
 
-The strategy owns the device mesh and applies each parallelism to the module in a fixed
-order: the pipeline split first (each rank keeps its stages), then TP, the CP and EP
-slots, activation checkpointing and compile, then FSDP (or DDP, per stage under PP); then
-it materializes the meta-device model with its deterministic init. The LightningModule's
-code is the same on every layout; under PP the strategy runs the schedule (see
-titan_lightning/parallel/pipeline.py).
+The strategy owns the device mesh, applies the parallelisms in their fixed order
+(titan_lightning/parallel/parallelize.py), then materializes the meta-device model with its
+deterministic init. The LightningModule's code is the same on every layout; under PP the
+strategy runs the schedule (see titan_lightning/strategies/pipeline.py).
 
 Degrees come from the module's ``job.parallelism`` when it has one (every titan_lightning
 model does), else from the strategy's own arguments: ``TitanStrategy(dp_shard=2, tp=2)``.
@@ -36,31 +34,24 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_lightning import checkpoint as ckpt
 from titan_lightning.checkpoint import CheckpointError
-from titan_lightning.config import ConfigError, ParallelismConfig
-from titan_lightning.config.parallelism import V_PP_SCHEDULES
-from titan_lightning.config.validation import validate_degrees
-from titan_lightning.parallel.activation_checkpoint import apply_activation_checkpointing
-from titan_lightning.parallel.compile import compile_blocks
-from titan_lightning.parallel.context import apply_context_parallel
+from titan_lightning.config import JobConfig, ParallelismConfig, TrainingConfig, validate_job
+from titan_lightning.config.training import DTYPES
+from titan_lightning.config.validation import (
+    validate_degrees,
+    validate_lightning_sizes,
+    validate_pipeline_plan,
+    validate_strategy,
+    validate_tp_plan,
+)
 from titan_lightning.parallel.determinism import set_determinism
-from titan_lightning.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel, grouped_experts
-from titan_lightning.parallel.fsdp import apply_ddp, apply_fsdp, find_repeated_blocks, model_blocks
+from titan_lightning.parallel.fsdp import find_repeated_blocks
 from titan_lightning.parallel.grad_norm import clip_grad_norm_
 from titan_lightning.parallel.heartbeat import Heartbeat, output_target
 from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_caches
-from titan_lightning.parallel.pipeline import (
-    PipelinePlan,
-    check_stage_modules,
-    describe_split,
-    split_layers,
-    split_model,
-    stage_ids,
-    stage_module_names,
-)
-from titan_lightning.parallel.tensor import FUSED, apply_tp, check_tp_plan
+from titan_lightning.parallel.parallelize import Parallelized, parallelize
+from titan_lightning.parallel.pipeline import describe_split, stage_autocast
+from titan_lightning.parallel.tensor import FUSED, check_tp_plan
 from titan_lightning.strategies.pipeline import PipelineRunner, average_records, patched, record_logs, replay_records
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _accumulating(trainer: L.Trainer, batch_idx: Optional[int]) -> bool:
@@ -240,13 +231,15 @@ class TitanStrategy(ModelParallelStrategy):
                     raise ValueError(f"{type(self).__name__}({name}={size!r}): expected a positive int or 'auto'")
             self._lightning_sizes = (data_parallel_size or "auto", tensor_parallel_size or "auto")
         for name, value in (("mixed_precision_param", mixed_precision_param), ("mixed_precision_reduce", mixed_precision_reduce)):
-            if value not in _DTYPES:
-                raise ValueError(f"TitanStrategy({name}={value!r}): expected one of {', '.join(_DTYPES)}")
+            if value not in DTYPES:
+                raise ValueError(f"TitanStrategy({name}={value!r}): expected one of {', '.join(DTYPES)}")
         self._parallelism = parallelism if parallelism is not None else (ParallelismConfig(**degrees) if degrees else None)
         self._mixed_precision = (mixed_precision_param, mixed_precision_reduce)
         self.dims: Optional[ParallelDims] = None
         self.mesh: Optional[Mesh] = None
         self.pipeline: Optional[PipelineRunner] = None
+        self._applied = Parallelized()  # what parallelize applied (the CP handle, FSDP roots, ...)
+        self._checked = None  # the module check_module validated
         self._sync_last_roots: list = []
         # What training_step logged in the microbatches of the optimizer step so far.
         self._window: list = []
@@ -257,96 +250,75 @@ class TitanStrategy(ModelParallelStrategy):
 
     # Degrees this strategy applies; the single-parallelism strategies narrow it.
     scope = ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
+    # Under the fake process group: no pipeline parallelism, no DDP (parallelize's ddp=False).
+    fake_pg = False
 
     def parallelism(self, module: Optional[L.LightningModule] = None) -> ParallelismConfig:
         """The degrees in force: the module's job if it has one, else the strategy's own."""
-        module = module if module is not None else self.lightning_module
-        job = getattr(module, "job", None)
+        job = getattr(module if module is not None else self.lightning_module, "job", None)
         if job is not None:
-            # A default-constructed config is what class-path parsers pass for "not given".
-            explicit = self._parallelism is not None and self._parallelism != ParallelismConfig()
-            if explicit and self._parallelism != job.parallelism:
-                raise ConfigError(
-                    f"{type(self).__name__} was given degrees {self._parallelism} but the module's "
-                    f"job.parallelism is {job.parallelism}; set the degrees in one place (the job)"
-                )
-            config = job.parallelism
-        else:
-            config = self._parallelism if self._parallelism is not None else self.default_parallelism()
-        for name in ("dp_replicate", "tp", "cp", "pp", "ep"):
-            if name not in self.scope and getattr(config, name) > 1:
-                raise ConfigError(
-                    f"{type(self).__name__} does not apply parallelism.{name}={getattr(config, name)}; "
-                    f"use TitanStrategy to combine parallelisms"
-                )
-        return config
+            return job.parallelism
+        return self._parallelism if self._parallelism is not None else self.default_parallelism()
 
     def default_parallelism(self) -> ParallelismConfig:
         """Degrees without a job or explicit ones: FSDP over every rank."""
         return ParallelismConfig()
 
-    def _precision_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
-        job = getattr(self.lightning_module, "job", None)
-        names = (job.training.mixed_precision_param, job.training.mixed_precision_reduce) if job else self._mixed_precision
-        return _DTYPES[names[0]], _DTYPES[names[1]]
+    def _job(self, module: L.LightningModule) -> JobConfig:
+        """The module's job; for a module without one, the strategy's degrees and precision."""
+        job = getattr(module, "job", None)
+        if job is not None:
+            return job
+        param, reduce = self._mixed_precision
+        return JobConfig(parallelism=self.parallelism(module),
+                         training=TrainingConfig(mixed_precision_param=param, mixed_precision_reduce=reduce))
 
     def _configure_launcher(self) -> None:
-        # Runs in Trainer.__init__, before any process is spawned: reject bad degrees now.
-        # (A module's job is validated by build_trainer; the module is not attached yet.)
-        if self._lightning_sizes is not None:
-            self._parallelism = self._resolve_lightning_sizes(*self._lightning_sizes)
-        config = self._parallelism if self._parallelism is not None else self.default_parallelism()
-        self._check_degrees(config, self.num_nodes * self.num_processes)
+        self._check_own_degrees(self.num_nodes * self.num_processes)
         super()._configure_launcher()
         if isinstance(self._launcher, _SubprocessScriptLauncher):
             self._launcher = _Launcher(self.cluster_environment, self.num_processes, self.num_nodes)
 
-    def _resolve_lightning_sizes(self, data_parallel: Union[str, int], tensor_parallel: Union[str, int]) -> ParallelismConfig:
-        """ModelParallelStrategy's sizes as degrees: "auto" is the number of nodes (data parallel)
-        and the devices of one node (tensor parallel), as there."""
-        dp = self.num_nodes if data_parallel == "auto" else data_parallel
-        tp = self.num_processes if tensor_parallel == "auto" else tensor_parallel
-        world = self.num_nodes * self.num_processes
-        if dp * tp != world:
-            raise ConfigError(
-                f"{type(self).__name__}(data_parallel_size={data_parallel!r}, tensor_parallel_size={tensor_parallel!r}): "
-                f"{dp} * {tp} = {dp * tp} must equal the world size {world} (num_nodes * devices)"
-            )
-        self._data_parallel_size, self._tensor_parallel_size = dp, tp
-        return ParallelismConfig(dp_shard=dp, tp=tp)
+    def _check_own_degrees(self, world_size: int) -> None:
+        """In Trainer.__init__, before any process is spawned: the strategy's own degrees (a module's
+        job is validated with the module, by check_module)."""
+        if self._lightning_sizes is not None:
+            data_parallel, tensor_parallel = self._lightning_sizes
+            # "auto" is the number of nodes (data parallel) and the devices of one node (tensor parallel).
+            dp = self.num_nodes if data_parallel == "auto" else data_parallel
+            tp = self.num_processes if tensor_parallel == "auto" else tensor_parallel
+            validate_lightning_sizes(type(self).__name__, data_parallel, tensor_parallel, dp, tp, world_size)
+            self._data_parallel_size, self._tensor_parallel_size = dp, tp
+            self._parallelism = ParallelismConfig(dp_shard=dp, tp=tp)
+        own = self._parallelism if self._parallelism is not None else self.default_parallelism()
+        if own != ParallelismConfig():  # (the defaults, FSDP over every rank, fit any world)
+            validate_degrees(own, world_size, fake_pg=self.fake_pg)
 
-    def check_module(self, module: L.LightningModule) -> None:
-        """Everything that can be checked before launch once the module is known: the degrees,
-        and the plans the module must declare for them."""
-        config = self.parallelism(module)
-        self._check_degrees(config, self.world_size)
+    def check_module(self, module: L.LightningModule, max_steps: Optional[int] = None) -> None:
+        """Everything checked before launch once the module is known, once: its job
+        (``validate_job``, the schedule too given ``max_steps``), the strategy's degrees against
+        it, and the plans the module must declare for them. ``build_trainer`` calls it; for a
+        Trainer built by hand, ``setup_environment`` does."""
+        if module is self._checked:
+            return
+        config, job, name = self.parallelism(module), getattr(module, "job", None), type(module).__name__
+        if job is not None:
+            validate_job(job, world_size=self.world_size, max_steps=max_steps, fake_pg=self.fake_pg)
+        validate_strategy(type(self).__name__, self.scope, config, self._parallelism if job is not None else None)
         if config.tp > 1 and not _parallelizes_itself(module):
-            plan = self._tp_plan(module, config.tp)
+            plan = getattr(module, "tp_plan", None)
+            validate_tp_plan(name, config, self.world_size, plan, FUSED)
             if not hasattr(module, "materialize"):  # a user's module: its network exists already
                 check_tp_plan(module, plan, config.tp, sequence_parallel=config.sequence_parallel)
-            fused = sorted(name for name, style in plan.items() if str(style).startswith(FUSED))
-            if fused and config.resolved_dp_shard(self.world_size) * config.cp > 1:
-                # FSDP over a _StridedShard computes its split as if TP's shard were one block: training
-                # is right, but the placements no longer say which rows a rank holds (checkpoints would
-                # store them out of order).
-                raise ConfigError(
-                    f"tp_plan entries {fused} ({FUSED}) do not compose with FSDP (parallelism.dp_shard*cp="
-                    f"{config.resolved_dp_shard(self.world_size) * config.cp}): with data parallelism, store the "
-                    f"projection's rows per head group ([q_g; k_g; v_g] for each group g, as LitGPT) and use 'colwise'"
-                )
-        if config.pp > 1:
-            self._pipeline_plan(module, config.pp)
-
-    def _check_degrees(self, config: ParallelismConfig, world_size: int) -> None:
-        validate_degrees(config, world_size)
+        validate_pipeline_plan(name, config, getattr(module, "pipeline_plan", None))
+        self._checked = module
 
     # -- process groups and mesh -----------------------------------------------------------
 
     def setup_environment(self) -> None:
+        self.check_module(self.lightning_module)  # (done already when build_trainer built the Trainer)
         self._setup_distributed()
-        config = self.parallelism()
-        self._check_degrees(config, self.world_size)
-        self.dims = ParallelDims.from_config(config, self.world_size)
+        self.dims = ParallelDims.from_config(self.parallelism(), self.world_size)
         self.mesh = self.dims.build_mesh(self.root_device.type)
         self._device_mesh = self.mesh.device_mesh
         self._checkpoint_writer = ckpt.CheckpointWriter(ckpt.checkpoint_group())
@@ -388,59 +360,39 @@ class TitanStrategy(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def parallelize(self, module: L.LightningModule) -> None:
-        """PP split -> TP -> (CP, EP slots) -> (AC, compile) -> FSDP/DDP -> materialize, in this order."""
-        self.check_module(module)  # (again: a Trainer built by hand skipped build_trainer's call)
+        """parallel.parallelize (PP split, TP, CP, EP, AC, compile, FSDP/DDP), then materialize."""
         dims, config = self.dims, self.parallelism(module)
         inner = getattr(module, "model", None) if hasattr(module, "materialize") else None
         # What the module's own configure_model already applied (code written for Lightning's
         # ModelParallelStrategy does its TP and FSDP there) stays as the user made it.
-        self._user_applied = user_fsdp, user_tp = _applied_by_user(module)
-        stages = self._split_pipeline(module, config) if dims.pp_enabled else None
-        if dims.tp_enabled and not user_tp:
-            apply_tp(module, self.mesh.get("tp"), self._tp_plan(module, dims.tp),
-                     sequence_parallel=config.sequence_parallel, loss_parallel=config.loss_parallel)
-        target = inner if inner is not None else module
-        self._cp = None
-        if dims.cp > 1:
-            self._cp = apply_context_parallel(target, self.mesh.get("cp"), config.cp_load_balancer)
-        if dims.ep_enabled:  # (EP over DDP is refused by validate_degrees)
-            apply_expert_parallel(target, self.mesh.get("ep"))
-        elif dims.tp_enabled and grouped_experts(target):
-            apply_expert_tensor_parallel(target, self.mesh.get("tp"))
+        user_fsdp, user_tp = _applied_by_user(module)
+        plan = getattr(module, "tp_plan", None)
+        if dims.tp_enabled and not user_tp and _parallelizes_itself(module):  # (check_module left TP to it)
+            validate_tp_plan(type(module).__name__, config, self.world_size, plan, FUSED)
         blocks = None if inner is not None else find_repeated_blocks(module)
-        ac = getattr(getattr(module, "job", None), "activation_checkpoint", None)
-        if ac is not None and ac.mode != "none":
-            apply_activation_checkpointing(model_blocks(target) if blocks is None else blocks, ac.mode,
-                                           ac.selective_ac_option)
-        compile_config = getattr(getattr(module, "job", None), "compile", None)
-        if compile_config is not None and compile_config.enable and "model" in compile_config.components:
-            compile_blocks(model_blocks(target) if blocks is None else blocks, backend=compile_config.backend,
-                           fullgraph=compile_config.fullgraph, per_child=dims.tp_enabled)
-        param_dtype, reduce_dtype = self._precision_dtypes()
-        # Under PP each stage is sharded on its own: the stage is FSDP's root, as the schedule expects.
-        roots = [(target, blocks)] if stages is None else [(stage, model_blocks(stage)) for stage in stages]
+        self._applied = applied = parallelize(
+            module, self.mesh, self._job(module), model=inner, tp_plan=None if user_tp else plan, blocks=blocks,
+            pipeline_plan=getattr(module, "pipeline_plan", None), fsdp=not user_fsdp, ddp=not self.fake_pg)
+        split = applied.pipeline
+        if split is not None and self.global_rank == 0:
+            print(f"[pipeline] {describe_split(split.names, config, split.placement)}", flush=True)
         # Roots whose gradient sync follows the accumulation window (under PP the schedule does it).
-        sync_last = config.fsdp_sync_last_microbatch_only and dims.fsdp_enabled and stages is None and not user_fsdp
-        self._sync_last_roots = [root for root, _ in roots] if sync_last else []
+        self._sync_last_roots = applied.fsdp_roots if config.fsdp_sync_last_microbatch_only and split is None else []
         # The LightningModule itself as FSDP's (or DDP's) root: see _call_step.
-        self._module_is_root = target is module and stages is None and not user_fsdp and (
+        self._module_is_root = inner is None and split is None and not user_fsdp and (
             dims.fsdp_enabled or dims.dp_replicate_enabled)
-        if user_fsdp:
-            pass
-        elif dims.fsdp_enabled:
-            for root, root_blocks in roots:
-                apply_fsdp(root, self._fsdp_mesh(), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                           reshard_after_forward=config.fsdp_reshard_after_forward,
-                           cpu_offload=config.fsdp_cpu_offload, blocks=root_blocks,
-                           expert_mesh=self.mesh.expert_fsdp_mesh() if dims.ep_enabled else None)
-        elif dims.dp_replicate_enabled:  # (PP over DDP is refused by validate_degrees)
-            self._apply_ddp(target)
         if inner is not None:
             module.materialize(self.root_device)
         else:
             _materialize_distributed_module(module, self.root_device)
-        if stages is not None:
-            self._build_pipeline(module, config, stages)
+        if split is not None:
+            stage_mesh = self.mesh.get("stage")
+            self.pipeline = PipelineRunner(
+                module, module.pipeline_plan, split.stages, split.local, len(split.names), self.mesh.get("pp"),
+                self.root_device, schedule=config.pp_schedule, microbatches=config.pp_microbatches,
+                placement=split.placement, schedule_csv=config.pp_schedule_csv,
+                stage_group=None if stage_mesh is None else stage_mesh.get_group(),
+            )
 
     def _clip_across_stages(self) -> None:
         """Lightning's ``gradient_clip_val`` clips by the norm of this rank's gradients only; under
@@ -452,87 +404,18 @@ class TitanStrategy(ModelParallelStrategy):
 
         plugin.clip_grad_by_norm = clip_grad_by_norm
 
-    @staticmethod
-    def _tp_plan(module: L.LightningModule, tp: int) -> dict[str, str]:
-        plan = getattr(module, "tp_plan", None)
-        if not plan:
-            raise ConfigError(
-                f"parallelism.tp={tp} needs a tensor-parallel plan, and {type(module).__name__} declares "
-                f"none: give it a `tp_plan` attribute mapping module names (relative to the LightningModule, "
-                f"'*' for layer indices) to styles such as 'colwise' and 'rowwise' (see titan_lightning/parallel/tensor.py)"
-            )
-        return plan
-
-    @staticmethod
-    def _pipeline_plan(module: L.LightningModule, pp: int) -> PipelinePlan:
-        plan = getattr(module, "pipeline_plan", None)
-        if plan is None:
-            raise ConfigError(
-                f"parallelism.pp={pp} needs a pipeline plan, and {type(module).__name__} declares none: "
-                f"give it a `pipeline_plan = PipelinePlan(model=..., layers=..., first=..., last=...)` attribute "
-                f"(see titan_lightning/parallel/pipeline.py)"
-            )
-        return plan
-
-    def _split_pipeline(self, module: L.LightningModule, config: ParallelismConfig) -> list[torch.nn.Module]:
-        """Cut the module's model into stages and keep this rank's (views of the trimmed model)."""
-        plan = self._pipeline_plan(module, self.dims.pp)
-        model = getattr(module, plan.model, None)
-        if model is None:
-            raise ConfigError(f"pipeline plan: {type(module).__name__}.{plan.model} is None; build the model first")
-        layers = getattr(model, plan.layers, None)
-        keys = list(layers.keys()) if isinstance(layers, torch.nn.ModuleDict) else []
-        num_stages = config.num_stages
-        if config.pp_stage_modules is not None:
-            names = [list(stage) for stage in config.pp_stage_modules]
-            check_stage_modules(plan, keys, names, num_stages)
-        else:
-            if not keys:
-                raise ConfigError(
-                    f"pipeline parallelism needs {type(model).__name__}.{plan.layers} to be an nn.ModuleDict of blocks"
-                )
-            split = split_layers(len(keys), num_stages, first_weight=config.pp_first_stage_weight,
-                                 last_weight=config.pp_last_stage_weight)
-            names = stage_module_names(plan, keys, split)
-        pp_rank, pp = self.mesh.rank_and_size("pp")
-        placement = "v" if config.pp_schedule in V_PP_SCHEDULES else "loop"
-        local = stage_ids(pp_rank, pp, config.stages_per_rank, placement)
-        self._pipeline_layout = (names, local, placement)
-        if self.global_rank == 0:
-            print(f"[pipeline] {describe_split(names, config, placement)}", flush=True)
-        return split_model(model, plan, names, local)
-
-    def _build_pipeline(self, module: L.LightningModule, config: ParallelismConfig, stages: list) -> None:
-        names, local, placement = self._pipeline_layout
-        stage_mesh = self.mesh.get("stage")
-        self.pipeline = PipelineRunner(
-            module, self._pipeline_plan(module, self.dims.pp), stages, local, len(names), self.mesh.get("pp"), self.root_device,
-            schedule=config.pp_schedule, microbatches=config.pp_microbatches, placement=placement,
-            schedule_csv=config.pp_schedule_csv, stage_group=None if stage_mesh is None else stage_mesh.get_group(),
-        )
-
-    def _apply_ddp(self, module: torch.nn.Module) -> None:
-        apply_ddp(module, self.mesh.get("dp_replicate"))
-
-    def _fsdp_mesh(self):
-        if self.dims.dp_replicate_enabled:  # HSDP: replicate across, shard within (dp_shard x cp)
-            shard = [d for d in ("dp_shard", "cp") if self.dims.degree(d) > 1]
-            return self.mesh.device_mesh["dp_replicate", "dp_shard_cp" if len(shard) == 2 else shard[0]]
-        return self.mesh.get("dp_shard_cp")
-
     @property
     def loss_parallel_enabled(self) -> bool:
         """Our plan's vocab-sharded logits go into the loss (a module that applied its own TP
         enters ``loss_parallel()`` itself, as with ModelParallelStrategy)."""
-        user_tp = getattr(self, "_user_applied", (False, False))[1]
-        return self.dims is not None and self.dims.tp_enabled and self.parallelism().loss_parallel and not user_tp
+        return self._applied.loss_parallel
 
     def _loss_parallel(self):
         return _nestable_loss_parallel() if self.loss_parallel_enabled else nullcontext()
 
     def _shard_sequence(self, args: tuple) -> tuple:
         """Under CP, each rank keeps its slice of every [B, S, ...] tensor of the batch (dim 1)."""
-        cp = getattr(self, "_cp", None)
+        cp = self._applied.cp
         if cp is None or not args:
             return args
         batch = args[0]
@@ -553,7 +436,9 @@ class TitanStrategy(ModelParallelStrategy):
             if kwargs:
                 raise TypeError(f"pipeline parallelism passes the batch positionally to {hook}; got {sorted(kwargs)}")
             context = self.precision_plugin.train_step_context() if hook == "training_step" else nullcontext()
-            with context, self._pipeline_autocast():
+            job = getattr(self.lightning_module, "job", None)
+            training = job.training if job is not None else None
+            with context, stage_autocast(training, self.dims.fsdp_enabled, self.root_device.type):
                 return self.pipeline.run(hook, *args, records=records)
 
     def _call_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
@@ -583,15 +468,6 @@ class TitanStrategy(ModelParallelStrategy):
             return getattr(super(), hook)(*args, **kwargs)
         with context():
             return self._forward_redirection(self.model, self.lightning_module, hook, *args, **kwargs)
-
-    def _pipeline_autocast(self):
-        """bf16 autocast over fp32 parameters without FSDP, as CausalLMModule.forward does on one
-        device: the schedule calls the stage modules directly, bypassing the module's forward."""
-        job = getattr(self.lightning_module, "job", None)
-        t = job.training if job is not None else None
-        if t is None or self.dims.fsdp_enabled or (t.dtype, t.mixed_precision_param) != ("float32", "bfloat16"):
-            return nullcontext()
-        return torch.autocast(self.root_device.type, dtype=torch.bfloat16)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The module's training_step (through the pipeline schedule under PP). With several
