@@ -8,7 +8,7 @@ name-seeded init are those of the whole model. Each stage is a *view*: a module 
 model's own class that shares those submodules and lists only its stage's blocks.
 
 Running the stages inside Lightning's loop (schedules, ``training_step`` unchanged, logged
-values averaged over microbatches): ``titan_lightning/strategies/pipeline.py``.
+values averaged over microbatches): the strategy's ``PipelineRunner`` (strategies/pipeline.py).
 """
 
 from __future__ import annotations
@@ -61,9 +61,6 @@ def split_layers(
             f"{num_stages} pipeline stages (parallelism.pp * stages per rank) is more than the model's "
             f"{n_layers} layers; use fewer stages or stages_per_rank"
         )
-    for name, value in (("pp_first_stage_weight", first_weight), ("pp_last_stage_weight", last_weight)):
-        if not isinstance(value, int) or value < 0:
-            raise ConfigError(f"parallelism.{name}={value!r} must be an integer >= 0")
     units = n_layers + first_weight + last_weight
     base, extra = divmod(units, num_stages)
     shares = [base + (1 if s < extra else 0) for s in range(num_stages)]
