@@ -1,9 +1,10 @@
 """Every rule a run's configuration must pass. Single-field rules live in each class's __post_init__.
 
-These run once per launch, before any process is spawned: ``validate_job`` when a run is
-assembled (the strategy's ``check_module``), ``validate_degrees`` for a strategy's own degrees
-(Trainer construction), ``validate_strategy`` and ``validate_plans`` once the module is known.
-Every message names the fields, their values and what would be valid.
+Each runs once per launch: a strategy's own degrees (``validate_degrees``) when the Trainer is
+built, before any process is spawned; the job (``validate_job``), the strategy against it
+(``validate_strategy``) and the module's plans (``validate_tp_plan``, ``validate_pipeline_plan``)
+in the strategy's ``check_module``, which ``build_trainer`` calls (a Trainer built by hand: at
+``setup_environment``). Every message names the fields, their values and what would be valid.
 """
 
 import csv
