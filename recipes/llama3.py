@@ -1,8 +1,9 @@
 """Llama 3 runs: the CPU debug model and the published sizes."""
 
 from titan_lightning.models.llama3 import Llama3Job, Llama3Module, llama3_args
-from titan_lightning.recipe import Run, debug_run, family_run, on_layout, size_run
-from titan_lightning.transforms import ContextParallelTransform, apply_transforms
+from titan_lightning.recipe import (
+    ContextParallelTransform, Run, apply_transforms, debug_run, family_run, on_layout, size_run, with_cp,
+)
 
 
 def llama3(flavor: str, **job_sections) -> Run:
@@ -63,11 +64,6 @@ def tp2() -> Run:
 
 def fsdp2_tp2() -> Run:
     return _debug_layout(dp_shard=2, tp=2)
-
-
-def with_cp(run: Run, attention: str = "allgather", *, cp: int, **degrees) -> Run:
-    """``run`` with a context-parallel attention over ``cp`` ranks, then ``on_layout(**degrees)``."""
-    return on_layout(apply_transforms(run, [ContextParallelTransform(attention=attention, cp=cp)]), **degrees)
 
 
 # Context parallel: the debug model with a CP attention (allgather unless named).

@@ -1,8 +1,7 @@
 """Qwen 3 runs: the CPU debug models (dense and MoE) and the published sizes."""
 
 from titan_lightning.models.qwen3 import Qwen3Job, Qwen3Module, qwen3_args
-from titan_lightning.recipe import Run, debug_run, family_run, on_layout, size_run
-from recipes.llama3 import with_cp
+from titan_lightning.recipe import Run, debug_run, family_run, on_layout, size_run, with_cp
 
 
 def qwen3(flavor: str, **job_sections) -> Run:

@@ -16,8 +16,8 @@ _EXPORTS = {
     "ExpertParallelStrategy": "titan_lightning.strategies",
     "PipelineParallelStrategy": "titan_lightning.strategies",
     "PipelinePlan": "titan_lightning.parallel.pipeline",
-    "ContextParallelTransform": "titan_lightning.transforms",
-    "apply_transforms": "titan_lightning.transforms",
+    "ContextParallelTransform": "titan_lightning.recipe",
+    "apply_transforms": "titan_lightning.recipe",
 }
 
 __all__ = sorted(_EXPORTS)

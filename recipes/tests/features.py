@@ -4,10 +4,9 @@ Small, deterministic and quick on 2 CPU cores: 5 steps of the Llama 3 debug mode
 under test, not the length: 5 steps exercise warmup, decay, and the optimizer state of every step).
 """
 
-from recipes.llama3 import llama3, with_cp
-from titan_lightning.recipe import on_layout
+from recipes.llama3 import llama3
 from titan_lightning.config import LRScheduleConfig, TrainingConfig
-from titan_lightning.recipe import Run
+from titan_lightning.recipe import Run, on_layout, with_cp
 
 
 def llama3_debugmodel() -> Run:

@@ -3,10 +3,8 @@ families on expert-parallel layouts (entries in tests/integration_tests/models.p
 
 import recipes.deepseek_v3 as deepseek_v3
 import recipes.qwen3 as qwen3
-from recipes.llama3 import with_cp
-from titan_lightning.recipe import on_layout
 from recipes.tests import features
-from titan_lightning.recipe import Run
+from titan_lightning.recipe import Run, on_layout, with_cp
 
 
 def llama3_debugmodel() -> Run:

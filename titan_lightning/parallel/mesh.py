@@ -71,16 +71,8 @@ class ParallelDims:
         return self.dp_shard * self.cp * self.tp // self.ep
 
     @property
-    def dp_degree(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
     def dp_replicate_enabled(self) -> bool:
         return self.dp_replicate > 1
-
-    @property
-    def dp_shard_enabled(self) -> bool:
-        return self.dp_shard > 1
 
     @property
     def fsdp_enabled(self) -> bool:

@@ -54,7 +54,7 @@ def test_attention_matches_full_causal_attention_in_fp64(backend, balancer, cp, 
 
 from recipes.tests import features  # noqa: E402
 from titan_lightning.config import ConfigError, validate_job  # noqa: E402
-from titan_lightning.transforms import ContextParallelTransform, apply_transforms  # noqa: E402
+from titan_lightning.recipe import ContextParallelTransform, apply_transforms  # noqa: E402
 
 
 def _cp_run(attention="allgather", **degrees):
