@@ -27,6 +27,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from titan_lightning.models.common.hf_config import HFConfig
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -189,6 +191,21 @@ class StateDictAdapter:
 
     def __init__(self, args: Any, *, tie_word_embeddings: bool = False):
         self.args, self.tie_word_embeddings = args, tie_word_embeddings
+
+    # -- config.json (models/common/hf_config.py) --------------------------------------------------
+
+    hf_model_types: tuple[str, ...] = ()  # the config.json model_type values this family reads
+
+    @classmethod
+    def args_from_hf_config(cls, config: HFConfig) -> Any:
+        """The family's args for a config.json: every field mapped, checked or refused by name."""
+        raise NotImplementedError(f"{cls.__name__} does not read config.json")
+
+    @classmethod
+    def hf_config(cls, args: Any) -> dict[str, Any]:
+        """The config.json fields (model_type, architectures, shapes ...) that describe ``args``;
+        a one-line ConfigError where transformers cannot express them."""
+        raise NotImplementedError(f"{cls.__name__} does not write config.json")
 
     def hf_key(self, ours: str) -> Optional[str]:
         """The Hugging Face name of our key (``*`` for the experts of a stacked one), or None."""

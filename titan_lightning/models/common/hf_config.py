@@ -1,0 +1,118 @@
+"""Hugging Face ``config.json`` <-> a model family's args, field by field.
+
+Reading is strict, because wrong args load silently (most fields change no shape): every field
+of config.json is either mapped to one of ours (``get``), required to hold the one value we
+implement (``expect``: ``attention_bias: false``, ``hidden_act: silu`` ...), bookkeeping that
+changes nothing the model computes (``BOOKKEEPING``: token ids, ``use_cache``, versions ...),
+or refused by name when ``finish`` finds it unread. Each family's state-dict adapter declares
+both directions (``args_from_hf_config``, ``hf_config``).
+"""
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from titan_lightning.config import ConfigError
+
+CONFIG_FILE = "config.json"
+
+# Fields that change nothing the model computes from its weights.
+BOOKKEEPING = frozenset({
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
+    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "_name_or_path",
+    "output_router_logits", "output_attentions", "output_hidden_states", "return_dict",
+    "tie_word_embeddings",  # read by the adapter: the output starts as a copy of the embeddings
+})
+_REQUIRED = object()
+
+
+def read_config_json(folder: Path) -> dict[str, Any]:
+    """``folder/config.json`` as a dict; one-line errors for a missing or unreadable file."""
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise ConfigError(f"{path}: no {CONFIG_FILE}; a Hugging Face model folder has one (save_pretrained writes it)")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ConfigError(f"{path}: not a JSON file ({' '.join(str(err).split())})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+class HFConfig:
+    """The fields of one config.json, read one by one; ``finish`` refuses any left unread."""
+
+    def __init__(self, config: dict[str, Any], source: str, family: str) -> None:
+        self.values, self.source, self.family = dict(config), source, family
+        self.read: set[str] = set()
+
+    def _where(self, name: str) -> str:
+        return f"{self.source}: {name}"
+
+    def get(self, *names: str, default: Any = _REQUIRED) -> Any:
+        """The value of the first of ``names`` (aliases: ``num_experts``, ``num_local_experts``)
+        config.json holds; ``default`` when none is there (no default: a one-line error)."""
+        self.read.update(names)
+        for name in names:
+            if name in self.values:
+                return self.values[name]
+        if default is _REQUIRED:
+            raise ConfigError(f"{self._where(names[0])} is missing; {self.family} needs it")
+        return default
+
+    def expect(self, name: str, *supported: Any) -> None:
+        """``name`` is absent or holds one of ``supported`` (the values this project implements)."""
+        self.read.add(name)
+        if name in self.values and self.values[name] not in supported:
+            shown = " or ".join(json.dumps(v) for v in supported)
+            raise ConfigError(f"{self._where(name)}={json.dumps(self.values[name])} is not supported by "
+                              f"{self.family} here (supported: {shown})")
+
+    def ignore(self, *names: str) -> None:
+        """Fields that change nothing once ``get``/``expect`` of others held (e.g. ``sliding_window``
+        when ``use_sliding_window`` is false)."""
+        self.read.update(names)
+
+    def rope(self) -> tuple[float, Optional[dict[str, Any]]]:
+        """(rope_theta, the scaling dict or None), from transformers 5's ``rope_parameters`` or 4's
+        ``rope_theta`` + ``rope_scaling``; the scaling dict has ``rope_type`` and its parameters."""
+        params = self.get("rope_parameters", default=None)
+        if params is not None:
+            self.ignore("rope_theta", "rope_scaling")
+            if not isinstance(params, dict) or "rope_theta" not in params:
+                raise ConfigError(f"{self._where('rope_parameters')}={json.dumps(params)}: expected an object "
+                                  f"with rope_theta")
+            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+            theta = params["rope_theta"]
+        else:
+            theta = self.get("rope_theta", default=10000.0)
+            scaling = dict(self.get("rope_scaling", default=None) or {})
+        if "type" in scaling and "rope_type" not in scaling:  # transformers 4's older spelling
+            scaling["rope_type"] = scaling.pop("type")
+        if scaling.get("rope_type", "default") == "default":
+            return float(theta), None
+        return float(theta), scaling
+
+    def finish(self) -> None:
+        unread = sorted(k for k in self.values if k not in self.read and k not in BOOKKEEPING)
+        if unread:
+            shown = ", ".join(f"{k}={json.dumps(self.values[k])}" for k in unread[:6])
+            raise ConfigError(f"{self.source}: {shown} not modelled by {self.family} here; the checkpoint "
+                              f"may compute something this project does not (remove the field only if it "
+                              f"changes nothing)")
+
+
+def scaling_fields(scaling: dict[str, Any], expected_type: str, fields: tuple[str, ...], where: str) -> dict[str, Any]:
+    """The ``fields`` of a RoPE scaling dict of ``rope_type`` ``expected_type``; anything else refused."""
+    kind = scaling.get("rope_type")
+    if kind != expected_type:
+        raise ConfigError(f"{where}: rope_type={json.dumps(kind)} is not supported here (supported: "
+                          f"\"default\", \"{expected_type}\")")
+    extra = sorted(set(scaling) - set(fields) - {"rope_type"})
+    if extra:
+        raise ConfigError(f"{where}: {expected_type} RoPE field(s) {', '.join(extra)} not modelled here")
+    missing = [f for f in fields if f not in scaling]
+    if missing:
+        raise ConfigError(f"{where}: {expected_type} RoPE needs {', '.join(missing)}")
+    return {f: scaling[f] for f in fields}
