@@ -45,7 +45,7 @@ import lightning as L
 
 from titan_lightning.checkpoint import CheckpointError
 from titan_lightning.config import ConfigError, JobConfig
-from titan_lightning.recipe import Run, RecipeError, build_run, build_trainer, check_inputs, execute
+from titan_lightning.recipe import RECIPE_PARAMETERS, Run, RecipeError, build_run, build_trainer, check_inputs, execute
 
 SUBCOMMANDS = ("fit", "validate", "test", "estimate")
 OPTIONS = ("--recipe", "--config", "--print_config", "--job", "--trainer")
@@ -183,7 +183,7 @@ def parse_run(argv: list[str]) -> Optional[Run]:
         build_parser(None).print_help()  # every option, with JobConfig's and Trainer's defaults
         return None
     spec = _recipe_spec(argv)
-    run = build_run(spec)
+    run = build_run(spec, {name: _option_value(argv, option) for name, option in RECIPE_PARAMETERS.items()})
     parser = build_parser(run)
     try:
         namespace = parser.parse_args(argv)
@@ -320,6 +320,23 @@ def _recipe_arg(argv: list[str]) -> Optional[str]:
         if arg.startswith("--recipe="):
             return arg.split("=", 1)[1]
     return None
+
+
+def _option_value(argv: list[str], option: str) -> Optional[str]:
+    """The last value of ``--option`` on the command line, else the one of the --config file."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == f"--{option}" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(f"--{option}="):
+            value = arg.split("=", 1)[1]
+    path = _config_path(argv)
+    if value is None and path is not None:
+        saved = _read_yaml(path)
+        for key in option.split("."):
+            saved = saved.get(key) if isinstance(saved, dict) else None
+        value = saved if isinstance(saved, str) else None
+    return value
 
 
 def _config_path(argv: list[str]) -> Optional[str]:

@@ -32,7 +32,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from titan_lightning.callbacks import TrainingMetrics
 from titan_lightning.callbacks.preemption import PreemptionCheckpoint
 from titan_lightning.callbacks.profiling import ProfileSteps
-from titan_lightning.callbacks.weights import ExportWeights, LoadWeights, check_initial_weights
+from titan_lightning.callbacks.weights import ExportWeights, LoadWeights, check_export, check_initial_weights
 from titan_lightning.config import ConfigError, JobConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig, validate_job
 from titan_lightning.config.job import CP_ATTENTIONS
 from titan_lightning.config.parallelism import CP_LOAD_BALANCERS
@@ -118,11 +118,35 @@ def _find_modules_in_cwd() -> None:
         sys.path.insert(0, cwd)
 
 
-def build_run(spec: str) -> Run:
+# Recipe parameters the command line fills before it parses the rest (the run's options depend
+# on them): parameter name -> the option that carries it.
+RECIPE_PARAMETERS = {"initial_load_path": "job.checkpoint.initial_load_path"}
+
+
+def _recipe_arguments(spec: str, function: Callable, values: dict[str, Optional[str]]) -> dict[str, str]:
+    import inspect
+
+    arguments = {}
+    for name, parameter in inspect.signature(function).parameters.items():
+        if name not in RECIPE_PARAMETERS:
+            if parameter.default is inspect.Parameter.empty:
+                raise RecipeError(f"--recipe={spec!r} takes an argument {name!r}; a recipe takes none, or only "
+                                  f"{', '.join(RECIPE_PARAMETERS)}")
+            continue
+        if values.get(name) is not None:
+            arguments[name] = values[name]
+        elif parameter.default is inspect.Parameter.empty:
+            raise RecipeError(f"--recipe={spec!r} needs --{RECIPE_PARAMETERS[name]} (e.g. a Hugging Face model folder)")
+    return arguments
+
+
+def build_run(spec: str, values: Optional[dict[str, Optional[str]]] = None) -> Run:
+    """The run of the recipe ``spec``; ``values`` fill its RECIPE_PARAMETERS."""
     function = load_recipe(spec)
+    arguments = _recipe_arguments(spec, function, values or {})
     try:
-        run = function()
-    except RecipeError:
+        run = function(**arguments)
+    except (RecipeError, ConfigError):
         raise
     except Exception as err:  # noqa: BLE001 - the user's recipe: any error it raises
         raise RecipeError(f"--recipe={spec!r} raised {_exception_line(err)}") from err
@@ -230,7 +254,9 @@ def check_inputs(command: str, run: Run, trainer: L.Trainer) -> None:
     if job is None:
         return
     if job.checkpoint.initial_load_path is not None and command == "fit":
-        check_initial_weights(job.checkpoint.initial_load_path, job.checkpoint.initial_load_format)
+        check_initial_weights(job.checkpoint.initial_load_path, job.checkpoint.initial_load_format, run.module)
+    if command == "fit":
+        check_export(run.module, job.checkpoint.export_format)
     run.ckpt_path = resume_path(run, trainer) if command == "fit" else None
     check = getattr(run.datamodule, "check_inputs", None)
     if callable(check):  # last: it reads and tokenizes the corpus (kept for setup)

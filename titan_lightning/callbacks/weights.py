@@ -8,7 +8,7 @@ gathers the full tensors to rank 0 (under PP, each stage's part travels to rank 
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -38,9 +38,23 @@ def _pipeline(trainer: L.Trainer):
     return getattr(trainer.strategy, "pipeline", None)
 
 
-def check_initial_weights(path: str, fmt: str) -> None:
+def _hf_config_path(folder: Path) -> Optional[Path]:
+    from titan_lightning.models.common.hf_config import CONFIG_FILE
+
+    return folder / CONFIG_FILE if (folder / CONFIG_FILE).is_file() else None
+
+
+def _tied(folder: Path) -> bool:
+    """The folder's config.json ties the output to the embeddings (no lm_head.weight saved)."""
+    from titan_lightning.models.common.hf_config import read_config_json
+
+    return _hf_config_path(folder) is not None and bool(read_config_json(folder).get("tie_word_embeddings", False))
+
+
+def check_initial_weights(path: str, fmt: str, module: Optional[L.LightningModule] = None) -> None:
     """Before launch: ``checkpoint.initial_load_path`` is a folder of the format it claims (its
-    index or metadata readable, no code run); one-line CheckpointError otherwise."""
+    index or metadata readable, no code run), and for a Hugging Face folder with a config.json,
+    ``module``'s model args describe that model; one-line CheckpointError / ConfigError otherwise."""
     from titan_lightning.models.common.hf_checkpoint import INDEX_FILE, SINGLE_FILE
 
     field = f"checkpoint.initial_load_path={path!r}"
@@ -54,6 +68,11 @@ def check_initial_weights(path: str, fmt: str) -> None:
             hint = "; it looks like a sharded checkpoint of ours: set checkpoint.initial_load_format=dcp" if (
                 folder / DCP_METADATA).is_file() else ""
             raise CheckpointError(f"{field} holds no {SINGLE_FILE} or {INDEX_FILE} (initial_load_format=hf){hint}")
+        adapter = getattr(module, "hf_adapter", None)
+        if _hf_config_path(folder) is not None and adapter is not None and hasattr(module, "job"):
+            from titan_lightning.pretrained import check_folder_matches
+
+            check_folder_matches(module.job.model, adapter, folder)
         return
     if not (folder / DCP_METADATA).is_file():
         hint = "; it looks like a Hugging Face folder: set checkpoint.initial_load_format=hf" if (
@@ -61,6 +80,17 @@ def check_initial_weights(path: str, fmt: str) -> None:
         raise CheckpointError(f"{field} holds no {DCP_METADATA} (initial_load_format=dcp: a sharded export or "
                               f"checkpoint){hint}")
     read_dcp_metadata(folder)
+
+
+def check_export(module: L.LightningModule, fmt: Optional[str]) -> None:
+    """Before launch: an ``hf`` export of ``module`` will hold what it trains (its family writes
+    config.json for these args, and nothing it trains is dropped); one-line errors otherwise."""
+    if fmt != "hf":
+        return
+    adapter = _adapter(module)
+    adapter.check_exportable()
+    if hasattr(module, "job"):
+        adapter.hf_config(adapter.args)
 
 
 class LoadWeights(L.Callback):
@@ -79,7 +109,10 @@ class LoadWeights(L.Callback):
         if self.fmt == "hf":
             from titan_lightning.models.common.hf_checkpoint import load_hf_safetensors
 
-            state = _adapter(pl_module).from_hf(load_hf_safetensors(self.path))
+            adapter = _adapter(pl_module)
+            if _tied(self.path):
+                adapter = type(adapter)(adapter.args, tie_word_embeddings=True)
+            state = adapter.from_hf(load_hf_safetensors(self.path))
             load_full_state_dict(pl_module.model, state, source=str(self.path), partial=_pipeline(trainer) is not None)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
@@ -147,7 +180,13 @@ class ExportWeights(L.Callback):
         if trainer.is_global_zero:
             staging = self.folder.with_name(self.folder.name + PARTIAL)
             shutil.rmtree(staging, ignore_errors=True)
-            save_hf_safetensors(_adapter(pl_module).to_hf(state), staging)
+            adapter = _adapter(pl_module)
+            save_hf_safetensors(adapter.to_hf(state), staging)
+            job = getattr(pl_module, "job", None)
+            if job is not None:
+                from titan_lightning.pretrained import write_hf_metadata
+
+                write_hf_metadata(staging, adapter, str(self.dtype).removeprefix("torch."), job.data.tokenizer_path)
             shutil.rmtree(self.folder, ignore_errors=True)
             staging.rename(self.folder)
         trainer.strategy.barrier()

@@ -5,9 +5,10 @@ Rebuild the corpus and the tokenizer (deterministic for a given Python version):
     python -m titan_lightning.data.tokenizer
 """
 
+import json
 import platform
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -29,13 +30,27 @@ def shipped_asset(path: Path) -> Path:
     return path
 
 
-class Tokenizer:
-    """A `tokenizers` tokenizer seen as ``str <-> list[int]``, with its end-of-text id."""
+def _special_token(value: Any) -> Optional[str]:
+    """A tokenizer_config.json special token: a string, or an object with its ``content``."""
+    return value.get("content") if isinstance(value, dict) else value
 
-    def __init__(self, tokenizer: HFTokenizer) -> None:
-        eot_id = tokenizer.token_to_id(EOT)
+
+class Tokenizer:
+    """A `tokenizers` tokenizer seen as ``str <-> list[int]``, with its end-of-text id.
+
+    ``special_tokens`` are those of a Hugging Face tokenizer_config.json (``eos_token``,
+    ``bos_token``): the end of each document is ``eos_token`` when it names one, else
+    ``<|endoftext|>``.
+    """
+
+    def __init__(self, tokenizer: HFTokenizer, special_tokens: Optional[dict[str, Any]] = None) -> None:
+        special = special_tokens or {}
+        self.eot_token: str = _special_token(special.get("eos_token")) or EOT
+        eot_id = tokenizer.token_to_id(self.eot_token)
         if eot_id is None:
-            raise ValueError(f"the tokenizer has no {EOT!r} token")
+            raise ValueError(f"the tokenizer has no {self.eot_token!r} token")
+        self.bos_token: Optional[str] = _special_token(special.get("bos_token"))
+        self.bos_id: Optional[int] = tokenizer.token_to_id(self.bos_token) if self.bos_token else None
         self._tokenizer = tokenizer
         self.eot_id: int = eot_id
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -79,9 +94,20 @@ def load_tokenizer(path: Optional[str] = None) -> Tokenizer:
         reason = " ".join(str(err).split())[:200]
         raise ValueError(f"{field} is not a `tokenizers` JSON file (tokenizer.json) ({reason})") from None
     try:
-        return Tokenizer(tokenizer)
+        return Tokenizer(tokenizer, _tokenizer_config(file.parent / "tokenizer_config.json", field))
     except ValueError as err:
         raise ValueError(f"{field}: {err}") from None
+
+
+def _tokenizer_config(path: Path, field: str) -> dict[str, Any]:
+    """The Hugging Face tokenizer_config.json next to a tokenizer.json, or {} without one."""
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{field}: {path} is not a JSON file ({' '.join(str(err).split())[:200]})") from None
+    return config if isinstance(config, dict) else {}
 
 
 def train_tokenizer(documents: Sequence[str], vocab_size: int = VOCAB_SIZE) -> HFTokenizer:

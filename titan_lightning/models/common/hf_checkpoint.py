@@ -18,7 +18,6 @@ that to the files, with strict key and shape checks.
 import json
 import os
 import re
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -27,6 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from titan_lightning.config import ConfigError
 from titan_lightning.models.common.hf_config import HFConfig
 
 SINGLE_FILE = "model.safetensors"
@@ -192,6 +192,16 @@ class StateDictAdapter:
     def __init__(self, args: Any, *, tie_word_embeddings: bool = False):
         self.args, self.tie_word_embeddings = args, tie_word_embeddings
 
+    def check_exportable(self) -> None:
+        """A model that trains a routing bias Hugging Face's family has no place for is refused."""
+        moe = getattr(self.args, "moe", None)
+        if moe is not None and moe.load_balance_coeff is not None and EXPERT_BIAS not in self.layer_keys:
+            raise ConfigError(
+                f"checkpoint.export_format=hf: Hugging Face {self.family}-MoE has no routing bias, and "
+                f"model.moe.load_balance_coeff={moe.load_balance_coeff} trains one, so the export would route "
+                f"differently from the trained model; set model.moe.load_balance_coeff=null (as a run from a "
+                f"Hugging Face folder does) or export_format=dcp")
+
     # -- config.json (models/common/hf_config.py) --------------------------------------------------
 
     hf_model_types: tuple[str, ...] = ()  # the config.json model_type values this family reads
@@ -225,8 +235,8 @@ class StateDictAdapter:
             name = match and match[2]
             if hf_key is None and name == EXPERT_BIAS:
                 if value.any():
-                    warnings.warn(f"{key} is not zero; Hugging Face {self.family}-MoE has no expert bias, "
-                                  f"it is dropped")
+                    raise ValueError(f"{key} is not zero and Hugging Face {self.family}-MoE has no routing bias: "
+                                     f"the export would route differently from the trained model")
             elif hf_key is None:
                 unknown.append(key)
             elif name in self.expert_keys:

@@ -17,9 +17,11 @@ class Llama3Args(ModelArgs):
 
     dim: int = 256
     n_layers: int = 6
-    # The SwiGLU width is 8/3 * dim, times ffn_dim_multiplier, rounded up to multiple_of.
+    # The SwiGLU width is 8/3 * dim, times ffn_dim_multiplier, rounded up to multiple_of; or
+    # ffn_dim when set (Hugging Face ``intermediate_size``).
     multiple_of: int = 256
     ffn_dim_multiplier: Optional[float] = None
+    ffn_dim: Optional[int] = None
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     # None: plain RoPE (Llama 3.0).
@@ -31,6 +33,8 @@ class Llama3Args(ModelArgs):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.require_positive_ints("dim", "n_layers", "multiple_of", "max_seq_len")
+        if self.ffn_dim is not None:
+            self.require_positive_ints("ffn_dim")
         self.require_positive("norm_eps", "rope_theta", "ffn_dim_multiplier")
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
@@ -46,6 +50,8 @@ class Llama3Args(ModelArgs):
 
     @property
     def ffn_hidden_dim(self) -> int:
+        if self.ffn_dim is not None:
+            return self.ffn_dim
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)

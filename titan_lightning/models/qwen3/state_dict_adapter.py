@@ -1,12 +1,22 @@
-"""Qwen 3 <-> Hugging Face ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` state dicts.
+"""Qwen 3 <-> Hugging Face ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``: state dicts and config.json.
 
 Llama's names, QK-norm (``self_attn.q_norm``/``k_norm``, permuted per head like q_proj and k_proj:
-it runs before RoPE, feature by feature) and, for MoE, the router (``mlp.gate``) and the experts;
-``moe.expert_bias`` has no Hugging Face counterpart (models/common/hf_checkpoint.py).
+it runs before RoPE, feature by feature) and, for MoE, the router (``mlp.gate``) and the experts.
+Hugging Face's Qwen3-MoE routes by softmax top-k with no routing bias: ``moe.expert_bias`` has no
+counterpart (models/common/hf_checkpoint.py), so a model read from a config.json trains without
+one (``moe.load_balance_coeff=None``) and an export of one that trained a bias is refused.
 """
 
+from typing import Any
+
+from titan_lightning.config import ConfigError
 from titan_lightning.models.common.hf_checkpoint import EXPERT_KEYS, HALF_ROTATED, LLAMA_BLOCK_KEYS, StateDictAdapter
+from titan_lightning.models.common.hf_config import HFConfig
+from titan_lightning.models.common.moe import MoEArgs
 from titan_lightning.models.qwen3.model import Qwen3Args
+
+FIXED_FIELDS = {"attention_bias": False, "hidden_act": "silu", "attention_dropout": 0.0, "use_sliding_window": False}
+MOE_FIXED_FIELDS = {"decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 class Qwen3StateDictAdapter(StateDictAdapter):
@@ -22,9 +32,60 @@ class Qwen3StateDictAdapter(StateDictAdapter):
     }
     expert_keys = EXPERT_KEYS
     rope_halves = HALF_ROTATED
+    hf_model_types = ("qwen3", "qwen3_moe")
 
     def __init__(self, args: Qwen3Args, *, tie_word_embeddings: bool = False):
         super().__init__(args, tie_word_embeddings=tie_word_embeddings)
         if args.moe is not None and args.moe.num_shared_experts:
             raise ValueError(f"model.moe.num_shared_experts={args.moe.num_shared_experts}: Hugging Face Qwen3-MoE "
                              f"has no shared experts; use 0")
+
+    @classmethod
+    def args_from_hf_config(cls, config: HFConfig) -> Qwen3Args:
+        for name, value in FIXED_FIELDS.items():
+            config.expect(name, value)
+        # Sliding windows are off (use_sliding_window false): their sizes change nothing.
+        config.ignore("sliding_window", "max_window_layers")
+        layers = config.get("num_hidden_layers")
+        config.expect("layer_types", None, ["full_attention"] * layers)
+        theta, scaling = config.rope()
+        if scaling is not None:
+            raise ConfigError(f"{config.source}: RoPE scaling {scaling} is not modelled for Qwen3 here")
+        dim, heads = config.get("hidden_size"), config.get("num_attention_heads")
+        moe = None
+        if config.get("model_type") == "qwen3_moe":
+            for name, value in MOE_FIXED_FIELDS.items():
+                config.expect(name, value)
+            config.ignore("router_aux_loss_coef")  # a training loss weight; no routing bias here instead
+            moe = MoEArgs(num_experts=config.get("num_experts", "num_local_experts"),
+                          top_k=config.get("num_experts_per_tok"), hidden_dim=config.get("moe_intermediate_size"),
+                          score_func="softmax", route_norm=bool(config.get("norm_topk_prob", default=False)),
+                          load_balance_coeff=None)
+        return Qwen3Args(
+            vocab_size=config.get("vocab_size"), dim=dim, n_layers=layers, n_heads=heads,
+            n_kv_heads=config.get("num_key_value_heads", default=heads),
+            head_dim=config.get("head_dim", default=dim // heads), ffn_hidden_dim=config.get("intermediate_size"),
+            norm_eps=config.get("rms_norm_eps"), rope_theta=theta, max_seq_len=config.get("max_position_embeddings"),
+            qk_norm=True, moe=moe,
+        )
+
+    @classmethod
+    def hf_config(cls, args: Qwen3Args) -> dict[str, Any]:
+        if not args.qk_norm:
+            raise ConfigError("model.qk_norm=False: Hugging Face Qwen3 always normalizes q and k; export needs True")
+        config = dict(
+            architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=args.vocab_size, hidden_size=args.dim,
+            intermediate_size=args.ffn_hidden_dim, num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
+            num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim, rms_norm_eps=args.norm_eps,
+            max_position_embeddings=args.max_seq_len, rope_theta=args.rope_theta, rope_scaling=None,
+            **FIXED_FIELDS,
+        )
+        m = args.moe
+        if m is None:
+            return config
+        if m.score_func != "softmax" or m.route_scale != 1.0 or m.score_before_experts or m.num_shared_experts:
+            raise ConfigError(f"model.moe={m}: Hugging Face Qwen3-MoE routes by softmax top-k, scale 1, scores "
+                              f"after the experts, no shared experts")
+        return {**config, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "num_experts": m.num_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.hidden_dim,
+                "norm_topk_prob": m.route_norm, **MOE_FIXED_FIELDS}

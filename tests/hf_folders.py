@@ -1,0 +1,84 @@
+"""Tiny Hugging Face model folders as users hold them: saved by transformers (config.json,
+safetensors), with a tokenizer.json trained here and a tokenizer_config.json in the special-token
+layout of the family (Llama 3: <|begin_of_text|> / <|end_of_text|>, Qwen 3: <|endoftext|> only,
+DeepSeek: <｜begin▁of▁sentence｜> / <｜end▁of▁sentence｜>). Needs transformers."""
+
+import inspect
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB = 320  # the model's; the tokenizer has fewer (byte-level BPE: 256 bytes + merges + specials)
+SHAPES = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, rms_norm_eps=1e-6)
+SPECIAL_TOKENS = {
+    "llama": ("<|begin_of_text|>", "<|end_of_text|>"),
+    "qwen3": (None, "<|endoftext|>"),
+    "qwen3_moe": (None, "<|endoftext|>"),
+    "deepseek_v3": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+}
+
+
+def hf_config(model_type: str, tie: bool = False, **overrides):
+    import transformers
+
+    rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    if model_type == "llama":
+        return transformers.LlamaConfig(intermediate_size=160, tie_word_embeddings=tie, **SHAPES, **rope, **overrides)
+    if model_type == "qwen3":
+        return transformers.Qwen3Config(intermediate_size=96, head_dim=32, tie_word_embeddings=tie, **SHAPES, **rope,
+                                        **overrides)
+    if model_type == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                           num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=tie,
+                                           **SHAPES, **rope, **overrides)
+    if model_type == "deepseek_v3":
+        shapes = {**SHAPES, "num_key_value_heads": 4}
+        return transformers.DeepseekV3Config(
+            intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=32, q_lora_rank=None,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=1.0,
+            tie_word_embeddings=tie, **shapes, **rope, **overrides)
+    raise ValueError(model_type)
+
+
+def train_tokenizer(folder: Path, model_type: str) -> None:
+    """tokenizer.json (byte-level BPE on the shipped corpus, < VOCAB ids) and tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from titan_lightning.data.dataset import split_documents
+    from titan_lightning.data.tokenizer import reference_documents
+
+    bos, eos = SPECIAL_TOKENS[model_type]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = [t for t in (bos, eos) if t]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 16, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    train, _ = split_documents(reference_documents()[:200], 0.05)
+    tokenizer.train_from_iterator(train, trainer=trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "model_max_length": 64}
+    if bos:
+        config["bos_token"] = bos
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def save_hf_folder(folder: Path, model_type: str, tie: bool = False, seed: int = 0, **overrides) -> Path:
+    """A random model of ``model_type`` saved by transformers, with a tokenizer, into ``folder``."""
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(model_type, tie, **overrides)).float()
+    with torch.no_grad():  # O(1) logits and norms away from one, so a wrong mapping shows
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    kwargs = {}
+    if "save_original_format" in inspect.signature(model.save_pretrained).parameters:
+        kwargs["save_original_format"] = True  # per-expert keys, as on the Hub
+    model.save_pretrained(folder, **kwargs)
+    train_tokenizer(folder, model_type)
+    return folder

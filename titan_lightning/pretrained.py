@@ -1,0 +1,135 @@
+"""Hugging Face model folders as runs: config.json in, complete folders out.
+
+    titan-lightning fit --recipe recipes.hf:pretrained --job.checkpoint.initial_load_path DIR
+
+``DIR`` is what ``save_pretrained`` writes (config.json, safetensors, tokenizer files). The
+family and its args come from config.json (``model_type``: see ``hf_families``), each field
+mapped, checked or refused by name (models/common/hf_config.py); the tokenizer is the folder's;
+tied embeddings load as an untied copy. A recipe that names a preset and loads a folder
+(``checkpoint.initial_load_format=hf``) is checked against its config.json before launch
+(``check_folder_matches``).
+
+An ``export_format=hf`` export (callbacks/weights.py) is a folder ``from_pretrained`` loads as it
+is: config.json (``hf_config`` of the family, the export dtype, untied embeddings: training
+unties them), generation_config.json, the tokenizer files, the safetensors.
+"""
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from titan_lightning.config import (
+    CheckpointConfig, ConfigError, DataConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig,
+)
+from titan_lightning.models.common.hf_config import CONFIG_FILE, HFConfig, read_config_json
+from titan_lightning.recipe import Run, family_run
+
+# Tokenizer files copied into an export next to the weights, when the tokenizer's folder has them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+GENERATION_FILE = "generation_config.json"
+
+
+def hf_families() -> dict[str, tuple[type, type]]:
+    """config.json ``model_type`` -> (the family's JobConfig, its LightningModule)."""
+    from titan_lightning.models.deepseek_v3 import DeepSeekV3Job, DeepSeekV3Module
+    from titan_lightning.models.llama3 import Llama3Job, Llama3Module
+    from titan_lightning.models.qwen3 import Qwen3Job, Qwen3Module
+
+    families = {}
+    for job_class, module_class in ((Llama3Job, Llama3Module), (Qwen3Job, Qwen3Module),
+                                    (DeepSeekV3Job, DeepSeekV3Module)):
+        families.update(dict.fromkeys(module_class.hf_adapter.hf_model_types, (job_class, module_class)))
+    return families
+
+
+@dataclass
+class HFModel:
+    """What a Hugging Face folder's config.json says: the family, its args, tied embeddings."""
+
+    folder: Path
+    job_class: type
+    module_class: type
+    args: Any
+    tie_word_embeddings: bool
+
+
+def read_hf_model(folder: Any) -> HFModel:
+    """The family and args of the model in ``folder``; one-line ConfigError naming the field otherwise."""
+    folder = Path(folder)
+    config = read_config_json(folder)
+    source = str(folder / CONFIG_FILE)
+    families = hf_families()
+    model_type = config.get("model_type")
+    if model_type not in families:
+        raise ConfigError(f"{source}: model_type={json.dumps(model_type)} is not supported; supported: "
+                          f"{', '.join(families)}")
+    job_class, module_class = families[model_type]
+    reader = HFConfig(config, source, module_class.hf_adapter.family)
+    try:
+        args = module_class.hf_adapter.args_from_hf_config(reader)
+    except (TypeError, ValueError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"{source}: {' '.join(str(err).split())}") from None
+    reader.finish()
+    return HFModel(folder, job_class, module_class, args, bool(config.get("tie_word_embeddings", False)))
+
+
+def check_folder_matches(args: Any, adapter_class: type, folder: Any) -> None:
+    """``args`` describe the model of ``folder``'s config.json: one line naming the first field
+    that differs, with both values."""
+    theirs = read_hf_model(folder)
+    if not issubclass(adapter_class, theirs.module_class.hf_adapter) and \
+            not issubclass(theirs.module_class.hf_adapter, adapter_class):
+        raise ConfigError(f"{Path(folder) / CONFIG_FILE} holds a {theirs.module_class.hf_adapter.family} model; "
+                          f"this run builds {adapter_class.family}")
+    ours, expected = adapter_class.hf_config(args), adapter_class.hf_config(theirs.args)
+    for key in sorted(set(ours) | set(expected)):
+        if ours.get(key) != expected.get(key):
+            raise ConfigError(f"model args differ from {Path(folder) / CONFIG_FILE}: {key} is "
+                              f"{json.dumps(ours.get(key))} here, {json.dumps(expected.get(key))} there")
+
+
+def pretrained_run(folder: Any) -> Run:
+    """Fine-tuning the model in ``folder`` on the shipped corpus: its args, its tokenizer (when it
+    has tokenizer.json), its weights; sequences of min(2048, max_position_embeddings) tokens, lr
+    2e-5 after 10 warmup steps, 1000 steps; an hf export at the end."""
+    model = read_hf_model(folder)
+    folder = model.folder
+    seq_len = min(2048, model.args.max_seq_len)
+    return family_run(
+        model.job_class, model.module_class, model.args,
+        training=TrainingConfig(seq_len=seq_len, tokens_per_microbatch_per_dp_rank=seq_len),
+        optimizer=OptimizerConfig(lr=2e-5), lr_schedule=LRScheduleConfig(warmup_steps=10),
+        data=DataConfig(tokenizer_path=str(folder) if (folder / "tokenizer.json").is_file() else None),
+        checkpoint=CheckpointConfig(initial_load_path=str(folder), initial_load_format="hf", export_format="hf"),
+    )
+
+
+def tokenizer_folder(tokenizer_path: Optional[str]) -> Path:
+    """The folder whose tokenizer files an export copies (the shipped tokenizer's for None)."""
+    from titan_lightning.data.tokenizer import tokenizer_file
+
+    return tokenizer_file(tokenizer_path).parent
+
+
+def write_hf_metadata(folder: Path, adapter: Any, dtype: str, tokenizer_path: Optional[str]) -> None:
+    """config.json, generation_config.json and the tokenizer files of an export in ``folder``."""
+    from titan_lightning.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eot_id}
+    config = {**adapter.hf_config(adapter.args), **ids, "torch_dtype": dtype, "tie_word_embeddings": False}
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    (folder / GENERATION_FILE).write_text(json.dumps({k: v for k, v in ids.items() if v is not None}, indent=2) + "\n")
+    source = tokenizer_folder(tokenizer_path)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, folder / name)
+    if not (folder / "tokenizer_config.json").is_file():
+        tokens = {"eos_token": tokenizer.eot_token, **({"bos_token": tokenizer.bos_token} if tokenizer.bos_token else {})}
+        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.get("max_position_embeddings"),
+                    **tokens}
+        (folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
