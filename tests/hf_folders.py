@@ -23,24 +23,20 @@ SPECIAL_TOKENS = {
 def hf_config(model_type: str, tie: bool = False, **overrides):
     import transformers
 
-    rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
-    if model_type == "llama":
-        return transformers.LlamaConfig(intermediate_size=160, tie_word_embeddings=tie, **SHAPES, **rope, **overrides)
-    if model_type == "qwen3":
-        return transformers.Qwen3Config(intermediate_size=96, head_dim=32, tie_word_embeddings=tie, **SHAPES, **rope,
-                                        **overrides)
-    if model_type == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
-                                           num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=tie,
-                                           **SHAPES, **rope, **overrides)
-    if model_type == "deepseek_v3":
-        shapes = {**SHAPES, "num_key_value_heads": 4}
-        return transformers.DeepseekV3Config(
-            intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
-            n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=32, q_lora_rank=None,
-            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=1.0,
-            tie_word_embeddings=tie, **shapes, **rope, **overrides)
-    raise ValueError(model_type)
+    common = {**SHAPES, "tie_word_embeddings": tie, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    families = {
+        "llama": (transformers.LlamaConfig, dict(intermediate_size=160)),
+        "qwen3": (transformers.Qwen3Config, dict(intermediate_size=96, head_dim=32)),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                                        num_experts_per_tok=2, norm_topk_prob=True)),
+        "deepseek_v3": (transformers.DeepseekV3Config, dict(
+            num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+            kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            routed_scaling_factor=1.0)),
+    }
+    config_class, shapes = families[model_type]
+    return config_class(**{**common, **shapes, **overrides})
 
 
 def train_tokenizer(folder: Path, model_type: str) -> None:

@@ -67,6 +67,14 @@ def _files(root: Path) -> None:
     (root / "rows.csv").write_text("0F0,0B0\n")
     (root / "hf_model").mkdir()
     (root / "hf_model" / "model.safetensors").write_bytes(b"")
+    llama = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 160,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+             "max_position_embeddings": 2048, "rope_theta": 500000.0}
+    for name, config in (("hf_llama", llama), ("hf_gpt2", {**llama, "model_type": "gpt2"}),
+                         ("hf_odd", {**llama, "sliding_window": 128}), ("hf_bias", {**llama, "attention_bias": True})):
+        (root / name).mkdir()
+        (root / name / "model.safetensors").write_bytes(b"")
+        (root / name / "config.json").write_text(json.dumps(config))
 
 
 _PRINTED: list[str] = []
@@ -98,6 +106,24 @@ CASES = [
     ("recipe import fails", ["fit", "--recipe", "broken_import:x"],
      "importing 'broken_import' failed: ModuleNotFoundError: No module named 'not_installed_dependency_xyz'"),
     ("recipe syntax error", ["fit", "--recipe", "broken_syntax:recipe"], "importing 'broken_syntax' failed: SyntaxError"),
+    # -- Hugging Face folders --------------------------------------------------------------------
+    ("hf recipe without a folder", ["fit", "--recipe", "recipes.hf:pretrained"],
+     "--recipe='recipes.hf:pretrained' needs --job.checkpoint.initial_load_path"),
+    ("hf folder missing", ["fit", "--recipe", "recipes.hf:pretrained", "--job.checkpoint.initial_load_path", "nope"],
+     "nope/config.json: no config.json"),
+    ("hf model_type unsupported", ["fit", "--recipe", "recipes.hf:pretrained", "--job.checkpoint.initial_load_path",
+                                   "hf_gpt2"], 'model_type="gpt2" is not supported; supported: llama, qwen3'),
+    ("hf config field not modelled", ["fit", "--recipe", "recipes.hf:pretrained",
+                                      "--job.checkpoint.initial_load_path", "hf_odd"],
+     "hf_odd/config.json: sliding_window=128 not modelled by Llama here"),
+    ("hf config value not supported", ["fit", "--recipe", "recipes.hf:pretrained",
+                                       "--job.checkpoint.initial_load_path", "hf_bias"],
+     "hf_bias/config.json: attention_bias=true is not supported by Llama here (supported: false)"),
+    ("preset against a folder", [*D, "--job.checkpoint.initial_load_path", "hf_llama",
+                                 "--job.checkpoint.initial_load_format", "hf"],
+     "model args differ from hf_llama/config.json: hidden_size is 256 here, 64 there"),
+    ("hf export of a routing bias", [*MOE, "--job.checkpoint.export_format", "hf"],
+     "checkpoint.export_format=hf: Hugging Face Qwen3-MoE has no routing bias"),
     # -- options -----------------------------------------------------------------------------------
     ("unknown job key", [*D, "--job.training.sed", "3"], "unknown option --job.training.sed; valid keys under job.training: seed"),
     ("unknown trainer key", [*D, "--trainer.max_stepz", "3"], "unknown option --trainer.max_stepz"),

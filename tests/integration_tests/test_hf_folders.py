@@ -1,0 +1,63 @@
+"""A Hugging Face folder as a user holds it (saved by transformers, with its tokenizer) trains
+with the one command on 2 gloo ranks, and the export loads in transformers as it is: its
+logits equal our model's from the same export (fp32), it holds the trained weights, and its
+tokenizer encodes as the folder's."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from titan_lightning.recipe import RUN_DIR_ENV
+from titan_lightning.testing.launch import launch
+
+from tests.hf_folders import VOCAB, save_hf_folder
+
+transformers = pytest.importorskip("transformers", reason="the reference implementation; a test-only extra")
+
+pytestmark = pytest.mark.multi_process
+
+LAYOUTS = {"fsdp2": ["--job.parallelism.dp_shard", "2"], "tp2": ["--job.parallelism.dp_shard", "1", "--job.parallelism.tp", "2"]}
+
+
+def _tensors(folder) -> dict[str, torch.Tensor]:
+    return {k: v for file in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(file)).items()}
+
+
+@pytest.mark.parametrize("model_type, tie, layout", [
+    ("llama", True, "fsdp2"), ("llama", False, "tp2"), ("qwen3", True, "fsdp2"), ("qwen3_moe", False, "fsdp2"),
+    ("qwen3_moe", False, "tp2"), ("deepseek_v3", False, "fsdp2"),
+])
+def test_folder_to_one_command_to_transformers(tmp_path, model_type, tie, layout):
+    folder = save_hf_folder(tmp_path / "hf", model_type, tie=tie)
+    argv = ["fit", "--recipe", "recipes.hf:pretrained", "--job.checkpoint.initial_load_path", str(folder),
+            "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.max_steps", "2",
+            "--job.optimizer.lr", "1e-3", "--job.lr_schedule.warmup_steps", "0", "--trainer.limit_val_batches", "1",
+            *LAYOUTS[layout]]
+    launch(argv, 2, out_dir=tmp_path / "logs", timeout=300, env={RUN_DIR_ENV: str(tmp_path / "run")})
+    export = tmp_path / "run" / "export_hf"
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    assert theirs.config.model_type == model_type and not theirs.config.tie_word_embeddings
+
+    from titan_lightning.models.common.decoder import decoder_class
+    from titan_lightning.pretrained import read_hf_model
+
+    model = read_hf_model(export)
+    ours = decoder_class(type(model.args))(model.args)
+    model.module_class.hf_adapter(model.args).load_into(ours, export)
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=0, atol=1e-5)
+
+    trained, initial = _tensors(export), _tensors(folder)
+    assert initial.keys() <= trained.keys()
+    assert max((trained[k] - initial[k]).abs().max().item() for k in initial) > 1e-4  # it trained
+    if tie:  # the copy of the embeddings became an output of its own
+        assert "lm_head.weight" in trained and "lm_head.weight" not in initial
+
+    text = "def add(a, b):\n    return a + b"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(export)
+    from tokenizers import Tokenizer
+
+    assert tokenizer.encode(text, add_special_tokens=False) == Tokenizer.from_file(str(folder / "tokenizer.json")).encode(
+        text, add_special_tokens=False).ids
+    assert tokenizer.eos_token == transformers.AutoTokenizer.from_pretrained(folder).eos_token
