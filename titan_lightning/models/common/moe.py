@@ -3,7 +3,8 @@ and auxiliary-loss-free load balancing.
 
     x [B, S, dim] -> tokens [T, dim]
     router:   scores [T, E] (softmax or sigmoid of gate(x)); the top_k experts of each token,
-              picked on scores + expert_bias (the bias steers selection only)
+              picked on scores + expert_bias (the bias steers selection only); with expert
+              groups, only from the token's top_k_groups best groups (DeepSeek V3)
     experts:  the T * top_k (token, expert) pairs sorted by expert, one SwiGLU per expert
               (``torch._grouped_mm`` on GPUs that have it, an exact per-expert loop elsewhere)
     combine:  each token's top_k outputs weighted by their scores and summed, in a fixed
@@ -60,9 +61,14 @@ class MoEArgs:
     score_before_experts: bool = False
     # Step size of the load-balancing bias; None disables it (pure top-k on the scores).
     load_balance_coeff: Optional[float] = 1e-3
+    # Group-limited routing (DeepSeek V3's n_group / topk_group): the experts form num_groups
+    # equal groups, each scored by the sum of its 2 best (biased) scores; a token picks its
+    # top_k experts from its top_k_groups best groups only. 1 / 1: no groups.
+    num_groups: int = 1
+    top_k_groups: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_experts", "top_k", "hidden_dim"):
+        for name in ("num_experts", "top_k", "hidden_dim", "num_groups", "top_k_groups"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"moe.{name}={value!r} must be a positive integer")
@@ -74,31 +80,58 @@ class MoEArgs:
             raise ValueError(f"moe.score_func={self.score_func!r} is not one of {', '.join(SCORE_FUNCS)}")
         if self.load_balance_coeff is not None and not self.load_balance_coeff > 0:
             raise ValueError(f"moe.load_balance_coeff={self.load_balance_coeff} must be > 0, or None to disable")
+        if self.top_k_groups > self.num_groups:
+            raise ValueError(f"moe.top_k_groups={self.top_k_groups} must be <= moe.num_groups={self.num_groups}")
+        if self.num_experts % self.num_groups:
+            raise ValueError(f"moe.num_groups={self.num_groups} must divide moe.num_experts={self.num_experts}")
+        per_group = self.num_experts // self.num_groups
+        if self.num_groups > 1 and per_group < 2:
+            raise ValueError(f"moe.num_groups={self.num_groups} leaves 1 expert per group (groups are scored by "
+                             f"their 2 best experts): use at most {self.num_experts // 2} groups, or 1")
+        if self.top_k > self.top_k_groups * per_group:
+            raise ValueError(f"moe.top_k={self.top_k} must be <= moe.top_k_groups={self.top_k_groups} x "
+                             f"{per_group} experts per group")
 
 
 class TokenChoiceTopKRouter(nn.Module):
-    """Each token picks its ``top_k`` experts; returns (scores [T, k], experts [T, k], counts [E])."""
+    """Each token picks its ``top_k`` experts; returns (scores [T, k], experts [T, k], counts [E]).
+
+    With ``top_k_groups < num_groups`` the choice is group-limited as in transformers'
+    DeepseekV3TopkRouter: each group of ``num_experts / num_groups`` experts scores the sum of its
+    2 best choice scores, the ``top_k_groups`` best groups are kept, the other experts' choice
+    scores become -inf, then the top_k of all experts are taken."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str = "softmax",
-                 route_norm: bool = False, route_scale: float = 1.0):
+                 route_norm: bool = False, route_scale: float = 1.0, num_groups: int = 1, top_k_groups: int = 1):
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.route_norm, self.route_scale = score_func, route_norm, route_scale
+        self.num_groups, self.top_k_groups = num_groups, top_k_groups
 
     def forward(self, x: torch.Tensor, expert_bias: Optional[torch.Tensor] = None):
         logits = self.gate(x).float()
         scores = torch.softmax(logits, dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits)
-        if expert_bias is None:
+        grouped = self.top_k_groups < self.num_groups
+        if expert_bias is None and not grouped:
             top_scores, experts = torch.topk(scores, self.top_k, dim=-1)
-        else:  # the bias picks the experts; the weights stay the unbiased scores
-            experts = torch.topk(scores + expert_bias, self.top_k, dim=-1).indices
+        else:  # the bias and the groups pick the experts; the weights stay the unbiased scores
+            choice = scores if expert_bias is None else scores + expert_bias
+            experts = torch.topk(self.in_best_groups(choice) if grouped else choice, self.top_k, dim=-1).indices
             top_scores = scores.gather(-1, experts)
         if self.route_norm:
             top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
         top_scores = top_scores * self.route_scale
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
         return top_scores, experts, counts
+
+    def in_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """``choice`` [T, E] with -inf for every expert outside the token's ``top_k_groups`` best groups."""
+        groups = choice.unflatten(-1, (self.num_groups, -1))  # [T, G, E / G]
+        group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        best = torch.topk(group_scores, self.top_k_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, best, True)
+        return groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
@@ -199,7 +232,7 @@ class MoE(nn.Module):
         super().__init__()
         self.args = args
         self.router = TokenChoiceTopKRouter(dim, args.num_experts, args.top_k, args.score_func,
-                                            args.route_norm, args.route_scale)
+                                            args.route_norm, args.route_scale, args.num_groups, args.top_k_groups)
         self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
         # Registered even when absent (a None slot), so plans naming it skip it instead of failing.
         self.register_module("shared_experts", FeedForward(dim, args.hidden_dim * args.num_shared_experts)
