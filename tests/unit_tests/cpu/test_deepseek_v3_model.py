@@ -289,6 +289,7 @@ def test_presets_are_fresh_copies_and_unknown_flavors_name_the_valid_ones():
         (dict(q_lora_rank=-1), r"model\.q_lora_rank=-1 must be an integer >= 0"),
         (dict(n_dense_layers=7), r"model\.n_dense_layers=7 must be <= model\.n_layers=6"),
         (dict(rope_factor=0.0), r"model\.rope_factor=0\.0 must be > 0"),
+        (dict(latent_norm_eps=0.0), r"model\.latent_norm_eps=0\.0 must be > 0"),
         (dict(n_kv_heads=8), r"model\.n_kv_heads=8 must equal model\.n_heads=16"),
         (dict(qk_rope_head_dim=15), r"model\.qk_rope_head_dim=15 must be even"),
     ],

@@ -13,6 +13,7 @@ MLA, per token (H heads; nope/rope/v the head dims, r_q/r_kv the latent ranks):
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,9 @@ class DeepSeekV3Args(ModelArgs):
     n_dense_layers: int = 1
     inter_dim: int = 1024
     norm_eps: float = 1e-5
+    # eps of the latent norms (q_norm, kv_norm); None: norm_eps. Hugging Face's model uses 1e-6
+    # there whatever its rms_norm_eps.
+    latent_norm_eps: Optional[float] = None
     max_seq_len: int = 16384
     # MLA: 0 = queries straight from wq, no low-rank compression.
     q_lora_rank: int = 0
@@ -68,7 +72,8 @@ class DeepSeekV3Args(ModelArgs):
         self.require_positive_ints("n_dense_layers", "q_lora_rank", minimum=0)
         if self.n_dense_layers > self.n_layers:
             raise ValueError(f"model.n_dense_layers={self.n_dense_layers} must be <= model.n_layers={self.n_layers}")
-        self.require_positive("norm_eps", "rope_theta", "rope_factor", "beta_fast", "beta_slow", "mscale")
+        self.require_positive("norm_eps", "latent_norm_eps", "rope_theta", "rope_factor", "beta_fast", "beta_slow",
+                              "mscale")
         if self.n_kv_heads != self.n_heads:
             raise ValueError(
                 f"model.n_kv_heads={self.n_kv_heads} must equal model.n_heads={self.n_heads}: "
@@ -80,6 +85,10 @@ class DeepSeekV3Args(ModelArgs):
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_eps(self) -> float:
+        return self.norm_eps if self.latent_norm_eps is None else self.latent_norm_eps
 
     @property
     def uses_yarn(self) -> bool:
@@ -133,12 +142,12 @@ class MultiHeadLatentAttention(nn.Module):
         qk_dim = args.qk_head_dim
         if args.q_lora_rank:
             self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+            self.q_norm = RMSNorm(args.q_lora_rank, args.latent_eps)
             self.wq_b = nn.Linear(args.q_lora_rank, args.n_heads * qk_dim, bias=False)
         else:
             self.wq = nn.Linear(args.dim, args.n_heads * qk_dim, bias=False)
         self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + self.rope_dim, bias=False)
-        self.kv_norm = RMSNorm(args.kv_lora_rank, args.norm_eps)
+        self.kv_norm = RMSNorm(args.kv_lora_rank, args.latent_eps)
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
         # The rotary key is shared by every head; a no-op here, it is where tensor parallelism
