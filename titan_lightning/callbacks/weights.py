@@ -19,7 +19,6 @@ from titan_lightning.checkpoint import (
     PARTIAL,
     CheckpointError,
     dcp_saveable,
-    load_full_state_dict,
     load_sharded,
     read_dcp_metadata,
 )
@@ -107,13 +106,10 @@ class LoadWeights(L.Callback):
         if not self.path.exists():
             raise CheckpointError(f"checkpoint.initial_load_path={str(self.path)!r} does not exist")
         if self.fmt == "hf":
-            from titan_lightning.models.common.hf_checkpoint import load_hf_safetensors
-
             adapter = _adapter(pl_module)
             if _tied(self.path):
                 adapter = type(adapter)(adapter.args, tie_word_embeddings=True)
-            state = adapter.from_hf(load_hf_safetensors(self.path))
-            load_full_state_dict(pl_module.model, state, source=str(self.path), partial=_pipeline(trainer) is not None)
+            adapter.load_into(pl_module.model, self.path, partial=_pipeline(trainer) is not None)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -161,27 +157,23 @@ class ExportWeights(L.Callback):
         trainer.strategy.barrier()
 
     def _export_hf(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        """Every rank writes safetensors files of its share of the tensors (each full tensor
+        gathered, one at a time, by the ranks that hold it), rank 0 the index and the metadata:
+        no rank ever holds the whole model."""
+        from titan_lightning.checkpoint import check_placements
 
-        from titan_lightning.models.common.hf_checkpoint import save_hf_safetensors
-
-        # Every rank of a stage gets its stage's full tensors; then one rank per stage (the
-        # ranks of rank 0's pipeline group) sends them to rank 0.
-        full = get_model_state_dict(pl_module.model, options=StateDictOptions(full_state_dict=True))
-        state = {k: v.detach().to("cpu", self.dtype) if v.is_floating_point() else v.cpu() for k, v in full.items()}
-        pipeline = _pipeline(trainer)
-        if pipeline is not None and dist.is_initialized():
-            group = pipeline.pp_group
-            if dist.get_rank() in dist.get_process_group_ranks(group) and 0 in dist.get_process_group_ranks(group):
-                parts: list[Any] = [None] * dist.get_world_size(group) if trainer.is_global_zero else None
-                dist.gather_object(state, parts, dst=0, group=group)
-                if trainer.is_global_zero:
-                    state = {k: v for part in parts for k, v in part.items()}
+        adapter = _adapter(pl_module)
+        own = pl_module.model.state_dict()
+        check_placements(own.items())
+        staging = self.folder.with_name(self.folder.name + PARTIAL)
         if trainer.is_global_zero:
-            staging = self.folder.with_name(self.folder.name + PARTIAL)
             shutil.rmtree(staging, ignore_errors=True)
-            adapter = _adapter(pl_module)
-            save_hf_safetensors(adapter.to_hf(state), staging)
+            staging.mkdir(parents=True)
+        trainer.strategy.barrier()
+        share = _my_share(own, adapter, self.dtype)
+        write_hf_shards(share, staging)
+        trainer.strategy.barrier()
+        if trainer.is_global_zero:
             job = getattr(pl_module, "job", None)
             if job is not None:
                 from titan_lightning.pretrained import write_hf_metadata
@@ -190,3 +182,55 @@ class ExportWeights(L.Callback):
             shutil.rmtree(self.folder, ignore_errors=True)
             staging.rename(self.folder)
         trainer.strategy.barrier()
+
+
+def _world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+
+def _my_share(own: dict[str, torch.Tensor], adapter: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The Hugging Face tensors this rank writes: each of our tensors goes to one of the ranks that
+    hold it (round robin over the keys); a DTensor is gathered by its mesh, one tensor at a time."""
+    from torch.distributed.tensor import DTensor
+
+    rank, world = _world()
+    keys_by_rank: list[Any] = [list(own)]
+    if world > 1:
+        keys_by_rank = [None] * world
+        dist.all_gather_object(keys_by_rank, list(own))
+    holders: dict[str, list[int]] = {}
+    for holder, keys in enumerate(keys_by_rank):
+        for key in keys:
+            holders.setdefault(key, []).append(holder)
+    owner = {key: ranks[i % len(ranks)] for i, (key, ranks) in enumerate(holders.items())}
+    share: dict[str, torch.Tensor] = {}
+    for key, value in own.items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if owner[key] == rank:
+            full = full.detach().to("cpu", dtype) if full.is_floating_point() else full.detach().cpu()
+            share.update(adapter.to_hf({key: full}))
+    return share
+
+
+def write_hf_shards(share: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Every rank's ``share`` into numbered safetensors files of ``folder`` (at most
+    ``max_shard_bytes`` each, numbered across ranks) and the index; one file, ``model.safetensors``,
+    when everything fits in one."""
+    from titan_lightning.models.common.hf_checkpoint import split_shards, write_index, write_shards
+
+    rank, world = _world()
+    shards = split_shards(share, max_shard_bytes)
+    counts: list[Any] = [len(shards)]
+    if world > 1:
+        counts = [None] * world
+        dist.all_gather_object(counts, len(shards))
+    total = sum(counts)
+    weight_map = write_shards(shards, folder, first=sum(counts[:rank]), total=total)
+    mine = (weight_map, sum(t.nbytes for shard in shards for t in shard.values()))
+    parts: Any = [mine]
+    if world > 1:
+        parts = [None] * world if rank == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+    if rank == 0 and total > 1:
+        write_index(folder, dict(sorted(kv for part, _ in parts for kv in part.items())),
+                    sum(size for _, size in parts))

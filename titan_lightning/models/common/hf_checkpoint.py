@@ -26,6 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from titan_lightning.checkpoint import Source, load_sources
 from titan_lightning.config import ConfigError
 from titan_lightning.models.common.hf_config import HFConfig
 
@@ -36,7 +37,7 @@ _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 PathLike = Union[str, os.PathLike]
 
 
-def _shard_name(k: int, n: int) -> str:
+def shard_name(k: int, n: int) -> str:
     return f"model-{k:05d}-of-{n:05d}.safetensors"
 
 
@@ -49,6 +50,22 @@ def _standalone(t: Tensor, seen: set[int]) -> Tensor:
         t = t.clone(memory_format=torch.contiguous_format)
     seen.add(t.untyped_storage().data_ptr())
     return t
+
+
+def split_shards(state_dict: dict[str, Tensor], max_shard_bytes: int) -> list[dict[str, Tensor]]:
+    """``state_dict`` as saveable tensors (``_standalone``) in files of at most ``max_shard_bytes``
+    (tensors in their given order, none split; a larger tensor gets a file of its own); [] for {}."""
+    seen: set[int] = set()
+    shards: list[dict[str, Tensor]] = []
+    size = 0
+    for name, t in state_dict.items():
+        t = _standalone(t, seen)
+        if not shards or (shards[-1] and size + t.nbytes > max_shard_bytes):
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    return shards
 
 
 def save_hf_safetensors(state_dict: dict[str, Tensor], folder: PathLike, max_shard_bytes: int = 5 * 2**30) -> None:
@@ -65,26 +82,25 @@ def save_hf_safetensors(state_dict: dict[str, Tensor], folder: PathLike, max_sha
     for old in folder.iterdir():
         if old.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_NAME.fullmatch(old.name):
             old.unlink()
-    seen: set[int] = set()
-    tensors = {name: _standalone(t, seen) for name, t in state_dict.items()}
-    shards: list[dict[str, Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        if shards[-1] and size + t.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += t.nbytes
-    metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], str(folder / SINGLE_FILE), metadata=metadata)
-        return
+    shards = split_shards(state_dict, max_shard_bytes) or [{}]
+    weight_map = write_shards(shards, folder, first=0, total=len(shards))
+    if len(shards) > 1:
+        write_index(folder, weight_map, sum(t.nbytes for shard in shards for t in shard.values()))
+
+
+def write_shards(shards: list[dict[str, Tensor]], folder: Path, *, first: int, total: int) -> dict[str, str]:
+    """``shards`` as the files ``first + 1``.. of ``total`` in ``folder`` (``model.safetensors``
+    when ``total`` is 1), with the metadata transformers requires; their name -> file map."""
     weight_map = {}
-    for k, shard in enumerate(shards, start=1):
-        file = _shard_name(k, len(shards))
-        save_file(shard, str(folder / file), metadata=metadata)
+    for k, shard in enumerate(shards, start=first + 1):
+        file = SINGLE_FILE if total == 1 else shard_name(k, total)
+        save_file(shard, str(folder / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file))
-    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+    return weight_map
+
+
+def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
@@ -123,6 +139,78 @@ def load_hf_safetensors(folder: PathLike) -> dict[str, Tensor]:
     return state_dict
 
 
+def _weight_map(folder: Path) -> Optional[dict[str, str]]:
+    """The index's name -> file map, or None for a one-file checkpoint; one-line errors."""
+    index_path = folder / INDEX_FILE
+    if not index_path.is_file():
+        if not (folder / SINGLE_FILE).is_file():
+            raise FileNotFoundError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}: not a Hugging Face checkpoint folder")
+        return None
+    try:
+        return dict(json.loads(index_path.read_text())["weight_map"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{index_path}: not a safetensors index with a 'weight_map' ({type(err).__name__}: {err})")
+
+
+class HFTensors:
+    """A checkpoint's tensors by Hugging Face name, read on demand: names and shapes from the file
+    headers, values whole or as blocks (``read(name, index)``: only those bytes leave the file).
+    ``HFTensors.of(state_dict)`` serves tensors in memory the same way."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], read: Callable[[str, tuple[slice, ...]], Tensor]) -> None:
+        self._shapes, self._read = shapes, read
+
+    @classmethod
+    def of(cls, state_dict: dict[str, Tensor]) -> "HFTensors":
+        return cls({k: tuple(t.shape) for k, t in state_dict.items()}, lambda name, index: state_dict[name][index])
+
+    @classmethod
+    def open(cls, folder: PathLike) -> "HFTensors":
+        """The checkpoint in ``folder`` (one file, or an index and its shards), headers read, no tensor."""
+        from safetensors import safe_open
+
+        folder = Path(folder)
+        weight_map = _weight_map(folder)
+        files = [SINGLE_FILE] if weight_map is None else list(dict.fromkeys(weight_map.values()))
+        handles, shapes = {}, {}
+        for file in files:
+            path = folder / file
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: checkpoint file is missing" + (f" (listed in {INDEX_FILE})" if weight_map else ""))
+            try:
+                handle = safe_open(str(path), framework="pt")
+                names = set(handle.keys())
+            except (SafetensorError, OSError) as err:
+                reason = " ".join(str(err).split())
+                raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {reason}") from None
+            if weight_map is not None:
+                listed = {name for name, f in weight_map.items() if f == file}
+                if listed != names:
+                    missing, extra = sorted(listed - names), sorted(names - listed)
+                    raise ValueError(f"{path}: tensors do not match {INDEX_FILE}: missing {missing}, not listed {extra}")
+            for name in sorted(names):
+                handles[name] = handle
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+
+        def read(name: str, index: tuple[slice, ...]) -> Tensor:
+            return handles[name].get_slice(name)[index] if index else handles[name].get_tensor(name)
+
+        return cls(shapes, read)
+
+    def keys(self) -> list[str]:
+        return list(self._shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> Tensor:
+        """The tensor ``name``, or its block ``index`` (one slice per leading dim)."""
+        return self._read(name, index)
+
+    def source(self, name: str) -> Source:
+        return Source(self.shape(name), lambda index: self.read(name, index))
+
+
 # Every family's top-level names, then ours inside ``layers.N.`` -> Hugging Face's inside ``model.layers.N.``.
 _TOP_KEYS = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
@@ -155,6 +243,13 @@ def _names(keys: list[str], limit: int = 8) -> str:
 
 def _inverse(table: dict[str, str]) -> dict[str, str]:
     return {theirs: ours for ours, theirs in table.items()}
+
+
+def _permute_heads(w: Tensor, head_dim: int, *, to_hf: bool) -> Tensor:
+    """The rows of each ``head_dim``-row head of ``w`` from our adjacent RoPE pairs to Hugging
+    Face's halves (``to_hf``), or back."""
+    per_head = (-1, head_dim // 2, 2) if to_hf else (-1, 2, head_dim // 2)
+    return w.reshape(*per_head, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def _shape_error(hf_key: str, ours: str, shape: torch.Size, expected: tuple, why: str) -> ValueError:
@@ -253,18 +348,23 @@ class StateDictAdapter:
         return hf
 
     def from_hf(self, hf_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {ours: source.full() for ours, source in self.sources(HFTensors.of(hf_state_dict)).items()}
+
+    def sources(self, tensors: HFTensors) -> dict[str, Source]:
+        """Each of our tensors as a ``Source`` reading the blocks of ``tensors`` it is made of (names,
+        shapes and expert sets checked from the headers, before anything is read)."""
         top, layer_keys = _inverse(_TOP_KEYS), _inverse(self.layer_keys)
         moe = getattr(self.args, "moe", None)
         expert_keys = _inverse(self.expert_keys) if moe is not None else {}
-        sd: dict[str, Tensor] = {}
-        experts: dict[str, dict[int, tuple[str, Tensor]]] = {}  # our stacked key -> J -> (HF key, weight)
+        sd: dict[str, Source] = {}
+        experts: dict[str, dict[int, str]] = {}  # our stacked key -> J -> HF key
         unknown = []
-        for key, value in hf_state_dict.items():
+        for key in tensors.keys():
             match = _HF_LAYER.fullmatch(key)
             layer, name = match.groups() if match else (None, key)
             expert = _HF_EXPERT.fullmatch(name)
             if key in top:
-                sd[top[key]] = value
+                sd[top[key]] = tensors.source(key)
             elif match is None:
                 if not key.endswith(self.ignored_hf_suffixes):
                     unknown.append(key)
@@ -272,46 +372,79 @@ class StateDictAdapter:
                 continue
             elif name in layer_keys:
                 ours = f"layers.{layer}.{layer_keys[name]}"
-                sd[ours] = self._permute_rope(layer_keys[name], key, ours, value, to_hf=False)
+                sd[ours] = self._rope_source(layer_keys[name], key, ours, tensors)
             elif expert is not None and expert[2] in expert_keys:
-                experts.setdefault(f"layers.{layer}.{expert_keys[expert[2]]}", {})[int(expert[1])] = (key, value)
+                experts.setdefault(f"layers.{layer}.{expert_keys[expert[2]]}", {})[int(expert[1])] = key
             elif name in self.extra_from_hf:
-                sd.update({f"layers.{layer}.{ours}": t for ours, t in self.extra_from_hf[name](value).items()})
+                sd.update({f"layers.{layer}.{ours}": source for ours, source in self._extra_sources(name, key, tensors).items()})
             else:
                 unknown.append(key)
         if unknown:
             raise ValueError(f"no {self.family} name for Hugging Face keys {_names(sorted(unknown))}")
         for key, by_index in experts.items():
-            sd[key] = self._stack(key, by_index)
+            sd[key] = self._stack(key, by_index, tensors)
         if self.tie_word_embeddings and "output.weight" not in sd and "tok_embeddings.weight" in sd:
-            sd["output.weight"] = sd["tok_embeddings.weight"].clone()
+            embeddings = sd["tok_embeddings.weight"]
+            sd["output.weight"] = Source(embeddings.shape, lambda index: embeddings.read(index).clone())
         if EXPERT_BIAS not in self.layer_keys and moe is not None and moe.load_balance_coeff is not None:
             for layer in range(self.args.n_layers):
-                sd[f"layers.{layer}.{EXPERT_BIAS}"] = torch.zeros(moe.num_experts, dtype=torch.float32)
+                sd[f"layers.{layer}.{EXPERT_BIAS}"] = Source.of(torch.zeros(moe.num_experts, dtype=torch.float32))
         return sd
+
+    def _rope_heads(self, name: str, hf_key: str, ours: str, shape: tuple[int, ...]) -> Optional[int]:
+        """The head width of a layer key permuted per head (checking its rows), None for others."""
+        if name not in self.rope_halves:
+            return None
+        field = self.rope_halves[name]
+        heads, head_dim = getattr(self.args, field) if field else 1, self.args.head_dim
+        if shape[0] != heads * head_dim:
+            raise _shape_error(hf_key, ours, shape, (heads * head_dim, *shape[1:]), f"{heads} heads of {head_dim}")
+        return head_dim
 
     def _permute_rope(self, name: str, hf_key: str, ours: str, w: Tensor, *, to_hf: bool) -> Tensor:
         """``w`` with the rows of each head from our adjacent pairs to Hugging Face's halves, or back."""
-        if name not in self.rope_halves:
-            return w
-        field = self.rope_halves[name]
-        heads, head_dim = getattr(self.args, field) if field else 1, self.args.head_dim
-        if w.shape[0] != heads * head_dim:
-            raise _shape_error(hf_key, ours, w.shape, (heads * head_dim, *w.shape[1:]), f"{heads} heads of {head_dim}")
-        per_head = (heads, -1, 2) if to_hf else (heads, 2, -1)
-        return w.reshape(*per_head, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+        head_dim = self._rope_heads(name, hf_key, ours, tuple(w.shape))
+        return w if head_dim is None else _permute_heads(w, head_dim, to_hf=to_hf)
 
-    def _stack(self, ours: str, by_index: dict[int, tuple[str, Tensor]]) -> Tensor:
+    def _rope_source(self, name: str, hf_key: str, ours: str, tensors: HFTensors) -> Source:
+        """Our rows a..b of a per-head permuted key: the whole heads around them, permuted, cut."""
+        shape = tensors.shape(hf_key)
+        head_dim = self._rope_heads(name, hf_key, ours, shape)
+        if head_dim is None:
+            return tensors.source(hf_key)
+
+        def read(index: tuple[slice, ...]) -> Tensor:
+            rows, rest = index[0], index[1:]
+            first, last = rows.start // head_dim * head_dim, -(-rows.stop // head_dim) * head_dim
+            block = _permute_heads(tensors.read(hf_key, (slice(first, last), *rest)), head_dim, to_hf=False)
+            return block[rows.start - first:rows.stop - first]
+
+        return Source(shape, read)
+
+    def _extra_sources(self, name: str, hf_key: str, tensors: HFTensors) -> dict[str, Source]:
+        """``extra_from_hf[name]``'s tensors (shapes from a meta run); each read takes the whole HF tensor."""
+        convert = self.extra_from_hf[name]
+        shapes = {ours: tuple(t.shape) for ours, t in convert(torch.empty(tensors.shape(hf_key), device="meta")).items()}
+        return {ours: Source(shape, lambda index, ours=ours: convert(tensors.read(hf_key))[ours][index])
+                for ours, shape in shapes.items()}
+
+    def _stack(self, ours: str, by_index: dict[int, str], tensors: HFTensors) -> Source:
         n = self.args.moe.num_experts
         missing, extra = sorted(set(range(n)) - by_index.keys()), sorted(by_index.keys() - set(range(n)))
         if missing or extra:
             raise ValueError(f"{self.hf_key(ours)} (ours {ours}): expected experts 0..{n - 1} "
                              f"(model.moe.num_experts={n}), missing {missing[:8]}, extra {extra[:8]}")
-        first_key, first = by_index[0]
-        for j, (key, w) in sorted(by_index.items()):
-            if w.shape != first.shape:
-                raise _shape_error(key, f"{ours}[{j}]", w.shape, tuple(first.shape), f"as {first_key}")
-        return torch.stack([by_index[j][1] for j in range(n)])
+        first = tensors.shape(by_index[0])
+        for j, key in sorted(by_index.items()):
+            if tensors.shape(key) != first:
+                raise _shape_error(key, f"{ours}[{j}]", tensors.shape(key), first, f"as {by_index[0]}")
+
+        def read(index: tuple[slice, ...]) -> Tensor:
+            experts = range(n)[index[0]]
+            parts = [tensors.read(by_index[j], index[1:]) for j in experts]
+            return torch.stack(parts) if parts else torch.empty((0, *first))[(slice(None), *index[1:])]
+
+        return Source((n, *first), read)
 
     def _check(self, expected: dict[str, Tensor], got: dict[str, Tensor], what: str) -> None:
         """Raise one line naming the missing and unexpected tensors, or the first shape that differs."""
@@ -327,12 +460,15 @@ class StateDictAdapter:
     def _both(self, keys: list[str]) -> str:
         return _names([f"{self.hf_key(k)} (ours {k})" if self.hf_key(k) else k for k in keys])
 
-    @torch.no_grad()
-    def load_into(self, model: nn.Module, folder: PathLike) -> None:
-        """Load the Hugging Face checkpoint in ``folder`` into ``model``; every key must match."""
-        state_dict = self.from_hf(load_hf_safetensors(folder))
-        self._check(model.state_dict(), state_dict, f"loading {folder} into {type(model).__name__}")
-        model.load_state_dict(state_dict, strict=True)
+    def load_into(self, model: nn.Module, folder: PathLike, *, partial: bool = False) -> None:
+        """Load the Hugging Face checkpoint in ``folder`` into ``model`` (sharded or not: each
+        DTensor reads only its local block); every key must match (``partial``: a pipeline rank's
+        stages take the keys they hold)."""
+        sources = self.sources(HFTensors.open(folder))
+        own = model.state_dict()
+        self._check(own, sources if not partial else {k: v for k, v in sources.items() if k in own},
+                    f"loading {folder} into {type(model).__name__}")
+        load_sources(model, sources, source=str(folder), partial=partial)
 
     def save_from(self, model: nn.Module, folder: PathLike, max_shard_bytes: int = 5 * 2**30) -> None:
         """Save ``model`` as a Hugging Face checkpoint in ``folder``."""
