@@ -1,13 +1,23 @@
-"""A Hugging Face DeepSeek V3 checkpoint loaded through our adapter gives transformers' logits."""
+"""Hugging Face DeepSeek V3 folders: config.json read and written field by field, checkpoints
+loaded through our adapter give transformers' logits."""
+
+import dataclasses
+import json
 
 import pytest
 import torch
 
+from titan_lightning.config import ConfigError
+from titan_lightning.models.common.hf_config import HFConfig, read_config_json
 from titan_lightning.models.common.moe import MoEArgs
-from titan_lightning.models.deepseek_v3 import DeepSeekV3Args, Transformer
-from titan_lightning.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter, to_hf_config
+from titan_lightning.models.deepseek_v3 import DeepSeekV3Args, Transformer, deepseek_v3_args
+from titan_lightning.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter as Adapter
 
-transformers = pytest.importorskip("transformers", reason="transformers is not a dependency; the GPU machine has it")
+
+@pytest.fixture
+def transformers():
+    return pytest.importorskip("transformers", reason="transformers is not a dependency; the GPU machine has it")
+
 
 # Plain RoPE, and YaRN (positions past original_seq_len: stretched frequencies, mscale).
 ROPE = {
@@ -16,14 +26,14 @@ ROPE = {
 }
 
 
-def tiny_args(q_lora_rank: int, rope: dict) -> DeepSeekV3Args:
+def tiny_args(q_lora_rank: int, rope: dict, **fields) -> DeepSeekV3Args:
     moe = MoEArgs(num_experts=8, top_k=2, hidden_dim=32, num_shared_experts=1, score_func="sigmoid",
-                  route_norm=True, route_scale=2.5)
-    return DeepSeekV3Args(
+                  route_norm=True, route_scale=2.5, num_groups=4, top_k_groups=2)
+    return DeepSeekV3Args(**{**dict(
         vocab_size=512, dim=64, n_layers=3, n_dense_layers=1, inter_dim=96, n_heads=4, n_kv_heads=4, norm_eps=1e-6,
         q_lora_rank=q_lora_rank, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
         moe=moe, **rope,
-    )  # fmt: skip
+    ), **fields})  # fmt: skip
 
 
 @torch.no_grad()
@@ -38,23 +48,172 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
-@pytest.mark.parametrize("rope", ROPE)
-@pytest.mark.parametrize("q_lora_rank", [0, 24])
-def test_hf_checkpoint_gives_the_reference_logits(q_lora_rank, rope, tmp_path):
-    args = tiny_args(q_lora_rank, ROPE[rope])
-    reference = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**to_hf_config(args)))
-    reference = reference.float().eval()
-    randomize(reference, seed=0)
-    reference.save_pretrained(tmp_path, safe_serialization=True)
+def read(config: dict, source: str = "folder/config.json") -> DeepSeekV3Args:
+    """``config`` as the recipe reads a folder's config.json: every field mapped, checked or refused."""
+    reader = HFConfig(config, source=source, family="DeepSeek V3")
+    args = Adapter.args_from_hf_config(reader)
+    reader.finish()
+    return args
 
+
+def loaded(args: DeepSeekV3Args, folder) -> Transformer:
     model = Transformer(args)
     model.init_weights(seed=1)
-    DeepSeekV3StateDictAdapter(args).load_into(model, tmp_path)
-    model.eval()
+    Adapter(args).load_into(model, folder)
+    return model.eval()
 
-    tokens = torch.randint(0, args.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
+
+def logits(model, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        expected = reference(tokens).logits
-        logits = model(tokens)
+        out = model(tokens)
+    return out.logits if hasattr(out, "logits") else out
+
+
+TOKENS = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("rope", ROPE)
+@pytest.mark.parametrize("q_lora_rank", [0, 24])
+def test_exported_config_builds_transformers_model_with_our_logits(q_lora_rank, rope, tmp_path, transformers):
+    args = tiny_args(q_lora_rank, ROPE[rope])
+    (tmp_path / "config.json").write_text(json.dumps(Adapter.hf_config(args)))
+    reference = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    reference = reference.float().eval()
+    randomize(reference, seed=0)
+    reference.save_pretrained(tmp_path)
+    assert read(read_config_json(tmp_path)) == args  # through transformers' own save of our config.json
+
+    expected = logits(reference, TOKENS)
     assert expected.std() > 0.1  # the logits depend on the weights, not a constant
-    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits(loaded(args, tmp_path), TOKENS), expected, rtol=0, atol=1e-5)
+
+
+# transformers-saved configs that exercise what our defaults would get wrong: its latent norms at
+# 1e-6 under another rms_norm_eps, and experts limited to the best groups (with YaRN, given in
+# transformers 4's spelling, which transformers 5 saves under both ``type`` and ``rope_type``).
+SAVED = {
+    "latent_eps": (dict(rms_norm_eps=1e-2, q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
+                        topk_group=1, max_position_embeddings=64), dict(latent_norm_eps=None)),
+    "groups": (dict(rms_norm_eps=1e-6, q_lora_rank=None, n_routed_experts=16, num_experts_per_tok=3, n_group=4,
+                    topk_group=2, max_position_embeddings=128,
+                    rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                  "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}),
+               dict(top_k_groups=4)),
+}
+
+
+@pytest.mark.parametrize("case", SAVED)
+def test_transformers_saved_folder_gives_transformers_logits(case, tmp_path, transformers):
+    fields, ablation = SAVED[case]
+    config = transformers.DeepseekV3Config(
+        vocab_size=512, hidden_size=64, num_hidden_layers=3, first_k_dense_replace=1, intermediate_size=96,
+        num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=32, n_shared_experts=1,
+        routed_scaling_factor=2.5, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, **fields,
+    )  # fmt: skip
+    reference = transformers.DeepseekV3ForCausalLM(config).float().eval()
+    randomize(reference, seed=0)
+    reference.save_pretrained(tmp_path)
+
+    args = read(read_config_json(tmp_path))
+    expected = logits(reference, TOKENS)
+    torch.testing.assert_close(logits(loaded(args, tmp_path), TOKENS), expected, rtol=0, atol=1e-5)
+    # Without the mapped field (latent norms at rms_norm_eps; every group allowed) the logits differ.
+    if "latent_norm_eps" in ablation:
+        other = dataclasses.replace(args, **ablation)
+    else:
+        other = dataclasses.replace(args, moe=dataclasses.replace(args.moe, **ablation))
+    assert (logits(loaded(other, tmp_path), TOKENS) - expected).abs().max() > 1e-3
+
+
+# deepseek-ai/DeepSeek-V3's config.json as published (a multi-token-prediction layer), less its quantization_config.
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                 "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                 "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
+# moonshotai/Moonlight-16B-A3B's: DeepSeek-V2-Lite's shapes (no query compression, 64 experts)
+# under DeepSeek V3's routing, plain RoPE, rms_norm_eps 1e-5.
+MOONLIGHT = {
+    **{k: v for k, v in DEEPSEEK_V3.items() if k != "rope_scaling"},
+    "first_k_dense_replace": 1, "hidden_size": 2048, "intermediate_size": 11264, "max_position_embeddings": 8192,
+    "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2,
+    "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16,
+    "num_nextn_predict_layers": 0, "q_lora_rank": None, "rms_norm_eps": 1e-05, "rope_scaling": None,
+    "rope_theta": 50000.0, "routed_scaling_factor": 2.446, "topk_group": 1, "vocab_size": 163840,
+}  # fmt: skip
+
+
+def test_published_configs_read_as_the_models_they_describe():
+    # The 671B preset, at transformers' YaRN length (40 x 4096 positions; the preset caches 16,384).
+    assert read(DEEPSEEK_V3) == dataclasses.replace(deepseek_v3_args("671B"), max_seq_len=163840)
+    args = read(MOONLIGHT)
+    assert (args.dim, args.n_layers, args.n_dense_layers, args.q_lora_rank, args.max_seq_len) == (2048, 27, 1, 0, 8192)
+    assert not args.uses_yarn and args.rope_theta == 50000.0
+    assert (args.norm_eps, args.latent_norm_eps) == (1e-5, 1e-6)  # transformers' latent norms
+    assert args.moe == MoEArgs(num_experts=64, top_k=6, hidden_dim=1408, num_shared_experts=2, score_func="sigmoid",
+                               route_norm=True, route_scale=2.446, num_groups=1, top_k_groups=1)
+
+
+def test_671b_preset_exports_the_published_config(transformers):
+    config = Adapter.hf_config(deepseek_v3_args("671B"))
+    published = {k: v for k, v in DEEPSEEK_V3.items() if k in config and k not in ("rope_scaling", "rope_theta")}
+    assert {k: config[k] for k in published} == {**published, "num_nextn_predict_layers": 0}
+    assert Adapter.hf_config(read(config)) == config  # a fixed point
+    hf = transformers.DeepseekV3Config(**config)
+    assert (hf.n_group, hf.topk_group, hf.rope_parameters["factor"], hf.max_position_embeddings) == (8, 4, 40, 163840)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(scoring_func="softmax"),
+     r'scoring_func="softmax" is not supported by DeepSeek V3 here \(supported: "sigmoid"\)'),
+    (dict(topk_method="group_limited_greedy"), r'topk_method="group_limited_greedy" is not supported.*"noaux_tc"'),
+    (dict(moe_layer_freq=2), r"moe_layer_freq=2 is not supported.*supported: 1\)"),
+    (dict(rope_interleave=False), r"rope_interleave=false is not supported.*supported: true\)"),
+    (dict(head_dim=192), r"head_dim=192 is not supported.*supported: 64\)"),
+    (dict(qk_head_dim=128), r"qk_head_dim=128 is not supported.*supported: 192\)"),
+    (dict(hidden_size=None), r"hidden_size is missing; DeepSeek V3 needs it"),
+    (dict(index_topk=2048), r"index_topk=2048 not modelled by DeepSeek V3 here"),
+    (dict(rope_scaling={**DEEPSEEK_V3["rope_scaling"], "mscale_all_dim": 0.707}),
+     r"rope_scaling: mscale=1.0 and mscale_all_dim=0.707 differ: transformers then scales the rotary features alone"),
+    (dict(rope_scaling={**DEEPSEEK_V3["rope_scaling"], "factor": 1}),
+     r"rope_scaling: factor=1; YaRN here needs a factor > 1"),
+    (dict(rope_scaling={**DEEPSEEK_V3["rope_scaling"], "truncate": False}),
+     r"yarn RoPE field\(s\) truncate not modelled"),
+    (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), r'rope_type="dynamic" is not supported here'),
+])  # fmt: skip
+def test_unsupported_config_fields_are_refused_by_name(change, message):
+    config = {k: v for k, v in {**DEEPSEEK_V3, **change}.items() if v is not None}
+    with pytest.raises(ConfigError, match=message):
+        read(config)
+
+
+@pytest.mark.parametrize("args, message", [
+    (deepseek_v3_args("debugmodel"),
+     r"model\.moe\.score_func='softmax': Hugging Face DeepSeek V3 scores experts with 'sigmoid' only"),
+    (tiny_args(0, ROPE["rope"], norm_eps=1e-5),
+     r"model\.latent_norm_eps=None \(latent norms at eps 1e-05\): Hugging Face DeepSeek V3 uses 1e-06 there; "
+     r"export needs "
+     r"model\.latent_norm_eps=1e-06"),
+    (tiny_args(0, ROPE["yarn"], rope_factor=0.5),
+     r"model\.rope_factor=0\.5: Hugging Face YaRN stretches RoPE by a factor > 1"),
+    (tiny_args(0, ROPE["rope"], moe=MoEArgs(score_func="sigmoid", score_before_experts=True)),
+     r"model\.moe\.score_before_experts=True: Hugging Face DeepSeek V3 weights the experts' outputs; "
+     r"export needs False"),
+])  # fmt: skip
+def test_models_transformers_cannot_express_are_refused_on_export(args, message):
+    with pytest.raises(ConfigError, match=message):
+        Adapter.hf_config(args)

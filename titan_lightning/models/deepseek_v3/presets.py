@@ -1,9 +1,8 @@
 """DeepSeek V3 sizes: the debugmodel for tests, 16B (DeepSeek-V2-Lite's shapes) and 671B,
 with torchtitan's shapes.
 
-Not modelled: group-limited routing (671B's checkpoint config has ``n_group=8``,
-``topk_group=4``: each token's experts come from its 4 best groups of 32); the router here
-picks the top 8 of all 256 experts (models/common/moe.py has no expert groups). The
+671B routes as its checkpoint's config does: each token's 8 experts come from its 4 best groups
+of 32 (``n_group=8``, ``topk_group=4``: ``moe.num_groups``, ``moe.top_k_groups``). The
 multi-token-prediction layer of the 671B checkpoint (``model.layers.61``) is not built.
 The published sizes use the checkpoints' ``rms_norm_eps=1e-6`` (torchtitan: 1e-5).
 """
@@ -30,7 +29,7 @@ DEEPSEEK_V3_PRESETS: dict[str, DeepSeekV3Args] = {
         dim=7168, n_layers=61, n_dense_layers=3, inter_dim=18432, n_heads=128, n_kv_heads=128, vocab_size=129280,
         norm_eps=1e-6, q_lora_rank=1536, mscale=1.0, **_MLA, **_ROPE,
         moe=MoEArgs(num_experts=256, top_k=8, hidden_dim=2048, num_shared_experts=1, score_func="sigmoid",
-                    route_norm=True, route_scale=2.5),
+                    route_norm=True, route_scale=2.5, num_groups=8, top_k_groups=4),
     ),
 }
 

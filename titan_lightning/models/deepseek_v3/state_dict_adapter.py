@@ -1,4 +1,4 @@
-"""Hugging Face DeepSeek V3 checkpoints <-> our state dict.
+"""DeepSeek V3 <-> Hugging Face ``DeepseekV3ForCausalLM``: state dicts and config.json.
 
 Names map one to one, the routed experts stacked (models/common/hf_checkpoint.py has the layouts).
 transformers 5 holds them fused in memory (``mlp.experts.gate_up_proj`` [E, 2 * hidden, dim], gate
@@ -11,12 +11,32 @@ q and k the same way before rotating halves, which leaves every q.k product unch
 
 Layers at or past ``n_layers`` (the 671B checkpoint's multi-token-prediction layer 61) are
 skipped. FP8 checkpoints (``weight_scale_inv`` tensors) must be dequantized first.
+
+config.json: YaRN is on in our model when ``max_seq_len > original_seq_len`` and in transformers
+whenever ``rope_scaling`` says yarn, whose factor stretches ``original_max_position_embeddings``
+to ``max_position_embeddings``; so a YaRN model exports ``max(max_seq_len, factor x original)``
+positions and reads back that many. transformers normalizes the latent ``q_a_layernorm`` and
+``kv_a_layernorm`` with eps 1e-6 whatever ``rms_norm_eps`` says (``model.latent_norm_eps``).
 """
 
 from typing import Any
 
+from titan_lightning.config import ConfigError
 from titan_lightning.models.common.hf_checkpoint import BLOCK_KEYS, EXPERT_KEYS, StateDictAdapter
+from titan_lightning.models.common.hf_config import HFConfig, scaling_fields
+from titan_lightning.models.common.moe import MoEArgs
 from titan_lightning.models.deepseek_v3.model import DeepSeekV3Args
+
+HF_LATENT_NORM_EPS = 1e-6
+# config.json fields that must hold the one value implemented here (absent: transformers' default, the same).
+FIXED_FIELDS = {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "rope_interleave": True,
+                "moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+# Fields that change nothing the model computes: training-only auxiliary losses, DeepSeek's remote
+# code and expert placement, transformers' unused TP hint, multi-token-prediction layers (not built;
+# their weights are skipped on load).
+IGNORED_FIELDS = ("aux_loss_alpha", "seq_aux", "auto_map", "ep_size", "pretraining_tp", "num_nextn_predict_layers",
+                  "num_mtp_layers")
+_YARN = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 class DeepSeekV3StateDictAdapter(StateDictAdapter):
@@ -44,38 +64,99 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
     }
     ignored_hf_suffixes = ("rotary_emb.inv_freq",)
     ignores_layers_past_n_layers = True
+    hf_model_types = ("deepseek_v3",)
+
+    @classmethod
+    def args_from_hf_config(cls, config: HFConfig) -> DeepSeekV3Args:
+        """Sizes are required; other absent fields take transformers' DeepseekV3Config defaults."""
+        for name, value in FIXED_FIELDS.items():
+            config.expect(name, value)
+        config.ignore(*IGNORED_FIELDS)
+        heads, nope = config.get("num_attention_heads"), config.get("qk_nope_head_dim")
+        rope = config.get("qk_rope_head_dim")
+        # Derived by transformers (head_dim: the rotary part of a head); config.json may repeat them.
+        config.expect("head_dim", rope)
+        config.expect("qk_head_dim", nope + rope)
+        eps = config.get("rms_norm_eps", default=1e-6)
+        moe = MoEArgs(
+            num_experts=config.get("n_routed_experts", "num_local_experts"),
+            hidden_dim=config.get("moe_intermediate_size"), num_shared_experts=config.get("n_shared_experts"),
+            top_k=config.get("num_experts_per_tok", default=8),
+            score_func="sigmoid", route_norm=bool(config.get("norm_topk_prob", default=True)),
+            route_scale=float(config.get("routed_scaling_factor", default=2.5)),
+            num_groups=config.get("n_group", default=8), top_k_groups=config.get("topk_group", default=4),
+        )  # fmt: skip
+        return DeepSeekV3Args(
+            vocab_size=config.get("vocab_size"), dim=config.get("hidden_size"),
+            inter_dim=config.get("intermediate_size"), n_layers=config.get("num_hidden_layers"),
+            n_dense_layers=config.get("first_k_dense_replace"),
+            n_heads=heads, n_kv_heads=config.get("num_key_value_heads", default=heads), norm_eps=eps,
+            latent_norm_eps=None if eps == HF_LATENT_NORM_EPS else HF_LATENT_NORM_EPS,
+            q_lora_rank=config.get("q_lora_rank") or 0, kv_lora_rank=config.get("kv_lora_rank"),
+            qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=config.get("v_head_dim"), moe=moe,
+            **rope_args(config),
+        )  # fmt: skip
+
+    @classmethod
+    def hf_config(cls, args: DeepSeekV3Args) -> dict[str, Any]:
+        m = args.moe
+        if m.score_func != "sigmoid":
+            raise ConfigError(f"model.moe.score_func={m.score_func!r}: Hugging Face DeepSeek V3 scores experts with "
+                              f"'sigmoid' only")
+        if m.score_before_experts:
+            raise ConfigError("model.moe.score_before_experts=True: Hugging Face DeepSeek V3 weights the experts' "
+                              "outputs; export needs False")
+        if args.latent_eps != HF_LATENT_NORM_EPS:
+            raise ConfigError(f"model.latent_norm_eps={args.latent_norm_eps} (latent norms at eps {args.latent_eps}): "
+                              f"Hugging Face DeepSeek V3 uses {HF_LATENT_NORM_EPS} there; export needs "
+                              f"model.latent_norm_eps={HF_LATENT_NORM_EPS}")
+        rope_scaling, positions = None, args.max_seq_len
+        if args.uses_yarn:
+            if not args.rope_factor > 1:
+                raise ConfigError(f"model.rope_factor={args.rope_factor}: Hugging Face YaRN stretches RoPE by a "
+                                  f"factor > 1")
+            positions = max(args.max_seq_len, round(args.rope_factor * args.original_seq_len))
+            rope_scaling = {
+                "rope_type": "yarn", "factor": args.rope_factor,
+                "original_max_position_embeddings": args.original_seq_len, "beta_fast": args.beta_fast,
+                "beta_slow": args.beta_slow, "mscale": args.mscale, "mscale_all_dim": args.mscale,
+            }  # fmt: skip
+        return dict(
+            architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=args.vocab_size,
+            hidden_size=args.dim, intermediate_size=args.inter_dim, moe_intermediate_size=m.hidden_dim,
+            num_hidden_layers=args.n_layers, first_k_dense_replace=args.n_dense_layers,
+            num_attention_heads=args.n_heads, num_key_value_heads=args.n_heads, q_lora_rank=args.q_lora_rank or None,
+            kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_nope_head_dim,
+            qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim, rms_norm_eps=args.norm_eps,
+            n_routed_experts=m.num_experts, n_shared_experts=m.num_shared_experts, num_experts_per_tok=m.top_k,
+            n_group=m.num_groups, topk_group=m.top_k_groups, norm_topk_prob=m.route_norm,
+            routed_scaling_factor=m.route_scale, max_position_embeddings=positions, rope_theta=args.rope_theta,
+            rope_scaling=rope_scaling, num_nextn_predict_layers=0, **FIXED_FIELDS,
+        )  # fmt: skip
 
 
-def to_hf_config(args: DeepSeekV3Args) -> dict[str, Any]:
-    """``transformers.DeepseekV3Config`` keyword arguments describing ``Transformer(args)``.
-
-    The router has no expert groups (``n_group=1, topk_group=1``; see presets.py) and always
-    scores with a sigmoid in transformers, so only ``moe.score_func="sigmoid"`` models convert.
-    With YaRN, transformers takes the factor as ``max_position_embeddings /
-    original_max_position_embeddings``, so ``max_position_embeddings`` is the stretched length
-    (163,840 for the published checkpoints), not ``max_seq_len``.
-    """
-    if args.moe.score_func != "sigmoid":
-        raise ValueError(
-            f"model.moe.score_func={args.moe.score_func!r}: Hugging Face DeepSeek V3 routes with 'sigmoid' only"
-        )
-    m = args.moe
-    rope_scaling, max_positions = None, args.max_seq_len
-    if args.uses_yarn:
-        max_positions = round(args.rope_factor * args.original_seq_len)
-        rope_scaling = {
-            "rope_type": "yarn", "factor": args.rope_factor, "original_max_position_embeddings": args.original_seq_len,
-            "beta_fast": args.beta_fast, "beta_slow": args.beta_slow, "mscale": args.mscale,
-            "mscale_all_dim": args.mscale,
-        }  # fmt: skip
+def rope_args(config: HFConfig) -> dict[str, Any]:
+    """Our RoPE fields for config.json's: plain RoPE over ``max_position_embeddings``, or YaRN."""
+    theta, scaling = config.rope()
+    positions = config.get("max_position_embeddings", default=4096)
+    if scaling is None:  # original_seq_len = max_seq_len: YaRN off
+        return dict(rope_theta=theta, max_seq_len=positions, original_seq_len=positions)
+    where = f"{config.source}: {'rope_parameters' if 'rope_parameters' in config.values else 'rope_scaling'}"
+    if scaling.get("type") == scaling["rope_type"]:  # transformers 5 writes both spellings
+        del scaling["type"]
+    if scaling.get("truncate") is True:  # transformers' default; false is refused below
+        del scaling["truncate"]
+    yarn = scaling_fields({"beta_fast": 32, "beta_slow": 1, **scaling}, "yarn", _YARN, where)
+    factor, original = yarn["factor"], yarn["original_max_position_embeddings"]
+    if not factor > 1:
+        raise ConfigError(f"{where}: factor={factor}; YaRN here needs a factor > 1")
+    if yarn["mscale"] != yarn["mscale_all_dim"]:
+        raise ConfigError(f"{where}: mscale={yarn['mscale']} and mscale_all_dim={yarn['mscale_all_dim']} differ: "
+                          f"transformers then scales the rotary features alone, which is not modelled here "
+                          f"(supported: equal values)")
     return dict(
-        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.inter_dim,
-        moe_intermediate_size=m.hidden_dim, num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
-        num_key_value_heads=args.n_heads, n_shared_experts=m.num_shared_experts, n_routed_experts=m.num_experts,
-        routed_scaling_factor=m.route_scale, kv_lora_rank=args.kv_lora_rank, q_lora_rank=args.q_lora_rank or None,
-        qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim, qk_nope_head_dim=args.qk_nope_head_dim,
-        n_group=1, topk_group=1, num_experts_per_tok=m.top_k, first_k_dense_replace=args.n_dense_layers,
-        norm_topk_prob=m.route_norm, max_position_embeddings=max_positions, rms_norm_eps=args.norm_eps,
-        rope_theta=args.rope_theta, rope_scaling=rope_scaling, rope_interleave=True,
-        tie_word_embeddings=False, attention_bias=False,
+        rope_theta=theta, original_seq_len=original, rope_factor=float(factor), beta_fast=float(yarn["beta_fast"]),
+        beta_slow=float(yarn["beta_slow"]), mscale=float(yarn["mscale"]),
+        # our YaRN is on past original_seq_len positions, transformers' always
+        max_seq_len=positions if positions > original else round(factor * original),
     )  # fmt: skip
