@@ -1,17 +1,21 @@
-"""Hugging Face DeepSeek V3 folders: config.json read and written field by field, checkpoints
-loaded through our adapter give transformers' logits."""
+"""Hugging Face DeepSeek V3 folders: config.json read and written field by field, checkpoints (FP8
+block-scaled ones too) loaded through our adapter give transformers' logits."""
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from titan_lightning.config import ConfigError
+from titan_lightning.models.common.hf_checkpoint import HFTensors
 from titan_lightning.models.common.hf_config import HFConfig, read_config_json
 from titan_lightning.models.common.moe import MoEArgs
 from titan_lightning.models.deepseek_v3 import DeepSeekV3Args, Transformer, deepseek_v3_args
 from titan_lightning.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter as Adapter
+from titan_lightning.models.deepseek_v3.state_dict_adapter import dequantized
 
 
 @pytest.fixture
@@ -125,7 +129,7 @@ def test_transformers_saved_folder_gives_transformers_logits(case, tmp_path, tra
     assert (logits(loaded(other, tmp_path), TOKENS) - expected).abs().max() > 1e-3
 
 
-# deepseek-ai/DeepSeek-V3's config.json as published (a multi-token-prediction layer), less its quantization_config.
+# deepseek-ai/DeepSeek-V3's config.json, as published (FP8 weights, a multi-token-prediction layer).
 DEEPSEEK_V3 = {
     "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
     "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
@@ -138,6 +142,8 @@ DEEPSEEK_V3 = {
     "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
     "num_nextn_predict_layers": 1, "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
     "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
     "rms_norm_eps": 1e-06,
     "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
                      "original_max_position_embeddings": 4096, "type": "yarn"},
@@ -148,7 +154,7 @@ DEEPSEEK_V3 = {
 # moonshotai/Moonlight-16B-A3B's: DeepSeek-V2-Lite's shapes (no query compression, 64 experts)
 # under DeepSeek V3's routing, plain RoPE, rms_norm_eps 1e-5.
 MOONLIGHT = {
-    **{k: v for k, v in DEEPSEEK_V3.items() if k != "rope_scaling"},
+    **{k: v for k, v in DEEPSEEK_V3.items() if k not in ("quantization_config", "rope_scaling")},
     "first_k_dense_replace": 1, "hidden_size": 2048, "intermediate_size": 11264, "max_position_embeddings": 8192,
     "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2,
     "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16,
@@ -187,6 +193,14 @@ def test_671b_preset_exports_the_published_config(transformers):
     (dict(qk_head_dim=128), r"qk_head_dim=128 is not supported.*supported: 192\)"),
     (dict(hidden_size=None), r"hidden_size is missing; DeepSeek V3 needs it"),
     (dict(index_topk=2048), r"index_topk=2048 not modelled by DeepSeek V3 here"),
+    (dict(quantization_config={"quant_method": "awq"}), r'quantization_config: quant_method="awq" is not supported'),
+    (dict(quantization_config={"quant_method": "fp8", "fmt": "e5m2"}), r'quantization_config: fmt="e5m2" is not'),
+    (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [64, 64]}),
+     r"quantization_config: weight_block_size=\[64, 64\] is not supported.*\[128, 128\]"),
+    (dict(quantization_config={"quant_method": "fp8", "activation_scheme": "static"}),
+     r'quantization_config: activation_scheme="static" is not'),
+    (dict(quantization_config={"quant_method": "fp8", "modules_to_not_convert": ["lm_head"]}),
+     r'quantization_config: modules_to_not_convert=\["lm_head"\] not modelled'),
     (dict(rope_scaling={**DEEPSEEK_V3["rope_scaling"], "mscale_all_dim": 0.707}),
      r"rope_scaling: mscale=1.0 and mscale_all_dim=0.707 differ: transformers then scales the rotary features alone"),
     (dict(rope_scaling={**DEEPSEEK_V3["rope_scaling"], "factor": 1}),
@@ -217,3 +231,91 @@ def test_unsupported_config_fields_are_refused_by_name(change, message):
 def test_models_transformers_cannot_express_are_refused_on_export(args, message):
     with pytest.raises(ConfigError, match=message):
         Adapter.hf_config(args)
+
+
+# -- FP8 block-scaled checkpoints (the published 671B) ---------------------------------------------
+
+BLOCK = 128
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` in float8_e4m3fn with one float32 ``weight_scale_inv`` per 128 x 128 block (DeepSeek's layout)."""
+    rows, cols = w.shape
+    scale = torch.empty(math.ceil(rows / BLOCK), math.ceil(cols / BLOCK))
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            tile = w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK]
+            scale[i, j] = tile.abs().max() / 448.0
+            q[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = (tile / scale[i, j]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The reference: each block's float8 values times its scale."""
+    w = q.float()
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] *= scale[i, j]
+    return w
+
+
+def test_fp8_checkpoint_loads_as_its_dequantized_weights(tmp_path):
+    args = tiny_args(24, ROPE["rope"], inter_dim=200, dim=160)  # blocks cropped at the edges
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    hf = Adapter(args).to_hf(model.state_dict())
+    hf["model.layers.3.eh_proj.weight"] = torch.randn(160, 320)  # a multi-token-prediction layer: skipped
+    saved, reference = {}, {}
+    for key, w in hf.items():
+        if key.endswith("proj.weight") and ".layers." in key:  # projections, not norms, router or embeddings
+            q, scale = quantize(w)
+            saved[key], saved[key + "_scale_inv"], reference[key] = q, scale, dequantize(q, scale)
+        else:
+            saved[key] = reference[key] = w
+    assert saved["model.layers.0.mlp.gate_proj.weight"].shape == (200, 160)  # 2 x 2 blocks, both cropped
+    save_file(saved, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = {**Adapter.hf_config(args), "quantization_config": DEEPSEEK_V3["quantization_config"]}
+    assert read(config) == args
+
+    loaded_model = Transformer(args)
+    loaded_model.init_weights(seed=1)
+    Adapter(args).load_into(loaded_model, tmp_path)
+    expected = Adapter(args).from_hf({k: v for k, v in reference.items() if ".layers.3." not in k})
+    got = loaded_model.state_dict()
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+    # A sharded parameter reads its block alone, across block edges and off their grid.
+    tensors = dequantized(HFTensors.open(tmp_path))
+    assert "model.layers.0.mlp.gate_proj.weight_scale_inv" not in tensors.keys()
+    for index in [(slice(70, 190), slice(30, 150)), (slice(128, 200), slice(0, 160)), (slice(5, 5), slice(0, 160))]:
+        block = tensors.read("model.layers.0.mlp.gate_proj.weight", index)
+        assert torch.equal(block, reference["model.layers.0.mlp.gate_proj.weight"][index])
+
+
+O_PROJ = "model.layers.0.self_attn.o_proj.weight"
+FP8 = torch.zeros(200, 64).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("tensors, message", [
+    ({O_PROJ: FP8}, r"model\.layers\.0\.self_attn\.o_proj\.weight is float8_e4m3fn but "
+                    r"model\.layers\.0\.self_attn\.o_proj\.weight_scale_inv is missing"),
+    ({O_PROJ: FP8, O_PROJ + "_scale_inv": torch.ones(1, 1)},
+     r"o_proj\.weight_scale_inv has shape \[1, 1\], expected \[2, 1\] \(one scale per 128x128 block of the "
+     r"\[200, 64\] weight\)"),
+    ({O_PROJ: torch.zeros(200, 64), O_PROJ + "_scale_inv": torch.ones(2, 1)},
+     r"o_proj\.weight_scale_inv: a block scale, but model\.layers\.0\.self_attn\.o_proj\.weight is "
+     r"torch\.float32, not float8_e4m3fn"),
+    ({O_PROJ + "_scale_inv": torch.ones(2, 1)},
+     r"o_proj\.weight_scale_inv: a block scale without its weight model\.layers\.0\.self_attn\.o_proj\.weight"),
+    ({O_PROJ: torch.zeros(200, 64).to(torch.float8_e5m2)},
+     r"o_proj\.weight is torch\.float8_e5m2; only float8_e4m3fn weights with block scales are read"),
+    ({"model.layers.0.mlp.gate.e_score_correction_bias": torch.zeros(8).to(torch.float8_e4m3fn),
+      "model.layers.0.mlp.gate.e_score_correction_bias_scale_inv": torch.ones(1)},
+     r"e_score_correction_bias_scale_inv: block scales for model\.layers\.0\.mlp\.gate\.e_score_correction_bias "
+     r"of shape \[8\]; they need a matrix"),
+])  # fmt: skip
+def test_bad_fp8_tensors_name_the_hugging_face_key(tensors, message):
+    with pytest.raises(ValueError, match=message):
+        Adapter(tiny_args(0, ROPE["rope"])).from_hf(tensors)

@@ -10,7 +10,8 @@ models/common/rope.py does (transformers' ``rope_interleave=True``, its default,
 q and k the same way before rotating halves, which leaves every q.k product unchanged).
 
 Layers at or past ``n_layers`` (the 671B checkpoint's multi-token-prediction layer 61) are
-skipped. FP8 checkpoints (``weight_scale_inv`` tensors) must be dequantized first.
+skipped. Block-scaled FP8 checkpoints (the published 671B: float8_e4m3fn ``*.weight`` with a
+float32 ``*.weight_scale_inv`` per 128 x 128 block) are dequantized as they are read (``dequantized``).
 
 config.json: YaRN is on in our model when ``max_seq_len > original_seq_len`` and in transformers
 whenever ``rope_scaling`` says yarn, whose factor stretches ``original_max_position_embeddings``
@@ -19,10 +20,15 @@ positions and reads back that many. transformers normalizes the latent ``q_a_lay
 ``kv_a_layernorm`` with eps 1e-6 whatever ``rms_norm_eps`` says (``model.latent_norm_eps``).
 """
 
+import math
 from typing import Any
 
+import torch
+from torch import Tensor
+
+from titan_lightning.checkpoint import Source
 from titan_lightning.config import ConfigError
-from titan_lightning.models.common.hf_checkpoint import BLOCK_KEYS, EXPERT_KEYS, StateDictAdapter
+from titan_lightning.models.common.hf_checkpoint import BLOCK_KEYS, EXPERT_KEYS, HFTensors, StateDictAdapter
 from titan_lightning.models.common.hf_config import HFConfig, scaling_fields
 from titan_lightning.models.common.moe import MoEArgs
 from titan_lightning.models.deepseek_v3.model import DeepSeekV3Args
@@ -37,6 +43,11 @@ FIXED_FIELDS = {"hidden_act": "silu", "attention_bias": False, "attention_dropou
 IGNORED_FIELDS = ("aux_loss_alpha", "seq_aux", "auto_map", "ep_size", "pretraining_tp", "num_nextn_predict_layers",
                   "num_mtp_layers")
 _YARN = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+# The one quantization_config read (the published DeepSeek V3 / R1 checkpoints').
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                    "activation_scheme": "dynamic"}
+FP8_BLOCK = tuple(FP8_QUANTIZATION["weight_block_size"])
+SCALE_SUFFIX = "_scale_inv"
 
 
 class DeepSeekV3StateDictAdapter(StateDictAdapter):
@@ -66,12 +77,18 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
     ignores_layers_past_n_layers = True
     hf_model_types = ("deepseek_v3",)
 
+    def sources(self, tensors: HFTensors) -> dict[str, Source]:
+        return super().sources(dequantized(tensors))
+
     @classmethod
     def args_from_hf_config(cls, config: HFConfig) -> DeepSeekV3Args:
         """Sizes are required; other absent fields take transformers' DeepseekV3Config defaults."""
         for name, value in FIXED_FIELDS.items():
             config.expect(name, value)
         config.ignore(*IGNORED_FIELDS)
+        quantization = config.get("quantization_config", default=None)
+        if quantization is not None:
+            check_fp8_quantization(quantization, config)
         heads, nope = config.get("num_attention_heads"), config.get("qk_nope_head_dim")
         rope = config.get("qk_rope_head_dim")
         # Derived by transformers (head_dim: the rotary part of a head); config.json may repeat them.
@@ -160,3 +177,62 @@ def rope_args(config: HFConfig) -> dict[str, Any]:
         # our YaRN is on past original_seq_len positions, transformers' always
         max_seq_len=positions if positions > original else round(factor * original),
     )  # fmt: skip
+
+
+def check_fp8_quantization(quantization: Any, config: HFConfig) -> None:
+    """``quantization_config`` is the block-scaled FP8 of the published checkpoints (dequantized on load)."""
+    fields = HFConfig(quantization if isinstance(quantization, dict) else {}, f"{config.source}: quantization_config",
+                      config.family)
+    fields.get("quant_method")
+    for name, value in FP8_QUANTIZATION.items():
+        fields.expect(name, value)
+    fields.finish()
+
+
+def dequantized(tensors: HFTensors, block: tuple[int, int] = FP8_BLOCK) -> HFTensors:
+    """``tensors`` as the model reads them: each ``*.weight`` with a ``*.weight_scale_inv`` is its
+    float8_e4m3fn values times the float32 scale of their ``block`` (edge blocks cropped), in
+    float32; the scales are hidden. A block read reads only the scales over it. The scales' shapes
+    are checked from the headers, dtypes on read; one-line errors name the Hugging Face key."""
+    names = set(tensors.keys())
+    scales = {}
+    for name in tensors.keys():
+        if not name.endswith(SCALE_SUFFIX):
+            continue
+        weight = name.removesuffix(SCALE_SUFFIX)
+        if weight not in names:
+            raise ValueError(f"{name}: a block scale without its weight {weight}")
+        shape = tensors.shape(weight)
+        if len(shape) != 2:
+            raise ValueError(f"{name}: block scales for {weight} of shape {list(shape)}; they need a matrix")
+        tiles = tuple(math.ceil(n / b) for n, b in zip(shape, block))
+        if tensors.shape(name) != tiles:
+            raise ValueError(f"{name} has shape {list(tensors.shape(name))}, expected {list(tiles)} (one scale per "
+                             f"{block[0]}x{block[1]} block of the {list(shape)} weight)")
+        scales[weight] = name
+
+    def read(name: str, index: tuple[slice, ...]) -> Tensor:
+        value = tensors.read(name, index)
+        if name in scales:
+            if value.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"{scales[name]}: a block scale, but {name} is {value.dtype}, not float8_e4m3fn")
+            return value.float() * _scales_over(tensors, scales[name], tensors.shape(name), index, block)
+        if value.dtype == torch.float8_e4m3fn:
+            raise ValueError(f"{name} is float8_e4m3fn but {name}{SCALE_SUFFIX} is missing (one float32 scale "
+                             f"per {block[0]}x{block[1]} block)")
+        if value.dtype.is_floating_point and value.element_size() == 1:
+            raise ValueError(f"{name} is {value.dtype}; only float8_e4m3fn weights with block scales are read")
+        return value
+
+    return HFTensors({name: tensors.shape(name) for name in tensors.keys() if not name.endswith(SCALE_SUFFIX)}, read)
+
+
+def _scales_over(tensors: HFTensors, scale: str, shape: tuple[int, ...], index: tuple[slice, ...],
+                 block: tuple[int, int]) -> Tensor:
+    """The block scales ``scale`` spread over each element of the weight's block ``index``."""
+    (r0, r1, _), (c0, c1, _) = (s.indices(n) for s, n in zip((*index, slice(None), slice(None)), shape))
+    tiles = tensors.read(scale, (slice(r0 // block[0], math.ceil(r1 / block[0])),
+                                 slice(c0 // block[1], math.ceil(c1 / block[1]))))
+    spread = tiles.float().repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
+    first_row, first_col = r0 % block[0], c0 % block[1]
+    return spread[first_row:first_row + r1 - r0, first_col:first_col + c1 - c0]
