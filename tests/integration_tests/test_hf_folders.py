@@ -61,3 +61,43 @@ def test_folder_to_one_command_to_transformers(tmp_path, model_type, tie, layout
     assert tokenizer.encode(text, add_special_tokens=False) == Tokenizer.from_file(str(folder / "tokenizer.json")).encode(
         text, add_special_tokens=False).ids
     assert tokenizer.eos_token == transformers.AutoTokenizer.from_pretrained(folder).eos_token
+
+
+@pytest.mark.parametrize("model_type, tie, world, degrees", [
+    ("llama", True, 4, ["--job.parallelism.dp_shard", "2", "--job.parallelism.tp", "2"]),
+    ("qwen3_moe", False, 2, ["--job.parallelism.dp_shard", "2", "--job.parallelism.ep", "2"]),
+], ids=["llama-tied-fsdp2_tp2", "qwen3_moe-fsdp2_ep2"])
+def test_a_folder_loads_exactly_on_a_sharded_layout(tmp_path, model_type, tie, world, degrees):
+    """Each rank reads only its blocks; with a learning rate of 1e-30 the fp32 weights stay as
+    loaded, so the export (written from every rank) holds the folder's tensors bit for bit."""
+    folder = save_hf_folder(tmp_path / "hf", model_type, tie=tie)
+    argv = ["fit", "--recipe", "recipes.hf:pretrained", "--job.checkpoint.initial_load_path", str(folder),
+            "--trainer.accelerator", "cpu", "--trainer.devices", str(world), "--trainer.max_steps", "1",
+            "--job.optimizer.lr", "1e-30", "--job.optimizer.weight_decay", "0", "--trainer.limit_val_batches", "0",
+            *degrees]
+    launch(argv, world, out_dir=tmp_path / "logs", timeout=300, env={RUN_DIR_ENV: str(tmp_path / "run")})
+    exported, initial = _tensors(tmp_path / "run" / "export_hf"), _tensors(folder)
+    if tie:
+        initial["lm_head.weight"] = initial["model.embed_tokens.weight"]
+    assert exported.keys() == initial.keys()
+    assert all(torch.equal(exported[k], initial[k]) for k in initial), [k for k in initial if not torch.equal(exported[k], initial[k])]
+    assert len(list((tmp_path / "run" / "export_hf").glob("model-0000*-of-*.safetensors"))) >= world  # every rank wrote
+
+
+def test_loading_a_large_checkpoint_keeps_each_rank_near_its_shard(tmp_path):
+    """A 1.05 GiB bf16 checkpoint into an fp32 model under FSDP over 4 gloo ranks: each rank's
+    resident memory grows by less than half the checkpoint while it loads (benchmarks/hf_memory.py
+    has the figures), and the ranks together hold every value."""
+    from benchmarks.hf_memory import make_checkpoint
+    from titan_lightning.models.common.hf_checkpoint import HFTensors
+    from titan_lightning.testing.spawn import run_function
+
+    size = make_checkpoint(tmp_path / "checkpoint", 1.05)
+    assert size >= 2**30
+    results = run_function("benchmarks.hf_memory:measure", 4, out_dir=tmp_path / "logs", timeout=300,
+                           folder=str(tmp_path / "checkpoint"))
+    growths = [r["growth"] for r in results]
+    assert max(growths) < size / 2, [f"{g / 2**30:.2f} GiB" for g in growths]
+    tensors = HFTensors.open(tmp_path / "checkpoint")
+    expected = sum(tensors.read(name).double().sum().item() for name in tensors.keys())
+    assert results[0]["checksum"] == pytest.approx(expected, rel=1e-9)

@@ -16,6 +16,7 @@ that to the files, with strict key and shape checks.
 """
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -152,6 +153,76 @@ def _weight_map(folder: Path) -> Optional[dict[str, str]]:
         raise ValueError(f"{index_path}: not a safetensors index with a 'weight_map' ({type(err).__name__}: {err})")
 
 
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class _Entry:
+    """One tensor of a safetensors file: where its bytes are, and reads of blocks of it."""
+
+    def __init__(self, path: Path, dtype: torch.dtype, shape: tuple[int, ...], begin: int) -> None:
+        self.path, self.dtype, self.shape, self.begin = path, dtype, shape, begin
+
+    def read(self, index: tuple[slice, ...]) -> Tensor:
+        """The block ``index`` (slices of the leading dims): the rows it spans are read, then cut."""
+        rows = index[0] if index else slice(0, self.shape[0] if self.shape else 1)
+        row_numel = math.prod(self.shape[1:]) if self.shape else 1
+        row_bytes = row_numel * self.dtype.itemsize
+        count = max(rows.stop - rows.start, 0)
+        buffer = torch.empty(count * row_bytes, dtype=torch.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(self.begin + rows.start * row_bytes)
+            if f.readinto(buffer.numpy()) != buffer.numel():
+                raise ValueError(f"{self.path}: truncated (a tensor's bytes end past the file)")
+        block = buffer.view(self.dtype).reshape(count, *self.shape[1:]) if self.shape else buffer.view(self.dtype)[0]
+        rest = index[1:]
+        return block[(slice(None), *rest)].clone() if any(_cuts(s, n) for s, n in zip(rest, self.shape[1:])) else block
+
+
+def _cuts(s: slice, n: int) -> bool:
+    return (s.start or 0) != 0 or (s.stop if s.stop is not None else n) != n
+
+
+def _read_header(path: Path) -> dict[str, _Entry]:
+    """The tensors a safetensors file declares, checked as safetensors does; one-line errors."""
+    def corrupt(why: str) -> ValueError:
+        return ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {why}")
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise corrupt("shorter than its 8-byte header length")
+        length = int.from_bytes(prefix, "little")
+        if length > size - 8:
+            raise corrupt(f"header length {length} exceeds the file")
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise corrupt(f"header is not JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise corrupt("header is not a JSON object")
+    header.pop("__metadata__", None)
+    try:
+        tensors = sorted((info["data_offsets"][0], name, info) for name, info in header.items())
+    except (KeyError, TypeError, IndexError) as err:
+        raise corrupt(f"a header entry lacks data_offsets ({err!r})") from None
+    entries, end = {}, 0
+    for _, name, info in tensors:
+        begin, stop = info["data_offsets"]
+        dtype = _DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise corrupt(f"{name} has dtype {info.get('dtype')}, which this reader does not know")
+        shape = tuple(info.get("shape", ()))
+        if begin != end or stop - begin != math.prod(shape) * dtype.itemsize:
+            raise corrupt(f"{name}'s bytes [{begin}, {stop}) do not follow the previous tensor or fit its shape")
+        entries[name], end = _Entry(path, dtype, shape, 8 + length + begin), stop
+    if 8 + length + end != size:
+        raise corrupt(f"the tensors end at byte {8 + length + end}, the file at {size}")
+    return entries
+
+
 class HFTensors:
     """A checkpoint's tensors by Hugging Face name, read on demand: names and shapes from the file
     headers, values whole or as blocks (``read(name, index)``: only those bytes leave the file).
@@ -166,36 +237,26 @@ class HFTensors:
 
     @classmethod
     def open(cls, folder: PathLike) -> "HFTensors":
-        """The checkpoint in ``folder`` (one file, or an index and its shards), headers read, no tensor."""
-        from safetensors import safe_open
-
+        """The checkpoint in ``folder`` (one file, or an index and its shards), headers read, no
+        tensor. Blocks are read with positioned reads of the rows they span, not through a memory
+        map, so a rank's resident memory holds what it reads and nothing of the rest."""
         folder = Path(folder)
         weight_map = _weight_map(folder)
         files = [SINGLE_FILE] if weight_map is None else list(dict.fromkeys(weight_map.values()))
-        handles, shapes = {}, {}
+        entries: dict[str, _Entry] = {}
         for file in files:
             path = folder / file
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: checkpoint file is missing" + (f" (listed in {INDEX_FILE})" if weight_map else ""))
-            try:
-                handle = safe_open(str(path), framework="pt")
-                names = set(handle.keys())
-            except (SafetensorError, OSError) as err:
-                reason = " ".join(str(err).split())
-                raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {reason}") from None
+            header = _read_header(path)
             if weight_map is not None:
                 listed = {name for name, f in weight_map.items() if f == file}
-                if listed != names:
-                    missing, extra = sorted(listed - names), sorted(names - listed)
+                if listed != header.keys():
+                    missing, extra = sorted(listed - header.keys()), sorted(header.keys() - listed)
                     raise ValueError(f"{path}: tensors do not match {INDEX_FILE}: missing {missing}, not listed {extra}")
-            for name in sorted(names):
-                handles[name] = handle
-                shapes[name] = tuple(handle.get_slice(name).get_shape())
-
-        def read(name: str, index: tuple[slice, ...]) -> Tensor:
-            return handles[name].get_slice(name)[index] if index else handles[name].get_tensor(name)
-
-        return cls(shapes, read)
+            entries.update(header)
+        return cls({name: entry.shape for name, entry in sorted(entries.items())},
+                   lambda name, index: entries[name].read(index))
 
     def keys(self) -> list[str]:
         return list(self._shapes)
@@ -248,7 +309,8 @@ def _inverse(table: dict[str, str]) -> dict[str, str]:
 def _permute_heads(w: Tensor, head_dim: int, *, to_hf: bool) -> Tensor:
     """The rows of each ``head_dim``-row head of ``w`` from our adjacent RoPE pairs to Hugging
     Face's halves (``to_hf``), or back."""
-    per_head = (-1, head_dim // 2, 2) if to_hf else (-1, 2, head_dim // 2)
+    heads = w.shape[0] // head_dim
+    per_head = (heads, head_dim // 2, 2) if to_hf else (heads, 2, head_dim // 2)
     return w.reshape(*per_head, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
