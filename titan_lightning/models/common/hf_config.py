@@ -88,8 +88,9 @@ class HFConfig:
         else:
             theta = self.get("rope_theta", default=10000.0)
             scaling = dict(self.get("rope_scaling", default=None) or {})
-        if "type" in scaling and "rope_type" not in scaling:  # transformers 4's older spelling
-            scaling["rope_type"] = scaling.pop("type")
+        if "type" in scaling:  # transformers 4's older spelling (5 may save both)
+            scaling.setdefault("rope_type", scaling["type"])
+            del scaling["type"]
         if scaling.get("rope_type", "default") == "default":
             return float(theta), None
         return float(theta), scaling
