@@ -23,12 +23,18 @@ def _tensors(folder) -> dict[str, torch.Tensor]:
     return {k: v for file in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(file)).items()}
 
 
-@pytest.mark.parametrize("model_type, tie, layout", [
-    ("llama", True, "fsdp2"), ("llama", False, "tp2"), ("qwen3", True, "fsdp2"), ("qwen3_moe", False, "fsdp2"),
-    ("qwen3_moe", False, "tp2"), ("deepseek_v3", False, "fsdp2"),
+# DeepSeek V3 with the fields a default config leaves out: latent norms at 1e-6 while the others
+# are not, and group-limited routing (2 groups of 4 experts, tokens from the best one).
+DEEPSEEK_FIELDS = {"rms_norm_eps": 1e-5, "n_group": 2, "topk_group": 1}
+
+
+@pytest.mark.parametrize("model_type, tie, layout, fields", [
+    ("llama", True, "fsdp2", {}), ("llama", False, "tp2", {}), ("qwen3", True, "fsdp2", {}), ("qwen3", False, "tp2", {}),
+    ("qwen3_moe", False, "fsdp2", {}), ("qwen3_moe", False, "tp2", {}), ("deepseek_v3", False, "fsdp2", {}),
+    ("deepseek_v3", False, "tp2", DEEPSEEK_FIELDS),
 ])
-def test_folder_to_one_command_to_transformers(tmp_path, model_type, tie, layout):
-    folder = save_hf_folder(tmp_path / "hf", model_type, tie=tie)
+def test_folder_to_one_command_to_transformers(tmp_path, model_type, tie, layout, fields):
+    folder = save_hf_folder(tmp_path / "hf", model_type, tie=tie, **fields)
     argv = ["fit", "--recipe", "recipes.hf:pretrained", "--job.checkpoint.initial_load_path", str(folder),
             "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.max_steps", "2",
             "--job.optimizer.lr", "1e-3", "--job.lr_schedule.warmup_steps", "0", "--trainer.limit_val_batches", "1",
