@@ -21,6 +21,9 @@ Options (frozen by tests/unit_tests/cpu/test_cli.py; new knobs go into the confi
     --rank R             the rank to simulate (default 0)
     --json               print bytes as JSON instead of the table in GiB
 
+``prepare`` turns JSONL, Parquet and text files into token shards for ``data.dataset_path``
+(``titan-lightning prepare --help``; titan_lightning/data/prepare.py).
+
 Bad input exits with status 2 and one line on stderr, before anything is written.
 A recipe module in the current folder is found (``--recipe my_recipes:fn``), as with ``python -m``.
 """
@@ -47,7 +50,7 @@ from titan_lightning.checkpoint import CheckpointError
 from titan_lightning.config import ConfigError, JobConfig
 from titan_lightning.recipe import RECIPE_PARAMETERS, Run, RecipeError, build_run, build_trainer, check_inputs, execute
 
-SUBCOMMANDS = ("fit", "validate", "test", "estimate")
+SUBCOMMANDS = ("fit", "validate", "test", "estimate", "prepare")
 OPTIONS = ("--recipe", "--config", "--print_config", "--job", "--trainer")
 # Trainer arguments that hold objects: a recipe sets them, the command line does not.
 # (`strategy` is on the command line as a registry name or a class path, see build_parser.)
@@ -87,6 +90,10 @@ def _main(argv: list[str]) -> int:
         with held_lightning_output():
             if argv and argv[0] == "estimate":
                 return estimate_command(argv[1:])
+            if argv and argv[0] == "prepare":
+                from titan_lightning.data.prepare import main as prepare_main
+
+                return prepare_main(argv[1:])
             prepared = prepare(argv)
     except BrokenPipeError:
         raise

@@ -6,7 +6,8 @@ from typing import Optional
 
 @dataclass(kw_only=True)
 class DataConfig:
-    # A UTF-8 text file; None is the corpus shipped in tests/assets/corpus.
+    # A UTF-8 text file, or a token shard folder written by `titan-lightning prepare`; None is
+    # the corpus shipped in tests/assets/corpus.
     dataset_path: Optional[str] = None
     # A `tokenizers` JSON file; None is the tokenizer shipped in tests/assets/tokenizer.
     tokenizer_path: Optional[str] = None

@@ -17,6 +17,7 @@ from titan_lightning.data.dataset import (
     split_documents,
     tokenize_documents,
 )
+from titan_lightning.data.shards import ShardSet, TokenSpan, is_shard_set, tokenizer_identity
 from titan_lightning.data.tokenizer import CORPUS_PATH, Tokenizer, load_tokenizer, shipped_asset, tokenizer_file
 
 
@@ -64,9 +65,12 @@ class TextDataModule(L.LightningDataModule):
         if self._streams is not None and self._streams[0] == key:
             return self._streams[1]
         path = shipped_asset(CORPUS_PATH) if data.dataset_path is None else Path(data.dataset_path)
-        streams = tokenized_splits(path, data.tokenizer_path, data.val_fraction, lambda: self.tokenizer)
+        if is_shard_set(path):
+            streams = shard_splits(path, data.tokenizer_path, data.val_fraction, self.tokenizer)
+        else:
+            streams = tokenized_splits(path, data.tokenizer_path, data.val_fraction, lambda: self.tokenizer)
         if data.repeat_to_fit and 0 < len(streams["train"]) < seq_len + 1:
-            train = streams["train"]
+            train = streams["train"][0:len(streams["train"])]
             streams["train"] = np.tile(train, -(-(seq_len + 1) // len(train)))
         if len(streams["train"]) < seq_len + 1:
             raise ValueError(self._too_short("train", len(streams["train"]), path))
@@ -207,6 +211,22 @@ def tokenized_splits(path: Path, tokenizer_path: Optional[str], val_fraction: fl
         while len(_TOKENIZED) > _TOKENIZED_KEPT:
             _TOKENIZED.popitem(last=False)
     return dict(streams)
+
+
+def shard_splits(path: Path, tokenizer_path: Optional[str], val_fraction: float,
+                 tokenizer: Tokenizer) -> dict[str, Any]:
+    """The ``train`` and ``val`` spans of the token shard set ``path``: val is the tail from the
+    last document end before ``1 - val_fraction`` of the tokens. Refuses shards of another tokenizer."""
+    shards = ShardSet(path)
+    bos = tokenizer.bos_id if tokenizer.add_bos else None
+    shards.check_tokenizer(tokenizer_identity(tokenizer_file(tokenizer_path), tokenizer.vocab_size,
+                                              tokenizer.eot_id, bos))
+    split = shards.document_end_before(int(len(shards) * (1 - val_fraction)))
+    if split == 0 or split == len(shards):
+        raise ValueError(f"data.dataset_path={str(path)!r}: the train/val split is by documents, and "
+                         f"{shards.index['documents']} document(s) cannot give both splits at "
+                         f"data.val_fraction={val_fraction}")
+    return {"train": TokenSpan(shards, 0, split), "val": TokenSpan(shards, split, len(shards))}
 
 
 def _file_identity(path: Path) -> Optional[tuple[str, int, int]]:

@@ -47,7 +47,8 @@ def read_documents(path: Path) -> list[str]:
     if not path.exists():
         raise FileNotFoundError(f"{field}: no such file")
     if not path.is_file():
-        raise ValueError(f"{field} is not a file; give a UTF-8 text file with documents separated by {EOT!r}")
+        raise ValueError(f"{field} is not a file; give a UTF-8 text file with documents separated by {EOT!r}, "
+                         f"or a token shard folder (titan-lightning prepare)")
     data = path.read_bytes()
     if not data.strip():
         raise ValueError(f"{field} is empty; give a UTF-8 text file with documents separated by {EOT!r}")
@@ -76,12 +77,14 @@ def split_documents(documents: Sequence[str], val_fraction: float) -> tuple[list
 
 
 def tokenize_documents(documents: Sequence[str], tokenizer: _Encoder) -> np.ndarray:
-    """One int32 token stream: every document followed by the end-of-text token."""
+    """One int32 token stream: every document followed by the end-of-text token (and preceded by
+    BOS when the tokenizer adds one, ``add_bos``)."""
     ids = tokenizer.encode_batch(documents)
+    head = (tokenizer.bos_id,) if getattr(tokenizer, "add_bos", False) else ()
     return np.fromiter(
-        (token for doc in ids for token in (*doc, tokenizer.eot_id)),
+        (token for doc in ids for token in (*head, *doc, tokenizer.eot_id)),
         dtype=np.int32,
-        count=sum(len(doc) + 1 for doc in ids),
+        count=sum(len(head) + len(doc) + 1 for doc in ids),
     )
 
 

@@ -10,6 +10,7 @@ import platform
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -51,6 +52,12 @@ class Tokenizer:
             raise ValueError(f"the tokenizer has no {self.eot_token!r} token")
         self.bos_token: Optional[str] = _special_token(special.get("bos_token"))
         self.bos_id: Optional[int] = tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+        # Each document starts with BOS when tokenizer_config.json says so (add_bos_token), or,
+        # without that key, when the tokenizer's own post-processor puts it first.
+        adds = special.get("add_bos_token")
+        if adds is None:
+            adds = self.bos_id is not None and tokenizer.encode("a", add_special_tokens=True).ids[:1] == [self.bos_id]
+        self.add_bos: bool = bool(adds) and self.bos_id is not None
         self._tokenizer = tokenizer
         self.eot_id: int = eot_id
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -60,6 +67,11 @@ class Tokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def encode_documents(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Each text as one document: [BOS when ``add_bos``] + its ids + EOS, int64."""
+        head = [self.bos_id] if self.add_bos else []
+        return [np.array([*head, *ids, self.eot_id], dtype=np.int64) for ids in self.encode_batch(texts)]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)

@@ -1,0 +1,201 @@
+"""Token shards and `titan-lightning prepare`: round trips, determinism over workers, resume after an
+interruption, bad records, bad inputs, BOS/EOS per tokenizer layout, and a data module that reads
+shards through memory maps."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from titan_lightning.data import prepare as prepare_module
+from titan_lightning.data.prepare import PrepareError, prepare
+from titan_lightning.data.shards import ShardSet, ShardWriter, token_dtype, write_index
+from titan_lightning.data.tokenizer import load_tokenizer, reference_documents
+
+DOCS = reference_documents()
+
+
+def _jsonl(path: Path, docs, field="text", extra_lines=()) -> Path:
+    with path.open("w") as f:
+        for i, doc in enumerate(docs):
+            f.write(json.dumps({"id": i, field: doc}) + "\n")
+        for line in extra_lines:
+            f.write(line + "\n")
+    return path
+
+
+def _tokens(folder: Path) -> np.ndarray:
+    shards = ShardSet(folder)
+    return shards.read(0, len(shards))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    _jsonl(root / "a.jsonl", DOCS[:30])
+    (root / "sub").mkdir()
+    _jsonl(root / "sub" / "b.jsonl", DOCS[30:50])
+    (root / "c.txt").write_text("\n<|endoftext|>\n".join(DOCS[50:]))
+    return root
+
+
+def test_shards_round_trip_across_shard_borders(tmp_path):
+    generator = np.random.default_rng(0)
+    docs = [generator.integers(0, 70000, size=n) for n in generator.integers(1, 50, size=40)]
+    writer = ShardWriter(tmp_path, "part-00000", token_dtype(70000), shard_tokens=100)
+    for doc in docs:
+        writer.add(doc)
+    shards = writer.close()
+    assert len(shards) > 5 and token_dtype(70000) == np.dtype("<u4") and token_dtype(65536) == np.dtype("<u2")
+    write_index(tmp_path, token_dtype(70000), {"sha256": "x", "eos_id": 0, "bos_id": None}, shards)
+    shard_set = ShardSet(tmp_path)
+    stream = np.concatenate(docs)
+    assert len(shard_set) == len(stream)
+    for a, b in [(0, len(stream)), (95, 230), (99, 101), (len(stream) - 3, len(stream)), (7, 7)]:
+        assert np.array_equal(shard_set.read(a, b), stream[a:b]), (a, b)
+    ends = np.cumsum([len(d) for d in docs])
+    for position in (0, 5, 99, 100, 101, 500, len(stream)):
+        assert shard_set.document_end_before(position) == max([0, *(e for e in ends if e <= position)])
+
+
+def test_prepare_reads_jsonl_folders_and_text_in_sorted_order(corpus, tmp_path):
+    summary = prepare([str(corpus)], str(tmp_path / "out"), workers=1, progress=False)
+    tokenizer = load_tokenizer()
+    # sorted paths: a.jsonl, c.txt, sub/b.jsonl
+    expected = np.concatenate(tokenizer.encode_documents(DOCS[:30] + DOCS[50:] + DOCS[30:50]))
+    assert np.array_equal(_tokens(tmp_path / "out"), expected)
+    assert summary["documents"] == len(DOCS) and summary["bad_records"] == 0
+    assert not (tmp_path / "out" / "progress.json").exists()
+
+
+def test_output_does_not_depend_on_workers_and_resumes_after_an_interruption(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare_module, "PART_BYTES", 20_000)  # several parts per JSONL file
+    prepare([str(corpus)], str(tmp_path / "one"), workers=1, progress=False)
+    prepare([str(corpus)], str(tmp_path / "two"), workers=2, progress=False)
+    files = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert len([f for f in files if f.endswith(".tokens")]) > 3
+    assert files == sorted(p.name for p in (tmp_path / "two").iterdir())
+    for name in files:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+
+    real = prepare_module._run_part
+    calls = []
+
+    def dies_on_the_fourth(job):
+        calls.append(job[0])
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(job)
+
+    monkeypatch.setattr(prepare_module, "_run_part", dies_on_the_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([str(corpus)], str(tmp_path / "resumed"), workers=1, progress=False)
+    assert (tmp_path / "resumed" / "progress.json").is_file() and not (tmp_path / "resumed" / "index.json").exists()
+    monkeypatch.setattr(prepare_module, "_run_part", real)
+    done_before = len(json.loads((tmp_path / "resumed" / "progress.json").read_text())["done"])
+    assert done_before == 3
+    prepare([str(corpus)], str(tmp_path / "resumed"), workers=1, progress=False)
+    for name in files:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes(), name
+
+
+def test_bad_records_are_skipped_and_counted_or_stop_the_run(tmp_path):
+    path = _jsonl(tmp_path / "a.jsonl", DOCS[:3], extra_lines=["not json", '{"id": 7}', '{"text": 3}'])
+    summary = prepare([str(path)], str(tmp_path / "out"), workers=1, progress=False)
+    assert summary["bad_records"] == 3 and summary["documents"] == 3
+    assert summary["first_bad"] == f"{path}:4: not a JSON line"
+    with pytest.raises(PrepareError, match=rf"^{path}:4: not a JSON line \(--bad-records stop\)$"):
+        prepare([str(path)], str(tmp_path / "out2"), workers=1, progress=False, bad_records="stop")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: d / "missing.jsonl", "--input '{d}/missing.jsonl': no such file or folder"),
+    (lambda d: (d / "e.jsonl").write_text("") and None or d / "e.jsonl", "{d}/e.jsonl: empty file"),
+    (lambda d: (d / "b.txt").write_bytes(b"abc\x00def") and None or d / "b.txt", "{d}/b.txt: binary (a NUL byte at 3)"),
+    (lambda d: (d / "x.csv").write_text("a,b") and None or d / "x.csv", "--input '{d}/x.csv': .csv extension"),
+    (lambda d: _jsonl(d / "f.jsonl", ["x"], field="content"), "{d}/f.jsonl:1: no text field 'text' (--text-field); "
+                                                               "the record has: id, content"),
+    (lambda d: (d / "n.jsonl").write_text("[1, 2]\n") and None or d / "n.jsonl", "{d}/n.jsonl:1: no text field 'text'"),
+])
+def test_bad_input_is_one_line_before_any_work(tmp_path, make, message):
+    path = make(tmp_path)
+    with pytest.raises(PrepareError, match="^" + message.format(d=tmp_path).replace("(", r"\(").replace(")", r"\)")):
+        prepare([str(path)], str(tmp_path / "out"), workers=1, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_parquet_without_pyarrow_says_which_extra(tmp_path, monkeypatch):
+    import builtins
+
+    (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    real_import = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
+                        if name.startswith("pyarrow") else real_import(name, *a, **k))
+    with pytest.raises(PrepareError, match=r"t.parquet: Parquet needs pyarrow; pip install 'titan-lightning\[parquet\]'"):
+        prepare([str(tmp_path / "t.parquet")], str(tmp_path / "out"), workers=1, progress=False)
+
+
+def test_parquet_rows_are_documents(tmp_path):
+    pa = pytest.importorskip("pyarrow", reason="Parquet support is the optional [parquet] extra")
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": list(range(20)), "content": DOCS[:20]})
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=6)
+    prepare([str(tmp_path / "t.parquet")], str(tmp_path / "out"), text_field="content", workers=1, progress=False)
+    expected = np.concatenate(load_tokenizer().encode_documents(DOCS[:20]))
+    assert np.array_equal(_tokens(tmp_path / "out"), expected)
+    assert len(list((tmp_path / "out").glob("*.tokens"))) == 4  # one per row group
+
+
+def _tokenizer_folder(folder: Path, config: dict) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder.mkdir()
+    vocab = {"<s>": 0, "</s>": 1, "[UNK]": 2, **{c: i + 3 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz ")}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("config, first", [
+    ({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}, [0]),   # Llama 2 / DeepSeek style
+    ({"bos_token": "<s>", "eos_token": "</s>"}, []),                           # BOS defined, not added
+    ({"eos_token": "</s>"}, []),                                               # Qwen style: EOS only
+])
+def test_bos_and_eos_come_from_the_tokenizer_config(tmp_path, config, first):
+    folder = _tokenizer_folder(tmp_path / "tok", config)
+    _jsonl(tmp_path / "a.jsonl", ["ab", "c"])
+    prepare([str(tmp_path / "a.jsonl")], str(tmp_path / "out"), tokenizer_path=str(folder), workers=1, progress=False)
+    a, b, c = 3, 4, 5
+    assert _tokens(tmp_path / "out").tolist() == [*first, a, b, 1, *first, c, 1]
+
+
+def test_the_data_module_trains_on_shards_and_refuses_another_tokenizer(corpus, tmp_path):
+    from recipes.tests import features
+    from titan_lightning.data.datamodule import TextDataModule
+
+    prepare([str(corpus)], str(tmp_path / "out"), workers=1, progress=False)
+    job = features.llama3_debugmodel().job
+    job.data.dataset_path = str(tmp_path / "out")
+    module = TextDataModule(job)
+    module.setup("fit")
+    stream = _tokens(tmp_path / "out")
+    seq = job.training.seq_len
+    batch = next(iter(module.train_dataloader()))
+    assert batch["input_ids"].shape == (job.training.microbatch_size, seq)
+    for inputs, labels in zip(batch["input_ids"], batch["labels"]):
+        window = torch.cat([inputs, labels[-1:]]).numpy()
+        positions = [i for i in range(0, len(stream) - seq, seq) if np.array_equal(stream[i:i + seq + 1], window)]
+        assert positions, "a training window that is not a window of the shards"
+    val = next(iter(module.val_dataloader()))["input_ids"][0].numpy()
+    split = ShardSet(tmp_path / "out").document_end_before(int(len(stream) * (1 - job.data.val_fraction)))
+    assert np.array_equal(val, stream[split:split + seq])
+
+    other = _tokenizer_folder(tmp_path / "tok", {"eos_token": "</s>"})
+    job.data.tokenizer_path = str(other)
+    with pytest.raises(ValueError, match=r"were written by another tokenizer .* than data.tokenizer_path"):
+        TextDataModule(job).setup("fit")

@@ -1,0 +1,356 @@
+"""``titan-lightning prepare``: JSONL, Parquet and text files into token shards (data/shards.py).
+
+    titan-lightning prepare --input corpus/ --input extra.jsonl --output shards/
+        [--tokenizer PATH] [--text-field text] [--workers N] [--bad-records skip|stop]
+
+Inputs are files, folders (every .jsonl, .json, .txt and .parquet below them) or globs, taken in
+sorted order. A JSONL line is one document (its ``--text-field``); a Parquet row is one document
+(that column; needs pyarrow: ``pip install titan-lightning[parquet]``); a text file holds
+documents separated by ``<|endoftext|>`` (one document if it has none). Each document becomes its
+token ids, then the tokenizer's EOS (after its BOS, when its tokenizer_config.json or its
+post-processor adds one).
+
+The corpus is cut into parts (JSONL: byte ranges of about 64 MiB ending at a line end; Parquet:
+row groups; text: files) that worker processes tokenize into shards of their own. The output
+does not depend on the number of workers; a part's shards are named after the part. Finished
+parts are recorded in ``progress.json``: an interrupted prepare run again with the same
+arguments resumes with the parts not yet done. ``index.json`` is written last.
+
+A bad record (a JSONL line that is not JSON, or has no text in the field): ``--bad-records
+skip`` counts it (the summary names the first), ``stop`` ends the run on it, naming file and line.
+"""
+
+import glob
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from titan_lightning.data.dataset import EOT
+from titan_lightning.data.shards import INDEX, ShardWriter, token_dtype, tokenizer_identity, write_index
+
+KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "text", ".parquet": "parquet"}
+PART_BYTES = 64 * 2**20
+PROGRESS = "progress.json"
+BATCH = 256  # documents per tokenizer call
+
+
+class PrepareError(ValueError):
+    """Bad input to prepare: one line, exit status 2."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One unit of work: a byte range of a JSONL file, a row group of a Parquet file, a text file."""
+
+    path: str
+    kind: str
+    start: int  # byte offset (jsonl), row group (parquet), 0 (text)
+    stop: int
+
+
+def find_inputs(inputs: list[str]) -> list[Path]:
+    """The files named by ``inputs`` (files, folders, globs), sorted, each checked to be one we read."""
+    files: list[Path] = []
+    for spec in inputs:
+        matches = sorted(glob.glob(spec, recursive=True)) if glob.has_magic(spec) else [spec]
+        if not matches or not Path(matches[0]).exists():
+            raise PrepareError(f"--input {spec!r}: no such file or folder")
+        for match in map(Path, matches):
+            if match.is_dir():
+                found = sorted(p for p in match.rglob("*") if p.is_file() and p.suffix in KINDS)
+                if not found:
+                    raise PrepareError(f"--input {spec!r}: the folder holds no {', '.join(KINDS)} file")
+                files.extend(found)
+            elif match.suffix not in KINDS:
+                raise PrepareError(f"--input {str(match)!r}: {match.suffix or 'no'} extension; prepare reads "
+                                   f"{', '.join(KINDS)} files")
+            else:
+                files.append(match)
+    return sorted(dict.fromkeys(files))
+
+
+def check_input(path: Path, text_field: str) -> None:
+    """Before any work: the file is non-empty text (or Parquet with the column), its first JSONL
+    record has ``text_field``."""
+    kind = KINDS[path.suffix]
+    if path.stat().st_size == 0:
+        raise PrepareError(f"{path}: empty file")
+    if kind == "parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise PrepareError(f"{path}: Parquet needs pyarrow; pip install 'titan-lightning[parquet]'") from None
+        try:
+            schema = pq.ParquetFile(path).schema_arrow
+        except Exception as err:  # noqa: BLE001 - pyarrow raises its own error types for bad files
+            raise PrepareError(f"{path}: not a Parquet file ({' '.join(str(err).split())[:200]})") from None
+        if text_field not in schema.names:
+            raise PrepareError(f"{path}: no column {text_field!r} (--text-field); columns: {', '.join(schema.names)}")
+        return
+    head = path.open("rb").read(1 << 16)
+    if b"\x00" in head:
+        raise PrepareError(f"{path}: binary (a NUL byte at {head.index(0)}); prepare reads UTF-8 text")
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if err.start < len(head) - 4:  # not just a character cut at the end of the sample
+            raise PrepareError(f"{path}: not UTF-8 (byte {err.start}: {err.reason})") from None
+    if kind == "jsonl":
+        first = next((line for line in head.splitlines() if line.strip()), b"")
+        try:
+            record = json.loads(first)
+        except ValueError:
+            raise PrepareError(f"{path}:1: not a JSON line") from None
+        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+            raise PrepareError(f"{path}:1: no text field {text_field!r} (--text-field); the record has: {keys}")
+
+
+def plan_parts(files: list[Path]) -> list[Part]:
+    parts = []
+    for path in files:
+        kind = KINDS[path.suffix]
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            groups = pq.ParquetFile(path).num_row_groups
+            parts.extend(Part(str(path), kind, g, g + 1) for g in range(groups))
+        elif kind == "text":
+            parts.append(Part(str(path), kind, 0, path.stat().st_size))
+        else:
+            size, start = path.stat().st_size, 0
+            with path.open("rb") as f:
+                while start < size:
+                    f.seek(min(start + PART_BYTES, size))
+                    f.readline()
+                    stop = min(f.tell(), size)
+                    parts.append(Part(str(path), kind, start, stop))
+                    start = stop
+    return parts
+
+
+def _documents(part: Part, text_field: str, bad_records: str, bad: list) -> Iterator[str]:
+    if part.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        column = pq.ParquetFile(part.path).read_row_group(part.start, columns=[text_field]).column(0)
+        for row, value in enumerate(column.to_pylist()):
+            if isinstance(value, str) and value.strip():
+                yield value
+            else:
+                _bad(bad, bad_records, f"{part.path}: row group {part.start} row {row}: no text in {text_field!r}")
+        return
+    with open(part.path, "rb") as f:
+        if part.kind == "text":
+            text = f.read().decode("utf-8", errors="strict")
+            yield from (doc.strip() for doc in text.split(EOT) if doc.strip())
+            return
+        line_number = _line_number(f, part.start)
+        f.seek(part.start)
+        while f.tell() < part.stop:
+            raw = f.readline()
+            line_number += 1
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                _bad(bad, bad_records, f"{part.path}:{line_number}: not a JSON line")
+                continue
+            text = record.get(text_field) if isinstance(record, dict) else None
+            if isinstance(text, str) and text.strip():
+                yield text
+            else:
+                _bad(bad, bad_records, f"{part.path}:{line_number}: no text in {text_field!r}")
+
+
+def _line_number(f, offset: int) -> int:
+    """Lines before byte ``offset`` (for messages; counted once per part)."""
+    f.seek(0)
+    count, read = 0, 0
+    while read < offset:
+        chunk = f.read(min(1 << 20, offset - read))
+        count += chunk.count(b"\n")
+        read += len(chunk)
+    return count
+
+
+def _bad(bad: list, policy: str, message: str) -> None:
+    if policy == "stop":
+        raise PrepareError(f"{message} (--bad-records stop)")
+    bad.append(message)
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _load_worker(tokenizer_path: Optional[str]) -> None:
+    from titan_lightning.data.tokenizer import load_tokenizer
+
+    _WORKER["tokenizer"] = load_tokenizer(tokenizer_path)
+
+
+def _run_part(job: tuple) -> dict[str, Any]:
+    """Tokenize one part into its shards (in a worker process); what it wrote and skipped."""
+    index, part, output, text_field, bad_records, shard_tokens = job
+    tokenizer = _WORKER["tokenizer"]
+    writer = ShardWriter(Path(output), f"part-{index:05d}", token_dtype(tokenizer.vocab_size), shard_tokens)
+    bad: list[str] = []
+    batch: list[str] = []
+    try:
+        for document in _documents(part, text_field, bad_records, bad):
+            batch.append(document)
+            if len(batch) == BATCH:
+                for ids in tokenizer.encode_documents(batch):
+                    writer.add(ids)
+                batch = []
+        for ids in tokenizer.encode_documents(batch):
+            writer.add(ids)
+    except PrepareError as err:
+        return {"index": index, "error": str(err)}
+    shards = writer.close()
+    return {"index": index, "shards": shards, "bad": len(bad), "first_bad": bad[0] if bad else None,
+            "tokens": sum(s["tokens"] for s in shards), "bytes": part.stop - part.start if part.kind != "parquet" else 0}
+
+
+def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = None, text_field: str = "text",
+            workers: Optional[int] = None, bad_records: str = "skip", shard_tokens: int = 2**28,
+            progress: bool = True) -> dict[str, Any]:
+    """Tokenize ``inputs`` into the shard set ``output``; a summary dict. PrepareError on bad input
+    (before any work), or on a bad record under ``bad_records="stop"``."""
+    from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
+
+    if bad_records not in ("skip", "stop"):
+        raise PrepareError(f"--bad-records={bad_records!r}: expected skip or stop")
+    if workers is not None and workers < 1:
+        raise PrepareError(f"--workers={workers}: expected >= 1")
+    files = find_inputs(inputs)
+    for path in files:
+        check_input(path, text_field)
+    try:
+        tokenizer = load_tokenizer(tokenizer_path)
+    except (OSError, ValueError) as err:
+        raise PrepareError(str(err).replace("data.tokenizer_path", "--tokenizer")) from None
+    out = Path(output)
+    if (out / INDEX).is_file():
+        raise PrepareError(f"--output {output!r} already holds a shard set ({INDEX}); choose another folder")
+    out.mkdir(parents=True, exist_ok=True)
+    identity = tokenizer_identity(tokenizer_file(tokenizer_path), tokenizer.vocab_size, tokenizer.eot_id,
+                                  tokenizer.bos_id if tokenizer.add_bos else None)
+    parts = plan_parts(files)
+    settings = {"inputs": [str(p.resolve()) for p in files], "sizes": [p.stat().st_size for p in files],
+                "text_field": text_field, "tokenizer": identity, "shard_tokens": shard_tokens}
+    done = _resume(out, settings)
+    todo = [(i, part, str(out), text_field, bad_records, shard_tokens) for i, part in enumerate(parts) if i not in done]
+    total_bytes = sum(p.stop - p.start for p in parts if p.kind != "parquet")
+    bar = _Progress(len(parts), total_bytes, len(done), sum(r["bytes"] for r in done.values()), progress)
+    for result in _map(_run_part, todo, tokenizer_path, workers or min(len(todo), os.cpu_count() or 1)):
+        if "error" in result:
+            raise PrepareError(result["error"])
+        done[result["index"]] = result
+        _save_progress(out, settings, done)
+        bar.update(result)
+    bar.close()
+    shards = [shard for i in sorted(done) for shard in done[i]["shards"]]
+    dtype = token_dtype(tokenizer.vocab_size)
+    write_index(out, dtype, identity, shards, settings["inputs"])
+    (out / PROGRESS).unlink(missing_ok=True)
+    bad = [done[i] for i in sorted(done) if done[i]["bad"]]
+    return {"tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
+            "shards": len(shards), "bad_records": sum(r["bad"] for r in bad),
+            "first_bad": bad[0]["first_bad"] if bad else None}
+
+
+def _resume(out: Path, settings: dict) -> dict[int, dict]:
+    """The parts an earlier run with the same settings finished; the files of unfinished ones removed."""
+    file = out / PROGRESS
+    done: dict[int, dict] = {}
+    if file.is_file():
+        saved = json.loads(file.read_text())
+        if saved.get("settings") != settings:
+            raise PrepareError(f"--output {str(out)!r} holds an unfinished prepare of other inputs or settings; "
+                               f"remove it or choose another folder")
+        done = {int(k): v for k, v in saved["done"].items()}
+    elif any(out.iterdir()):
+        raise PrepareError(f"--output {str(out)!r} is not empty and holds no unfinished prepare; choose another folder")
+    kept = {f"{s['name']}.{ext}" for r in done.values() for s in r["shards"] for ext in ("tokens", "docs")}
+    for path in out.glob("part-*"):
+        if path.name not in kept:
+            path.unlink()
+    return done
+
+
+def _save_progress(out: Path, settings: dict, done: dict[int, dict]) -> None:
+    partial = out / (PROGRESS + ".partial")
+    partial.write_text(json.dumps({"settings": settings, "done": {str(k): v for k, v in done.items()}}))
+    partial.replace(out / PROGRESS)
+
+
+def _map(function, jobs: list, tokenizer_path: Optional[str], workers: int) -> Iterator[dict]:
+    """``function`` over ``jobs`` in ``workers`` processes (in this one for 1), as they finish."""
+    if workers <= 1 or len(jobs) <= 1:
+        _load_worker(tokenizer_path)
+        yield from map(function, jobs)
+        return
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")  # no torch or thread state forked into workers
+    with context.Pool(workers, initializer=_load_worker, initargs=(tokenizer_path,)) as pool:
+        yield from pool.imap_unordered(function, jobs)
+
+
+class _Progress:
+    """parts done, tokens/s and an ETA from the bytes left, on stderr."""
+
+    def __init__(self, parts: int, total_bytes: int, done_parts: int, done_bytes: int, show: bool) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=parts, initial=done_parts, unit="part", file=sys.stderr, disable=not show,
+                        dynamic_ncols=True, desc="prepare")
+        self.start, self.tokens, self.total, self.bytes, self.first = time.monotonic(), 0, total_bytes, done_bytes, done_bytes
+
+    def update(self, result: dict) -> None:
+        self.tokens += result["tokens"]
+        self.bytes += result["bytes"]
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        rate = (self.bytes - self.first) / elapsed
+        eta = (self.total - self.bytes) / rate if rate > 0 else 0.0
+        self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tokens/s, ETA {eta:,.0f} s")
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def main(argv: list[str]) -> int:
+    """The ``prepare`` subcommand: 0 when done; PrepareError (exit 2 through the CLI) on bad input."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="titan-lightning prepare", description=__doc__.split("\n\n")[0],
+                                     exit_on_error=False)
+    parser.add_argument("--input", action="append", required=True, help="file, folder or glob (repeatable)")
+    parser.add_argument("--output", required=True, help="the shard folder to write")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer.json or its folder (default: the shipped one)")
+    parser.add_argument("--text-field", default="text", help="the JSONL field / Parquet column with the text")
+    parser.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
+    parser.add_argument("--bad-records", default="skip", choices=("skip", "stop"))
+    parser.add_argument("--shard-tokens", type=int, default=2**28, help="tokens per shard file at most (about)")
+    parser.add_argument("--no-progress", action="store_true")
+    try:
+        options = parser.parse_args(argv)
+    except argparse.ArgumentError as err:
+        raise PrepareError(f"prepare: {err}") from None
+    summary = prepare(options.input, options.output, tokenizer_path=options.tokenizer, text_field=options.text_field,
+                      workers=options.workers, bad_records=options.bad_records, shard_tokens=options.shard_tokens,
+                      progress=not options.no_progress)
+    skipped = (f"; {summary['bad_records']} bad record(s) skipped, the first: {summary['first_bad']}"
+               if summary["bad_records"] else "")
+    print(f"{options.output}: {summary['tokens']:,} tokens, {summary['documents']:,} documents in "
+          f"{summary['shards']} shard(s){skipped}")
+    return 0

@@ -1,0 +1,179 @@
+"""Token shards: a corpus tokenized once (``titan-lightning prepare``), read through memory maps.
+
+A shard set is a folder::
+
+    index.json          {"format": "titan-lightning-tokens", "version": 1, "dtype": "uint16",
+                         "tokenizer": {"sha256", "vocab_size", "eos_id", "bos_id"},
+                         "shards": [{"name": "part-00000-00000", "tokens": T, "documents": D}, ...]}
+    <name>.tokens       the token ids, little-endian ``dtype`` (uint16 up to 65,536 ids, else
+                        uint32), documents back to back, each ending with the tokenizer's EOS
+                        (and starting with its BOS when its tokenizer_config.json says so)
+    <name>.docs         little-endian int64: each document's end offset in its shard
+
+A reader holds the index and, per shard, a memory map it opens on first use: its memory and
+start-up time do not grow with the corpus. ``index.json`` is written last, so a folder without
+it is not a shard set (an unfinished ``prepare`` resumes from its ``progress.json``).
+"""
+
+import hashlib
+import json
+from bisect import bisect_right
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+
+FORMAT = "titan-lightning-tokens"
+VERSION = 1
+INDEX = "index.json"
+PathLike = Union[str, Path]
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+def tokenizer_identity(tokenizer_json: Path, vocab_size: int, eos_id: int, bos_id: Optional[int]) -> dict[str, Any]:
+    """What a shard set records of the tokenizer that wrote it (its file's hash and special ids)."""
+    digest = hashlib.sha256(Path(tokenizer_json).read_bytes()).hexdigest()
+    return {"sha256": digest, "vocab_size": vocab_size, "eos_id": eos_id, "bos_id": bos_id}
+
+
+def is_shard_set(path: PathLike) -> bool:
+    return (Path(path) / INDEX).is_file()
+
+
+class ShardWriter:
+    """Writes the documents of one part of a corpus as one or more shards named ``<part>-NNNNN``."""
+
+    def __init__(self, folder: Path, part: str, dtype: np.dtype, shard_tokens: int = 2**28) -> None:
+        self.folder, self.part, self.dtype, self.shard_tokens = folder, part, dtype, shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self._file = None
+        self._ends: list[int] = []
+        self._tokens = 0
+
+    def add(self, ids: np.ndarray) -> None:
+        """One document's token ids (EOS, and BOS, already in place)."""
+        if self._file is None or self._tokens >= self.shard_tokens:
+            self._close_shard()
+            name = f"{self.part}-{len(self.shards):05d}"
+            self.shards.append({"name": name, "tokens": 0, "documents": 0})
+            self._file = open(self.folder / f"{name}.tokens", "wb")
+        self._file.write(np.asarray(ids, dtype=self.dtype).tobytes())
+        self._tokens += len(ids)
+        self._ends.append(self._tokens)
+
+    def _close_shard(self) -> None:
+        if self._file is None:
+            return
+        self._file.close()
+        shard = self.shards[-1]
+        np.asarray(self._ends, dtype="<i8").tofile(self.folder / f"{shard['name']}.docs")
+        shard["tokens"], shard["documents"] = self._tokens, len(self._ends)
+        self._file, self._ends, self._tokens = None, [], 0
+
+    def close(self) -> list[dict[str, Any]]:
+        self._close_shard()
+        return self.shards
+
+
+def write_index(folder: Path, dtype: np.dtype, tokenizer: dict[str, Any], shards: list[dict[str, Any]],
+                sources: Optional[list[str]] = None) -> None:
+    index = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "tokenizer": tokenizer,
+             "total_tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
+             "shards": shards, "sources": sources or []}
+    partial = folder / (INDEX + ".partial")
+    partial.write_text(json.dumps(index, indent=1) + "\n")
+    partial.replace(folder / INDEX)
+
+
+class TokenSpan:
+    """Tokens ``start``..``stop`` of a shard set as one array: ``len``, and ``span[a:b]`` -> a
+    NumPy int64 copy of those tokens, read from the shards' memory maps."""
+
+    def __init__(self, shards: "ShardSet", start: int, stop: int) -> None:
+        self.shards, self.start, self.stop = shards, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        a, b, step = index.indices(len(self))
+        if step != 1:
+            raise ValueError("TokenSpan slices take step 1")
+        return self.shards.read(self.start + a, self.start + max(a, b))
+
+
+class ShardSet:
+    """A shard set opened for reading (see the module docstring); ``tokens`` spans all of it."""
+
+    def __init__(self, folder: PathLike, field: str = "data.dataset_path") -> None:
+        self.folder = Path(folder)
+        where = f"{field}={str(folder)!r}"
+        try:
+            index = json.loads((self.folder / INDEX).read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{where}: {INDEX} unreadable ({' '.join(str(err).split())})") from None
+        if index.get("format") != FORMAT or index.get("version") != VERSION:
+            raise ValueError(f"{where}: {INDEX} is not a titan-lightning token shard index (format {FORMAT} "
+                             f"version {VERSION}); write one with `titan-lightning prepare`")
+        self.index, self.dtype = index, np.dtype(index["dtype"]).newbyteorder("<")
+        self.tokenizer: dict[str, Any] = index["tokenizer"]
+        self.names = [s["name"] for s in index["shards"]]
+        counts = [int(s["tokens"]) for s in index["shards"]]
+        self.offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
+        for name, count in zip(self.names, counts):
+            file = self.folder / f"{name}.tokens"
+            if not file.is_file() or file.stat().st_size != count * self.dtype.itemsize:
+                size = file.stat().st_size if file.is_file() else None
+                raise ValueError(f"{where}: {file.name} holds {size} bytes, the index says {count} tokens "
+                                 f"of {self.dtype.name} (a truncated or foreign file)")
+        self._maps: dict[int, np.memmap] = {}
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    @property
+    def tokens(self) -> TokenSpan:
+        return TokenSpan(self, 0, len(self))
+
+    def _map(self, k: int) -> np.ndarray:
+        if k not in self._maps:
+            count = self.offsets[k + 1] - self.offsets[k]
+            self._maps[k] = np.memmap(self.folder / f"{self.names[k]}.tokens", dtype=self.dtype, mode="r",
+                                      shape=(count,)) if count else np.empty(0, self.dtype)
+        return self._maps[k]
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Global tokens ``start``..``stop`` (across shard borders) as int64."""
+        out = np.empty(stop - start, dtype=np.int64)
+        k, filled = bisect_right(self.offsets, start) - 1, 0
+        while filled < len(out):
+            lo = start + filled - self.offsets[k]
+            take = min(self.offsets[k + 1] - self.offsets[k] - lo, len(out) - filled)
+            out[filled:filled + take] = self._map(k)[lo:lo + take]
+            filled, k = filled + take, k + 1
+        return out
+
+    def document_end_before(self, position: int) -> int:
+        """The last document end at or before global token ``position`` (0 if none)."""
+        k = min(max(bisect_right(self.offsets, position) - 1, 0), len(self.names) - 1)
+        while k >= 0:
+            ends = np.fromfile(self.folder / f"{self.names[k]}.docs", dtype="<i8")
+            local = position - self.offsets[k]
+            i = int(np.searchsorted(ends, local, side="right"))
+            if i:
+                return self.offsets[k] + int(ends[i - 1])
+            k -= 1
+        return 0
+
+    def check_tokenizer(self, expected: dict[str, Any], field: str = "data.tokenizer_path") -> None:
+        """One line when this set was written by another tokenizer than ``expected``."""
+        mine = {k: self.tokenizer.get(k) for k in ("sha256", "eos_id", "bos_id")}
+        theirs = {k: expected.get(k) for k in mine}
+        if mine != theirs:
+            raise ValueError(f"the shards in {self.folder} were written by another tokenizer (sha256 "
+                             f"{str(mine['sha256'])[:12]}..., eos {mine['eos_id']}, bos {mine['bos_id']}) than "
+                             f"{field} (sha256 {str(theirs['sha256'])[:12]}..., eos {theirs['eos_id']}, bos "
+                             f"{theirs['bos_id']}); prepare them again with this tokenizer")
