@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgre
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from titan_lightning.callbacks import TrainingMetrics
+from titan_lightning.callbacks.metrics import SourceTokens
 from titan_lightning.callbacks.preemption import PreemptionCheckpoint
 from titan_lightning.callbacks.profiling import ProfileSteps
 from titan_lightning.callbacks.weights import ExportWeights, LoadWeights, check_export, check_initial_weights
@@ -337,6 +338,8 @@ def build_trainer(run: Run) -> L.Trainer:
     callbacks = list(kwargs.get("callbacks") or [])
     if job is not None and not any(isinstance(c, TrainingMetrics) for c in callbacks):
         callbacks.append(TrainingMetrics())
+    if job is not None and job.data.sources and not any(isinstance(c, SourceTokens) for c in callbacks):
+        callbacks.append(SourceTokens())
     if job is not None and not any(isinstance(c, PreemptionCheckpoint) for c in callbacks):
         callbacks.append(PreemptionCheckpoint())
     if kwargs.get("enable_checkpointing", True) and not any(isinstance(c, ModelCheckpoint) for c in callbacks):

@@ -136,3 +136,18 @@ def _data_parallel_size(trainer: L.Trainer) -> int:
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class SourceTokens(L.Callback):
+    """With a data mixture (``data.sources``): ``data/tokens/<source>``, the training tokens each
+    source has given the run so far (all ranks), after every optimizer step."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        datamodule = getattr(trainer, "datamodule", None)
+        if (batch_idx + 1) % trainer.accumulate_grad_batches or not hasattr(datamodule, "source_tokens"):
+            return
+        if not getattr(datamodule.job.data, "sources", None):
+            return
+        for name, tokens in datamodule.source_tokens().items():
+            pl_module.log(f"data/tokens/{name}", float(tokens), on_step=True, on_epoch=False, rank_zero_only=True)

@@ -1,7 +1,7 @@
 from titan_lightning.config.activation_checkpoint import ActivationCheckpointConfig
 from titan_lightning.config.checkpoint import CheckpointConfig
 from titan_lightning.config.compile import CompileConfig
-from titan_lightning.config.data import DataConfig
+from titan_lightning.config.data import DataConfig, DataSource
 from titan_lightning.config.job import JobConfig, ModelArgs
 from titan_lightning.config.optimizer import LRScheduleConfig, OptimizerConfig
 from titan_lightning.config.parallelism import ParallelismConfig
@@ -15,6 +15,7 @@ __all__ = [
     "CompileConfig",
     "ConfigError",
     "DataConfig",
+    "DataSource",
     "JobConfig",
     "LRScheduleConfig",
     "ModelArgs",

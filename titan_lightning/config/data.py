@@ -1,7 +1,17 @@
 """Where tokens come from."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
+
+
+@dataclass(kw_only=True)
+class DataSource:
+    """One source of a mixture: a token shard folder (or a text file) and its weight."""
+
+    path: str
+    weight: float = 1.0
+    # The name its token count is logged under (data/tokens/<name>); default: the folder's name.
+    name: Optional[str] = None
 
 
 @dataclass(kw_only=True)
@@ -17,9 +27,25 @@ class DataConfig:
     # Repeat the training tokens until one window of seq_len + 1 fits: long-context dry
     # runs and benchmarks on a corpus shorter than one sequence (the shipped one is 128k tokens).
     repeat_to_fit: bool = False
+    # A weighted mixture instead of dataset_path (titan_lightning/data/mixture.py), e.g.
+    # --job.data.sources '[{"path": "web/", "weight": 3}, {"path": "code/", "weight": 1}]'.
+    sources: list[DataSource] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers={self.num_workers} must be >= 0")
+        for i, source in enumerate(self.sources):
+            if isinstance(source, dict):
+                self.sources[i] = source = DataSource(**source)
+            if not isinstance(source.weight, (int, float)) or not source.weight > 0:
+                raise ValueError(f"data.sources[{i}].weight={source.weight!r} ({source.path}) must be > 0")
+        names = self.source_names()
+        if len(set(names)) != len(names):
+            raise ValueError(f"data.sources name the sources {names}; give each a distinct name")
+        if self.sources and self.dataset_path is not None:
+            raise ValueError(f"data.sources and data.dataset_path={self.dataset_path!r} are both set; use one")
+
+    def source_names(self) -> list[str]:
+        return [s.name or s.path.rstrip("/").rsplit("/", 1)[-1] for s in self.sources]

@@ -17,6 +17,7 @@ from titan_lightning.data.dataset import (
     split_documents,
     tokenize_documents,
 )
+from titan_lightning.data.mixture import ConcatWindows, MixtureSchedule, MixtureStream
 from titan_lightning.data.shards import ShardSet, TokenSpan, is_shard_set, tokenizer_identity
 from titan_lightning.data.tokenizer import CORPUS_PATH, Tokenizer, load_tokenizer, shipped_asset, tokenizer_file
 
@@ -43,6 +44,8 @@ class TextDataModule(L.LightningDataModule):
         # Trainer that loader serves with its trained-batch count then (None: no Trainer).
         self._start = 0
         self._counter: Optional[tuple[L.Trainer, int]] = None
+        self._sources: list[TokenWindows] = []
+        self._mixture_base: tuple[int, Optional[list[int]]] = (0, None)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -58,15 +61,29 @@ class TextDataModule(L.LightningDataModule):
         Raises ValueError/FileNotFoundError naming the field; what it reads is kept for setup."""
         self._read()
 
-    def _read(self) -> dict[str, np.ndarray]:
-        """The tokenized train and val streams, read once per (corpus, tokenizer, split, seq_len)."""
+    def _read(self) -> dict[str, Any]:
+        """The tokenized train and val streams, read once per (corpus, tokenizer, split, seq_len);
+        with ``data.sources``, one pair per source (``"sources"``: [streams, ...])."""
         data, seq_len = self.job.data, self.job.training.seq_len
-        key = (data.dataset_path, data.tokenizer_path, data.val_fraction, data.repeat_to_fit, seq_len)
+        key = (data.dataset_path, tuple((s.path, s.weight) for s in data.sources), data.tokenizer_path,
+               data.val_fraction, data.repeat_to_fit, seq_len)
         if self._streams is not None and self._streams[0] == key:
             return self._streams[1]
-        path = shipped_asset(CORPUS_PATH) if data.dataset_path is None else Path(data.dataset_path)
+        if data.sources:
+            streams = {"sources": [self._read_one(Path(s.path), f"data.sources[{i}].path")
+                                   for i, s in enumerate(data.sources)]}
+            self._streams = (key, streams)
+            return streams
+        streams = self._read_one(shipped_asset(CORPUS_PATH) if data.dataset_path is None else Path(data.dataset_path))
+        self._streams = (key, streams)
+        return streams
+
+    def _read_one(self, path: Path, field: str = "data.dataset_path") -> dict[str, Any]:
+        data, seq_len = self.job.data, self.job.training.seq_len
+        if field != "data.dataset_path" and not path.exists():
+            raise FileNotFoundError(f"{field}={str(path)!r}: no such file or folder")
         if is_shard_set(path):
-            streams = shard_splits(path, data.tokenizer_path, data.val_fraction, self.tokenizer)
+            streams = shard_splits(path, data.tokenizer_path, data.val_fraction, self.tokenizer, field)
         else:
             streams = tokenized_splits(path, data.tokenizer_path, data.val_fraction, lambda: self.tokenizer)
         if data.repeat_to_fit and 0 < len(streams["train"]) < seq_len + 1:
@@ -74,7 +91,6 @@ class TextDataModule(L.LightningDataModule):
             streams["train"] = np.tile(train, -(-(seq_len + 1) // len(train)))
         if len(streams["train"]) < seq_len + 1:
             raise ValueError(self._too_short("train", len(streams["train"]), path))
-        self._streams = (key, streams)
         return streams
 
     def _too_short(self, split: str, tokens: int, path: Path) -> str:
@@ -87,6 +103,9 @@ class TextDataModule(L.LightningDataModule):
             return
         seq_len = self.job.training.seq_len
         streams = self._read()
+        if "sources" in streams:
+            self._setup_sources(streams["sources"], stage)
+            return
         if len(streams["val"]) < seq_len + 1:
             path = CORPUS_PATH if self.job.data.dataset_path is None else Path(self.job.data.dataset_path)
             self._short_split = self._too_short("val", len(streams["val"]), path)
@@ -96,6 +115,32 @@ class TextDataModule(L.LightningDataModule):
         self._val = None if self._short_split else TokenWindows(streams["val"], seq_len)
         if self._will_validate(stage):
             self._check_val_covers_dp()
+
+    def _setup_sources(self, sources: list[dict[str, Any]], stage: Optional[str]) -> None:
+        seq_len = self.job.training.seq_len
+        self._sources = [TokenWindows(s["train"], seq_len) for s in sources]
+        self._train = self._sources[0]
+        vals = [TokenWindows(s["val"], seq_len) for s in sources if len(s["val"]) >= seq_len + 1]
+        if not vals:
+            self._short_split = (f"no source's val split (data.val_fraction={self.job.data.val_fraction}) fills one "
+                                 f"window of training.seq_len + 1 = {seq_len + 1} tokens")
+            if self._will_validate(stage):
+                raise ValueError(self._short_split)
+        self._val = ConcatWindows(vals) if vals else None
+        if self._will_validate(stage):
+            self._check_val_covers_dp()
+
+    def schedule(self) -> MixtureSchedule:
+        """The mixture of ``data.sources`` (from the resumed base, after a resume that changed weights)."""
+        weights = [s.weight for s in self.job.data.sources]
+        base_position, base_counts = self._mixture_base
+        return MixtureSchedule(weights, self.job.training.seed, base_position, base_counts)
+
+    def source_tokens(self) -> dict[str, int]:
+        """Training tokens each source has given the whole run (all ranks), by source name."""
+        position = self.consumed_samples * self._dp()[0]
+        counts = self.schedule().counts_at(position)
+        return {name: int(n) * self.job.training.seq_len for name, n in zip(self.job.data.source_names(), counts)}
 
     def _will_validate(self, stage: Optional[str]) -> bool:
         # Checked at setup, before any step, when validation will run; a run with
@@ -108,6 +153,10 @@ class TextDataModule(L.LightningDataModule):
         dp_size, dp_rank = self._dp()
         self._start = self.consumed_samples
         self._counter = None if self.trainer is None else (self.trainer, _batches_trained(self.trainer))
+        if self._sources:
+            return self._loader(MixtureStream(self._sources, self.schedule(), seed=self.job.training.seed,
+                                              dp_rank=dp_rank, dp_size=dp_size, start=self._start,
+                                              batch_size=self.job.training.microbatch_size))
         stream = TrainStream(
             train,
             seed=self.job.training.seed,
@@ -136,7 +185,12 @@ class TextDataModule(L.LightningDataModule):
         return self._start + (_batches_trained(trainer) - batches_at_start) * self.job.training.microbatch_size
 
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed_samples": self.consumed_samples, "seed": self.job.training.seed, "dp_size": self._dp()[0]}
+        state = {"consumed_samples": self.consumed_samples, "seed": self.job.training.seed, "dp_size": self._dp()[0]}
+        if self.job.data.sources:
+            base_position, base_counts = self._mixture_base
+            state["mixture"] = {"weights": [s.weight for s in self.job.data.sources], "base_position": base_position,
+                                "base_counts": base_counts}
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume at the saved position. On another data-parallel size the global position carries
@@ -156,6 +210,23 @@ class TextDataModule(L.LightningDataModule):
             )
         self._start = total // dp_size
         self._counter = None
+        if self.job.data.sources:
+            self._mixture_base = self._resumed_base(state_dict.get("mixture"), total)
+
+    def _resumed_base(self, saved: Optional[dict[str, Any]], total: int) -> tuple[int, Optional[list[int]]]:
+        """The schedule's base after a resume at global position ``total``: the saved one for the
+        same weights; for changed weights, the counts each source had reached (module docstring
+        of data/mixture.py)."""
+        weights = [s.weight for s in self.job.data.sources]
+        if saved is None or len(saved["weights"]) != len(weights):
+            had = "one source" if saved is None else f"{len(saved['weights'])} sources"
+            raise ValueError(f"cannot resume the data position of a run with {had} in a run with "
+                             f"{len(weights)} data.sources; a mixture resumes with the same number of sources")
+        base = (int(saved["base_position"]), saved["base_counts"])
+        if list(saved["weights"]) == weights:
+            return base
+        old = MixtureSchedule(saved["weights"], self.job.training.seed, *base)
+        return total, old.counts_at(total).tolist()
 
     def _check_val_covers_dp(self) -> None:
         val, dp_size = self._require_setup(self._val), self._dp()[0]
@@ -214,16 +285,16 @@ def tokenized_splits(path: Path, tokenizer_path: Optional[str], val_fraction: fl
 
 
 def shard_splits(path: Path, tokenizer_path: Optional[str], val_fraction: float,
-                 tokenizer: Tokenizer) -> dict[str, Any]:
+                 tokenizer: Tokenizer, field: str = "data.dataset_path") -> dict[str, Any]:
     """The ``train`` and ``val`` spans of the token shard set ``path``: val is the tail from the
     last document end before ``1 - val_fraction`` of the tokens. Refuses shards of another tokenizer."""
-    shards = ShardSet(path)
+    shards = ShardSet(path, field)
     bos = tokenizer.bos_id if tokenizer.add_bos else None
     shards.check_tokenizer(tokenizer_identity(tokenizer_file(tokenizer_path), tokenizer.vocab_size,
                                               tokenizer.eot_id, bos))
     split = shards.document_end_before(int(len(shards) * (1 - val_fraction)))
     if split == 0 or split == len(shards):
-        raise ValueError(f"data.dataset_path={str(path)!r}: the train/val split is by documents, and "
+        raise ValueError(f"{field}={str(path)!r}: the train/val split is by documents, and "
                          f"{shards.index['documents']} document(s) cannot give both splits at "
                          f"data.val_fraction={val_fraction}")
     return {"train": TokenSpan(shards, 0, split), "val": TokenSpan(shards, split, len(shards))}

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-import numpy as np
 
 from titan_lightning.data.dataset import EOT
 from titan_lightning.data.shards import INDEX, ShardWriter, token_dtype, tokenizer_identity, write_index
