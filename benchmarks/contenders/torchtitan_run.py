@@ -23,10 +23,10 @@ What this script does to torchtitan (none of torchtitan's files are edited):
   ``load_dataset`` that raises (no network / no hub), and ``split_dataset_by_node`` (strided
   sharding; identity at world size 1).
 * Registered, at runtime, dataset ``tl_corpus`` in torchtitan's ``DATASETS`` registry: the
-  documents of this repo's tests/assets/corpus/python_reference.txt (split on
+  documents of this repo's titan_lightning/assets/corpus/python_reference.txt (split on
   ``<|endoftext|>``), fed through torchtitan's own ``HuggingFaceTextDataset`` /
   ``ParallelAwareDataloader`` (StatefulDataLoader) and torchtitan's own
-  ``HuggingFaceTokenizer`` loaded from tests/assets/tokenizer/tokenizer.json (a 2048-token BPE;
+  ``HuggingFaceTokenizer`` loaded from titan_lightning/assets/tokenizer/tokenizer.json (a 2048-token BPE;
   token ids < 2048 < vocab_size, the model keeps the workload's vocab_size, e.g. 128256).
 * Registered, at runtime, model flavor ``tl_bench`` in ``torchtitan.models.llama3.llama3_args``
   built from the workload (torchtitan has no 1B/3B flavor).

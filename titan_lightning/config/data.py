@@ -17,9 +17,9 @@ class DataSource:
 @dataclass(kw_only=True)
 class DataConfig:
     # A UTF-8 text file, or a token shard folder written by `titan-lightning prepare`; None is
-    # the corpus shipped in tests/assets/corpus.
+    # the corpus shipped in titan_lightning/assets/corpus.
     dataset_path: Optional[str] = None
-    # A `tokenizers` JSON file; None is the tokenizer shipped in tests/assets/tokenizer.
+    # A `tokenizers` JSON file; None is the tokenizer shipped in titan_lightning/assets/tokenizer.
     tokenizer_path: Optional[str] = None
     # Share of the corpus (its tail) held out for validation.
     val_fraction: float = 0.05

@@ -18,9 +18,12 @@ from titan_lightning.config import DataConfig
 from titan_lightning.data.dataset import EOT, format_corpus, split_documents
 
 VOCAB_SIZE = 2048
+# Package data: the corpus and tokenizer every recipe uses by default (installed with the package).
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "assets"
+CORPUS_PATH = SHIPPED_DIR / "corpus" / "python_reference.txt"
+TOKENIZER_PATH = SHIPPED_DIR / "tokenizer" / "tokenizer.json"
+# The test suites' assets (goldens, schedules): in a checkout only.
 ASSETS_DIR = Path(__file__).resolve().parents[2] / "tests" / "assets"
-CORPUS_PATH = ASSETS_DIR / "corpus" / "python_reference.txt"
-TOKENIZER_PATH = ASSETS_DIR / "tokenizer" / "tokenizer.json"
 REBUILD_COMMAND = "python -m titan_lightning.data.tokenizer"
 
 
