@@ -23,7 +23,8 @@ from titan_lightning.data.tokenizer import CORPUS_PATH, Tokenizer, load_tokenize
 
 
 class TextDataModule(L.LightningDataModule):
-    """Batches ``{"input_ids", "labels"}`` of shape ``[training.microbatch_size, training.seq_len]``.
+    """Batches ``{"input_ids", "labels", "position_ids"}`` of shape ``[training.microbatch_size,
+    training.seq_len]`` (``position_ids``: each token's position in its document, see TokenWindows).
 
     The train loader is infinite (run the Trainer with ``max_steps``); the val loader is
     finite. Both are sharded by data-parallel rank, read from the Trainer's
@@ -111,16 +112,18 @@ class TextDataModule(L.LightningDataModule):
             self._short_split = self._too_short("val", len(streams["val"]), path)
             if self._will_validate(stage):
                 raise ValueError(self._short_split)
-        self._train = TokenWindows(streams["train"], seq_len)
-        self._val = None if self._short_split else TokenWindows(streams["val"], seq_len)
+        eot = self.tokenizer.eot_id
+        self._train = TokenWindows(streams["train"], seq_len, eot)
+        self._val = None if self._short_split else TokenWindows(streams["val"], seq_len, eot)
         if self._will_validate(stage):
             self._check_val_covers_dp()
 
     def _setup_sources(self, sources: list[dict[str, Any]], stage: Optional[str]) -> None:
         seq_len = self.job.training.seq_len
-        self._sources = [TokenWindows(s["train"], seq_len) for s in sources]
+        eot = self.tokenizer.eot_id
+        self._sources = [TokenWindows(s["train"], seq_len, eot) for s in sources]
         self._train = self._sources[0]
-        vals = [TokenWindows(s["val"], seq_len) for s in sources if len(s["val"]) >= seq_len + 1]
+        vals = [TokenWindows(s["val"], seq_len, eot) for s in sources if len(s["val"]) >= seq_len + 1]
         if not vals:
             self._short_split = (f"no source's val split (data.val_fraction={self.job.data.val_fraction}) fills one "
                                  f"window of training.seq_len + 1 = {seq_len + 1} tokens")

@@ -89,13 +89,21 @@ def tokenize_documents(documents: Sequence[str], tokenizer: _Encoder) -> np.ndar
 
 
 class TokenWindows(Dataset):
-    """The next-token samples of one token stream, in stream order."""
+    """The next-token samples of one token stream, in stream order.
 
-    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+    With ``eot_id`` (every document of the stream ends with it), a sample also carries the
+    document boundaries: ``position_ids``, each input token's position in its document, 0 where
+    a document starts (after an end-of-text token); the document the window starts inside
+    counts from the window's first token. Document-masked attention and per-document RoPE
+    positions read them.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, eot_id: Optional[int] = None) -> None:
         if len(tokens) < seq_len + 1:
             raise ValueError(f"{len(tokens)} tokens cannot fill one window of seq_len + 1 = {seq_len + 1} tokens")
         self.tokens = tokens
         self.seq_len = seq_len
+        self.eot_id = eot_id
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
@@ -104,8 +112,19 @@ class TokenWindows(Dataset):
         if not 0 <= index < len(self):
             raise IndexError(f"window {index} out of range for {len(self)} windows")
         start = index * self.seq_len
-        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1]).long()
-        return {"input_ids": window[:-1], "labels": window[1:]}
+        tokens = self.tokens[start : start + self.seq_len + 1]
+        window = torch.from_numpy(tokens).long()
+        sample = {"input_ids": window[:-1], "labels": window[1:]}
+        if self.eot_id is not None:
+            sample["position_ids"] = torch.from_numpy(document_positions(tokens[:-1], self.eot_id))
+        return sample
+
+
+def document_positions(tokens: np.ndarray, eot_id: int) -> np.ndarray:
+    """Each token's position in its document (0 after every ``eot_id``, and at the first token)."""
+    index = np.arange(len(tokens))
+    starts = np.flatnonzero(np.concatenate([[True], np.asarray(tokens[:-1]) == eot_id]))
+    return index - starts[np.searchsorted(starts, index, side="right") - 1]
 
 
 def epoch_permutation(num_windows: int, seed: int, epoch: int) -> np.ndarray:

@@ -199,3 +199,29 @@ def test_the_data_module_trains_on_shards_and_refuses_another_tokenizer(corpus, 
     job.data.tokenizer_path = str(other)
     with pytest.raises(ValueError, match=r"were written by another tokenizer .* than data.tokenizer_path"):
         TextDataModule(job).setup("fit")
+
+
+def test_every_sample_carries_its_document_positions(corpus, tmp_path):
+    """position_ids restart at 0 after every EOS of the window (the document boundaries travel
+    with the batch), and count from the window's first token for the document it starts inside."""
+    from recipes.tests import features
+    from titan_lightning.data.datamodule import TextDataModule
+
+    prepare([str(corpus)], str(tmp_path / "out"), workers=1, progress=False)
+    job = features.llama3_debugmodel().job
+    job.data.dataset_path, job.training.seq_len = str(tmp_path / "out"), 64
+    job.training.tokens_per_microbatch_per_dp_rank = 64 * 32
+    module = TextDataModule(job)
+    module.setup("fit")
+    eot = module.tokenizer.eot_id
+    batch = next(iter(module.train_dataloader()))
+    assert batch["position_ids"].shape == batch["input_ids"].shape
+    starts = 0
+    for ids, positions in zip(batch["input_ids"].tolist(), batch["position_ids"].tolist()):
+        expected, current = [], 0
+        for i, token in enumerate(ids):
+            expected.append(current)
+            current = 0 if token == eot else current + 1
+        assert positions == expected
+        starts += positions[1:].count(0)
+    assert starts > 0  # some windows hold a document boundary
