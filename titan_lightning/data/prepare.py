@@ -331,8 +331,11 @@ def main(argv: list[str]) -> int:
     """The ``prepare`` subcommand: 0 when done; PrepareError (exit 2 through the CLI) on bad input."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="titan-lightning prepare", description=__doc__.split("\n\n")[0],
-                                     exit_on_error=False)
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str):  # one line, exit 2 through the CLI, instead of usage + exit
+            raise PrepareError(f"prepare: {message}")
+
+    parser = Parser(prog="titan-lightning prepare", description=__doc__.split("\n\n")[0], exit_on_error=False)
     parser.add_argument("--input", action="append", required=True, help="file, folder or glob (repeatable)")
     parser.add_argument("--output", required=True, help="the shard folder to write")
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json or its folder (default: the shipped one)")

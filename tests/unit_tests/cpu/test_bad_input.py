@@ -65,6 +65,16 @@ def _files(root: Path) -> None:
     (root / "a_file.txt").write_text("x")
     (root / "bad.csv").write_text("0F0,0X1\n1F0,1F1\n")
     (root / "rows.csv").write_text("0F0,0B0\n")
+    (root / "nofield.jsonl").write_text('{"content": "a document"}\n')
+    (root / "other_shards").mkdir()
+    import numpy as np
+
+    np.zeros(3000, dtype="<u2").tofile(root / "other_shards" / "part-00000-00000.tokens")
+    np.asarray([1500, 3000], dtype="<i8").tofile(root / "other_shards" / "part-00000-00000.docs")
+    (root / "other_shards" / "index.json").write_text(json.dumps({
+        "format": "titan-lightning-tokens", "version": 1, "dtype": "uint16", "total_tokens": 3000, "documents": 2,
+        "tokenizer": {"sha256": "0" * 64, "vocab_size": 2048, "eos_id": 0, "bos_id": None},
+        "shards": [{"name": "part-00000-00000", "tokens": 3000, "documents": 2}]}))
     (root / "hf_model").mkdir()
     (root / "hf_model" / "model.safetensors").write_bytes(b"")
     llama = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 160,
@@ -124,6 +134,23 @@ CASES = [
      "model args differ from hf_llama/config.json: hidden_size is 256 here, 64 there"),
     ("hf export of a routing bias", [*MOE, "--job.checkpoint.export_format", "hf"],
      "checkpoint.export_format=hf: Hugging Face Qwen3-MoE has no routing bias"),
+    # -- data: prepare, shards, mixtures -----------------------------------------------------------
+    ("prepare input missing", ["prepare", "--input", "nope.jsonl", "--output", "out"],
+     "--input 'nope.jsonl': no such file or folder"),
+    ("prepare empty input", ["prepare", "--input", "empty.txt", "--output", "out"], "empty.txt: empty file"),
+    ("prepare binary input", ["prepare", "--input", "nul.txt", "--output", "out"], "nul.txt: binary (a NUL byte at 9)"),
+    ("prepare unknown extension", ["prepare", "--input", "bad.csv", "--output", "out"],
+     "--input 'bad.csv': .csv extension; prepare reads .jsonl, .json, .txt, .parquet files"),
+    ("prepare jsonl without the field", ["prepare", "--input", "nofield.jsonl", "--output", "out"],
+     "nofield.jsonl:1: no text field 'text' (--text-field); the record has: content"),
+    ("prepare without output", ["prepare", "--input", "one_doc.txt"],
+     "prepare: the following arguments are required: --output"),
+    ("shards of another tokenizer", [*D, "--job.data.dataset_path", "other_shards"],
+     "the shards in other_shards were written by another tokenizer"),
+    ("mixture weight not positive", [*D, "--job.data.sources", '[{"path": "other_shards", "weight": 0}]'],
+     "data.sources[0].weight=0.0 (other_shards) must be > 0"),
+    ("mixture source missing", [*D, "--job.data.sources", '[{"path": "nope_dir"}]'],
+     "data.sources[0].path='nope_dir': no such file or folder"),
     # -- options -----------------------------------------------------------------------------------
     ("unknown job key", [*D, "--job.training.sed", "3"], "unknown option --job.training.sed; valid keys under job.training: seed"),
     ("unknown trainer key", [*D, "--trainer.max_stepz", "3"], "unknown option --trainer.max_stepz"),
