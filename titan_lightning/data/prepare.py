@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 
-from titan_lightning.data.dataset import EOT
+from titan_lightning.data.text import EOT
 from titan_lightning.data.shards import INDEX, ShardWriter, token_dtype, tokenizer_identity, write_index
 
 KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "text", ".parquet": "parquet"}

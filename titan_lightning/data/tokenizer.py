@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from titan_lightning.config import DataConfig
-from titan_lightning.data.dataset import EOT, format_corpus, split_documents
+from titan_lightning.data.text import EOT, format_corpus, split_documents
 
 VOCAB_SIZE = 2048
 # Package data: the corpus and tokenizer every recipe uses by default (installed with the package).
