@@ -149,25 +149,29 @@ def test_parquet_rows_are_documents(tmp_path):
     assert len(list((tmp_path / "out").glob("*.tokens"))) == 4  # one per row group
 
 
-def _tokenizer_folder(folder: Path, config: dict) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def _tokenizer_folder(folder: Path, config: dict, post_processor_bos: bool = False) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     folder.mkdir()
     vocab = {"<s>": 0, "</s>": 1, "[UNK]": 2, **{c: i + 3 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz ")}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    if post_processor_bos:  # as Llama 3's tokenizer.json: its template puts BOS first
+        tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 
 
-@pytest.mark.parametrize("config, first", [
-    ({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}, [0]),   # Llama 2 / DeepSeek style
-    ({"bos_token": "<s>", "eos_token": "</s>"}, []),                           # BOS defined, not added
-    ({"eos_token": "</s>"}, []),                                               # Qwen style: EOS only
+@pytest.mark.parametrize("config, post_processor_bos, first", [
+    ({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}, False, [0]),  # DeepSeek style
+    ({"bos_token": "<s>", "eos_token": "</s>"}, True, [0]),    # Llama 3 style: the post-processor adds BOS
+    ({"bos_token": "<s>", "eos_token": "</s>"}, False, []),    # BOS defined, not added
+    ({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}, True, []),  # the config's word wins
+    ({"eos_token": "</s>"}, False, []),                         # Qwen style: EOS only
 ])
-def test_bos_and_eos_come_from_the_tokenizer_config(tmp_path, config, first):
-    folder = _tokenizer_folder(tmp_path / "tok", config)
+def test_bos_and_eos_come_from_the_tokenizer_config(tmp_path, config, post_processor_bos, first):
+    folder = _tokenizer_folder(tmp_path / "tok", config, post_processor_bos)
     _jsonl(tmp_path / "a.jsonl", ["ab", "c"])
     prepare([str(tmp_path / "a.jsonl")], str(tmp_path / "out"), tokenizer_path=str(folder), workers=1, progress=False)
     a, b, c = 3, 4, 5
