@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from titan_lightning.checkpoint import Source, load_sources
@@ -105,39 +104,10 @@ def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> No
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _load_file(path: Path, context: str = "") -> dict[str, Tensor]:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: checkpoint file is missing{context}")
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError) as err:
-        reason = " ".join(str(err).split())
-        raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {reason}") from None
-
-
 def load_hf_safetensors(folder: PathLike) -> dict[str, Tensor]:
     """Every tensor of the checkpoint in ``folder`` (one file or an index and its shards), on the CPU."""
-    folder = Path(folder)
-    index_path = folder / INDEX_FILE
-    if not index_path.is_file():
-        if not (folder / SINGLE_FILE).is_file():
-            raise FileNotFoundError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}: not a Hugging Face checkpoint folder")
-        return _load_file(folder / SINGLE_FILE)
-    try:
-        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{index_path}: not a safetensors index with a 'weight_map' ({type(err).__name__}: {err})")
-    state_dict: dict[str, Tensor] = {}
-    for file in dict.fromkeys(weight_map.values()):
-        tensors = _load_file(folder / file, context=f" (listed in {INDEX_FILE})")
-        listed = {name for name, f in weight_map.items() if f == file}
-        if listed != tensors.keys():
-            missing, extra = sorted(listed - tensors.keys()), sorted(tensors.keys() - listed)
-            raise ValueError(
-                f"{folder / file}: tensors do not match {INDEX_FILE}: missing {missing}, not listed {extra}"
-            )
-        state_dict.update(tensors)
-    return state_dict
+    tensors = HFTensors.open(folder)
+    return {name: tensors.read(name) for name in tensors.keys()}
 
 
 def _weight_map(folder: Path) -> Optional[dict[str, str]]:
