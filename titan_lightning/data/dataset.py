@@ -82,8 +82,56 @@ def document_positions(tokens: np.ndarray, eot_id: int) -> np.ndarray:
 
 
 def epoch_permutation(num_windows: int, seed: int, epoch: int) -> np.ndarray:
-    """The order in which training epoch ``epoch`` visits the windows."""
+    """The order in which training epoch ``epoch`` visits the windows of an in-memory stream."""
     return np.random.default_rng([seed, epoch]).permutation(num_windows)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: a 64-bit integer hash."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+class FeistelPermutation:
+    """A seeded permutation of ``range(n)`` computed index by index (``perm[i]``), in constant
+    memory: a 4-round Feistel network on the smallest even-width bit domain holding ``n``, walked
+    until it lands inside ``range(n)``. Token shard sets use it, so the shuffle of a corpus of any
+    size costs no memory."""
+
+    def __init__(self, n: int, seed: int, epoch: int) -> None:
+        self.n = n
+        self.half = max(1, ((n - 1).bit_length() + 1) // 2)
+        self.keys = [_mix(_mix(seed & _MASK64) ^ _mix(epoch * 4 + r + 1)) for r in range(4)]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _encrypt(self, x: int) -> int:
+        mask = (1 << self.half) - 1
+        left, right = x >> self.half, x & mask
+        for key in self.keys:
+            left, right = right, left ^ (_mix(right ^ key) & mask)
+        return (left << self.half) | right
+
+    def __getitem__(self, i: int) -> int:
+        if not 0 <= i < self.n:
+            raise IndexError(f"{i} outside a permutation of {self.n}")
+        x = self._encrypt(i)
+        while x >= self.n:  # at most 4n domain: a few steps on average
+            x = self._encrypt(x)
+        return x
+
+
+def epoch_order(windows: "TokenWindows", seed: int, epoch: int):
+    """The order of epoch ``epoch`` over ``windows``: an array for an in-memory stream (the order
+    every committed golden file was recorded with), a FeistelPermutation for a shard set."""
+    if isinstance(windows.tokens, np.ndarray):
+        return epoch_permutation(len(windows), seed, epoch)
+    return FeistelPermutation(len(windows), seed, epoch)
 
 
 class TrainStream(IterableDataset):
@@ -121,7 +169,7 @@ class TrainStream(IterableDataset):
             position = k * self.dp_size + self.dp_rank
             if position // n != epoch:
                 epoch = position // n
-                order = epoch_permutation(n, self.seed, epoch)
+                order = epoch_order(self.windows, self.seed, epoch)
             yield self.windows[int(order[position % n])]
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from titan_lightning.data.dataset import TokenWindows, _check_shard, _worker_positions, epoch_permutation
+from titan_lightning.data.dataset import TokenWindows, _check_shard, _worker_positions, epoch_order
 
 
 class MixtureSchedule:
@@ -85,14 +85,14 @@ class MixtureStream(IterableDataset):
         self.dp_rank, self.dp_size, self.start, self.batch_size = dp_rank, dp_size, start, batch_size
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        orders: dict[tuple[int, int], np.ndarray] = {}
+        orders: dict[tuple[int, int], object] = {}
         for k in _worker_positions(self.start, None, self.batch_size):
             s, index = self.schedule.locate(k * self.dp_size + self.dp_rank)
             windows = self.sources[s]
             epoch, within = divmod(index, len(windows))
             if (s, epoch) not in orders:
                 orders = {key: v for key, v in orders.items() if key[0] != s}
-                orders[(s, epoch)] = epoch_permutation(len(windows), _source_seed(self.seed, s), epoch)
+                orders[(s, epoch)] = epoch_order(windows, _source_seed(self.seed, s), epoch)
             yield windows[int(orders[(s, epoch)][within])]
 
 
