@@ -1,7 +1,7 @@
 """A user's corpus end to end: JSONL and text -> `titan-lightning prepare` -> a weighted mixture of
-the two shard sets -> fit on 4 gloo ranks, killed in a save, resumed on 2 data-parallel ranks:
-steps 3-5 are those of the uninterrupted 4-rank run (the same samples: the mixture's global
-sequence does not depend on the data-parallel size)."""
+the two shard sets -> fit on 4 gloo ranks, killed in a save, resumed on 4 ranks (steps 3-5 bitwise
+those of the uninterrupted run) and on 2 data-parallel ranks (the same samples: the mixture's
+global sequence does not depend on the data-parallel size; 1e-5, FSDP sums in another order)."""
 
 import json
 import math
@@ -38,8 +38,11 @@ def test_prepared_mixture_trains_on_4_ranks_and_resumes_after_a_kill_on_2(tmp_pa
     saving = ["--trainer.enable_checkpointing", "true", "--job.checkpoint.interval", "2"]
     with pytest.raises(LaunchFailed):  # killed as the second save (step 4) begins
         _fit("llama3_fsdp4", 4, tmp_path / "killed", tmp_path / "run", sources, *saving, env={FAULT_ENV: "2:begin"})
-    resumed = _fit("llama3_fsdp2", 2, tmp_path / "resumed", tmp_path / "run2", sources,
-                   "--job.checkpoint.resume_from", str(tmp_path / "run" / "checkpoints" / "epoch=0-step=2.ckpt"))
+    step2 = str(tmp_path / "run" / "checkpoints" / "epoch=0-step=2.ckpt")
+    same = _fit("llama3_fsdp4", 4, tmp_path / "same", tmp_path / "run4", sources, "--job.checkpoint.resume_from", step2)
+    assert (same["steps"], same["losses"], same["grad_norms"]) == (
+        [3, 4, 5], straight["losses"][2:], straight["grad_norms"][2:])  # bitwise on the same layout
+    resumed = _fit("llama3_fsdp2", 2, tmp_path / "resumed", tmp_path / "run2", sources, "--job.checkpoint.resume_from", step2)
     assert resumed["steps"] == [3, 4, 5]
     # The same samples in the same order; FSDP over 2 instead of 4 ranks sums in another order.
     for got, want in zip(resumed["losses"] + resumed["grad_norms"], straight["losses"][2:] + straight["grad_norms"][2:]):
