@@ -14,6 +14,8 @@ from titan_lightning.config.training import TrainingConfig
 # Attention implementations; all but "sdpa" are context parallel (parallel/context.py).
 CP_ATTENTIONS = ("allgather", "ring", "ulysses")
 ATTENTIONS = ("sdpa", *CP_ATTENTIONS)
+MASKS = ("causal", "block_causal")
+POSITIONS = ("global", "per_document")
 
 
 @dataclass(kw_only=True)
@@ -27,10 +29,18 @@ class ModelArgs:
     # context-parallel backend ("allgather", "ring", "ulysses") is set by
     # ContextParallelTransform and needs parallelism.cp > 1.
     attention: str = "sdpa"
+    # "causal", or "block_causal": each token attends only within its document of the packed
+    # window; "global" RoPE positions, or "per_document" ones (models/common/masking.py).
+    mask: str = "causal"
+    positions: str = "global"
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTIONS:
             raise ValueError(f"model.attention={self.attention!r} is not one of {', '.join(ATTENTIONS)}")
+        if self.mask not in MASKS:
+            raise ValueError(f"model.mask={self.mask!r} is not one of {', '.join(MASKS)}")
+        if self.positions not in POSITIONS:
+            raise ValueError(f"model.positions={self.positions!r} is not one of {', '.join(POSITIONS)}")
         self.require_positive_ints("vocab_size", "n_heads", "n_kv_heads")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(

@@ -148,6 +148,12 @@ def validate_schedule_csv(p: ParallelismConfig) -> None:
 
 def validate_model_parallelism(job: JobConfig) -> None:
     p, m = job.parallelism, job.model
+    documents = (getattr(m, "mask", "causal"), getattr(m, "positions", "global")) != ("causal", "global")
+    for degree, what in (("cp", "context parallelism"), ("pp", "pipeline parallelism")):
+        if documents and getattr(p, degree) > 1:
+            raise ConfigError(f"model.mask={m.mask!r}, model.positions={m.positions!r} with parallelism.{degree}="
+                              f"{getattr(p, degree)}: document masking does not run under {what} yet; use "
+                              f"model.mask='causal', model.positions='global' there")
     for name in ("n_heads", "n_kv_heads"):
         heads = getattr(m, name)
         if heads % p.tp:

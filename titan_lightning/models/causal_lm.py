@@ -97,13 +97,16 @@ class CausalLMModule(L.LightningModule):
     # What a pipeline split cuts: model.layers (a ModuleDict), embeddings first, norm and head last.
     pipeline_plan: PipelinePlan = PipelinePlan()
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        t = self.job.training
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits; ``position_ids`` (document boundaries) reach the model only when ``model.mask`` /
+        ``model.positions`` use them."""
+        t, m = self.job.training, self.job.model
+        extra = (position_ids,) if (m.mask, m.positions) != ("causal", "global") else ()
         # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does it.
         if t.mixed_precision_param == "bfloat16" and t.dtype == "float32" and not isinstance(self.model, FSDPModule):
             with torch.autocast(device_type=input_ids.device.type, dtype=torch.bfloat16):
-                return self.model(input_ids)
-        return self.model(input_ids)
+                return self.model(input_ids, *extra)
+        return self.model(input_ids, *extra)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token at ``seq_len``, torchtitan's estimate:
@@ -139,7 +142,7 @@ class CausalLMModule(L.LightningModule):
     # -- steps ---------------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.loss_fn(self(batch["input_ids"]), batch["labels"])
+        loss = self.loss_fn(self(batch["input_ids"], batch.get("position_ids")), batch["labels"])
         value = _local(loss).detach()
         # Checked in configure_gradient_clipping, before the optimizer step: a check here would
         # synchronize with the device between forward and backward on every step.
@@ -148,7 +151,7 @@ class CausalLMModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss = _local(self.loss_fn(self(batch["input_ids"]), batch["labels"]))
+        loss = _local(self.loss_fn(self(batch["input_ids"], batch.get("position_ids")), batch["labels"]))
         self.val_loss.update(loss, weight=(batch["labels"] != IGNORE_INDEX).sum())
 
     def on_validation_epoch_end(self) -> None:

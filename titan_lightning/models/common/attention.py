@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_lightning.models.common.masking import Documents, rope_at
+from titan_lightning.models.common.masking import attention as masked_attention
 from titan_lightning.models.common.norms import RMSNorm
 from titan_lightning.models.common.rope import apply_rope
 from titan_lightning.parallel.context import ContextParallel, context_parallel_attention
@@ -53,7 +55,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, *, documents: Optional[Documents] = None) -> torch.Tensor:
+        """``documents``: the batch's document boundaries when ``model.mask`` / ``model.positions``
+        ask for them (models/common/masking.py); None is causal attention at window positions."""
         B, S, _ = x.shape
         q = self.wq(x).view(B, S, -1, self.head_dim)
         k = self.wk(x).view(B, S, -1, self.head_dim)
@@ -64,8 +68,13 @@ class Attention(nn.Module):
             rope_cache = rope_cache.index_select(0, self.cp.positions(S, x.device))
             q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
             return self.wo(context_parallel_attention(q, k, v, self.cp, self.backend).reshape(B, S, -1))
+        if documents is not None:
+            rope_cache = rope_at(rope_cache, documents, S)
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
         if self.n_rep > 1:
             k, v = k.repeat_interleave(self.n_rep, dim=2), v.repeat_interleave(self.n_rep, dim=2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        if documents is not None:
+            y = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents)
+        else:
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))

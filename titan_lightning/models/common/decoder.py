@@ -22,6 +22,7 @@ from torch import nn
 
 from titan_lightning.config.job import ModelArgs
 from titan_lightning.models.common.init import init_params
+from titan_lightning.models.common.masking import Documents, documents_for
 from titan_lightning.models.common.moe import MoE, reset_moe_buffers
 from titan_lightning.models.common.norms import RMSNorm
 
@@ -73,10 +74,18 @@ class Block(nn.Module):
         self.add_module("feed_forward", None if moe else ffn)
         self.add_module("moe", ffn if moe else None)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, *, documents: Optional[Documents] = None) -> torch.Tensor:
+        # Keyword-only, so tensor parallelism's PrepareModuleInput (one layout per positional
+        # input) sees the same inputs whether or not a batch carries documents.
+        h = x + self.attention(self.attention_norm(x), rope_cache, **_documents(documents))
         ffn = self.feed_forward if self.feed_forward is not None else self.moe
         return h + ffn(self.ffn_norm(h))
+
+
+def _documents(documents: Optional[Documents]) -> dict:
+    """The keyword a block or attention takes only when there are documents (a custom block
+    written for the causal default keeps its two inputs)."""
+    return {} if documents is None else {"documents": documents}
 
 
 class Decoder(nn.Module):
@@ -133,11 +142,14 @@ class Decoder(nn.Module):
         matmul = cls.count_parameters(args, active=True) - args.vocab_size * args.dim
         return matmul, args.n_layers * args.n_heads * 2 * args.head_dim
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, S] -> logits [B, S, vocab_size], in the dtype of the parameters."""
+    def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """tokens [B, S] -> logits [B, S, vocab_size], in the dtype of the parameters.
+        ``position_ids`` [B, S] (each token's position in its document) serve ``args.mask`` /
+        ``args.positions`` (models/common/masking.py); the defaults do not read them."""
+        documents = documents_for(self.args, position_ids)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
+            h = layer(h, self.rope_cache, **_documents(documents))
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

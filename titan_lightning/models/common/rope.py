@@ -64,7 +64,12 @@ def precompute_rope_cache(
 
 
 def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, S, H, head_dim] by positions 0..S-1 of ``cache``, computing in float32."""
+    """Rotate x [B, S, H, head_dim] by positions 0..S-1 of ``cache``, computing in float32; a
+    [B, S, head_dim // 2, 2] ``cache`` gives each token its own position (per-document RoPE)."""
+    if cache.dim() == 4:
+        cos, sin = cache[:, : x.shape[1], None].unbind(-1)  # [B, S, 1, head_dim // 2]
+        x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
     cos, sin = cache[: x.shape[1], None].unbind(-1)  # [S, 1, head_dim // 2]
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # [B, S, H, head_dim // 2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)

@@ -22,6 +22,8 @@ from torch import nn
 from titan_lightning.config.job import ModelArgs
 from titan_lightning.models.common import FeedForward, RMSNorm, apply_rope, rope_frequencies
 from titan_lightning.models.common.decoder import Block, Decoder
+from titan_lightning.models.common.masking import Documents, rope_at
+from titan_lightning.models.common.masking import attention as masked_attention
 from titan_lightning.models.common.moe import MoE, MoEArgs
 from titan_lightning.models.deepseek_v3.parallelize import deepseek_v3_tp_plan
 from titan_lightning.parallel.context import context_parallel_attention
@@ -154,7 +156,7 @@ class MultiHeadLatentAttention(nn.Module):
         # sums its gradient over the ranks' local heads (the "head_shared" TP style).
         self.k_pe_shared = nn.Identity()
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, *, documents: Optional[Documents] = None) -> torch.Tensor:
         B, S, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora_rank else self.wq(x)
         q = q.view(B, S, -1, self.nope_dim + self.rope_dim)  # [B, S, H, nope + rope]
@@ -165,6 +167,8 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [B, S, H, nope], [B, S, H, v]
         if self.cp is not None:
             rope_cache = rope_cache.index_select(0, self.cp.positions(S, x.device))
+        elif documents is not None:
+            rope_cache = rope_at(rope_cache, documents, S)
         q = torch.cat([q_nope, apply_rope(q_pe, rope_cache)], dim=-1)
         k_pe = apply_rope(self.k_pe_shared(k_pe).unsqueeze(2), rope_cache)  # [B, S, 1, rope]: one key for every head
         k = torch.cat([k_nope, k_pe.expand(-1, -1, H, -1)], dim=-1)
@@ -172,6 +176,9 @@ class MultiHeadLatentAttention(nn.Module):
             # The CP backends scale scores by (nope + rope)^-0.5: the YaRN correction rides on q.
             q = q * (self.softmax_scale * q.shape[-1] ** 0.5)
             y = context_parallel_attention(q, k, v, self.cp, self.backend)
+        elif documents is not None:
+            y = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents,
+                                 scale=self.softmax_scale).transpose(1, 2)
         else:
             y = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.softmax_scale

@@ -1,0 +1,114 @@
+"""Document masking of packed windows (models/common/masking.py): with ``model.mask =
+"block_causal"`` a packed window computes what each of its documents computes on its own, in
+outputs and gradients (fp64, 1e-10), and its loss is the token-weighted mean of theirs; with
+``model.positions = "per_document"`` each document sits at positions from 0."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titan_lightning.config import ConfigError
+from titan_lightning.models.common.decoder import decoder_class
+from titan_lightning.models.common.moe import MoEArgs
+from titan_lightning.models.deepseek_v3 import DeepSeekV3Args
+from titan_lightning.models.llama3 import Llama3Args
+from titan_lightning.models.qwen3 import Qwen3Args
+
+VOCAB, S = 64, 32
+FAMILIES = {
+    "llama3": Llama3Args(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64),
+    "qwen3_moe": Qwen3Args(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=64,
+                           ffn_hidden_dim=48, moe=MoEArgs(num_experts=4, top_k=2, hidden_dim=16, load_balance_coeff=None)),
+    "deepseek_v3": DeepSeekV3Args(vocab_size=VOCAB, dim=32, n_layers=2, n_dense_layers=1, n_heads=4, n_kv_heads=4,
+                                  inter_dim=64, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                                  max_seq_len=64, original_seq_len=64,
+                                  moe=MoEArgs(num_experts=4, top_k=2, hidden_dim=16, num_shared_experts=1,
+                                              score_func="sigmoid", load_balance_coeff=None)),
+}
+# Row 0: documents of random lengths including length 1; row 1: one document filling the window.
+LENGTHS = [[5, 1, 9, 1, 12, 4], [S]]
+
+
+def _model(args, **changes):
+    args = dataclasses.replace(args, **changes)
+    torch.manual_seed(0)
+    model = decoder_class(type(args))(args)
+    model.init_weights(seed=0)
+    return model.double()
+
+
+def _positions(lengths) -> torch.Tensor:
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+
+
+def _documents(lengths):
+    for b, row in enumerate(lengths):
+        start = 0
+        for n in row:
+            yield b, start, n
+            start += n
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_packed_window_computes_each_document_on_its_own(family):
+    packed = _model(FAMILIES[family], mask="block_causal", positions="per_document")
+    alone = _model(FAMILIES[family])  # causal, global positions: a document from position 0
+    alone.load_state_dict(packed.state_dict())
+    tokens = torch.randint(0, VOCAB, (2, S), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, VOCAB, (2, S), generator=torch.Generator().manual_seed(2))
+    logits = packed(tokens, _positions(LENGTHS))
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    loss.backward()
+    total, losses = 0, []
+    for b, start, n in _documents(LENGTHS):
+        out = alone(tokens[b:b + 1, start:start + n])
+        torch.testing.assert_close(logits[b:b + 1, start:start + n], out, rtol=0, atol=1e-10)
+        doc_loss = F.cross_entropy(out.flatten(0, 1), labels[b, start:start + n])
+        losses.append((doc_loss, n))
+        total += n
+    reference = sum(l * n for l, n in losses) / total  # the token-weighted mean of the documents' losses
+    assert math.isclose(loss.item(), reference.item(), rel_tol=1e-12)
+    reference.backward()
+    for (name, p), q in zip(packed.named_parameters(), alone.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_global_positions_keep_each_document_where_it_is_in_the_window(family):
+    packed = _model(FAMILIES[family], mask="block_causal")
+    per_token = _model(FAMILIES[family], positions="per_document")
+    per_token.load_state_dict(packed.state_dict())
+    tokens = torch.randint(0, VOCAB, (2, S), generator=torch.Generator().manual_seed(3))
+    logits = packed(tokens, _positions(LENGTHS))
+    for b, start, n in _documents(LENGTHS):
+        # On its own, causal, at positions start..start+n-1 (no 0 among them: one document).
+        at = torch.arange(start, start + n)[None] if start else torch.arange(n)[None]
+        torch.testing.assert_close(logits[b:b + 1, start:start + n], per_token(tokens[b:b + 1, start:start + n], at),
+                                   rtol=0, atol=1e-10)
+
+
+def test_the_causal_default_reads_no_positions_and_equals_block_causal_on_one_document():
+    causal = _model(FAMILIES["llama3"])
+    masked = _model(FAMILIES["llama3"], mask="block_causal", positions="per_document")
+    tokens = torch.randint(0, VOCAB, (1, S))
+    torch.testing.assert_close(causal(tokens), masked(tokens, torch.arange(S)[None]), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="model.mask='block_causal', model.positions='per_document' need the batch's position_ids"):
+        masked(tokens)
+
+
+def test_bad_settings_are_one_line():
+    from recipes.tests import features
+    from titan_lightning.config import validate_job
+
+    with pytest.raises(ValueError, match="model.mask='block' is not one of causal, block_causal"):
+        Llama3Args(mask="block")
+    with pytest.raises(ValueError, match="model.positions='local' is not one of global, per_document"):
+        Llama3Args(positions="local")
+    for layout, degree in ((features.llama3_cp2, "cp"), (features.llama3_pp2, "pp")):
+        job = layout().job
+        job.model.mask = "block_causal"
+        with pytest.raises(ConfigError, match=rf"parallelism.{degree}=2: document masking does not run under"):
+            validate_job(job, world_size=2)
