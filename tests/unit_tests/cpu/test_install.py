@@ -2,6 +2,7 @@
 tokenizer are package data and the recipes are installed (a wheel built from this checkout's
 tracked files into a fresh venv; torch and the other dependencies come from the system site)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,18 +39,19 @@ def test_a_non_editable_install_trains_the_quickstart_from_any_folder(tmp_path):
     elsewhere.mkdir()
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of the checkout on the path
     purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+                             capture_output=True, text=True, check=True, env=env).stdout.strip()
     (Path(purelib) / "sitecustomize.py").write_text(HIDE_EDITABLE)
     subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-deps", str(source)],
-                   check=True, timeout=600, cwd=elsewhere)
+                   check=True, timeout=600, cwd=elsewhere, env=env)
     where = subprocess.run([python, "-c", "import titan_lightning, recipes; print(titan_lightning.__file__)"],
-                           capture_output=True, text=True, check=True, cwd=elsewhere).stdout.strip()
+                           capture_output=True, text=True, check=True, cwd=elsewhere, env=env).stdout.strip()
     assert where.startswith(purelib), where
     run = subprocess.run(
         [venv / "bin" / "titan-lightning", "fit", "--recipe", "recipes.llama3:debugmodel", "--trainer.max_steps", "2",
          "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false"],
-        capture_output=True, text=True, timeout=600, cwd=elsewhere)
+        capture_output=True, text=True, timeout=600, cwd=elsewhere, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in run.stdout + run.stderr
     assert list((elsewhere / "runs").glob("llama3_debugmodel/*"))  # its run folder is where it was started
