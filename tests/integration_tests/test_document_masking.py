@@ -1,6 +1,7 @@
-"""Document masking through the parallelisms that need nothing of their own for it: FSDP2 and TP2
-(sequence parallel) on gloo ranks give the one-process run's per-step losses and grad norms
-(1e-5), with block-causal attention and per-document positions on the shipped corpus."""
+"""Document masking through the parallelisms: FSDP2, TP2 (sequence parallel) and CP2 / CP4 with the
+all-gather attention (each rank masks its head-tail slices against the gathered keys with the
+global document ids) give the one-process run's per-step losses and grad norms (1e-5), with
+block-causal attention and per-document positions on the shipped corpus."""
 
 import math
 
@@ -21,7 +22,7 @@ def _fit(recipe: str, world: int, tmp_path, masked: bool = True) -> dict:
     return launch(argv, world, out_dir=tmp_path / name, timeout=300, env={RUN_DIR_ENV: str(tmp_path / f"run_{name}")}).ranks[0]
 
 
-@pytest.mark.parametrize("layout, world", [("llama3_fsdp2", 2), ("llama3_tp2", 2)])
+@pytest.mark.parametrize("layout, world", [("llama3_fsdp2", 2), ("llama3_tp2", 2), ("llama3_cp2", 2), ("llama3_cp4", 4)])
 def test_document_masking_on_a_layout_matches_one_process(layout, world, tmp_path):
     one = _fit("llama3_debugmodel", 1, tmp_path)
     many = _fit(layout, world, tmp_path)

@@ -120,13 +120,20 @@ def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def context_parallel_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, backend: str
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, backend: str, documents=None
 ) -> torch.Tensor:
     """Exact causal attention of this rank's queries over the whole sequence.
 
     ``q`` [B, S_local, H, D], ``k``/``v`` [B, S_local, H_kv, D] (H a multiple of H_kv, GQA),
-    all already rotated with their global positions. Returns [B, S_local, H, D].
+    all already rotated. Returns [B, S_local, H, D]. ``documents`` (models/common/masking.py:
+    this rank's slice of the batch's ``position_ids`` and whether attention is block-causal)
+    keeps each query inside its document; the allgather backend honours it.
     """
+    if documents is not None and documents.block_causal:
+        if backend != "allgather":
+            raise ConfigError(f"model.mask='block_causal' with the {backend!r} context-parallel attention: only "
+                              f"'allgather' masks documents")
+        return _allgather_attention(q, k, v, cp, documents.position_ids)
     if backend == "allgather":
         return _allgather_attention(q, k, v, cp)
     if backend == "ring":
@@ -136,7 +143,7 @@ def context_parallel_attention(
     raise ValueError(f"context-parallel attention backend {backend!r} is not one of {', '.join(CP_ATTENTIONS)}")
 
 
-def _allgather_attention(q, k, v, cp: ContextParallel) -> torch.Tensor:
+def _allgather_attention(q, k, v, cp: ContextParallel, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     local = q.shape[1]
     order = cp.gathered_order(local, q.device)
     n_rep = q.shape[2] // k.shape[2]
@@ -144,10 +151,19 @@ def _allgather_attention(q, k, v, cp: ContextParallel) -> torch.Tensor:
     k_all = _repeat_kv(all_gather_autograd(k, 1, cp.group)[:, order], n_rep).transpose(1, 2)
     v_all = _repeat_kv(all_gather_autograd(v, 1, cp.group)[:, order], n_rep).transpose(1, 2)
     q = q.transpose(1, 2)
+    documents = None
+    if position_ids is not None:
+        # Global document ids (a new one after every position 0) from every rank's positions.
+        documents = torch.cumsum(all_gather_autograd(position_ids.contiguous(), 1, cp.group)[:, order] == 0, dim=1)
+        mine = documents[:, cp.positions(local, q.device)]
     outs = []
     for start, end, global_end in cp.runs(local, q.device):
         # Queries at positions [global_end - (end - start), global_end) see keys [0, global_end).
         mask = causal_lower_right(end - start, global_end)
+        if documents is not None:  # ... of their own document only
+            causal = torch.ones(end - start, global_end, dtype=torch.bool, device=q.device).tril(global_end - (end - start))
+            same = mine[:, start:end, None] == documents[:, None, :global_end]
+            mask = (causal & same)[:, None]
         outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k_all[:, :, :global_end],
                                                    v_all[:, :, :global_end], attn_mask=mask))
     return torch.cat(outs, dim=2).transpose(1, 2)

@@ -107,8 +107,15 @@ def test_bad_settings_are_one_line():
         Llama3Args(mask="block")
     with pytest.raises(ValueError, match="model.positions='local' is not one of global, per_document"):
         Llama3Args(positions="local")
-    for layout, degree in ((features.llama3_cp2, "cp"), (features.llama3_pp2, "pp")):
+    for layout, message in (
+        (features.llama3_cp2_ring, "model.mask='block_causal' with parallelism.cp=2 needs model.attention='allgather' "
+                                   "\\(got 'ring'\\)"),
+        (features.llama3_pp2, "parallelism.pp=2: document masking does not run under pipeline parallelism yet"),
+    ):
         job = layout().job
         job.model.mask = "block_causal"
-        with pytest.raises(ConfigError, match=rf"parallelism.{degree}=2: document masking does not run under"):
+        with pytest.raises(ConfigError, match=message):
             validate_job(job, world_size=2)
+    job = features.llama3_cp2().job  # allgather masks documents
+    job.model.mask = "block_causal"
+    validate_job(job, world_size=2)

@@ -65,9 +65,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.cp is not None:
-            rope_cache = rope_cache.index_select(0, self.cp.positions(S, x.device))
+            if documents is not None and documents.per_document:  # this rank's tokens' own positions
+                rope_cache = rope_at(rope_cache, documents, S)
+            else:
+                rope_cache = rope_cache.index_select(0, self.cp.positions(S, x.device))
             q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
-            return self.wo(context_parallel_attention(q, k, v, self.cp, self.backend).reshape(B, S, -1))
+            return self.wo(context_parallel_attention(q, k, v, self.cp, self.backend, documents).reshape(B, S, -1))
         if documents is not None:
             rope_cache = rope_at(rope_cache, documents, S)
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)

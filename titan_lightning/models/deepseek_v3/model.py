@@ -165,17 +165,17 @@ class MultiHeadLatentAttention(nn.Module):
         kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.wkv_b(self.kv_norm(kv)).view(B, S, H, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [B, S, H, nope], [B, S, H, v]
-        if self.cp is not None:
-            rope_cache = rope_cache.index_select(0, self.cp.positions(S, x.device))
-        elif documents is not None:
+        if documents is not None and documents.per_document:
             rope_cache = rope_at(rope_cache, documents, S)
+        elif self.cp is not None:
+            rope_cache = rope_cache.index_select(0, self.cp.positions(S, x.device))
         q = torch.cat([q_nope, apply_rope(q_pe, rope_cache)], dim=-1)
         k_pe = apply_rope(self.k_pe_shared(k_pe).unsqueeze(2), rope_cache)  # [B, S, 1, rope]: one key for every head
         k = torch.cat([k_nope, k_pe.expand(-1, -1, H, -1)], dim=-1)
         if self.cp is not None:
             # The CP backends scale scores by (nope + rope)^-0.5: the YaRN correction rides on q.
             q = q * (self.softmax_scale * q.shape[-1] ** 0.5)
-            y = context_parallel_attention(q, k, v, self.cp, self.backend)
+            y = context_parallel_attention(q, k, v, self.cp, self.backend, documents)
         elif documents is not None:
             y = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents,
                                  scale=self.softmax_scale).transpose(1, 2)
