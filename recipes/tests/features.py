@@ -341,3 +341,20 @@ def llama3_fsdp2_tp2_compile() -> Run:
     """FSDP2 x TP2 with compiled blocks: under TP each block's children are compiled on their own
     (parallel/compile.py says why); aot_eager on CPU."""
     return _compiled(llama3_fsdp2_tp2())
+
+
+# Document masking: block-causal attention and per-document RoPE positions (model.mask, model.positions).
+def _block_causal(run: Run) -> Run:
+    run.job.model.mask, run.job.model.positions = "block_causal", "per_document"
+    return run
+
+
+def llama3_debugmodel_block_causal() -> Run:
+    """The one-process baseline with document masking: the seed of the masked layouts."""
+    return _block_causal(llama3_debugmodel())
+
+
+def llama3_fsdp2_cp2_block_causal() -> Run:
+    """FSDP2 x CP2 (all-gather K/V) with document masking: each CP rank masks its head-tail slices
+    against the gathered keys with the global document ids."""
+    return _block_causal(llama3_fsdp2_cp2())

@@ -50,6 +50,9 @@ ENTRIES = [
     _entry("llama3_fsdp2_cp2", "FSDP2 x CP2", 4),
     _entry("llama3_hsdp2_cp2", "2 replicas of FSDP over CP2", 4),
     _entry("llama3_fsdp2_tp2_cp2", "FSDP2 x TP2 x CP2", 8, golden=True),
+    _entry("llama3_debugmodel_block_causal", "one process, document masking (block-causal, per-document RoPE)"),
+    _entry("llama3_fsdp2_cp2_block_causal", "FSDP2 x CP2 with document masking", 4, golden=True,
+           seed=f"{_R}:llama3_debugmodel_block_causal"),
     # Pipeline parallel: real process groups only (the fake group moves no activations between stages).
     # GPipe runs in llama3_pp2_tp2, a looped BFS order in llama3_pp2_csv; every schedule alone:
     # benchmarks/parity.py --only pp.
