@@ -21,11 +21,13 @@ from titan_lightning.config.job import MASKS, POSITIONS  # noqa: F401 (the value
 
 
 class Documents(NamedTuple):
-    """What attention needs of a batch's document boundaries."""
+    """What attention needs of a batch's document boundaries (built once per forward, shared by
+    every layer)."""
 
     position_ids: torch.Tensor  # [B, S]: 0 where a document starts
     block_causal: bool
     per_document: bool
+    mask: Optional[torch.Tensor] = None  # [B, 1, S, S] block-causal mask, when block_causal
 
 
 def documents_for(args, position_ids: Optional[torch.Tensor]) -> Optional[Documents]:
@@ -38,7 +40,8 @@ def documents_for(args, position_ids: Optional[torch.Tensor]) -> Optional[Docume
     if position_ids is None:
         raise ValueError(f"model.mask={args.mask!r}, model.positions={args.positions!r} need the batch's "
                          f"position_ids (document boundaries); this batch has none")
-    return Documents(position_ids, block_causal, per_document)
+    return Documents(position_ids, block_causal, per_document,
+                     block_causal_mask(position_ids) if block_causal else None)
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -67,4 +70,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Opti
     """SDPA over [B, H, S, D]: causal, or block-causal with ``documents`` (a dense mask)."""
     if documents is None or not documents.block_causal:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(documents.position_ids), scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.mask, scale=scale)
