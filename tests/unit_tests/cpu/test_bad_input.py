@@ -175,9 +175,9 @@ CASES = [
     ("config not YAML", ["fit", "--config", "bad_yaml.yaml"], "--config='bad_yaml.yaml', line 3: not valid YAML"),
     ("config not text", ["fit", "--config", "binary.yaml"], "--config='binary.yaml' is not UTF-8 text"),
     ("config ill-typed", ["fit", "--config", "bad_type.yaml"],
-     "--config='bad_type.yaml', line 22: job.training.seed: Expected a <class 'int'>. Got value: abc"),
+     "--config='bad_type.yaml', line 24: job.training.seed: Expected a <class 'int'>. Got value: abc"),
     ("config unknown key", ["fit", "--config", "bad_key.yaml"],
-     "--config='bad_key.yaml', line 22: unknown key job.training.sed; valid keys under job.training: seed"),
+     "--config='bad_key.yaml', line 24: unknown key job.training.sed; valid keys under job.training: seed"),
     ("config without recipe", ["fit", "--config", "no_recipe.yaml"], "names no recipe"),
     # -- layouts ---------------------------------------------------------------------------------
     ("tp over the world", [*D, "--job.parallelism.tp", "2"], "world size 1 is not divisible by dp_replicate*tp*pp*cp"),
