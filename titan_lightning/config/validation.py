@@ -148,11 +148,6 @@ def validate_schedule_csv(p: ParallelismConfig) -> None:
 
 def validate_model_parallelism(job: JobConfig) -> None:
     p, m = job.parallelism, job.model
-    documents = (getattr(m, "mask", "causal"), getattr(m, "positions", "global")) != ("causal", "global")
-    if documents and p.pp > 1:
-        raise ConfigError(f"model.mask={m.mask!r}, model.positions={m.positions!r} with parallelism.pp={p.pp}: "
-                          f"document masking does not run under pipeline parallelism yet; use model.mask='causal', "
-                          f"model.positions='global' there")
     if getattr(m, "mask", "causal") == "block_causal" and p.cp > 1 and m.attention != "allgather":
         raise ConfigError(f"model.mask='block_causal' with parallelism.cp={p.cp} needs model.attention='allgather' "
                           f"(got {m.attention!r}): the ring and ulysses backends do not mask documents yet")

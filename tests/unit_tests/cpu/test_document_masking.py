@@ -110,7 +110,6 @@ def test_bad_settings_are_one_line():
     for layout, message in (
         (features.llama3_cp2_ring, "model.mask='block_causal' with parallelism.cp=2 needs model.attention='allgather' "
                                    "\\(got 'ring'\\)"),
-        (features.llama3_pp2, "parallelism.pp=2: document masking does not run under pipeline parallelism yet"),
     ):
         job = layout().job
         job.model.mask = "block_causal"

@@ -145,13 +145,16 @@ class Decoder(nn.Module):
     def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, vocab_size], in the dtype of the parameters.
         ``position_ids`` [B, S] (each token's position in its document) serve ``args.mask`` /
-        ``args.positions`` (models/common/masking.py); the defaults do not read them."""
+        ``args.positions`` (models/common/masking.py); the defaults do not read them. A pipeline
+        stage before the last (no ``output``) then hands them on with its hidden states."""
         documents = documents_for(self.args, position_ids)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, **_documents(documents))
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is not None:
+            return self.output(h)
+        return h if documents is None else (h, position_ids)
 
     def init_weights(self, seed: int) -> None:
         """Draw every parameter from (seed, its name), as in torchtitan; zero the MoE buffers;

@@ -40,6 +40,9 @@ def documents_for(args, position_ids: Optional[torch.Tensor]) -> Optional[Docume
     if position_ids is None:
         raise ValueError(f"model.mask={args.mask!r}, model.positions={args.positions!r} need the batch's "
                          f"position_ids (document boundaries); this batch has none")
+    # Positions are < max_seq_len (validated); the clamp only keeps the RoPE lookup in bounds on the
+    # uninitialized buffers a pipeline stage receives once, while torch infers the stage shapes.
+    position_ids = position_ids.clamp(0, args.max_seq_len - 1)
     return Documents(position_ids, block_causal, per_document,
                      block_causal_mask(position_ids) if block_causal else None)
 
