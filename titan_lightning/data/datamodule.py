@@ -91,12 +91,12 @@ class TextDataModule(L.LightningDataModule):
             train = streams["train"][0:len(streams["train"])]
             streams["train"] = np.tile(train, -(-(seq_len + 1) // len(train)))
         if len(streams["train"]) < seq_len + 1:
-            raise ValueError(self._too_short("train", len(streams["train"]), path))
+            raise ValueError(self._too_short("train", len(streams["train"]), path, field))
         return streams
 
-    def _too_short(self, split: str, tokens: int, path: Path) -> str:
+    def _too_short(self, split: str, tokens: int, path: Path, field: str = "data.dataset_path") -> str:
         seq_len, data = self.job.training.seq_len, self.job.data
-        return (f"the {split} split of data.dataset_path={str(path)!r} (data.val_fraction={data.val_fraction}) has "
+        return (f"the {split} split of {field}={str(path)!r} (data.val_fraction={data.val_fraction}) has "
                 f"{tokens} tokens, fewer than one window of training.seq_len + 1 = {seq_len + 1}")
 
     def setup(self, stage: Optional[str] = None) -> None:

@@ -130,3 +130,14 @@ def test_a_mixture_of_shard_sets_trains_in_proportion_and_logs_each_source(tmp_p
     assert tokens == {"prose": counts[0] * job.training.seq_len, "more": counts[1] * job.training.seq_len}
     assert 0.7 < tokens["more"] / sum(tokens.values()) < 0.9  # a block's prefix: near the 0.8 share
     assert torch.is_tensor(next(iter(module.val_dataloader()))["input_ids"])
+
+
+def test_a_source_too_short_for_one_window_is_named_by_its_field(tmp_path):
+    from recipes.tests import features
+    from titan_lightning.data.datamodule import TextDataModule
+
+    (tmp_path / "tiny.txt").write_text("a b c <|endoftext|> d e f")
+    job = features.llama3_debugmodel().job
+    job.data = DataConfig(sources=[{"path": str(tmp_path / "tiny.txt")}])
+    with pytest.raises(ValueError, match=r"the train split of data.sources\[0\].path='.*tiny.txt'"):
+        TextDataModule(job).setup("fit")

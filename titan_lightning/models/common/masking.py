@@ -17,7 +17,6 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from titan_lightning.config.job import MASKS, POSITIONS  # noqa: F401 (the values, defined with the config)
 
 
 class Documents(NamedTuple):
