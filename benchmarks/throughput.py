@@ -63,6 +63,13 @@ class Workload:
 
 WORKLOADS: dict[str, Workload] = {
     "llama3_1b": Workload(recipe="recipes.llama3:llama3_1b"),
+    # Document masking (models/common/masking.py) on the shipped corpus's packed documents.
+    "llama3_1b_flex_causal": Workload(recipe="recipes.llama3:llama3_1b", contenders=("titan",),
+                                      overrides=("--job.model.attention", "flex")),
+    "llama3_1b_flex_docs": Workload(recipe="recipes.llama3:llama3_1b", contenders=("titan",),
+                                    overrides=("--job.model.attention", "flex", "--job.model.mask", "block_causal")),
+    "llama3_1b_varlen_docs": Workload(recipe="recipes.llama3:llama3_1b", contenders=("titan",),
+                                      overrides=("--job.model.attention", "varlen", "--job.model.mask", "block_causal")),
     "llama3_3b": Workload(recipe="recipes.llama3:llama3_3b"),
     # Llama 3 8B's per-layer shapes (dim 4096, GQA 32/8, FFN 14336, vocab 128256), fewer layers.
     "llama3_8b_shape": Workload(recipe="recipes.llama3:llama3_8b", layers=8),

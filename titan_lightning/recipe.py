@@ -358,7 +358,8 @@ def build_trainer(run: Run) -> L.Trainer:
     if isinstance(trainer.strategy, TitanStrategy):  # (the job with the module, once)
         trainer.strategy.check_module(run.module, max_steps=trainer.max_steps)
     elif job is not None:
-        validate_job(job, world_size=trainer.world_size, max_steps=trainer.max_steps)
+        validate_job(job, world_size=trainer.world_size, max_steps=trainer.max_steps,
+                     device_type=trainer.strategy.root_device.type)
     if job is not None:
         _validate_vocab(run, job)
         trainer.accumulate_grad_batches = gradient_accumulation_steps(job, trainer.world_size)

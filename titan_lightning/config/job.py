@@ -11,9 +11,11 @@ from titan_lightning.config.parallelism import ParallelismConfig
 from titan_lightning.config.profiling import ProfilingConfig
 from titan_lightning.config.training import TrainingConfig
 
-# Attention implementations; all but "sdpa" are context parallel (parallel/context.py).
+# Attention implementations: kernels over the local sequence (models/common/masking.py) and
+# context-parallel backends (parallel/context.py).
+KERNEL_ATTENTIONS = ("sdpa", "flex", "varlen")
 CP_ATTENTIONS = ("allgather", "ring", "ulysses")
-ATTENTIONS = ("sdpa", *CP_ATTENTIONS)
+ATTENTIONS = (*KERNEL_ATTENTIONS, *CP_ATTENTIONS)
 MASKS = ("causal", "block_causal")
 POSITIONS = ("global", "per_document")
 
@@ -25,9 +27,9 @@ class ModelArgs:
     vocab_size: int = 2048
     n_heads: int = 16
     n_kv_heads: int = 16
-    # "sdpa": causal attention over the local sequence (no context parallelism); a
-    # context-parallel backend ("allgather", "ring", "ulysses") is set by
-    # ContextParallelTransform and needs parallelism.cp > 1.
+    # A kernel over the local sequence (no context parallelism): "sdpa", "flex" (FlexAttention,
+    # GPU) or "varlen" (variable-length FlashAttention, CUDA); or a context-parallel backend
+    # ("allgather", "ring", "ulysses"), set by ContextParallelTransform, for parallelism.cp > 1.
     attention: str = "sdpa"
     # "causal", or "block_causal": each token attends only within its document of the packed
     # window; "global" RoPE positions, or "per_document" ones (models/common/masking.py).

@@ -21,7 +21,8 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message is one line."""
 
 
-def validate_job(job: JobConfig, *, world_size: int, max_steps: Optional[int] = None, fake_pg: bool = False) -> None:
+def validate_job(job: JobConfig, *, world_size: int, max_steps: Optional[int] = None, fake_pg: bool = False,
+                 device_type: Optional[str] = None) -> None:
     # Recipes derive runs by assigning fields, which skips __post_init__: run it again.
     for section in (job.model, job.training, job.parallelism, job.optimizer, job.lr_schedule, job.data,
                     job.activation_checkpoint, job.checkpoint, job.compile, job.profiling):
@@ -31,6 +32,8 @@ def validate_job(job: JobConfig, *, world_size: int, max_steps: Optional[int] = 
     validate_batch(job, world_size)
     if max_steps is not None:
         validate_schedule(job, max_steps)
+    if device_type is not None:
+        validate_attention_kernel(job, device_type)
 
 
 def validate_degrees(p: ParallelismConfig, world_size: int, *, fake_pg: bool = False) -> None:
@@ -249,6 +252,25 @@ def validate_context_parallel(job: JobConfig) -> None:
             f"training.seq_len={seq_len} must be divisible by {divisor}: {cp_part} for cp={p.cp}{balancer}, "
             f"times tp={p.tp} with sequence_parallel={p.sequence_parallel}"
         )
+
+
+def validate_attention_kernel(job: JobConfig, device_type: str) -> None:
+    """The attention kernel runs, and trains, on the run's device with this torch."""
+    kernel = getattr(job.model, "attention", "sdpa")
+    if kernel == "varlen":
+        import importlib.util
+
+        import torch
+
+        if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+            raise ConfigError(f"model.attention='varlen' needs torch.nn.attention.varlen (torch >= 2.10); this is "
+                              f"torch {torch.__version__}: use 'flex' or 'sdpa'")
+        if device_type != "cuda":
+            raise ConfigError(f"model.attention='varlen' runs FlashAttention on CUDA only, and this run is on "
+                              f"{device_type!r}: use 'sdpa' (block_causal through a dense mask)")
+    if kernel == "flex" and device_type == "cpu":
+        raise ConfigError("model.attention='flex' cannot train on 'cpu': torch has no FlexAttention backward there; "
+                          "use 'sdpa' (block_causal through a dense mask) or a GPU")
 
 
 def validate_batch(job: JobConfig, world_size: int) -> None:

@@ -11,6 +11,8 @@ Applied after TP/CP and before FSDP (as torchtitan does): the block's own forwar
 wrapped, so parameter names, the state dict and FSDP's per-block hooks are unchanged.
 """
 
+import importlib
+import importlib.util
 from functools import partial
 from typing import Iterable
 
@@ -32,6 +34,13 @@ def _saved_ops() -> set:
         packet, _, overload = name.partition(".")
         if hasattr(aten, packet):
             ops.add(getattr(getattr(aten, packet), overload))
+    # FlexAttention (a higher-order op) and varlen FlashAttention (torch_attn, torch >= 2.10).
+    higher_order = getattr(torch.ops, "higher_order", None)
+    if higher_order is not None and hasattr(higher_order, "flex_attention"):
+        ops.add(higher_order.flex_attention)
+    if importlib.util.find_spec("torch.nn.attention.varlen") is not None:
+        importlib.import_module("torch.nn.attention.varlen")  # registers torch.ops.torch_attn
+        ops.add(torch.ops.torch_attn._varlen_attn.default)
     functional = getattr(torch.ops, "_c10d_functional", None)
     if functional is not None and hasattr(functional, "reduce_scatter_tensor"):
         ops.add(functional.reduce_scatter_tensor.default)

@@ -303,7 +303,8 @@ class TitanStrategy(ModelParallelStrategy):
             return
         config, job, name = self.parallelism(module), getattr(module, "job", None), type(module).__name__
         if job is not None:
-            validate_job(job, world_size=self.world_size, max_steps=max_steps, fake_pg=self.fake_pg)
+            validate_job(job, world_size=self.world_size, max_steps=max_steps, fake_pg=self.fake_pg,
+                         device_type=self.root_device.type)
         validate_strategy(type(self).__name__, self.scope, config, self._parallelism if job is not None else None)
         if config.tp > 1 and not _parallelizes_itself(module):
             plan = getattr(module, "tp_plan", None)

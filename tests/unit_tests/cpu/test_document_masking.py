@@ -118,3 +118,73 @@ def test_bad_settings_are_one_line():
     job = features.llama3_cp2().job  # allgather masks documents
     job.model.mask = "block_causal"
     validate_job(job, world_size=2)
+
+
+# -- kernels ------------------------------------------------------------------------------------
+# FlexAttention runs forward only on CPU (torch has no backward there): outputs here, gradients
+# in tests/unit_tests/gpu/test_document_masking_gpu.py. varlen is CUDA only: its offsets here.
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_flex_computes_each_document_on_its_own(family):
+    packed = _model(FAMILIES[family], attention="flex", mask="block_causal", positions="per_document")
+    alone = _model(FAMILIES[family])
+    alone.load_state_dict(packed.state_dict())
+    tokens = torch.randint(0, VOCAB, (2, S), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        logits = packed(tokens, _positions(LENGTHS))
+        for b, start, n in _documents(LENGTHS):
+            torch.testing.assert_close(logits[b:b + 1, start:start + n], alone(tokens[b:b + 1, start:start + n]),
+                                       rtol=0, atol=1e-10)
+
+
+def test_flex_causal_equals_sdpa_causal_without_positions():
+    sdpa = _model(FAMILIES["llama3"])
+    flex = _model(FAMILIES["llama3"], attention="flex")
+    tokens = torch.randint(0, VOCAB, (2, S))
+    with torch.no_grad():
+        torch.testing.assert_close(flex(tokens), sdpa(tokens), rtol=0, atol=1e-10)
+
+
+def test_varlen_offsets_are_the_documents_of_the_flattened_batch():
+    from titan_lightning.models.common.masking import varlen_offsets
+
+    cu, longest = varlen_offsets(_positions(LENGTHS), 2, S, "cpu")
+    lengths = [n for row in LENGTHS for n in row]
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    assert longest == max(lengths)
+    # A row that starts inside a document (no 0 at its first token) still starts one.
+    cu, _ = varlen_offsets(torch.tensor([[0, 1, 2, 3], [7, 8, 0, 1]]), 2, 4, "cpu")
+    assert cu.tolist() == [0, 4, 6, 8]
+    cu, longest = varlen_offsets(None, 3, 4, "cpu")  # causal: one document per row
+    assert cu.tolist() == [0, 4, 8, 12] and longest == 4
+
+
+def test_skipped_block_share_counts_the_causal_tiles_a_block_mask_leaves_out():
+    from titan_lightning.models.common.masking import flex_block_mask, skipped_block_share
+
+    S_, block = 512, 128  # 4 x 4 tiles, 10 at or below the diagonal
+    one_document = flex_block_mask(torch.arange(S_)[None], 1, S_, "cpu")
+    assert skipped_block_share(one_document) == 0.0
+    four = flex_block_mask(torch.arange(S_)[None] % block, 1, S_, "cpu")  # a document per tile row
+    assert skipped_block_share(four) == pytest.approx(1 - 4 / 10)
+
+
+def test_kernels_are_refused_where_they_cannot_train():
+    from recipes.tests import features
+    from titan_lightning.config import validate_job
+
+    job = features.llama3_fsdp2().job  # dp_shard 2
+    job.model.attention = "varlen"
+    with pytest.raises(ConfigError, match="model.attention='varlen' runs FlashAttention on CUDA only, and this run "
+                                          "is on 'cpu'"):
+        validate_job(job, world_size=2, device_type="cpu")
+    job.model.attention = "flex"
+    with pytest.raises(ConfigError, match="model.attention='flex' cannot train on 'cpu'"):
+        validate_job(job, world_size=2, device_type="cpu")
+    validate_job(job, world_size=2, device_type="cuda")
+    job = features.llama3_cp2().job
+    job.model.attention = "flex"
+    with pytest.raises(ConfigError, match="parallelism.cp=2 needs a context-parallel attention, but "
+                                          "model.attention='flex'"):
+        validate_job(job, world_size=2)

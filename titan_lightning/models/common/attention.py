@@ -1,11 +1,9 @@
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from titan_lightning.models.common.masking import Documents, rope_at
-from titan_lightning.models.common.masking import attention as masked_attention
+from titan_lightning.models.common.masking import Documents, attend, rope_at
 from titan_lightning.models.common.norms import RMSNorm
 from titan_lightning.models.common.rope import apply_rope
 from titan_lightning.parallel.context import ContextParallel, context_parallel_attention
@@ -27,7 +25,8 @@ class Attention(nn.Module):
     queries (``q_norm``) and the keys (``k_norm``), before RoPE; one weight of [head_dim]
     is shared by all heads. None (the default) means no QK-norm, and no such submodules.
 
-    ``attention`` is "sdpa" or a context-parallel backend ("allgather", "ring", "ulysses");
+    ``attention`` is a kernel ("sdpa", "flex", "varlen": models/common/masking.py) or a
+    context-parallel backend ("allgather", "ring", "ulysses");
     a strategy with cp > 1 sets ``cp`` (the group and the slicing), and then the module's
     input is this rank's slice of the sequence: RoPE takes the slice's global positions.
     """
@@ -46,7 +45,6 @@ class Attention(nn.Module):
         self.backend = attention
         self.cp: Optional[ContextParallel] = None
         self.head_dim = head_dim if head_dim is not None else dim // n_heads
-        self.n_rep = n_heads // n_kv_heads
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
@@ -74,10 +72,4 @@ class Attention(nn.Module):
         if documents is not None:
             rope_cache = rope_at(rope_cache, documents, S)
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
-        if self.n_rep > 1:
-            k, v = k.repeat_interleave(self.n_rep, dim=2), v.repeat_interleave(self.n_rep, dim=2)
-        if documents is not None:
-            y = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents)
-        else:
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(B, S, -1))
+        return self.wo(attend(q, k, v, documents).reshape(B, S, -1))

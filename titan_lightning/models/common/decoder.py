@@ -147,7 +147,7 @@ class Decoder(nn.Module):
         ``position_ids`` [B, S] (each token's position in its document) serve ``args.mask`` /
         ``args.positions`` (models/common/masking.py); the defaults do not read them. A pipeline
         stage before the last (no ``output``) then hands them on with its hidden states."""
-        documents = documents_for(self.args, position_ids)
+        documents = documents_for(self.args, position_ids, tokens)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, **_documents(documents))

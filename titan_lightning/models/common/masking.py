@@ -1,4 +1,5 @@
-"""Document masking for packed sequences (``model.mask``, ``model.positions``).
+"""Document masking for packed sequences (``model.mask``, ``model.positions``) and the
+attention kernels that honour it (``model.attention``).
 
 A batch of packed windows carries ``position_ids`` [B, S]: each token's position in its
 document, 0 where a document starts (titan_lightning/data/dataset.py). From them:
@@ -8,47 +9,81 @@ document, 0 where a document starts (titan_lightning/data/dataset.py). From them
     model.positions = "global"     RoPE at the token's position in the window
     model.positions = "per_document"  RoPE at its position in its document
 
-A model hands ``Documents`` to its blocks only when one of the two asks for it, so the causal,
-global default runs exactly the code it ran before.
+Kernels (``model.attention``, the non-context-parallel ones):
+
+    "sdpa"    F.scaled_dot_product_attention: ``is_causal``, or a dense [B, 1, S, S] boolean
+              mask for ``block_causal`` (any device; on GPU the mask rules out the flash kernel)
+    "flex"    torch's FlexAttention (torch.nn.attention.flex_attention, torch >= 2.5) with a
+              BlockMask built once per batch: blocks of 128 x 128 that no query of the tile may
+              see are skipped. Compiled on GPU; torch has no FlexAttention backward on CPU, so
+              there it only runs forward (tests, evaluation)
+    "varlen"  variable-length FlashAttention over the batch flattened to one stream of
+              documents (torch.nn.attention.varlen.varlen_attn, torch >= 2.10; CUDA only)
+
+A model builds ``Documents`` once per forward (``documents_for``) and hands it to every block
+only when the mask, the positions or the kernel need it, so the causal, global, sdpa default
+runs exactly the code it ran before.
 """
 
-from typing import NamedTuple, Optional
+import functools
+import warnings
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
+from titan_lightning.config.job import KERNEL_ATTENTIONS
 
 
 class Documents(NamedTuple):
     """What attention needs of a batch's document boundaries (built once per forward, shared by
-    every layer)."""
+    every layer). ``position_ids`` is None only for a causal flex/varlen batch that carries none."""
 
-    position_ids: torch.Tensor  # [B, S]: 0 where a document starts
+    position_ids: Optional[torch.Tensor]  # [B, S]: 0 where a document starts
     block_causal: bool
     per_document: bool
-    mask: Optional[torch.Tensor] = None  # [B, 1, S, S] block-causal mask, when block_causal
+    kernel: str = "sdpa"
+    mask: Optional[torch.Tensor] = None  # sdpa + block_causal: [B, 1, S, S] bool
+    block_mask: Any = None  # flex: a BlockMask (causal, or block-causal)
+    cu_seqlens: Optional[torch.Tensor] = None  # varlen: [N + 1] int32 starts of the N documents, flattened
+    max_len: int = 0  # varlen: the longest document
 
 
-def documents_for(args, position_ids: Optional[torch.Tensor]) -> Optional[Documents]:
-    """``Documents`` for model args ``args`` (their ``mask`` and ``positions``), or None when both
-    are the defaults; a one-line error when they need boundaries the batch does not carry."""
+def documents_for(args, position_ids: Optional[torch.Tensor], tokens: torch.Tensor) -> Optional[Documents]:
+    """``Documents`` for model args ``args`` (their ``mask``, ``positions`` and ``attention``) and a
+    batch whose first two dims are [B, S] (``tokens``: ids, or a pipeline stage's hidden states);
+    None for the causal, global sdpa default. A one-line error when the mask or positions need
+    boundaries the batch does not carry."""
     block_causal = getattr(args, "mask", "causal") == "block_causal"
     per_document = getattr(args, "positions", "global") == "per_document"
-    if not (block_causal or per_document):
+    kernel = getattr(args, "attention", "sdpa")
+    kernel = kernel if kernel in KERNEL_ATTENTIONS else "sdpa"  # a context-parallel backend masks by itself
+    if not (block_causal or per_document or kernel != "sdpa"):
         return None
-    if position_ids is None:
+    if position_ids is None and (block_causal or per_document):
         raise ValueError(f"model.mask={args.mask!r}, model.positions={args.positions!r} need the batch's "
                          f"position_ids (document boundaries); this batch has none")
-    # Positions are < max_seq_len (validated); the clamp only keeps the RoPE lookup in bounds on the
-    # uninitialized buffers a pipeline stage receives once, while torch infers the stage shapes.
-    position_ids = position_ids.clamp(0, args.max_seq_len - 1)
-    return Documents(position_ids, block_causal, per_document,
-                     block_causal_mask(position_ids) if block_causal else None)
+    if position_ids is not None:
+        # Positions are < max_seq_len (validated); the clamp only keeps the RoPE lookup in bounds on the
+        # uninitialized buffers a pipeline stage receives once, while torch infers the stage shapes.
+        position_ids = position_ids.clamp(0, args.max_seq_len - 1)
+    B, S = tokens.shape[:2]
+    boundaries = position_ids if block_causal else None  # None: one document per row (causal)
+    documents = Documents(position_ids, block_causal, per_document, kernel)
+    if kernel == "flex":
+        return documents._replace(block_mask=flex_block_mask(boundaries, B, S, tokens.device))
+    if kernel == "varlen":
+        cu_seqlens, max_len = varlen_offsets(boundaries, B, S, tokens.device)
+        return documents._replace(cu_seqlens=cu_seqlens, max_len=max_len)
+    return documents._replace(mask=block_causal_mask(position_ids)) if block_causal else documents
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """[B, S]: which document of the window each token belongs to (0, 1, ...)."""
-    return torch.cumsum(position_ids == 0, dim=1)
+    """[B, S]: which document of the window each token belongs to (0, 1, ...; the window's first
+    token always starts one)."""
+    starts = position_ids == 0
+    starts[:, 0] = True
+    return torch.cumsum(starts, dim=1)
 
 
 def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
@@ -67,9 +102,117 @@ def rope_at(rope_cache: torch.Tensor, documents: Optional[Documents], seq_len: i
     return rope_cache[documents.position_ids]
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Optional[Documents],
-              scale: Optional[float] = None) -> torch.Tensor:
-    """SDPA over [B, H, S, D]: causal, or block-causal with ``documents`` (a dense mask)."""
+# -- FlexAttention ---------------------------------------------------------------------------
+
+
+def flex_block_mask(position_ids: Optional[torch.Tensor], B: int, S: int, device: torch.device):
+    """The BlockMask of a batch: block-causal over the documents of ``position_ids``, or causal
+    (the same for every row: built once per length and device) when None."""
+    if position_ids is None:
+        return _causal_block_mask(S, torch.device(device))
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    ids = document_ids(position_ids)
+
+    def block_causal(b, h, q, kv):
+        return (kv <= q) & (ids[b, q] == ids[b, kv])
+
+    # On GPU the mask is built by a compiled kernel from the [B, S] ids, never as [B, S, S].
+    return create_block_mask(block_causal, B, None, S, S, device=device, _compile=ids.is_cuda)
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_block_mask(S: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(lambda b, h, q, kv: kv <= q, None, None, S, S, device=device)
+
+
+def skipped_block_share(block_mask) -> float:
+    """The share of the causal tiles a block mask skips (every tile at or below the diagonal
+    counts once per batch row): what document masking saves over plain causal attention."""
+    q_blocks = block_mask.kv_num_blocks.shape[-1]
+    computed = block_mask.kv_num_blocks.sum()
+    if block_mask.full_kv_num_blocks is not None:
+        computed = computed + block_mask.full_kv_num_blocks.sum()
+    rows = block_mask.kv_num_blocks[..., 0].numel()
+    causal = rows * q_blocks * (q_blocks + 1) // 2
+    return 1.0 - float(computed) / causal
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(q, k, v, block_mask, scale):
+    """FlexAttention over [B, H, S, D] (k, v may have fewer heads: GQA): compiled on GPU, eager
+    elsewhere (forward only: torch has no FlexAttention backward on CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    gqa = k.shape[1] != q.shape[1]
+    if q.is_cuda:
+        return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    with warnings.catch_warnings():  # "called without torch.compile": the eager path is the CPU one
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+
+
+# -- varlen ----------------------------------------------------------------------------------
+
+
+def varlen_offsets(position_ids: Optional[torch.Tensor], B: int, S: int, device) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens, longest document) of the batch flattened to one stream: every row starts a
+    document, and so does every 0 of ``position_ids`` (None: one document per row). One host
+    read per batch (the document count and the longest one size the kernel's launch)."""
+    if position_ids is None:
+        return torch.arange(0, B * S + 1, S, dtype=torch.int32, device=device), S
+    starts = position_ids == 0
+    starts[:, 0] = True
+    offsets = torch.cat([starts.flatten().nonzero().flatten(),
+                         torch.tensor([B * S], device=position_ids.device)]).to(torch.int32)
+    lengths = offsets.diff()
+    return offsets, int(lengths.max())
+
+
+def _varlen(q, k, v, documents: Documents, scale):
+    """varlen FlashAttention over [B, S, H, D] (k, v may have fewer heads: GQA); a value head
+    narrower than the query's (MLA) is zero-padded to it and the output cut back."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    B, S, H, Dv = v.shape[0], v.shape[1], q.shape[2], v.shape[3]
+    if k.shape[2] != H:  # the kernel's own GQA support varies across torch versions: repeat
+        k, v = k.repeat_interleave(H // k.shape[2], dim=2), v.repeat_interleave(H // k.shape[2], dim=2)
+    if Dv != q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - Dv))
+    flat = lambda t: t.reshape(B * S, H, t.shape[-1])  # noqa: E731
+    cu, n = documents.cu_seqlens, documents.max_len
+    y = varlen_attn(flat(q), flat(k), flat(v), cu, cu, n, n, scale=scale, window_size=(-1, 0))
+    return y[..., :Dv].reshape(B, S, H, Dv)
+
+
+# -- one entry point for every block ---------------------------------------------------------
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Optional[Documents],
+           scale: Optional[float] = None) -> torch.Tensor:
+    """Causal or document-masked attention over [B, S, H, D] (keys and values may have fewer
+    heads than the queries: each serves consecutive query heads) -> [B, S, H, D_v], with the
+    kernel ``documents`` names (sdpa when None)."""
+    kernel = "sdpa" if documents is None else documents.kernel
+    if kernel == "varlen":
+        return _varlen(q, k, v, documents, scale)
+    if kernel == "flex":
+        return _flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents.block_mask,
+                     scale).transpose(1, 2)
+    if k.shape[2] != q.shape[2]:
+        n_rep = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if documents is None or not documents.block_causal:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.mask, scale=scale)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.mask, scale=scale)
+    return y.transpose(1, 2)

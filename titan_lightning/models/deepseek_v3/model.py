@@ -16,14 +16,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from titan_lightning.config.job import ModelArgs
 from titan_lightning.models.common import FeedForward, RMSNorm, apply_rope, rope_frequencies
 from titan_lightning.models.common.decoder import Block, Decoder
-from titan_lightning.models.common.masking import Documents, rope_at
-from titan_lightning.models.common.masking import attention as masked_attention
+from titan_lightning.models.common.masking import Documents, attend, rope_at
 from titan_lightning.models.common.moe import MoE, MoEArgs
 from titan_lightning.models.deepseek_v3.parallelize import deepseek_v3_tp_plan
 from titan_lightning.parallel.context import context_parallel_attention
@@ -176,13 +174,8 @@ class MultiHeadLatentAttention(nn.Module):
             # The CP backends scale scores by (nope + rope)^-0.5: the YaRN correction rides on q.
             q = q * (self.softmax_scale * q.shape[-1] ** 0.5)
             y = context_parallel_attention(q, k, v, self.cp, self.backend, documents)
-        elif documents is not None:
-            y = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents,
-                                 scale=self.softmax_scale).transpose(1, 2)
         else:
-            y = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.softmax_scale
-            ).transpose(1, 2)
+            y = attend(q, k, v, documents, scale=self.softmax_scale)
         return self.wo(y.reshape(B, S, -1))  # y [B, S, H, v]
 
 
