@@ -263,8 +263,8 @@ def validate_attention_kernel(job: JobConfig, device_type: str) -> None:
         import torch
 
         if importlib.util.find_spec("torch.nn.attention.varlen") is None:
-            raise ConfigError(f"model.attention='varlen' needs torch.nn.attention.varlen (torch >= 2.10); this is "
-                              f"torch {torch.__version__}: use 'flex' or 'sdpa'")
+            raise ConfigError(f"model.attention='varlen' needs torch.nn.attention.varlen (in torch 2.11 and 2.13), which "
+                              f"torch {torch.__version__} lacks: use 'flex' or 'sdpa'")
         if device_type != "cuda":
             raise ConfigError(f"model.attention='varlen' runs FlashAttention on CUDA only, and this run is on "
                               f"{device_type!r}: use 'sdpa' (block_causal through a dense mask)")

@@ -34,7 +34,7 @@ def _saved_ops() -> set:
         packet, _, overload = name.partition(".")
         if hasattr(aten, packet):
             ops.add(getattr(getattr(aten, packet), overload))
-    # FlexAttention (a higher-order op) and varlen FlashAttention (torch_attn, torch >= 2.10).
+    # FlexAttention (a higher-order op) and varlen FlashAttention (torch.ops.torch_attn, where this torch has it).
     higher_order = getattr(torch.ops, "higher_order", None)
     if higher_order is not None and hasattr(higher_order, "flex_attention"):
         ops.add(higher_order.flex_attention)

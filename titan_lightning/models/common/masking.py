@@ -18,7 +18,7 @@ Kernels (``model.attention``, the non-context-parallel ones):
               see are skipped. Compiled on GPU; torch has no FlexAttention backward on CPU, so
               there it only runs forward (tests, evaluation)
     "varlen"  variable-length FlashAttention over the batch flattened to one stream of
-              documents (torch.nn.attention.varlen.varlen_attn, torch >= 2.10; CUDA only)
+              documents (torch.nn.attention.varlen.varlen_attn, seen in torch 2.11 and 2.13; CUDA only)
 
 A model builds ``Documents`` once per forward (``documents_for``) and hands it to every block
 only when the mask, the positions or the kernel need it, so the causal, global, sdpa default
@@ -117,8 +117,16 @@ def flex_block_mask(position_ids: Optional[torch.Tensor], B: int, S: int, device
     def block_causal(b, h, q, kv):
         return (kv <= q) & (ids[b, q] == ids[b, kv])
 
-    # On GPU the mask is built by a compiled kernel from the [B, S] ids, never as [B, S, S].
-    return create_block_mask(block_causal, B, None, S, S, device=device, _compile=ids.is_cuda)
+    if ids.is_cuda:  # a compiled kernel builds it from the [B, S] ids, never as [B, S, S]
+        return _compiled_create_block_mask()(block_causal, B, None, S, S, device=device)
+    return create_block_mask(block_causal, B, None, S, S, device=device)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
 
 
 @functools.lru_cache(maxsize=8)
@@ -149,11 +157,12 @@ def _compiled_flex():
 
 def _flex(q, k, v, block_mask, scale):
     """FlexAttention over [B, H, S, D] (k, v may have fewer heads: GQA): compiled on GPU, eager
-    elsewhere (forward only: torch has no FlexAttention backward on CPU)."""
+    elsewhere (forward only: torch has no FlexAttention backward on CPU) and in float64 (which
+    its Triton kernels do not take: the eager path computes the masked scores densely)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     gqa = k.shape[1] != q.shape[1]
-    if q.is_cuda:
+    if q.is_cuda and q.dtype != torch.float64:
         return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
     with warnings.catch_warnings():  # "called without torch.compile": the eager path is the CPU one
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
