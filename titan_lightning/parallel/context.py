@@ -127,19 +127,18 @@ def context_parallel_attention(
     ``q`` [B, S_local, H, D], ``k``/``v`` [B, S_local, H_kv, D] (H a multiple of H_kv, GQA),
     all already rotated. Returns [B, S_local, H, D]. ``documents`` (models/common/masking.py:
     this rank's slice of the batch's ``position_ids`` and whether attention is block-causal)
-    keeps each query inside its document; the allgather backend honours it.
+    keeps each query inside its document; the allgather and ulysses backends honour it.
     """
-    if documents is not None and documents.block_causal:
-        if backend != "allgather":
-            raise ConfigError(f"model.mask='block_causal' with the {backend!r} context-parallel attention: only "
-                              f"'allgather' masks documents")
-        return _allgather_attention(q, k, v, cp, documents.position_ids)
+    position_ids = documents.position_ids if documents is not None and documents.block_causal else None
+    if position_ids is not None and backend == "ring":
+        raise ConfigError("model.mask='block_causal' with the 'ring' context-parallel attention: only 'allgather' "
+                          "and 'ulysses' mask documents")
     if backend == "allgather":
-        return _allgather_attention(q, k, v, cp)
+        return _allgather_attention(q, k, v, cp, position_ids)
     if backend == "ring":
         return _ring_attention(q, k, v, cp)
     if backend == "ulysses":
-        return _ulysses_attention(q, k, v, cp)
+        return _ulysses_attention(q, k, v, cp, position_ids)
     raise ValueError(f"context-parallel attention backend {backend!r} is not one of {', '.join(CP_ATTENTIONS)}")
 
 
@@ -153,8 +152,7 @@ def _allgather_attention(q, k, v, cp: ContextParallel, position_ids: Optional[to
     q = q.transpose(1, 2)
     documents = None
     if position_ids is not None:
-        # Global document ids (a new one after every position 0) from every rank's positions.
-        documents = torch.cumsum(all_gather_autograd(position_ids.contiguous(), 1, cp.group)[:, order] == 0, dim=1)
+        documents = _global_document_ids(position_ids, cp, order)
         mine = documents[:, cp.positions(local, q.device)]
     outs = []
     for start, end, global_end in cp.runs(local, q.device):
@@ -359,7 +357,14 @@ def _to_sequence(x: torch.Tensor, cp: ContextParallel, local: int) -> torch.Tens
     return back.permute(1, 2, 0, 3, 4).reshape(B, local, cp.size * h, D)
 
 
-def _ulysses_attention(q, k, v, cp: ContextParallel) -> torch.Tensor:
+def _global_document_ids(position_ids: torch.Tensor, cp: ContextParallel, order: torch.Tensor) -> torch.Tensor:
+    """[B, S]: the document of every token of the whole sequence (a new one after every position
+    0), from every rank's slice of the positions (``order`` sorts the gathered slices)."""
+    gathered = all_gather_autograd(position_ids.contiguous(), 1, cp.group)[:, order]
+    return torch.cumsum(gathered == 0, dim=1)
+
+
+def _ulysses_attention(q, k, v, cp: ContextParallel, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     local = q.shape[1]
     if q.shape[2] % cp.size or k.shape[2] % cp.size:
         raise ValueError(
@@ -368,9 +373,15 @@ def _ulysses_attention(q, k, v, cp: ContextParallel) -> torch.Tensor:
         )
     n_rep = q.shape[2] // k.shape[2]
     qh, kh, vh = (_to_heads(t, cp) for t in (q, k, v))
+    mask = None
+    if position_ids is not None:  # the whole sequence is here: mask it by the global documents
+        ids = _global_document_ids(position_ids, cp, cp.gathered_order(local, q.device))
+        S = ids.shape[1]
+        causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+        mask = (causal & (ids[:, :, None] == ids[:, None, :]))[:, None]
     out = F.scaled_dot_product_attention(
         qh.transpose(1, 2), _repeat_kv(kh, n_rep).transpose(1, 2), _repeat_kv(vh, n_rep).transpose(1, 2),
-        is_causal=True,
+        is_causal=mask is None, attn_mask=mask,
     )
     return _to_sequence(out.transpose(1, 2), cp, local)
 
