@@ -1,6 +1,7 @@
 """The LightningModule every model family shares: next-token loss, optimizer, schedule."""
 
 import math
+from contextlib import nullcontext
 from typing import Any, ClassVar, Optional
 
 import lightning as L
@@ -10,14 +11,13 @@ import torchmetrics
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from titan_lightning.config import JobConfig
+from titan_lightning.config import ConfigError, JobConfig
 from titan_lightning.models.common.decoder import Decoder, decoder_class
+from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.models.common.moe import update_expert_bias
 from titan_lightning.optim import build_lr_scheduler, build_optimizer
 from titan_lightning.parallel.grad_norm import global_grad_norm
 from titan_lightning.parallel.pipeline import PipelinePlan
-
-IGNORE_INDEX = -100
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -70,7 +70,9 @@ class CausalLMModule(L.LightningModule):
                 f"{type(self).__name__}: no Decoder declares model args {type(self.job.model).__name__}; subclass "
                 f"models.common.decoder.Decoder with args_class = {type(self.job.model).__name__}, or override build_model()"
             )
-        return self.decoder_class(self.job.model)
+        model = self.decoder_class(self.job.model)
+        model.head_in_loss = self.job.training.loss_chunks is not None
+        return model
 
     # -- model lifecycle ---------------------------------------------------------------
 
@@ -79,6 +81,12 @@ class CausalLMModule(L.LightningModule):
             return
         with torch.device("meta"):
             self.model = self.build_model()
+        chunks = self.job.training.loss_chunks
+        if chunks is not None and not getattr(self.model, "head_in_loss", False):
+            raise ConfigError(
+                f"training.loss_chunks={chunks} needs a model whose loss applies its head "
+                f"(models.common.decoder.Decoder); {type(self.model).__name__} is not one: set loss_chunks=None"
+            )
         if not getattr(self.trainer.strategy, "materializes_model", False):
             self.materialize(self.trainer.strategy.root_device)
 
@@ -98,15 +106,20 @@ class CausalLMModule(L.LightningModule):
     pipeline_plan: PipelinePlan = PipelinePlan()
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Logits; ``position_ids`` (document boundaries) reach the model only when ``model.mask`` /
-        ``model.positions`` use them."""
-        t, m = self.job.training, self.job.model
+        """Logits, or with ``training.loss_chunks`` the final norm's hidden states (``loss_fn``
+        applies the head); ``position_ids`` (document boundaries) reach the model only when
+        ``model.mask`` / ``model.positions`` use them."""
+        m = self.job.model
         extra = (position_ids,) if (m.mask, m.positions) != ("causal", "global") else ()
-        # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does it.
+        with self._autocast(input_ids.device.type):
+            return self.model(input_ids, *extra)
+
+    def _autocast(self, device_type: str):
+        """bf16 autocast over fp32 parameters; FSDP casts parameters itself (MixedPrecisionPolicy)."""
+        t = self.job.training
         if t.mixed_precision_param == "bfloat16" and t.dtype == "float32" and not isinstance(self.model, FSDPModule):
-            with torch.autocast(device_type=input_ids.device.type, dtype=torch.bfloat16):
-                return self.model(input_ids, *extra)
-        return self.model(input_ids, *extra)
+            return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+        return nullcontext()
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token at ``seq_len``, torchtitan's estimate:
@@ -128,16 +141,27 @@ class CausalLMModule(L.LightningModule):
 
     @property
     def loss_fn(self):
-        """The cross-entropy, compiled when ``compile.enable`` and "loss" in ``compile.components``."""
+        """(what ``forward`` returned, labels) -> the mean cross entropy: on the logits, compiled when
+        ``compile.enable`` and "loss" in ``compile.components``; with ``training.loss_chunks``, the
+        head's own chunked loss on the hidden states (eager: it holds no full logits to fuse away)."""
         if getattr(self, "_loss_fn", None) is None:
             c = self.job.compile
-            if c.enable and "loss" in c.components:
+            if self.job.training.loss_chunks is not None:
+                self._loss_fn = self._head_loss
+            elif c.enable and "loss" in c.components:
                 from titan_lightning.parallel.compile import compile_loss
 
                 self._loss_fn = compile_loss(cross_entropy_loss, backend=c.backend)
             else:
                 self._loss_fn = cross_entropy_loss
         return self._loss_fn
+
+    def _head_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The head and the cross entropy over ``training.loss_chunks`` chunks of the tokens, in the
+        forward's precision; one call of the head, standalone after the model's forward (FSDP2
+        completes the head's unit then; under PP this runs in the last stage's loss)."""
+        with self._autocast(h.device.type):
+            return self.model.output(h, labels=labels, chunks=self.job.training.loss_chunks)
 
     # -- steps ---------------------------------------------------------------------------
 
