@@ -16,7 +16,7 @@ from titan_lightning.models.common.decoder import Decoder, decoder_class
 from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.models.common.moe import update_expert_bias
 from titan_lightning.optim import build_lr_scheduler, build_optimizer
-from titan_lightning.parallel.grad_norm import global_grad_norm
+from titan_lightning.parallel.grad_norm import clip_grads_, global_grad_norm
 from titan_lightning.parallel.pipeline import PipelinePlan
 
 
@@ -58,6 +58,8 @@ class CausalLMModule(L.LightningModule):
         self.last_grad_norm: Optional[torch.Tensor] = None
         # This optimizer step's microbatch losses, checked for finiteness with the grad norm.
         self._step_losses: list[torch.Tensor] = []
+        # The last clipped step's losses and norm, not yet read on the host (check_finite).
+        self._unchecked: Optional[_Unchecked] = None
 
     @property
     def decoder_class(self) -> Optional[type[Decoder]]:
@@ -168,8 +170,8 @@ class CausalLMModule(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss_fn(self(batch["input_ids"], batch.get("position_ids")), batch["labels"])
         value = _local(loss).detach()
-        # Checked in configure_gradient_clipping, before the optimizer step: a check here would
-        # synchronize with the device between forward and backward on every step.
+        # Checked for finiteness with the grad norm, one step later (configure_gradient_clipping): a
+        # check here would synchronize with the device between forward and backward on every step.
         self._step_losses.append(value)
         self.log("train/loss", value, prog_bar=True, sync_dist=True)
         return loss
@@ -222,8 +224,11 @@ class CausalLMModule(L.LightningModule):
         return getattr(trainer.strategy, "pipeline", None) if trainer is not None else None
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """Clip to ``training.max_grad_norm`` and log the pre-clip global grad norm; stop on a
-        non-finite loss or norm (one host sync for both).
+        """Clip to ``training.max_grad_norm`` and log the pre-clip global grad norm, without a host
+        sync: the clip coefficient is computed on the device, and the loss and norm are checked for
+        finiteness one step later (``check_finite``: at the next step's clipping, before a
+        checkpoint is saved, at the end of training). So a non-finite step k stops the run at step
+        k + 1 at the latest, after step k's optimizer step, and before any checkpoint of step k.
 
         Lightning calls this after backward and before every optimizer step.
         """
@@ -231,19 +236,59 @@ class CausalLMModule(L.LightningModule):
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         pipeline = self._pipeline()
         norm = global_grad_norm(grads, pp_group=pipeline.pp_group if pipeline is not None else None)
-        losses, self._step_losses = self._step_losses, []
-        # The grad norm is reduced over every rank above, before anyone raises: under PP a NaN
-        # loss on the last stage makes every stage's norm NaN, so all ranks stop together.
-        *loss_values, norm_value = torch.stack([v.to(norm).reshape(()) for v in losses] + [norm]).tolist()
         step = self.trainer.global_step + 1
-        for value in loss_values:
-            if not math.isfinite(value):
-                raise FloatingPointError(f"non-finite training loss {value} at step {step}; stopping before the optimizer step")
-        if not math.isfinite(norm_value):
-            raise FloatingPointError(f"non-finite gradient norm {norm_value} at step {step}; stopping before the optimizer step")
+        self.check_finite(f"before step {step}'s optimizer step")
+        losses, self._step_losses = self._step_losses, []
+        # The grad norm is reduced over every rank above: under PP a NaN loss on the last stage
+        # makes every stage's norm NaN, so all ranks stop together, at the same step.
+        self._unchecked = _Unchecked(step, losses, norm)
         if max_norm is not None:
-            coefficient = min(max_norm / (norm_value + 1e-6), 1.0)
-            if coefficient < 1.0:
-                torch._foreach_mul_(grads, coefficient)
+            clip_grads_(grads, max_norm, norm)
         self.last_grad_norm = norm.detach()
         self.log("train/grad_norm", norm, prog_bar=True)
+
+    def check_finite(self, where: str) -> None:
+        """Raise FloatingPointError if the last clipped step's loss or grad norm was not finite
+        (``where``: the point of the run this check stops, for the message)."""
+        unchecked, self._unchecked = self._unchecked, None
+        if unchecked is not None:
+            unchecked.check(where)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Every save (ModelCheckpoint, preemption, Trainer.save_checkpoint) comes through here:
+        # no checkpoint holds the weights of a step after a non-finite one.
+        self.check_finite("before saving a checkpoint")
+
+    def on_train_epoch_end(self) -> None:
+        # (before on_train_end, where callbacks export the weights)
+        self.check_finite("at the end of training")
+
+    def on_train_end(self) -> None:
+        self.check_finite("at the end of training")
+
+
+class _Unchecked:
+    """A step's microbatch losses and grad norm, copied to the host without waiting: read one step
+    later, when the device has long computed them (on CUDA an event marks the copy)."""
+
+    def __init__(self, step: int, losses: list[torch.Tensor], norm: torch.Tensor) -> None:
+        self.step, self.losses = step, len(losses)
+        values = torch.stack([v.to(norm).reshape(()) for v in losses] + [norm.detach()])
+        self.event = None
+        if values.device.type == "cuda":
+            self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.values.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.values = values
+
+    def check(self, where: str) -> None:
+        if self.event is not None:
+            self.event.synchronize()  # waits for this step's copy only, not for the work queued since
+        *losses, norm = self.values.tolist()
+        for value in losses:
+            if not math.isfinite(value):
+                raise FloatingPointError(f"non-finite training loss {value} at step {self.step}; stopping {where}")
+        if not math.isfinite(norm):
+            raise FloatingPointError(f"non-finite gradient norm {norm} at step {self.step}; stopping {where}")

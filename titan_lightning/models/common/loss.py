@@ -3,11 +3,16 @@
 ``linear_cross_entropy(h, weight, labels, chunks=n)`` equals ``F.cross_entropy((h @ weight.T).float(),
 labels, ignore_index=IGNORE_INDEX)`` (the mean over the labelled tokens) and its gradients, but holds one
 chunk of ``N / n`` token rows' logits at a time. The forward computes each chunk's logits in the
-compute dtype, their fp32 log-sum-exp, the chunk's loss, and at once the chunk's gradients
-(softmax - one-hot) / labelled tokens, multiplied into the gradients of ``h`` and ``weight``; the
-backward only scales those by the incoming gradient. Each of the head's three matmuls runs
-once, as without chunking (no recompute), and what lives from forward to backward is one
-h-sized and one weight-sized gradient (the weight's is the one backward would make anyway).
+compute dtype, their fp32 log-sum-exp and the chunk's loss, and keeps only the log-sum-exp (4 bytes
+a token) besides ``h`` and ``weight`` (alive anyway); the backward computes each chunk's logits
+again, then (softmax - one-hot) / labelled tokens into the gradients of ``h`` and ``weight``. The
+price is one more head matmul per step (the forward's, again in the backward); the gain is that
+nothing logits-sized lives from forward to backward, where the activations peak.
+
+(Computing the gradients in the forward instead, as Liger's fused linear cross entropy does,
+saves that matmul but keeps a weight-sized gradient alive through the forward's peak: on the
+Llama 3 8B shape, one device, fp32 parameters, exactly as much as the plain loss's bf16 logits,
+by ``titan-lightning estimate``.)
 
 Precision is that of the plain path: under autocast (or with bf16 inputs) the matmuls run in
 bf16 and everything after them in fp32; the weight's gradient is summed over the chunks in fp32.
@@ -53,59 +58,70 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         dtype = torch.get_autocast_dtype(device_type)
     else:
         dtype = torch.promote_types(h.dtype, weight.dtype)
-    with_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     return _LinearCrossEntropy.apply(h.flatten(0, -2), weight, labels.flatten(), chunks, dtype, group,
-                                     vocab_start, ignore_index, with_grad)
+                                     vocab_start, ignore_index)
+
+
+def _chunk_bounds(n_tokens: int, chunks: int) -> list[tuple[int, int]]:
+    count = max(min(chunks, n_tokens), 1)
+    return [(n_tokens * i // count, n_tokens * (i + 1) // count) for i in range(count)]
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
+    """Forward: each chunk's logits, their log-sum-exp (kept: [tokens] fp32) and the loss. Backward:
+    each chunk's logits again, then (softmax - one-hot) / labelled tokens into both gradients."""
+
     @staticmethod
-    def forward(ctx, h, weight, labels, chunks, dtype, group, vocab_start, ignore_index, with_grad):
+    def forward(ctx, h, weight, labels, chunks, dtype, group, vocab_start, ignore_index):
         with torch.autocast(h.device.type, enabled=False):
-            loss, grad_h, grad_weight = _chunked(h, weight, labels, chunks, dtype, group, vocab_start,
-                                                 ignore_index, with_grad)
-        if with_grad:
-            ctx.save_for_backward(grad_h, grad_weight)
-        return loss
+            hc, wc = h.to(dtype), weight.to(dtype)
+            valid = labels != ignore_index
+            lse_all = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+            loss = torch.zeros((), dtype=torch.float32, device=h.device)
+            for first, last in _chunk_bounds(h.shape[0], chunks):
+                logits = (hc[first:last] @ wc.T).float()
+                index, mine = _label_index(labels[first:last], vocab_start, weight.shape[0])
+                lse = torch.logsumexp(logits, dim=1)
+                target = logits.gather(1, index).squeeze(1).masked_fill(~mine, 0.0)
+                del logits
+                if group is not None:
+                    parts = all_gather(torch.stack([lse, target]).unsqueeze(0), 0, group)  # [tp, 2, rows]
+                    lse, target = torch.logsumexp(parts[:, 0], dim=0), parts[:, 1].sum(dim=0)
+                lse_all[first:last] = lse
+                loss = loss + torch.where(valid[first:last], lse - target, 0.0).sum()
+        ctx.save_for_backward(h, weight, labels, lse_all)
+        ctx.chunks, ctx.dtype, ctx.vocab_start, ctx.ignore_index = chunks, dtype, vocab_start, ignore_index
+        return loss / valid.sum()
 
     @staticmethod
     def backward(ctx, grad_loss):
-        # Scaled in place (no second weight-sized tensor): this backward runs once per forward.
-        grad_h, grad_weight = ctx.saved_tensors
-        return grad_h.mul_(grad_loss), grad_weight.mul_(grad_loss), *(None,) * 7
+        h, weight, labels, lse_all = ctx.saved_tensors
+        dtype = ctx.dtype
+        hc, wc = h.to(dtype), weight.to(dtype)
+        valid = labels != ctx.ignore_index
+        scale = grad_loss / valid.sum()
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        for first, last in _chunk_bounds(h.shape[0], ctx.chunks):
+            x = hc[first:last]
+            grad = (x @ wc.T).float().sub_(lse_all[first:last].unsqueeze(1)).exp_()  # softmax
+            index, mine = _label_index(labels[first:last], ctx.vocab_start, weight.shape[0])
+            grad.scatter_add_(1, index, -mine.unsqueeze(1).to(grad.dtype))
+            grad.mul_((valid[first:last].to(grad.dtype) * scale).unsqueeze(1))
+            grad = grad.to(dtype)
+            if grad_h is not None:
+                grad_h[first:last] = grad @ wc
+            if grad_weight is not None:  # in slices of the vocab: no weight-sized temporary
+                for v0, v1 in _chunk_bounds(weight.shape[0], ctx.chunks):
+                    grad_weight[v0:v1].add_(grad[:, v0:v1].T @ x)
+        if grad_weight is not None and grad_weight.dtype != weight.dtype:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_h, grad_weight, *(None,) * 6
 
 
-def _chunked(h, weight, labels, chunks, dtype, group, vocab_start, ignore_index, with_grad):
-    """(loss, d loss / d h, d loss / d weight); the gradients are None without ``with_grad``."""
-    n_tokens, local_vocab = h.shape[0], weight.shape[0]
-    hc, wc = h.to(dtype), weight.to(dtype)
-    valid = labels != ignore_index
-    scale = 1.0 / valid.sum().float()
-    loss = torch.zeros((), dtype=torch.float32, device=h.device)
-    grad_h = torch.empty_like(h) if with_grad else None
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grad else None
-    count = max(min(chunks, n_tokens), 1)
-    for i in range(count):
-        first, last = n_tokens * i // count, n_tokens * (i + 1) // count
-        x, label, keep = hc[first:last], labels[first:last], valid[first:last]
-        logits = (x @ wc.T).float()
-        local = label - vocab_start
-        mine = (local >= 0) & (local < local_vocab)
-        index = local.clamp(0, local_vocab - 1).unsqueeze(1)
-        lse = torch.logsumexp(logits, dim=1)
-        target = logits.gather(1, index).squeeze(1).masked_fill(~mine, 0.0)
-        if group is not None:
-            parts = all_gather(torch.stack([lse, target]).unsqueeze(0), 0, group)  # [tp, 2, rows]
-            lse, target = torch.logsumexp(parts[:, 0], dim=0), parts[:, 1].sum(dim=0)
-        loss = loss + torch.where(keep, lse - target, 0.0).sum()
-        if not with_grad:
-            continue
-        grad = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
-        grad.scatter_add_(1, index, -mine.unsqueeze(1).to(grad.dtype))
-        grad.mul_((keep.to(grad.dtype) * scale).unsqueeze(1))
-        grad = grad.to(dtype)
-        grad_h[first:last] = grad @ wc
-        grad_weight.add_(grad.T @ x)
-    if with_grad and grad_weight.dtype != weight.dtype:
-        grad_weight = grad_weight.to(weight.dtype)
-    return loss * scale, grad_h, grad_weight
+def _label_index(labels: torch.Tensor, vocab_start: int, local_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each label's column in this rank's vocab shard [rows, 1] (clamped), and whether it is there."""
+    local = labels - vocab_start
+    mine = (local >= 0) & (local < local_vocab)
+    return local.clamp(0, local_vocab - 1).unsqueeze(1), mine
