@@ -73,6 +73,10 @@ WORKLOADS: dict[str, Workload] = {
     "llama3_3b": Workload(recipe="recipes.llama3:llama3_3b"),
     # Llama 3 8B's per-layer shapes (dim 4096, GQA 32/8, FFN 14336, vocab 128256), fewer layers.
     "llama3_8b_shape": Workload(recipe="recipes.llama3:llama3_8b", layers=8),
+    # The same with the chunked head + loss (training.loss_chunks): the peak without full logits.
+    "llama3_8b_shape_chunked_loss": Workload(recipe="recipes.llama3:llama3_8b", layers=8,
+                                             overrides=("--job.training.loss_chunks", "16"),
+                                             contenders=("titan", "bare", "lightning")),
     # Qwen 3 30B-A3B's layers (128 experts, top 8, grouped GEMM), fewer of them.
     "qwen3_30b_a3b_shape": Workload(recipe="recipes.qwen3:qwen3_30b_a3b", layers=4, seq_len=4096,
                                     contenders=("titan", "bare", "lightning", "hf")),
@@ -248,7 +252,13 @@ def _build_model(run, device):
     c = job.compile
     if c.enable and "model" in c.components:
         compile_blocks(blocks, backend=c.backend, fullgraph=c.fullgraph)
-    loss_fn = compile_loss(cross_entropy_loss, backend=c.backend) if c.enable and "loss" in c.components else cross_entropy_loss
+    if job.training.loss_chunks is not None:  # the model returns hidden states; its head takes the labels
+        def loss_fn(h, labels):
+            return model.output(h, labels=labels, chunks=job.training.loss_chunks)
+    elif c.enable and "loss" in c.components:
+        loss_fn = compile_loss(cross_entropy_loss, backend=c.backend)
+    else:
+        loss_fn = cross_entropy_loss
     return model, blocks, loss_fn
 
 
@@ -289,8 +299,10 @@ def run_bare(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any
         batch = next(batches)
         ids, labels = batch["input_ids"].to(dev, non_blocking=True), batch["labels"].to(dev, non_blocking=True)
         with torch.autocast(dev.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-            logits = model(ids)
-        loss = loss_fn(logits, labels)
+            logits = model(ids)  # (hidden states with training.loss_chunks: the head runs in the loss)
+            loss = loss_fn(logits, labels) if job.training.loss_chunks is not None else None
+        if loss is None:
+            loss = loss_fn(logits, labels)
         del logits  # not kept through the backward (2 GiB of bf16 logits at 128k vocab, seq 8192)
         loss.backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]

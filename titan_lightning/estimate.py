@@ -16,7 +16,8 @@ the estimated peak (what ``torch.cuda.max_memory_allocated`` reports over a step
 Modeled:
   - parameters, gradients, optimizer state and buffers: exact local (sharded) bytes;
   - everything autograd saves under the recipe's activation-checkpointing policy, and the
-    temporaries of each op while they live (the loss's fp32 logits, FSDP's all-gathered
+    temporaries of each op while they live (the loss's fp32 logits, or one chunk's of them
+    with ``training.loss_chunks``, FSDP's all-gathered
     parameters of the current and prefetched units, the optimizer step's);
   - mixed precision as the run does it: autocast's bf16 weight copies without FSDP, the
     MixedPrecisionPolicy's unsharded bf16 parameters with FSDP;

@@ -358,3 +358,21 @@ def llama3_fsdp2_cp2_block_causal() -> Run:
     """FSDP2 x CP2 (all-gather K/V) with document masking: each CP rank masks its head-tail slices
     against the gathered keys with the global document ids."""
     return _block_causal(llama3_fsdp2_cp2())
+
+
+# The chunked loss (training.loss_chunks): head and cross-entropy over 3 chunks of the tokens
+# (which do not divide them), never holding full logits; the seed is the plain-loss baseline.
+def _chunked_loss(run: Run) -> Run:
+    run.job.training.loss_chunks = 3
+    return run
+
+
+def llama3_fsdp2_tp2_chunked_loss() -> Run:
+    """FSDP2 x TP2 (sequence parallel): each rank's vocab shard of every chunk's logits, the head
+    called once after the model's forward (FSDP2 completes its unit then)."""
+    return _chunked_loss(llama3_fsdp2_tp2())
+
+
+def llama3_pp2_chunked_loss() -> Run:
+    """PP2: the last stage returns hidden states; its loss applies the head chunk by chunk."""
+    return _chunked_loss(llama3_pp2())

@@ -75,6 +75,10 @@ ENTRIES = [
     _entry("llama3_fsdp2_compile_ac", "FSDP2, compiled blocks over per-op selective AC, compiled loss", 2,
            use_real_pg=True),
     _entry("llama3_pp2_fsdp2_compile", "PP2 x FSDP2, compiled blocks and loss", 4, use_real_pg=True),
+    # The chunked loss against the plain one (the seed): FSDP x TP with loss parallel, and PP's last stage.
+    _entry("llama3_fsdp2_tp2_chunked_loss", "FSDP2 x TP2, head and loss over 3 token chunks (no full logits)", 4),
+    _entry("llama3_pp2_chunked_loss", "PP2, the last stage's loss applies the head over 3 token chunks", 2,
+           use_real_pg=True),
     _entry("llama3_fsdp2_tp2_compile", "FSDP2 x TP2, each block's children compiled (TP hooks outside)", 4,
            use_real_pg=True),
 ]

@@ -133,6 +133,9 @@ class ExportWeights(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if any(getattr(callback, "preempted", None) for callback in trainer.callbacks):
             return  # stopped by SIGTERM: the run is not over, its restart exports
+        check_finite = getattr(pl_module, "check_finite", None)  # (CausalLMModule: the last step's values)
+        if check_finite is not None:
+            check_finite("before exporting the weights")
         if self.fmt == "dcp":
             self._export_sharded(trainer, pl_module)
         else:

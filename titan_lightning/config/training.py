@@ -31,6 +31,10 @@ class TrainingConfig:
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     # None: no clipping (the grad norm is still computed and logged).
     max_grad_norm: Optional[float] = 1.0
+    # None: the head returns full logits and the loss upcasts them to fp32. N: the head and the
+    # cross-entropy run together over N chunks of the tokens, never holding full logits (the
+    # same loss and gradients; the memory of one chunk's logits instead of all of them).
+    loss_chunks: Optional[int] = None
 
     def __post_init__(self) -> None:
         _positive("training.seq_len", self.seq_len)
@@ -49,6 +53,12 @@ class TrainingConfig:
                 )
         if self.cpu_threads is not None:
             _positive("training.cpu_threads", self.cpu_threads)
+        chunks = self.loss_chunks
+        if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+            raise ValueError(
+                f"training.loss_chunks={self.loss_chunks!r} must be a positive integer (chunks of the tokens), "
+                f"or None for the plain loss on full logits"
+            )
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"training.max_grad_norm={self.max_grad_norm} must be > 0, or None to disable clipping")
         if self.dtype == "bfloat16" and self.mixed_precision_param == "float32":

@@ -1,6 +1,7 @@
 """The LightningModule every model family shares: next-token loss, optimizer, schedule."""
 
 import math
+from contextlib import nullcontext
 from typing import Any, ClassVar, Optional
 
 import lightning as L
@@ -10,14 +11,13 @@ import torchmetrics
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from titan_lightning.config import JobConfig
+from titan_lightning.config import ConfigError, JobConfig
 from titan_lightning.models.common.decoder import Decoder, decoder_class
+from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.models.common.moe import update_expert_bias
 from titan_lightning.optim import build_lr_scheduler, build_optimizer
-from titan_lightning.parallel.grad_norm import global_grad_norm
+from titan_lightning.parallel.grad_norm import clip_grads_, global_grad_norm
 from titan_lightning.parallel.pipeline import PipelinePlan
-
-IGNORE_INDEX = -100
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -58,6 +58,8 @@ class CausalLMModule(L.LightningModule):
         self.last_grad_norm: Optional[torch.Tensor] = None
         # This optimizer step's microbatch losses, checked for finiteness with the grad norm.
         self._step_losses: list[torch.Tensor] = []
+        # The last clipped step's losses and norm, not yet read on the host (check_finite).
+        self._unchecked: Optional[_Unchecked] = None
 
     @property
     def decoder_class(self) -> Optional[type[Decoder]]:
@@ -70,7 +72,9 @@ class CausalLMModule(L.LightningModule):
                 f"{type(self).__name__}: no Decoder declares model args {type(self.job.model).__name__}; subclass "
                 f"models.common.decoder.Decoder with args_class = {type(self.job.model).__name__}, or override build_model()"
             )
-        return self.decoder_class(self.job.model)
+        model = self.decoder_class(self.job.model)
+        model.head_in_loss = self.job.training.loss_chunks is not None
+        return model
 
     # -- model lifecycle ---------------------------------------------------------------
 
@@ -79,6 +83,12 @@ class CausalLMModule(L.LightningModule):
             return
         with torch.device("meta"):
             self.model = self.build_model()
+        chunks = self.job.training.loss_chunks
+        if chunks is not None and not getattr(self.model, "head_in_loss", False):
+            raise ConfigError(
+                f"training.loss_chunks={chunks} needs a model whose loss applies its head "
+                f"(models.common.decoder.Decoder); {type(self.model).__name__} is not one: set loss_chunks=None"
+            )
         if not getattr(self.trainer.strategy, "materializes_model", False):
             self.materialize(self.trainer.strategy.root_device)
 
@@ -98,15 +108,20 @@ class CausalLMModule(L.LightningModule):
     pipeline_plan: PipelinePlan = PipelinePlan()
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Logits; ``position_ids`` (document boundaries) reach the model only when ``model.mask`` /
-        ``model.positions`` use them."""
-        t, m = self.job.training, self.job.model
+        """Logits, or with ``training.loss_chunks`` the final norm's hidden states (``loss_fn``
+        applies the head); ``position_ids`` (document boundaries) reach the model only when
+        ``model.mask`` / ``model.positions`` use them."""
+        m = self.job.model
         extra = (position_ids,) if (m.mask, m.positions) != ("causal", "global") else ()
-        # FSDP casts parameters itself (MixedPrecisionPolicy); elsewhere autocast does it.
+        with self._autocast(input_ids.device.type):
+            return self.model(input_ids, *extra)
+
+    def _autocast(self, device_type: str):
+        """bf16 autocast over fp32 parameters; FSDP casts parameters itself (MixedPrecisionPolicy)."""
+        t = self.job.training
         if t.mixed_precision_param == "bfloat16" and t.dtype == "float32" and not isinstance(self.model, FSDPModule):
-            with torch.autocast(device_type=input_ids.device.type, dtype=torch.bfloat16):
-                return self.model(input_ids, *extra)
-        return self.model(input_ids, *extra)
+            return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+        return nullcontext()
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token at ``seq_len``, torchtitan's estimate:
@@ -128,10 +143,14 @@ class CausalLMModule(L.LightningModule):
 
     @property
     def loss_fn(self):
-        """The cross-entropy, compiled when ``compile.enable`` and "loss" in ``compile.components``."""
+        """(what ``forward`` returned, labels) -> the mean cross entropy: on the logits, compiled when
+        ``compile.enable`` and "loss" in ``compile.components``; with ``training.loss_chunks``, the
+        head's own chunked loss on the hidden states (eager: it holds no full logits to fuse away)."""
         if getattr(self, "_loss_fn", None) is None:
             c = self.job.compile
-            if c.enable and "loss" in c.components:
+            if self.job.training.loss_chunks is not None:
+                self._loss_fn = self._head_loss
+            elif c.enable and "loss" in c.components:
                 from titan_lightning.parallel.compile import compile_loss
 
                 self._loss_fn = compile_loss(cross_entropy_loss, backend=c.backend)
@@ -139,13 +158,20 @@ class CausalLMModule(L.LightningModule):
                 self._loss_fn = cross_entropy_loss
         return self._loss_fn
 
+    def _head_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The head and the cross entropy over ``training.loss_chunks`` chunks of the tokens, in the
+        forward's precision; one call of the head, standalone after the model's forward (FSDP2
+        completes the head's unit then; under PP this runs in the last stage's loss)."""
+        with self._autocast(h.device.type):
+            return self.model.output(h, labels=labels, chunks=self.job.training.loss_chunks)
+
     # -- steps ---------------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss_fn(self(batch["input_ids"], batch.get("position_ids")), batch["labels"])
         value = _local(loss).detach()
-        # Checked in configure_gradient_clipping, before the optimizer step: a check here would
-        # synchronize with the device between forward and backward on every step.
+        # Checked for finiteness with the grad norm, one step later (configure_gradient_clipping): a
+        # check here would synchronize with the device between forward and backward on every step.
         self._step_losses.append(value)
         self.log("train/loss", value, prog_bar=True, sync_dist=True)
         return loss
@@ -198,8 +224,11 @@ class CausalLMModule(L.LightningModule):
         return getattr(trainer.strategy, "pipeline", None) if trainer is not None else None
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """Clip to ``training.max_grad_norm`` and log the pre-clip global grad norm; stop on a
-        non-finite loss or norm (one host sync for both).
+        """Clip to ``training.max_grad_norm`` and log the pre-clip global grad norm, without a host
+        sync: the clip coefficient is computed on the device, and the loss and norm are checked for
+        finiteness one step later (``check_finite``: at the next step's clipping, before a
+        checkpoint is saved, at the end of training). So a non-finite step k stops the run at step
+        k + 1 at the latest, after step k's optimizer step, and before any checkpoint of step k.
 
         Lightning calls this after backward and before every optimizer step.
         """
@@ -207,19 +236,59 @@ class CausalLMModule(L.LightningModule):
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         pipeline = self._pipeline()
         norm = global_grad_norm(grads, pp_group=pipeline.pp_group if pipeline is not None else None)
-        losses, self._step_losses = self._step_losses, []
-        # The grad norm is reduced over every rank above, before anyone raises: under PP a NaN
-        # loss on the last stage makes every stage's norm NaN, so all ranks stop together.
-        *loss_values, norm_value = torch.stack([v.to(norm).reshape(()) for v in losses] + [norm]).tolist()
         step = self.trainer.global_step + 1
-        for value in loss_values:
-            if not math.isfinite(value):
-                raise FloatingPointError(f"non-finite training loss {value} at step {step}; stopping before the optimizer step")
-        if not math.isfinite(norm_value):
-            raise FloatingPointError(f"non-finite gradient norm {norm_value} at step {step}; stopping before the optimizer step")
+        self.check_finite(f"before step {step}'s optimizer step")
+        losses, self._step_losses = self._step_losses, []
+        # The grad norm is reduced over every rank above: under PP a NaN loss on the last stage
+        # makes every stage's norm NaN, so all ranks stop together, at the same step.
+        self._unchecked = _Unchecked(step, losses, norm)
         if max_norm is not None:
-            coefficient = min(max_norm / (norm_value + 1e-6), 1.0)
-            if coefficient < 1.0:
-                torch._foreach_mul_(grads, coefficient)
+            clip_grads_(grads, max_norm, norm)
         self.last_grad_norm = norm.detach()
         self.log("train/grad_norm", norm, prog_bar=True)
+
+    def check_finite(self, where: str) -> None:
+        """Raise FloatingPointError if the last clipped step's loss or grad norm was not finite
+        (``where``: the point of the run this check stops, for the message)."""
+        unchecked, self._unchecked = self._unchecked, None
+        if unchecked is not None:
+            unchecked.check(where)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Every save (ModelCheckpoint, preemption, Trainer.save_checkpoint) comes through here:
+        # no checkpoint holds the weights of a step after a non-finite one.
+        self.check_finite("before saving a checkpoint")
+
+    def on_train_epoch_end(self) -> None:
+        # (before on_train_end, where callbacks export the weights)
+        self.check_finite("at the end of training")
+
+    def on_train_end(self) -> None:
+        self.check_finite("at the end of training")
+
+
+class _Unchecked:
+    """A step's microbatch losses and grad norm, copied to the host without waiting: read one step
+    later, when the device has long computed them (on CUDA an event marks the copy)."""
+
+    def __init__(self, step: int, losses: list[torch.Tensor], norm: torch.Tensor) -> None:
+        self.step, self.losses = step, len(losses)
+        values = torch.stack([v.to(norm).reshape(()) for v in losses] + [norm.detach()])
+        self.event = None
+        if values.device.type == "cuda":
+            self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.values.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.values = values
+
+    def check(self, where: str) -> None:
+        if self.event is not None:
+            self.event.synchronize()  # waits for this step's copy only, not for the work queued since
+        *losses, norm = self.values.tolist()
+        for value in losses:
+            if not math.isfinite(value):
+                raise FloatingPointError(f"non-finite training loss {value} at step {self.step}; stopping {where}")
+        if not math.isfinite(norm):
+            raise FloatingPointError(f"non-finite gradient norm {norm} at step {self.step}; stopping {where}")

@@ -41,11 +41,23 @@ def global_grad_norm(grads: list[torch.Tensor], pp_group: Optional[dist.ProcessG
 
 
 @torch.no_grad()
+def clip_grads_(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Multiply ``grads`` (in place) by min(max_norm / (norm + 1e-6), 1), computed on the device:
+    no host sync. In float64, then rounded to float32 as a Python float would be: the same bits
+    as the host computing it; a factor of exactly 1.0 leaves every gradient as it was."""
+    coefficient = (max_norm / (norm.double() + 1e-6)).clamp(max=1.0).float()
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g  # (the DTensor's own storage)
+        by_device.setdefault(local.device, []).append(local)
+    for device, tensors in by_device.items():
+        torch._foreach_mul_(tensors, coefficient.to(device, non_blocking=True))
+
+
+@torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float, pp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Scale the gradients so that their global norm is at most ``max_norm``; return the norm before."""
     grads = [p.grad for p in parameters if p.grad is not None]
     norm = global_grad_norm(grads, pp_group=pp_group)
-    coefficient = min(max_norm / (norm.item() + 1e-6), 1.0)
-    if coefficient < 1.0:
-        torch._foreach_mul_(grads, coefficient)
+    clip_grads_(grads, max_norm, norm)
     return norm

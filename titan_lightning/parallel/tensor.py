@@ -15,7 +15,8 @@ stands for a layer index). This file knows *how* each style is sharded:
                          states) of an attention or feed-forward module before its colwise
                          projections; the other inputs (RoPE tables, masks) pass through
     output               the LM head, colwise over the vocab; the logits come back whole,
-                         or stay a vocab-sharded DTensor for loss parallelism
+                         or stay a vocab-sharded DTensor for loss parallelism; a head that
+                         computes the loss itself (chunked) returns it as a plain tensor
     replicate            replicated weights on the replicated (whole-sequence) input, with or
                          without sequence parallelism (e.g. MLA's low-rank projections and
                          their norms, inside the attention after the sequence all-gather)
@@ -152,11 +153,23 @@ def _moe_replicated(module: nn.Module, sp: bool, loss_parallel: bool) -> Paralle
 
 
 def _output(module: nn.Module, sp: bool, loss_parallel: bool) -> ParallelStyle:
-    return ColwiseParallel(
+    return OutputParallel(
         input_layouts=_activation(sp),
         output_layouts=Shard(-1) if loss_parallel else Replicate(),
         use_local_output=not loss_parallel,
     )
+
+
+class OutputParallel(ColwiseParallel):
+    """Colwise over the vocab for the LM head. A head that computes the loss itself from its
+    vocab shard (a chunked loss: the model's ``Head`` given labels) returns a plain tensor,
+    which passes through; logits are laid out as ``output_layouts`` says."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if not isinstance(outputs, DTensor):
+            return outputs
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
 class HeadShared(ParallelStyle):

@@ -166,6 +166,8 @@ CASES = [
      "training.seq_len=1048576 must be <= model.max_seq_len"),
     ("microbatch not whole sequences", [*D, "--job.training.seq_len", "1000"],
      "training.tokens_per_microbatch_per_dp_rank=2048 must be a multiple of training.seq_len=1000"),
+    ("loss_chunks not positive", [*D, "--job.training.loss_chunks", "0"],
+     "training.loss_chunks=0 must be a positive integer (chunks of the tokens), or None for the plain loss"),
     ("tokens_per_step not a multiple", [*D, "--job.training.tokens_per_step", "1000"],
      "training.tokens_per_step=1000 must be a multiple of"),
     # -- the config file -------------------------------------------------------------------------

@@ -114,24 +114,66 @@ def test_full_bf16_parameters():
     assert math.isfinite(record.losses[0])
 
 
-def test_non_finite_loss_stops_before_the_optimizer_step():
-    run = features.llama3_debugmodel()
+class Poison(L.Callback):
+    """NaN head weights at the start of step ``step`` (1-based); counts the steps started."""
 
-    class Poison(L.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if trainer.global_step == 1:
-                with torch.no_grad():
-                    pl_module.model.output.weight.fill_(float("nan"))
-                self.snapshot = {n: p.detach().clone() for n, p in pl_module.model.named_parameters()}
+    def __init__(self, step: int) -> None:
+        self.step, self.started = step, 0
 
-    poison = Poison()
-    run.trainer.update(max_steps=3, callbacks=[poison], accelerator="cpu", devices=1)
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.started += 1
+        if trainer.global_step + 1 == self.step:
+            with torch.no_grad():
+                pl_module.model.output.weight.fill_(float("nan"))
+
+
+def fit_poisoned(step: int, max_steps: int, **job_checkpoint):
+    run = features.llama3_small()
+    for name, value in job_checkpoint.items():
+        setattr(run.job.checkpoint, name, value)
+    poison = Poison(step)
+    run.trainer.update(max_steps=max_steps, callbacks=[poison], accelerator="cpu", devices=1,
+                       enable_checkpointing=bool(job_checkpoint))
     trainer = build_trainer(run)
-    with pytest.raises(FloatingPointError, match="non-finite training loss nan at step 2; stopping before the optimizer step"):
+    with pytest.raises(FloatingPointError) as error:
         trainer.fit(run.module, datamodule=run.datamodule)
-    for name, param in run.module.model.named_parameters():
-        assert torch.allclose(param, poison.snapshot[name], equal_nan=True, rtol=0, atol=0), name
-    assert trainer.global_step == 1
+    return str(error.value), poison, trainer
+
+
+def test_non_finite_loss_stops_the_run_one_step_later():
+    """Read without a host sync, step 2's NaN is seen at step 3's clipping: step 2's optimizer step
+    ran, step 3's did not, and step 4 never started."""
+    message, poison, trainer = fit_poisoned(step=2, max_steps=5)
+    assert message == "non-finite training loss nan at step 2; stopping before step 3's optimizer step"
+    assert poison.started == 3
+    assert trainer.global_step == 2
+
+
+def test_a_non_finite_last_step_is_caught_at_the_end_of_training():
+    message, _, trainer = fit_poisoned(step=2, max_steps=2)
+    assert message == "non-finite training loss nan at step 2; stopping at the end of training"
+    assert trainer.global_step == 2
+
+
+def test_no_checkpoint_is_saved_after_a_non_finite_step(tmp_path):
+    message, _, trainer = fit_poisoned(step=2, max_steps=5, interval=1)
+    assert message == "non-finite training loss nan at step 2; stopping before saving a checkpoint"
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["epoch=0-step=1.ckpt"]
+
+
+def test_clipping_scales_by_the_device_side_coefficient_exactly_as_the_host_did():
+    from titan_lightning.parallel.grad_norm import clip_grads_, global_grad_norm
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(7, 5, generator=g) * 3, torch.randn(11, generator=g)]
+    norm = global_grad_norm(grads)
+    host = min(1.0 / (norm.item() + 1e-6), 1.0)  # the previous implementation's Python float
+    expected = [t * host for t in grads]
+    clip_grads_(grads, 1.0, norm)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+    unclipped = [t.clone() for t in grads]
+    clip_grads_(grads, 100.0, global_grad_norm(grads))  # a factor of exactly 1.0
+    assert all(torch.equal(a, b) for a, b in zip(grads, unclipped))
 
 
 def test_trainer_arguments_owned_by_the_job_are_refused():

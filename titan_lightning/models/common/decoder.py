@@ -22,6 +22,7 @@ from torch import nn
 
 from titan_lightning.config.job import ModelArgs
 from titan_lightning.models.common.init import init_params
+from titan_lightning.models.common.loss import linear_cross_entropy
 from titan_lightning.models.common.masking import Documents, documents_for
 from titan_lightning.models.common.moe import MoE, reset_moe_buffers
 from titan_lightning.models.common.norms import RMSNorm
@@ -88,6 +89,21 @@ def _documents(documents: Optional[Documents]) -> dict:
     return {} if documents is None else {"documents": documents}
 
 
+class Head(nn.Linear):
+    """The output projection (no bias): logits; or, given ``labels``, their mean cross entropy
+    computed ``chunks`` token rows at a time, never holding the full logits
+    (models/common/loss.py). One call either way, so FSDP's and TP's hooks on the head run
+    once; pass ``labels`` by keyword (TP's input hook keeps only the first positional input)."""
+
+    def __init__(self, dim: int, vocab_size: int) -> None:
+        super().__init__(dim, vocab_size, bias=False)
+
+    def forward(self, h: torch.Tensor, labels: Optional[torch.Tensor] = None, chunks: int = 1) -> torch.Tensor:
+        if labels is None:
+            return super().forward(h)
+        return linear_cross_entropy(h, self.weight, labels, chunks=chunks)
+
+
 class Decoder(nn.Module):
     """A causal decoder; see the module docstring. Subclasses set ``args_class`` and implement
     ``build_block``, ``build_rope_cache``, ``tp_plan`` and ``count_parameters``."""
@@ -100,6 +116,9 @@ class Decoder(nn.Module):
     output_projections: ClassVar[tuple[str, ...]] = (
         "wo.weight", "w2.weight", "w3.weight", "experts.w2", "experts.w3", "router.gate.weight"
     )
+    # True: forward stops after the final norm and the loss applies the head chunk by chunk
+    # (``Head`` with labels; CausalLMModule sets it from ``training.loss_chunks``).
+    head_in_loss: bool = False
     # Decoder classes by args class: CausalLMModule builds the one its job's args ask for.
     registry: ClassVar[dict[type, type["Decoder"]]] = {}
 
@@ -115,7 +134,7 @@ class Decoder(nn.Module):
         self.register_buffer("rope_cache", self.build_rope_cache(), persistent=False)
         self.layers = nn.ModuleDict({str(i): self.build_block(i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Head(args.dim, args.vocab_size)
 
     def build_block(self, layer_id: int) -> nn.Module:
         raise NotImplementedError(f"{type(self).__name__} must implement build_block(layer_id)")
@@ -143,18 +162,20 @@ class Decoder(nn.Module):
         return matmul, args.n_layers * args.n_heads * 2 * args.head_dim
 
     def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """tokens [B, S] -> logits [B, S, vocab_size], in the dtype of the parameters.
-        ``position_ids`` [B, S] (each token's position in its document) serve ``args.mask`` /
-        ``args.positions`` (models/common/masking.py); the defaults do not read them. A pipeline
-        stage before the last (no ``output``) then hands them on with its hidden states."""
+        """tokens [B, S] -> logits [B, S, vocab_size], in the dtype of the parameters; with
+        ``head_in_loss``, the final norm's hidden states [B, S, dim] instead (the loss then calls
+        ``output(h, labels=...)``). ``position_ids`` [B, S] (each token's position in its document)
+        serve ``args.mask`` / ``args.positions`` (models/common/masking.py); the defaults do not read
+        them. A pipeline stage before the last (no ``output``) then hands them on with its hidden
+        states."""
         documents = documents_for(self.args, position_ids, tokens)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, **_documents(documents))
         h = self.norm(h) if self.norm is not None else h
-        if self.output is not None:
-            return self.output(h)
-        return h if documents is None else (h, position_ids)
+        if self.output is None:
+            return h if documents is None else (h, position_ids)
+        return h if self.head_in_loss else self.output(h)
 
     def init_weights(self, seed: int) -> None:
         """Draw every parameter from (seed, its name), as in torchtitan; zero the MoE buffers;
