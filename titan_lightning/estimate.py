@@ -401,7 +401,7 @@ class _TrainingStep:
 
     def __call__(self, batch: dict) -> None:
         with self.context():
-            loss = self.module.loss_fn(self.module(batch["input_ids"]), batch["labels"])
+            loss = self.module.loss_fn(self.module.loss_input(batch["input_ids"]), batch["labels"])
             loss.backward()
         del loss
         self.memory = _optimizer_step(self.module, self.optimizer, self.live)

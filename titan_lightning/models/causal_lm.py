@@ -108,9 +108,17 @@ class CausalLMModule(L.LightningModule):
     pipeline_plan: PipelinePlan = PipelinePlan()
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Logits, or with ``training.loss_chunks`` the final norm's hidden states (``loss_fn``
-        applies the head); ``position_ids`` (document boundaries) reach the model only when
-        ``model.mask`` / ``model.positions`` use them."""
+        """Logits; ``position_ids`` (document boundaries) reach the model only when ``model.mask`` /
+        ``model.positions`` use them."""
+        out = self.loss_input(input_ids, position_ids)
+        if getattr(self.model, "head_in_loss", False):
+            with self._autocast(input_ids.device.type):
+                return self.model.output(out)
+        return out
+
+    def loss_input(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """What ``loss_fn`` takes: the logits, or with ``training.loss_chunks`` the final norm's
+        hidden states (the loss applies the head, chunk by chunk)."""
         m = self.job.model
         extra = (position_ids,) if (m.mask, m.positions) != ("causal", "global") else ()
         with self._autocast(input_ids.device.type):
@@ -168,7 +176,7 @@ class CausalLMModule(L.LightningModule):
     # -- steps ---------------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.loss_fn(self(batch["input_ids"], batch.get("position_ids")), batch["labels"])
+        loss = self.loss_fn(self.loss_input(batch["input_ids"], batch.get("position_ids")), batch["labels"])
         value = _local(loss).detach()
         # Checked for finiteness with the grad norm, one step later (configure_gradient_clipping): a
         # check here would synchronize with the device between forward and backward on every step.
@@ -177,7 +185,7 @@ class CausalLMModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss = _local(self.loss_fn(self(batch["input_ids"], batch.get("position_ids")), batch["labels"]))
+        loss = _local(self.loss_fn(self.loss_input(batch["input_ids"], batch.get("position_ids")), batch["labels"]))
         self.val_loss.update(loss, weight=(batch["labels"] != IGNORE_INDEX).sum())
 
     def on_validation_epoch_end(self) -> None:

@@ -106,7 +106,7 @@ def test_the_module_with_loss_chunks_trains_as_the_plain_one():
         tokens = torch.randint(0, run.job.model.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
         losses = []
         for _ in range(2):
-            loss = module.loss_fn(module(tokens), tokens)
+            loss = module.loss_fn(module.loss_input(tokens), tokens)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -142,3 +142,19 @@ def test_a_model_whose_loss_cannot_apply_the_head_is_refused():
     module.build_model = lambda: torch.nn.Linear(2, 2)
     with pytest.raises(ConfigError, match="training.loss_chunks=2 needs a model whose loss applies its head"):
         module.configure_model()
+
+
+def test_the_module_still_returns_logits_with_loss_chunks():
+    """Only the loss takes hidden states: ``module(tokens)`` gives the logits either way."""
+    logits = {}
+    for chunks in (None, 3):
+        run = features.llama3_small()
+        run.job.training.loss_chunks = chunks
+        module = run.module
+        module.model = module.build_model().to_empty(device="cpu")
+        module.model.init_weights(0)
+        tokens = torch.randint(0, run.job.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            logits[chunks] = module(tokens)
+    assert logits[3].shape == (2, 16, run.job.model.vocab_size)
+    torch.testing.assert_close(logits[3], logits[None], rtol=0, atol=0)

@@ -120,7 +120,7 @@ def measured_peak(run) -> int:
     tokens = torch.randint(0, run.job.model.vocab_size, (t.microbatch_size, t.seq_len))
 
     def step():
-        loss = module.loss_fn(module(tokens), tokens)
+        loss = module.loss_fn(module.loss_input(tokens), tokens)
         loss.backward()
         del loss
         optimizer.step()
