@@ -14,7 +14,7 @@ from titan_lightning.models.common import moe as moe_module
 from titan_lightning.models.common.moe import MoE, MoEArgs, count_tokens, pad_groups
 from titan_lightning.testing.host_sync import HostSyncError, forbid_host_sync
 
-pytestmark = pytest.mark.skipif(not moe_module._cpu_grouped_mm(), reason="this torch has no CPU grouped GEMM")
+pytestmark = pytest.mark.skipif(not moe_module.CPU_GROUPED_MM, reason="this torch has no CPU grouped GEMM")
 
 E, DIM, HIDDEN = 8, 32, 16
 # A weight gradient sums a few dozen tokens' products, each carrying such a last-bit difference:
@@ -141,6 +141,19 @@ def test_the_grouped_moe_layer_never_reads_a_device_value_on_the_host(layer):
         out = moe(x)
         out.sum().backward()
     assert moe.tokens_per_expert.sum() == 2 * 24 * moe.args.top_k
+
+
+def test_the_grouped_moe_layer_compiles_as_one_graph_with_static_shapes():
+    """No graph break, no data-dependent shape: what compiling the MoE layer needs (bf16: torch's
+    grouped GEMM meta function takes bf16 only)."""
+    moe = _moe(use_grouped_mm=True, token_group_align=8, **LAYERS["deepseek_v3"]).to(torch.bfloat16)
+    moe.reset_buffers()
+    x = torch.randn(2, 16, DIM, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3))
+    compiled = torch.compile(moe, backend="aot_eager", fullgraph=True, dynamic=False)
+    out = compiled(x.requires_grad_())
+    out.float().sum().backward()
+    assert torch.equal(out, moe(x.detach()))
+    assert x.grad is not None and moe.experts.w1.grad is not None
 
 
 def test_the_host_sync_guard_catches_the_loops_read_of_the_counts():

@@ -34,7 +34,6 @@ its per-expert token counts to ``tokens_per_expert``; after each optimizer step
 ``load_balance_coeff`` toward the experts that got fewer tokens than the mean.
 """
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -237,16 +236,21 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
     at once round a few last bits unlike the loop's per-expert ones)."""
     if grouped_mm_available(x):
         return True
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and _cpu_grouped_mm()
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and CPU_GROUPED_MM
 
 
-@functools.cache
-def _cpu_grouped_mm() -> bool:
+def _probe_cpu_grouped_mm() -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
     try:
         torch._grouped_mm(torch.zeros(2, 4), torch.zeros(1, 4, 4), offs=torch.tensor([2], dtype=torch.int32))
     except (RuntimeError, NotImplementedError):
         return False
     return True
+
+
+# Probed once at import: compiled code reads a constant instead of tracing the probe.
+CPU_GROUPED_MM = _probe_cpu_grouped_mm()
 
 
 def default_token_group_align(x: torch.Tensor) -> int:
