@@ -23,7 +23,8 @@ Two ways to size the token all-to-alls (``parallelism.ep_dispatch``):
   worst case (all of its N = tokens * top_k pairs for that rank's experts), its tokens first
   and zero rows after; the receiver orders the rows by (local expert, source rank) with an
   ``argsort`` of device-side keys, the empty slots last (they join the last expert's group as
-  zero rows: zero outputs, no gradient). Every shape is static. The cost is ``ep`` times the
+  zero rows: zero outputs, no gradient). Every shape is static; every rank of the group must
+  route as many tokens (equal microbatches, as in every layout here). The cost is ``ep`` times the
   traffic and the receive buffer: ``ep * N * dim`` elements per layer instead of about N *
   dim, e.g. 8 x 8192 tokens x top-8 x 2048 x 2 bytes = 2 GiB at ep 8 for Qwen 3 30B-A3B's
   shape, which is why it is not the default. The result equals ``splits``' (same rows, same

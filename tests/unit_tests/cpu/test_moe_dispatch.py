@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from test_moe import _moe  # 8 experts, top-3, hidden 16, dim 32, seeded weights
 from titan_lightning.models.common import moe as moe_module
 from titan_lightning.models.common.moe import MoE, MoEArgs, count_tokens, pad_groups
 from titan_lightning.testing.host_sync import HostSyncError, forbid_host_sync
@@ -84,17 +85,6 @@ def test_pad_groups_places_each_expert_on_a_multiple_of_the_alignment():
     assert layout.ends.tolist() == [4, 4, 15] and layout.ends.dtype == torch.int32  # the last takes the rest
     plain = pad_groups(torch.tensor([2, 0, 3]), rows=5, align=1)
     assert plain.source is None and plain.position is None and plain.ends.tolist() == [2, 2, 5]
-
-
-def _moe(**fields) -> MoE:
-    args = MoEArgs(**{"num_experts": E, "top_k": 3, "hidden_dim": HIDDEN, **fields})
-    moe = MoE(DIM, args)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    moe.reset_buffers()
-    return moe
 
 
 def _train_step(moe: MoE, favour: int = None):
