@@ -80,6 +80,14 @@ WORKLOADS: dict[str, Workload] = {
     # Qwen 3 30B-A3B's layers (128 experts, top 8, grouped GEMM), fewer of them.
     "qwen3_30b_a3b_shape": Workload(recipe="recipes.qwen3:qwen3_30b_a3b", layers=4, seq_len=4096,
                                     contenders=("titan", "bare", "lightning", "hf")),
+    # DeepSeek V3 16B-shaped layers (DeepSeek-V2-Lite's sizes: dim 2048, MLA kv rank 512, 64 routed
+    # experts of 1408 + 2 shared, top 6) with V3's routing: sigmoid scores normalized over the top
+    # k, picked from the 4 best of 8 expert groups; the dense first layer and 3 MoE layers.
+    "deepseek_v3_16b_shape": Workload(recipe="recipes.deepseek_v3:deepseek_v3_16b", layers=4, seq_len=4096,
+                                      contenders=("titan", "bare", "lightning", "hf"),
+                                      overrides=("--job.model.moe.score_func", "sigmoid", "--job.model.moe.route_norm",
+                                                 "true", "--job.model.moe.num_groups", "8",
+                                                 "--job.model.moe.top_k_groups", "4")),
     # The MoE harness on CPU: Qwen 3 MoE debug model, eager.
     "debug_moe": Workload(recipe="recipes.qwen3:debugmodel_moe", seq_len=128, compile=False,
                           contenders=("titan", "bare", "lightning", "hf")),
@@ -376,13 +384,22 @@ def run_lightning(w: Workload, device: str, steps: int, warmup: int) -> dict[str
 
 
 def hf_model(job, device):
-    """transformers' model of the job's shape (untied embeddings, as ours), fp32 weights."""
+    """transformers' model of the job's shape (untied embeddings, as ours), fp32 weights: Llama,
+    Qwen 3 MoE, or DeepSeek V3 (the config.json our export writes)."""
     import inspect
 
     import torch
     import transformers
 
     a = job.model
+    if hasattr(a, "kv_lora_rank"):  # DeepSeek V3 (MLA): the config an export writes
+        from titan_lightning.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+
+        fields = {k: v for k, v in DeepSeekV3StateDictAdapter.hf_config(a).items()
+                  if k not in ("architectures", "model_type")}
+        fields.update(tie_word_embeddings=False, attn_implementation="sdpa")
+        with torch.device(device):
+            return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**fields))
     common = dict(vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.ffn_hidden_dim,
                   num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads,
                   max_position_embeddings=max(job.training.seq_len, getattr(a, "max_seq_len", 0)),

@@ -316,7 +316,7 @@ def balanced_counts(pairs: int, num_experts: int) -> list[int]:
     return [q + (e < r) for e in range(num_experts)]
 
 
-@torch._dynamo.disable  # a graph break, as bincount's data-dependent shape makes in a real run
+@torch._dynamo.disable  # a graph break, as the loop's host read of the counts makes in a real run
 def _real_counts(counts: list[int]) -> torch.Tensor:
     """Counts as a real (not fake) int64 tensor: ``.tolist()`` reads them on the host."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -325,17 +325,16 @@ def _real_counts(counts: list[int]) -> torch.Tensor:
         return torch.tensor(counts, dtype=torch.int64)
 
 
-_bincount = torch.bincount
-
-
 @torch._dynamo.disable
-def _balanced_bincount(input: torch.Tensor, weights=None, minlength: int = 0) -> torch.Tensor:
-    """``torch.bincount`` of a fake tensor (the router's expert ids): balanced counts."""
+def _balanced_count_tokens(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """moe.count_tokens of a fake tensor (the router's expert ids): balanced counts."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    if not isinstance(_local(input), FakeTensor) or weights is not None or minlength < 1:
-        return _bincount(input, weights, minlength)
-    return _real_counts(balanced_counts(input.numel(), minlength))
+    from titan_lightning.models.common import moe
+
+    if not isinstance(_local(experts), FakeTensor):
+        return moe.count_tokens(experts, num_experts)
+    return _real_counts(balanced_counts(experts.numel(), num_experts))
 
 
 def _grouped_mm_on_gpu(x: torch.Tensor) -> bool:
@@ -368,7 +367,7 @@ def _value_free_model():
     from titan_lightning.parallel import context, expert
 
     with ExitStack() as patches:
-        for owner, name, value in ((torch, "bincount", _balanced_bincount),
+        for owner, name, value in ((moe, "count_tokens", _balanced_count_tokens),
                                    (moe, "grouped_mm_available", _grouped_mm_on_gpu),
                                    (expert.ExpertParallel, "splits", _balanced_splits),
                                    (context, "causal_lower_right", _no_mask)):

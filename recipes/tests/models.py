@@ -58,6 +58,15 @@ def deepseek_v3_fsdp2_ep2() -> Run:
     return on_layout(deepseek_v3_debugmodel(), dp_shard=2, ep=2)
 
 
+def deepseek_v3_fsdp2_ep2_padded() -> Run:
+    """EP2 with no host read on the token path: padded all-to-all blocks, and the grouped GEMM
+    (torch's CPU kernel) over expert groups padded to 8 rows."""
+    run = on_layout(deepseek_v3_debugmodel(), dp_shard=2, ep=2)
+    run.job.parallelism.ep_dispatch = "padded"
+    run.job.model.moe.use_grouped_mm, run.job.model.moe.token_group_align = True, 8
+    return run
+
+
 def deepseek_v3_fsdp4_ep4() -> Run:
     return on_layout(deepseek_v3_debugmodel(), dp_shard=4, ep=4)
 

@@ -25,6 +25,8 @@ ENTRIES = [
     _entry("qwen3_moe_fsdp2_tp2_cp2_ep8", "Qwen 3 MoE: FSDP2 x TP2 x CP2 dense, EP8 experts", 8,
            "qwen3_moe_debugmodel"),
     _entry("deepseek_v3_fsdp2_ep2", "DeepSeek V3: FSDP2, experts over EP2", 2, "deepseek_v3_debugmodel", golden=True),
+    _entry("deepseek_v3_fsdp2_ep2_padded", "DeepSeek V3: FSDP2, EP2 without host reads (padded all-to-all, "
+           "grouped GEMM over 8-row groups)", 2, "deepseek_v3_debugmodel"),
     _entry("deepseek_v3_tp2_ep2", "DeepSeek V3: TP2 (MLA heads) x EP2", 2, "deepseek_v3_debugmodel"),
     _entry("deepseek_v3_fsdp2_tp2", "DeepSeek V3: FSDP2 x TP2, tensor-parallel experts (ep=1)", 4,
            "deepseek_v3_debugmodel"),

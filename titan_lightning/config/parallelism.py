@@ -16,6 +16,9 @@ LOOPED_PP_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", 
 V_PP_SCHEDULES = ("ZBVZeroBubble",)
 CP_LOAD_BALANCERS = ("headtail", "ptrr")
 FSDP_RESHARD_POLICIES = ("default", "always", "never")
+# How expert parallelism sizes its token all-to-alls (parallel/expert.py): exact splits read on
+# the host once per MoE layer, or fixed worst-case blocks with no host read (ep x the traffic).
+EP_DISPATCHES = ("splits", "padded")
 
 
 @dataclass(kw_only=True)
@@ -45,6 +48,9 @@ class ParallelismConfig:
     cp: int = 1
     cp_load_balancer: Optional[str] = "headtail"
     ep: int = 1
+    # "splits": exact sizes, one host read per MoE layer; "padded": no host read, every rank
+    # sends every rank a worst-case block (ep times the traffic and receive memory).
+    ep_dispatch: str = "splits"
     # FSDP: free the unsharded parameters after forward ("default": every block but the
     # last, whose backward runs first), always, or never (more memory, less communication).
     fsdp_reshard_after_forward: str = "default"
@@ -73,6 +79,8 @@ class ParallelismConfig:
                 f"parallelism.fsdp_reshard_after_forward={self.fsdp_reshard_after_forward!r} is not one of "
                 f"{', '.join(FSDP_RESHARD_POLICIES)}"
             )
+        if self.ep_dispatch not in EP_DISPATCHES:
+            raise ValueError(f"parallelism.ep_dispatch={self.ep_dispatch!r} is not one of {', '.join(EP_DISPATCHES)}")
         if self.cp_load_balancer is not None and self.cp_load_balancer not in CP_LOAD_BALANCERS:
             raise ValueError(
                 f"parallelism.cp_load_balancer={self.cp_load_balancer!r} is not one of "

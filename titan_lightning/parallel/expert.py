@@ -14,6 +14,22 @@ Both token all-to-alls are autograd functions whose backward is the reverse exch
 gradients reach the tokens' own ranks and each expert's weights get the gradient of
 exactly the tokens routed to it, from every rank.
 
+Two ways to size the token all-to-alls (``parallelism.ep_dispatch``):
+
+- ``splits`` (the default): the exact split sizes, read on the host after the counts'
+  all-to-all: one host synchronization per MoE layer (forward; the backward reuses them),
+  and each rank sends and receives only its real tokens.
+- ``padded``: no host read. Every rank sends every rank a block of ``capacity`` rows, the
+  worst case (all of its N = tokens * top_k pairs for that rank's experts), its tokens first
+  and zero rows after; the receiver orders the rows by (local expert, source rank) with an
+  ``argsort`` of device-side keys, the empty slots last (they join the last expert's group as
+  zero rows: zero outputs, no gradient). Every shape is static; every rank of the group must
+  route as many tokens (equal microbatches, as in every layout here). The cost is ``ep`` times the
+  traffic and the receive buffer: ``ep * N * dim`` elements per layer instead of about N *
+  dim, e.g. 8 x 8192 tokens x top-8 x 2048 x 2 bytes = 2 GiB at ep 8 for Qwen 3 30B-A3B's
+  shape, which is why it is not the default. The result equals ``splits``' (same rows, same
+  order into the experts; the grouped GEMM's last group gains zero rows).
+
 With tensor parallelism and ep = 1 the experts are tensor-parallel instead (``ExpertTensorParallel``):
 each TP rank holds a slice of every expert's hidden dim, gathers the routed tokens of the TP
 group (under sequence parallelism each rank routes its own), computes its partial outputs
@@ -32,20 +48,25 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from titan_lightning.config import ConfigError
+from titan_lightning.config.parallelism import EP_DISPATCHES
 from titan_lightning.parallel.collectives import (all_gather, all_gather_autograd, all_to_all, all_to_all_autograd,
                                                   reduce_scatter_autograd)
 
 
 @dataclass
 class ExpertParallel:
-    """The ep group of one rank; ``run`` is what GroupedExperts calls under EP."""
+    """The ep group of one rank; ``run`` is what GroupedExperts calls under EP. ``dispatch``:
+    one of ``EP_DISPATCHES`` (the module docstring)."""
 
     group: dist.ProcessGroup
     rank: int
     size: int
+    dispatch: str = "splits"
 
     def run(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` [N, dim] sorted by global expert, ``counts`` [E] -> the experts' outputs, same order."""
+        if self.dispatch == "padded":
+            return self.run_padded(experts, x, counts)
         input_splits, matrix, local_counts = self.splits(counts)
         output_splits = [sum(row) for row in matrix]
         tokens = all_to_all_autograd(x, self.group, output_splits, input_splits)
@@ -62,6 +83,31 @@ class ExpertParallel:
         n_local = counts.numel() // self.size
         received = all_to_all(counts.to(torch.int64), self.group).view(self.size, n_local)
         return counts.view(self.size, n_local).sum(dim=1).tolist(), received.tolist(), received.sum(dim=0)
+
+
+    def run_padded(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``run`` with static sizes and no host read: fixed blocks of N rows to every rank."""
+        rows, n_local = x.shape[0], counts.numel() // self.size
+        capacity = rows  # worst case: all of this rank's pairs go to one rank's experts
+        sent = counts.view(self.size, n_local).sum(dim=1)  # rows for each rank
+        sent_starts = torch.cumsum(sent, dim=0) - sent
+        slot = torch.arange(capacity, device=x.device)
+        # block j, slot r: my sorted row sent_starts[j] + r, or the zero row (index rows) past sent[j]
+        source = torch.where(slot < sent[:, None], sent_starts[:, None] + slot, rows)
+        padded = torch.cat([x, x.new_zeros(1, x.shape[-1])])[source.flatten()]
+        received = all_to_all(counts.to(torch.int64), self.group).view(self.size, n_local)
+        tokens = all_to_all_autograd(padded, self.group)  # [size * capacity, dim], block j from rank j
+        # The local expert of block j's slot r (n_local: an empty slot), then (expert, rank, slot) order.
+        expert = torch.searchsorted(torch.cumsum(received, dim=1), slot.expand(self.size, capacity).contiguous(),
+                                    right=True)
+        order = torch.argsort((expert * (self.size * capacity)
+                               + torch.arange(self.size * capacity, device=x.device).view(self.size, capacity)).flatten())
+        out = experts.compute(tokens[order], received.sum(dim=0))
+        back = all_to_all_autograd(torch.empty_like(out).index_copy_(0, order, out), self.group)
+        # My sorted row i came back in block j (its expert's rank), slot i - sent_starts[j].
+        row = torch.arange(rows, device=x.device)
+        rank = torch.searchsorted(torch.cumsum(sent, dim=0), row, right=True)
+        return back[rank * capacity + row - sent_starts[rank]]
 
 
 def _expert_major_order(matrix: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -89,8 +135,9 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if getattr(m, "moe_layer", False)]
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh) -> ExpertParallel:
-    """Shard every MoE layer's routed experts over ``ep_mesh`` (dim 0) and route through it."""
+def apply_expert_parallel(model: nn.Module, ep_mesh, dispatch: str = "splits") -> ExpertParallel:
+    """Shard every MoE layer's routed experts over ``ep_mesh`` (dim 0) and route through it,
+    the tokens' all-to-alls sized as ``dispatch`` says (``EP_DISPATCHES``)."""
     modules = grouped_experts(model)
     size = ep_mesh.size()
     if not modules:
@@ -100,7 +147,9 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> ExpertParallel:
             raise ConfigError(
                 f"parallelism.ep={size} must divide the number of experts ({module.num_experts})"
             )
-    context = ExpertParallel(group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank(), size=size)
+    if dispatch not in EP_DISPATCHES:
+        raise ConfigError(f"parallelism.ep_dispatch={dispatch!r} is not one of {', '.join(EP_DISPATCHES)}")
+    context = ExpertParallel(group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank(), size=size, dispatch=dispatch)
     for module in modules:
         for name, param in list(module.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)

@@ -70,7 +70,7 @@ def parallelize(
     if dims.cp_enabled:
         result.cp = apply_context_parallel(model, mesh.get("cp"), p.cp_load_balancer)
     if dims.ep_enabled:
-        apply_expert_parallel(model, mesh.get("ep"))
+        apply_expert_parallel(model, mesh.get("ep"), p.ep_dispatch)
     elif dims.tp_enabled and grouped_experts(model):
         apply_expert_tensor_parallel(model, mesh.get("tp"))
     blocks = model_blocks(model) if blocks is None else blocks

@@ -240,17 +240,19 @@ def test_moe_estimate_matches_the_measured_peak_of_real_tensors():
 
 
 def test_a_model_the_estimator_cannot_run_fails_with_one_line(monkeypatch, capsys):
-    """Without the balanced-routing patch the router's bincount has no shape under fake tensors."""
+    """Without the balanced-routing patch the per-expert loop reads counts fake tensors do not have."""
     from titan_lightning import estimate as estimate_module
 
-    monkeypatch.setattr(estimate_module, "_balanced_bincount", torch.bincount)
+    from titan_lightning.models.common import moe
+
+    monkeypatch.setattr(estimate_module, "_balanced_count_tokens", moe.count_tokens)
     argv = ["estimate", "--recipe", "recipes.qwen3:debugmodel_moe", "--world_size", "1",
             "--job.model.n_layers", "1", "--job.training.seq_len", "64",
             "--job.training.tokens_per_microbatch_per_dp_rank", "64"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert "the estimator cannot model Transformer: aten.bincount" in err
+    assert "the estimator cannot model Transformer: aten._local_scalar_dense" in err
 
 
 # -- context parallelism ---------------------------------------------------------------------

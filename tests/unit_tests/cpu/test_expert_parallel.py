@@ -16,22 +16,28 @@ def test_expert_major_order_regroups_rank_major_rows():
     assert order.tolist() == [0, 1, 3, 2, 4, 5]  # e0: r0 rows 0-1, r1 row 3; e1: r0 row 2, r1 rows 4-5
 
 
+@pytest.mark.parametrize("dispatch", ["splits", "padded"])
 @pytest.mark.parametrize("ep, fields", [(2, {}), (4, {}), (2, dict(top_k=3, score_before_experts=True)),
                                         (4, dict(score_func="sigmoid", route_norm=True, num_shared_experts=0))])
-def test_ep_output_and_gradients_equal_the_unsharded_moe(ep, fields):
-    for rank, errors in enumerate(run_threaded(ep_matches_one_process, ep, **fields)):
+def test_ep_output_and_gradients_equal_the_unsharded_moe(ep, fields, dispatch):
+    for rank, errors in enumerate(run_threaded(ep_matches_one_process, ep, dispatch=dispatch, **fields)):
         assert errors["local_experts"] == 8 // ep
         for name in ("out", "dx", "gate", "w1"):
             assert errors[name] < 1e-12, f"rank {rank}: {name} differs by {errors[name]:.2e}"
 
 
-def test_dispatch_then_combine_is_the_identity_for_uneven_counts():
+@pytest.mark.parametrize("dispatch", ["splits", "padded"])
+def test_dispatch_then_combine_is_the_identity_for_uneven_counts(dispatch):
     from ep_cases import round_trip
 
-    results = run_threaded(round_trip, 3)
+    results = run_threaded(round_trip, 3, dispatch=dispatch)
     assert all(r["equal"] for r in results)
-    # rank 1 holds experts 2, 3 and gets (r + 1) * (e % 3) tokens for each from every rank r
-    assert results[1]["received"] == (sum((r + 1) * (2 + 0) for r in range(3)), [6 * 2, 0])
+    if dispatch == "splits":
+        # rank 1 holds experts 2, 3 and gets (r + 1) * (e % 3) tokens for each from every rank r
+        assert results[1]["received"] == (sum((r + 1) * (2 + 0) for r in range(3)), [6 * 2, 0])
+    else:
+        # rank 1 holds experts 2, 3 and gets 3 * ((e + r) % 3) tokens for each from every rank r
+        assert results[1]["received"] == (18, [3 * (2 + 0 + 1), 3 * (0 + 1 + 2)])
 
 
 def test_expert_parallel_strategy_spreads_experts_over_every_rank_and_checks_before_spawn():

@@ -6,7 +6,8 @@ and auxiliary-loss-free load balancing.
               picked on scores + expert_bias (the bias steers selection only); with expert
               groups, only from the token's top_k_groups best groups (DeepSeek V3)
     experts:  the T * top_k (token, expert) pairs sorted by expert, one SwiGLU per expert
-              (``torch._grouped_mm`` on GPUs that have it, an exact per-expert loop elsewhere)
+              (``torch._grouped_mm`` where torch has it for the device and dtype, each expert's
+              rows padded to ``token_group_align``; an exact per-expert loop elsewhere)
     combine:  each token's top_k outputs weighted by their scores and summed, in a fixed
               order (no atomic adds: deterministic), plus the shared experts' output
 
@@ -16,6 +17,16 @@ slice is a Hugging Face per-expert ``Linear.weight``). Expert parallelism sets
 counts over all experts and exchanges them with the ranks that hold those experts.
 Expert tensor parallelism (tp > 1, ep = 1) sets ``MoE.etp``: the experts' hidden dim is
 split over the TP ranks, which gather each other's routed tokens (parallel/expert.py).
+
+No host synchronization on the token path (one device, grouped GEMM): the counts come from a
+one-hot sum (``torch.bincount`` reads the largest id on the host to size its output on CUDA),
+the sort is an ``argsort``, and the padded layout (``pad_groups``) is built from the counts
+with ``cumsum``/``searchsorted`` into static sizes: N rows sorted by expert become
+N + E * (align - 1) rows, each expert's group a multiple of ``align`` rows, so neither the
+grouped GEMM's offsets nor any shape depends on a value read back from the device (the layer
+is compile-friendly on GPUs; torch's grouped GEMM meta function accepts bf16 only). The
+per-expert loop reads the counts on the host; it stays as the reference and for dtypes the
+grouped GEMM lacks (float64; float32 on CUDA).
 
 Load balancing (DeepSeek V3's auxiliary-loss-free method): every training forward adds
 its per-expert token counts to ``tokens_per_expert``; after each optimizer step
@@ -66,6 +77,16 @@ class MoEArgs:
     # top_k experts from its top_k_groups best groups only. 1 / 1: no groups.
     num_groups: int = 1
     top_k_groups: int = 1
+    # The routed experts' kernel: torch's grouped GEMM (True), the per-expert loop (False), or
+    # None: the grouped GEMM where it is fast (bf16 on Hopper-class GPUs), the loop elsewhere (on
+    # CPU the loop's numerics are the committed goldens'). True also runs torch's CPU grouped GEMM
+    # (float32/bf16/float16); dtypes it lacks (float64; float32 on CUDA) take the loop.
+    use_grouped_mm: Optional[bool] = None
+    # Rows each expert's group is padded to a multiple of for the grouped GEMM (torchtitan's
+    # TOKEN_GROUP_ALIGN_SIZE_M). None: 16 bytes of the compute dtype on CUDA (8 rows of bf16),
+    # 1 (no padding) on CPU. Padding never changes the result; it costs up to
+    # num_experts * (align - 1) zero rows per layer.
+    token_group_align: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "hidden_dim", "num_groups", "top_k_groups"):
@@ -74,6 +95,13 @@ class MoEArgs:
                 raise ValueError(f"moe.{name}={value!r} must be a positive integer")
         if self.top_k > self.num_experts:
             raise ValueError(f"moe.top_k={self.top_k} must be <= moe.num_experts={self.num_experts}")
+        if self.token_group_align is not None and (not isinstance(self.token_group_align, int)
+                                                   or isinstance(self.token_group_align, bool)
+                                                   or self.token_group_align < 1):
+            raise ValueError(f"moe.token_group_align={self.token_group_align!r} must be a positive integer "
+                             "(e.g. 8, 16, 128), or None for the device's default")
+        if self.use_grouped_mm not in (None, True, False):
+            raise ValueError(f"moe.use_grouped_mm={self.use_grouped_mm!r} must be true, false or None (automatic)")
         if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
             raise ValueError(f"moe.num_shared_experts={self.num_shared_experts!r} must be an integer >= 0")
         if self.score_func not in SCORE_FUNCS:
@@ -122,8 +150,7 @@ class TokenChoiceTopKRouter(nn.Module):
         if self.route_norm:
             top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
         top_scores = top_scores * self.route_scale
-        counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
-        return top_scores, experts, counts
+        return top_scores, experts, count_tokens(experts, self.num_experts)
 
     def in_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """``choice`` [T, E] with -inf for every expert outside the token's ``top_k_groups`` best groups."""
@@ -134,10 +161,101 @@ class TokenChoiceTopKRouter(nn.Module):
         return groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
 
 
+def count_tokens(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many entries of ``experts`` name each expert: [num_experts] int64, on the device.
+
+    A sum of one-hot rows: sync-free, where ``torch.bincount`` reads the largest id on the host to
+    size its output on CUDA, and with no atomics (nothing for deterministic mode to refuse);
+    [N, E] booleans, a few MB for a rank's pairs."""
+    flat = experts.flatten()
+    return (flat[:, None] == torch.arange(num_experts, device=flat.device)).sum(dim=0)
+
+
+@dataclass(frozen=True)
+class PaddedGroups:
+    """Where ``pad_groups`` puts each row; every index lives on the device.
+
+    ``source`` [padded_rows]: the sorted row each padded row takes, or ``rows`` (a zero row
+    appended to the input) for padding; ``position`` [rows]: the padded row each sorted row
+    lands on; ``ends`` [E] int32: each group's end in the padded rows (the grouped GEMM's
+    ``offs``), the last one ``padded_rows``: every row is computed, none left undefined.
+    With ``align`` 1 the layout is the input's own: ``source`` and ``position`` are None."""
+
+    source: Optional[torch.Tensor]
+    position: Optional[torch.Tensor]
+    ends: torch.Tensor
+
+
+def padded_rows(rows: int, num_groups: int, align: int) -> int:
+    """The static size of ``pad_groups``' layout: each group adds at most ``align - 1`` rows."""
+    return rows + num_groups * (align - 1)
+
+
+def pad_groups(counts: torch.Tensor, rows: int, align: int) -> PaddedGroups:
+    """The grouped GEMM's layout of ``rows`` rows sorted into groups of ``counts`` [E] rows
+    (``sum(counts) <= rows``: the rows past it trail the last group), each group padded to a
+    multiple of ``align`` rows, in ``padded_rows(rows, E, align)`` rows.
+
+    Built from the counts on the device (``cumsum``, ``searchsorted``, ``where``): no value is
+    read on the host and every shape is static, on one device and under expert parallelism
+    alike. A padding row copies the zero row, so its output is zero and it adds nothing to any
+    gradient."""
+    num_groups, device = counts.numel(), counts.device
+    total = padded_rows(rows, num_groups, align)
+    counts = counts.to(torch.int64)
+    # The rows past sum(counts) (expert parallelism's empty slots) join the last group.
+    counts = torch.cat([counts[:-1], counts[-1:] + (rows - counts.sum())])
+    ends = torch.cumsum(counts, dim=0)
+    if align == 1:
+        return PaddedGroups(source=None, position=None, ends=ends.to(torch.int32))
+    starts = ends - counts
+    padded = (counts + align - 1) // align * align
+    padded_ends = torch.cumsum(padded, dim=0)
+    padded_starts = padded_ends - padded
+    row = torch.arange(rows, device=device)
+    group = torch.searchsorted(ends, row, right=True).clamp_(max=num_groups - 1)
+    position = padded_starts[group] + (row - starts[group])
+    slot = torch.arange(total, device=device)
+    group = torch.searchsorted(padded_ends, slot, right=True).clamp_(max=num_groups - 1)
+    within = slot - padded_starts[group]
+    source = torch.where(within < counts[group], starts[group] + within, rows)
+    # The last group also takes the padding at the end (zero rows), so every output is defined.
+    offsets = torch.cat([padded_ends[:-1], padded_ends.new_full((1,), total)]).to(torch.int32)
+    return PaddedGroups(source=source, position=position, ends=offsets)
+
+
 def grouped_mm_available(x: torch.Tensor) -> bool:
-    """``torch._grouped_mm`` runs bf16 on Hopper-class GPUs and newer."""
+    """``torch._grouped_mm`` runs bf16 on Hopper-class GPUs and newer (the automatic choice)."""
     return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` runs at all: on those GPUs, and in float32, bf16 and float16 on
+    CPUs where torch has its CPU kernel (``mm`` over the groups; elementwise ops over all groups
+    at once round a few last bits unlike the loop's per-expert ones)."""
+    if grouped_mm_available(x):
+        return True
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and CPU_GROUPED_MM
+
+
+def _probe_cpu_grouped_mm() -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        torch._grouped_mm(torch.zeros(2, 4), torch.zeros(1, 4, 4), offs=torch.tensor([2], dtype=torch.int32))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+# Probed once at import: compiled code reads a constant instead of tracing the probe.
+CPU_GROUPED_MM = _probe_cpu_grouped_mm()
+
+
+def default_token_group_align(x: torch.Tensor) -> int:
+    """16 bytes of rows' worth on CUDA (8 rows of bf16, torchtitan's default), no padding on CPU."""
+    return max(1, 16 // x.element_size()) if x.is_cuda else 1
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -158,13 +276,17 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class GroupedExperts(nn.Module):
-    """``num_experts`` SwiGLU experts in stacked weights; tokens arrive sorted by expert."""
+    """``num_experts`` SwiGLU experts in stacked weights; tokens arrive sorted by expert.
+
+    ``use_grouped_mm`` and ``token_group_align``: ``MoEArgs``' fields of those names."""
 
     routed_experts = True  # what expert parallelism shards (parallel/expert.py)
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, *, use_grouped_mm: Optional[bool] = None,
+                 token_group_align: Optional[int] = None):
         super().__init__()
         self.num_experts = num_experts
+        self.use_grouped_mm, self.token_group_align = use_grouped_mm, token_group_align
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -187,16 +309,26 @@ class GroupedExperts(nn.Module):
         return tuple(weights)
 
     def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The local experts on their tokens (``counts`` over the local experts).
+        """The local experts on their tokens: ``x`` [N, dim] sorted by local expert, ``counts``
+        over the local experts. ``sum(counts) <= N``: the rows past it (expert parallelism's
+        empty slots) must be zeros; their outputs are zeros.
 
-        Under autocast the experts compute in autocast's dtype, as its matmuls would: the
-        grouped GEMM is not on autocast's list, and fp32 inputs would send a bf16 run down
-        the per-expert loop (one host sync and 3 x experts small matmuls per layer)."""
+        The grouped GEMM as ``use_grouped_mm`` says (no host read: ``pad_groups``), else the
+        per-expert loop (reads ``counts`` on the host). Under autocast the experts compute
+        in autocast's dtype, as its matmuls would: the grouped GEMM is not on autocast's list,
+        and fp32 inputs would send a bf16 run down the loop."""
         x = x.to(_compute_dtype(x))
         w1, w2, w3 = self.weights(x.dtype)
-        if grouped_mm_available(x):
-            return _grouped_swiglu(x, counts, w1, w2, w3)
+        if self.grouped(x) and _fits_grouped_mm(x, w1):
+            align = self.token_group_align or default_token_group_align(x)
+            return _grouped_swiglu(x, counts, w1, w2, w3, align)
         return _looped_swiglu(x, counts, w1, w2, w3)
+
+    def grouped(self, x: torch.Tensor) -> bool:
+        """Whether tokens like ``x`` (in the compute dtype) take the grouped GEMM."""
+        if self.use_grouped_mm is None:
+            return grouped_mm_available(x)
+        return self.use_grouped_mm and grouped_mm_supported(x)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -206,21 +338,34 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _fits_grouped_mm(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    """The grouped GEMM wants every row stride a multiple of 16 bytes (dim and hidden_dim)."""
+    return all(n * x.element_size() % 16 == 0 for n in w1.shape[1:])
+
+
 def _looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
+    """The reference: one SwiGLU per expert on its slice of rows (``counts`` read on the host)."""
     # unbind, not w1[e]: indexing in the loop makes autograd build (and zero-fill) a gradient of the
     # whole stacked weight once per expert (on CPU 30 of 38 s of a debug MoE model's steps); the
     # gradients are the same, unbind's backward stacks them once.
-    outs = []
-    for part, a, b, c in zip(torch.split(x, counts.tolist(), dim=0), w1.unbind(0), w2.unbind(0), w3.unbind(0)):
-        outs.append((F.silu(part @ a.T) * (part @ c.T)) @ b.T)
+    sizes = counts.tolist()
+    tail = x.shape[0] - sum(sizes)
+    parts = torch.split(x, sizes + [tail] if tail else sizes, dim=0)
+    outs = [(F.silu(part @ a.T) * (part @ c.T)) @ b.T
+            for part, a, b, c in zip(parts, w1.unbind(0), w2.unbind(0), w3.unbind(0))]
+    if tail:
+        outs.append(x.new_zeros(tail, w2.shape[1]))
     return torch.cat(outs, dim=0) if outs else x.new_zeros(x.shape)
 
 
-def _grouped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
-    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets).type_as(x)
+def _grouped_swiglu(x, counts, w1, w2, w3, align: int = 1) -> torch.Tensor:
+    """Every expert's SwiGLU in three grouped GEMMs over ``pad_groups``' layout (no host read)."""
+    layout = pad_groups(counts, x.shape[0], align)
+    padded = x if layout.source is None else torch.cat([x, x.new_zeros(1, x.shape[-1])])[layout.source]
+    h = F.silu(torch._grouped_mm(padded, w1.transpose(-2, -1), offs=layout.ends))
+    h = h * torch._grouped_mm(padded, w3.transpose(-2, -1), offs=layout.ends)
+    out = torch._grouped_mm(h, w2.transpose(-2, -1), offs=layout.ends).type_as(x)
+    return out if layout.position is None else out[layout.position]
 
 
 class MoE(nn.Module):
@@ -233,7 +378,8 @@ class MoE(nn.Module):
         self.args = args
         self.router = TokenChoiceTopKRouter(dim, args.num_experts, args.top_k, args.score_func,
                                             args.route_norm, args.route_scale, args.num_groups, args.top_k_groups)
-        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts, use_grouped_mm=args.use_grouped_mm,
+                                      token_group_align=args.token_group_align)
         # Registered even when absent (a None slot), so plans naming it skip it instead of failing.
         self.register_module("shared_experts", FeedForward(dim, args.hidden_dim * args.num_shared_experts)
                              if args.num_shared_experts else None)
@@ -272,7 +418,7 @@ class MoE(nn.Module):
               counts: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Each token through its top-k experts, weighted by its scores: [T, dim] -> [T, dim]."""
         if counts is None:
-            counts = torch.bincount(experts.flatten(), minlength=self.args.num_experts)
+            counts = count_tokens(experts, self.args.num_experts)
         k = scores.shape[-1]
         order = torch.argsort(experts.flatten(), stable=True)  # (token, slot) pairs sorted by expert
         routed = tokens[order // k]
