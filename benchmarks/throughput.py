@@ -259,7 +259,7 @@ def _build_model(run, device):
         apply_activation_checkpointing(blocks, job.activation_checkpoint.mode, job.activation_checkpoint.selective_ac_option)
     c = job.compile
     if c.enable and "model" in c.components:
-        compile_blocks(blocks, backend=c.backend, fullgraph=c.fullgraph)
+        compile_blocks(blocks, backend=c.backend, fullgraph=c.fullgraph, moe="moe" in c.components)
     if job.training.loss_chunks is not None:  # the model returns hidden states; its head takes the labels
         def loss_fn(h, labels):
             return model.output(h, labels=labels, chunks=job.training.loss_chunks)

@@ -2,14 +2,16 @@
 
 from dataclasses import dataclass, field
 
-COMPONENTS = ("model", "loss")
+COMPONENTS = ("model", "loss", "moe")
 
 
 @dataclass(kw_only=True)
 class CompileConfig:
     enable: bool = False
     # "model": each transformer block's forward, compiled on its own (after TP/CP/EP and
-    # activation checkpointing, before FSDP); "loss": the cross-entropy.
+    # activation checkpointing, before FSDP), its MoE layer left eager; "loss": the cross-entropy;
+    # "moe": with "model", the MoE layers inside the blocks too (their token path has no host
+    # read on one device or with parallelism.ep_dispatch='padded'; not under TP).
     components: list[str] = field(default_factory=lambda: ["model", "loss"])
     # A torch.compile backend: "inductor" (kernels; GPU), "aot_eager" (traced graphs without
     # code generation: the CPU tests use it to check composition quickly), ...

@@ -9,7 +9,10 @@ Two cases compile the block's children instead (norms, attention, feed-forward),
 own: tensor parallelism (compiling a whole block whose children carry TP's sequence-parallel
 input/output hooks fails, or silently gives wrong gradients, in torch 2.13; each child alone,
 its own hooks left outside, is exact) and MoE layers (data-dependent token counts: the MoE
-child stays eager, the rest of the block is compiled).
+child stays eager, the rest of the block is compiled). With ``moe`` a block with an MoE layer
+is compiled whole (not under ``per_child``): its token path is static-shaped where nothing reads
+the token counts on the host (the grouped GEMM on one device, or padded EP); where something
+still does (the per-expert loop of the CPU), that is a graph break, not an error.
 """
 
 from typing import Callable, Iterable
@@ -21,13 +24,16 @@ from titan_lightning.parallel.expert import moe_layers
 
 
 def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor", fullgraph: bool = True,
-                   per_child: bool = False) -> int:
+                   per_child: bool = False, moe: bool = False) -> int:
     """Compile each block's forward in place (or, with ``per_child`` or an MoE layer inside,
-    each of its non-MoE children's); returns how many forwards were compiled."""
+    each of its non-MoE children's; with ``moe``, a block with an MoE layer whole); returns how
+    many forwards were compiled."""
     count = 0
     for block in blocks:
-        if not (per_child or moe_layers(block)):
-            block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph)
+        has_moe = bool(moe_layers(block))
+        if not per_child and (moe or not has_moe):
+            whole = fullgraph and not has_moe
+            block.forward = torch.compile(block.forward, backend=backend, fullgraph=whole)
             block.compiled = backend
             count += 1
             continue

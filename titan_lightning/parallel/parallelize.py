@@ -78,7 +78,8 @@ def parallelize(
     if ac.mode != "none":
         apply_activation_checkpointing(blocks, ac.mode, ac.selective_ac_option)
     if compile.enable and "model" in compile.components:
-        compile_blocks(blocks, backend=compile.backend, fullgraph=compile.fullgraph, per_child=dims.tp_enabled)
+        compile_blocks(blocks, backend=compile.backend, fullgraph=compile.fullgraph, per_child=dims.tp_enabled,
+                       moe="moe" in compile.components)
     if not fsdp:
         return result
     if dims.fsdp_enabled:

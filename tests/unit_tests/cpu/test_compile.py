@@ -32,3 +32,26 @@ def test_children_under_tp_and_moe_stays_eager():
     block = moe.layers["0"]
     assert not hasattr(block, "compiled") and not hasattr(block.moe, "compiled")
     assert block.attention.compiled == "aot_eager"
+
+
+def test_moe_blocks_compile_whole_with_the_moe_component_and_match_eager():
+    """compile.components 'moe': a block with an MoE layer is compiled whole; on the grouped GEMM
+    path (no host read of the token counts; bf16, the dtype torch's grouped GEMM takes when
+    traced) it gives the eager block's output."""
+    import dataclasses
+
+    from titan_lightning.models.common.decoder import decoder_class
+
+    run = qwen3.debugmodel_moe()
+    args = run.job.model
+    args = dataclasses.replace(args, n_layers=1, moe=dataclasses.replace(args.moe, use_grouped_mm=True))
+    torch.manual_seed(0)
+    eager = decoder_class(type(args))(args)
+    eager.init_weights(seed=0)
+    eager.bfloat16()
+    compiled = decoder_class(type(args))(args).bfloat16()
+    compiled.load_state_dict(eager.state_dict())
+    assert compile_blocks(compiled.layers.values(), backend="aot_eager", moe=True) == 1
+    assert compiled.layers["0"].compiled == "aot_eager"
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(compiled(tokens), eager(tokens), rtol=0, atol=0)
