@@ -35,6 +35,7 @@ def validate_job(job: JobConfig, *, world_size: int, max_steps: Optional[int] = 
         validate_schedule(job, max_steps)
     if device_type is not None:
         validate_attention_kernel(job, device_type)
+        validate_float8_device(job, device_type, fake_pg=fake_pg)
 
 
 def validate_degrees(p: ParallelismConfig, world_size: int, *, fake_pg: bool = False) -> None:
@@ -287,8 +288,13 @@ def validate_float8(job: JobConfig) -> None:
 def validate_float8_device(job: JobConfig, device_type: str, capability: Optional[tuple[int, int]] = None, *,
                            fake_pg: bool = False) -> None:
     """Float8 linears on the run's device: float8 kernels on a GPU of compute ``capability`` 8.9 or
-    newer, compiled (inductor fuses torchao's casts); anywhere else only torchao's emulation."""
+    newer (default: the current CUDA device's), compiled (inductor fuses torchao's casts); anywhere
+    else only torchao's emulation."""
     f8, compile = job.quantize.float8, job.compile
+    if f8.enable and not f8.emulate and device_type == "cuda" and capability is None:
+        import torch
+
+        capability = torch.cuda.get_device_capability()
     if not f8.enable or f8.emulate:
         if f8.enable and device_type == "cpu" and f8.enable_fsdp_float8_all_gather and not fake_pg:
             raise ConfigError(
