@@ -172,6 +172,16 @@ def test_a_gpu_needs_sm89_and_compile_and_elsewhere_only_emulation_runs():
     validate_float8_device(gathering, "cpu", fake_pg=True)  # the fake group moves no data
 
 
+def test_the_estimator_runs_a_float8_job_as_high_precision_and_leaves_the_job_as_it_was():
+    from titan_lightning.estimate import estimate
+
+    plain = estimate(features.llama3_small(), world_size=2)
+    run = features.llama3_small()
+    run.job.quantize.float8 = Float8Config(enable=True)  # as a GPU recipe holds it: no emulation
+    assert estimate(run, world_size=2) == plain
+    assert run.job.quantize.float8.enable
+
+
 # -- training ----------------------------------------------------------------------------------
 
 
@@ -213,6 +223,17 @@ def test_float8_training_follows_the_bf16_loss_curve(recipe, bf16_losses):
 def one_process_float8():
     """The small Llama 3, float8, 5 steps on one process (fp32 weights and compute)."""
     return fit(float8_cases.llama3_small_float8(), 5)
+
+
+def test_float8_under_selective_checkpointing_and_compile_trains_as_eager(one_process_float8):
+    """The GPU's composition (float8, then per-op AC, then compiled blocks), traced without inductor."""
+    run = float8_cases.llama3_small_float8()
+    run.job.compile.enable, run.job.compile.backend = True, "aot_eager"
+    run.job.activation_checkpoint.mode = "selective"
+    record = fit(run, 5)
+    assert all(getattr(block, "compiled", None) == "aot_eager" for block in run.module.model.layers.values())
+    assert record.losses == one_process_float8.losses
+    assert record.grad_norms == one_process_float8.grad_norms
 
 
 @pytest.mark.multi_process
