@@ -712,8 +712,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--profile-steps={args.profile_steps} must be >= 0")
     unknown = [wl for wl in args.workload.split(",") if wl not in WORKLOADS]
     if unknown or (args.contender and "," in args.workload):
-        parser.error(f"--workload={args.workload!r}: {'unknown ' + ', '.join(unknown) if unknown else 'one per contender'}"
-                     f"; valid: {', '.join(sorted(WORKLOADS))}")
+        problem = "unknown " + ", ".join(unknown) if unknown else "one per contender"
+        parser.error(f"--workload={args.workload!r}: {problem}; valid: {', '.join(sorted(WORKLOADS))}")
     if args.contender:
         use_sdpa_backend(args.sdpa)
         w = _workload(args.workload, args.layers, args.ac, args.profile_steps)

@@ -44,11 +44,11 @@ Assumed, where a real run depends on values fake tensors do not have:
 
 Not modeled: float8 (``quantize.float8``): the linears are estimated without it (torchao keeps
 the high-precision weights and saves the high-precision inputs for the backward, as a plain
-linear does; its float8 copies are temporaries); the CUDA kernels themselves (ops run as the CPU kernels; SDPA's CPU flash
-kernel saves the same output and logsumexp as the CUDA flash kernel, other kernels'
-workspaces are not seen), temporaries inside DTensor ops (TP/CP redistributions; their
-outputs are counted), allocator rounding and fragmentation, CUDA context and NCCL buffers
-(none of which ``max_memory_allocated`` counts either).
+linear does; its float8 copies are temporaries); the CUDA kernels themselves (ops run as the
+CPU kernels; SDPA's CPU flash kernel saves the same output and logsumexp as the CUDA flash
+kernel, other kernels' workspaces are not seen), temporaries inside DTensor ops (TP/CP
+redistributions; their outputs are counted), allocator rounding and fragmentation, CUDA
+context and NCCL buffers (none of which ``max_memory_allocated`` counts either).
 
 Pipeline parallelism (with FSDP/HSDP/DDP; with TP, CP or EP it is refused): torch's schedules
 cannot run under the fake process group, so the rank's stage modules run as the schedule

@@ -36,7 +36,8 @@ def good():
 
 D = ["fit", "--recipe", "recipes.llama3:debugmodel"]
 MOE = ["fit", "--recipe", "recipes.qwen3:debugmodel_moe"]
-F8 = [*D, "--trainer.accelerator", "cpu", "--job.quantize.float8.enable", "true", "--job.quantize.float8.emulate", "true"]
+F8 = [*D, "--trainer.accelerator", "cpu", "--job.quantize.float8.enable", "true",
+      "--job.quantize.float8.emulate", "true"]
 
 
 def _files(root: Path) -> None:
