@@ -13,8 +13,6 @@ torchao is imported only here and only when float8 is on (the ``float8`` extra).
 import dataclasses
 from typing import Callable
 
-import torch
-import torch._inductor.config
 from torch import nn
 
 from titan_lightning.config.quantize import Float8Config
@@ -65,8 +63,10 @@ def convert_to_float8(model: nn.Module, config: Float8Config) -> list[str]:
         raise ValueError(f"float8 converts the linears inside a model, not a bare {type(model).__name__}")
     convert_to_float8_training(model, module_filter_fn=keep, config=torchao_config(config))
     if config.recipe == "rowwise":
-        # Inductor otherwise rounds the rowwise casts differently from eager (pytorch/pytorch#150859),
-        # as torchtitan sets it.
+        import torch._inductor.config
+
+        # Inductor otherwise rounds the rowwise casts differently from eager (pytorch/pytorch#150859);
+        # torchtitan sets it too.
         torch._inductor.config.emulate_precision_casts = True
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return sorted(converted, key=order.__getitem__)
