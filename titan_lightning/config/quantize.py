@@ -16,8 +16,8 @@ class Float8Config:
     # torchao's scaling: "tensorwise" (one scale per tensor; fastest) or "rowwise" (one per row;
     # closer to bf16, power-of-two scales).
     recipe: str = "tensorwise"
-    # torchao's emulation: float8 casts and matmuls done in high precision, no float8 kernels.
-    # What runs on a CPU (the tests) or a GPU older than SM89; never fast.
+    # torchao's emulation: operands rounded to float8 with the recipe's scales, matmuls in high
+    # precision, no float8 kernels. What runs on a CPU (the tests) or a GPU older than SM89; never fast.
     emulate: bool = False
     # FSDP all-gathers the weights already cast to float8 (half of bf16's bytes); tensorwise only.
     enable_fsdp_float8_all_gather: bool = False
