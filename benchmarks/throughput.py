@@ -4,6 +4,8 @@
     python -m benchmarks.throughput --workload llama3_8b_shape --layers 8
     python -m benchmarks.throughput --workload llama3_8b_shape --contenders titan,bare --sdpa cudnn   # a kernel experiment
     python -m benchmarks.throughput --workload debug --device cpu --steps 3 --warmup 2   # the harness
+    python -m benchmarks.throughput --contenders titan,bare \
+        --workload llama3_8b_shape,llama3_8b_shape_float8_tensorwise,llama3_8b_shape_float8_rowwise  # bf16 and float8
 
 Every contender trains the same model shape on the same tokens (the shipped corpus through
 ``TextDataModule``), bf16 mixed precision with fp32 master weights, fused AdamW, clipping at
@@ -19,6 +21,11 @@ Every contender trains the same model shape on the same tokens (the shipped corp
     hf           Hugging Face transformers' LlamaForCausalLM (SDPA) in a plain loop with
                  autocast, the way many users train today (no compile, no AC)
     torchtitan   torchtitan's released trainer (benchmarks/contenders/torchtitan_run.py)
+
+A ``*_float8_<recipe>`` workload turns on ``quantize.float8`` (torchao, needs the ``float8``
+extra and an SM89+ GPU): titan, bare and lightning convert the same linears (``_build_model``).
+Several workloads, comma-separated, share one table (rows "contender (workload)", "vs bare"
+against the first workload's bare loop).
 
 Each contender runs in its own process; ``--rounds`` repeats the set in alternating order
 (A B C, C B A, ...) so that drift of the machine falls on all of them alike. Step time is
@@ -61,6 +68,16 @@ class Workload:
     contenders: tuple[str, ...] = CONTENDERS
 
 
+def float8_overrides(recipe: str, emulate: bool = False) -> tuple[str, ...]:
+    """``quantize.float8`` with torchao's ``recipe`` (``emulate``: no float8 kernels, a CPU's way)."""
+    return ("--job.quantize.float8.enable", "true", "--job.quantize.float8.recipe", recipe,
+            "--job.quantize.float8.emulate", str(emulate).lower())
+
+
+# What converts the same linears as titan: our model through our parallelize calls (HF's model
+# and torchtitan's runner would need their own float8 setup).
+FLOAT8_CONTENDERS = ("titan", "bare", "lightning")
+
 WORKLOADS: dict[str, Workload] = {
     "llama3_1b": Workload(recipe="recipes.llama3:llama3_1b"),
     # Document masking (models/common/masking.py) on the shipped corpus's packed documents.
@@ -77,9 +94,20 @@ WORKLOADS: dict[str, Workload] = {
     "llama3_8b_shape_chunked_loss": Workload(recipe="recipes.llama3:llama3_8b", layers=8,
                                              overrides=("--job.training.loss_chunks", "16"),
                                              contenders=("titan", "bare", "lightning")),
+    # The same with float8 linears (torchao; titan and the bare loop convert the same ones, the
+    # head stays bf16). On one GPU next to bf16:
+    #   --workload llama3_8b_shape,llama3_8b_shape_float8_tensorwise,llama3_8b_shape_float8_rowwise
+    **{f"{name}_float8_{recipe}": Workload(recipe=f"recipes.llama3:{flavor}", layers=layers,
+                                           overrides=float8_overrides(recipe), contenders=FLOAT8_CONTENDERS)
+       for name, flavor, layers in (("llama3_1b", "llama3_1b", None), ("llama3_8b_shape", "llama3_8b", 8))
+       for recipe in ("tensorwise", "rowwise")},
     # Qwen 3 30B-A3B's layers (128 experts, top 8, grouped GEMM), fewer of them.
     "qwen3_30b_a3b_shape": Workload(recipe="recipes.qwen3:qwen3_30b_a3b", layers=4, seq_len=4096,
                                     contenders=("titan", "bare", "lightning", "hf")),
+    # The same with the MoE layers compiled inside their blocks (compile.components 'moe').
+    "qwen3_30b_a3b_shape_compiled_moe": Workload(recipe="recipes.qwen3:qwen3_30b_a3b", layers=4, seq_len=4096,
+                                                 overrides=("--job.compile.components", "[model,loss,moe]"),
+                                                 contenders=("titan", "bare")),
     # DeepSeek V3 16B-shaped layers (DeepSeek-V2-Lite's sizes: dim 2048, MLA kv rank 512, 64 routed
     # experts of 1408 + 2 shared, top 6) with V3's routing: sigmoid scores normalized over the top
     # k, picked from the 4 best of 8 expert groups; the dense first layer and 3 MoE layers.
@@ -98,6 +126,10 @@ WORKLOADS: dict[str, Workload] = {
                          overrides=("--job.model.dim", "64", "--job.model.n_layers", "1", "--job.model.n_heads", "2",
                                     "--job.model.n_kv_heads", "1")),
 }
+# The float8 path of the harness on CPU (torchao's emulation): titan and bare must agree.
+WORKLOADS["overhead_float8"] = dataclasses.replace(
+    WORKLOADS["overhead"], overrides=WORKLOADS["overhead"].overrides + float8_overrides("tensorwise", emulate=True),
+    contenders=FLOAT8_CONTENDERS)
 
 
 # -- what a contender trains ---------------------------------------------------------------
@@ -242,18 +274,22 @@ def run_titan(w: Workload, device: str, steps: int, warmup: int) -> dict[str, An
 
 
 def _build_model(run, device):
-    """The module's model on the meta device, AC and compile applied per block (TitanStrategy's
-    calls, in its order), then materialized with the recipe's init; and the loss function."""
+    """The module's model on the meta device, float8 (``quantize.float8``), AC and compile applied
+    per block (TitanStrategy's calls, in its order), then materialized with the recipe's init; and
+    the loss function."""
     import torch
 
     from titan_lightning.models.causal_lm import cross_entropy_loss
     from titan_lightning.parallel.activation_checkpoint import apply_activation_checkpointing
     from titan_lightning.parallel.compile import compile_blocks, compile_loss
+    from titan_lightning.parallel.float8 import convert_to_float8
     from titan_lightning.parallel.fsdp import model_blocks
 
     job = run.job
     with torch.device("meta"):
         model = run.module.build_model()
+    if job.quantize.float8.enable:
+        convert_to_float8(model, job.quantize.float8)
     blocks = model_blocks(model)
     if job.activation_checkpoint.mode != "none":
         apply_activation_checkpointing(blocks, job.activation_checkpoint.mode, job.activation_checkpoint.selective_ac_option)
@@ -516,8 +552,8 @@ def _workload(name: str, layers: Optional[int], ac: Optional[str] = None, profil
 
 
 def run_contender_process(name: str, workload: str, args, folder: Path, round_index: int) -> dict[str, Any]:
-    result = folder / f"{name}_round{round_index}.json"
-    log = folder / f"{name}_round{round_index}.log"
+    stem = f"{name}_round{round_index}" if workload == args.workload else f"{name}_{workload}_round{round_index}"
+    result, log = folder / f"{stem}.json", folder / f"{stem}.log"
     command, env = _contender_command(name, workload, args, result)
     start = time.perf_counter()
     with open(log, "w") as out:
@@ -640,29 +676,42 @@ def device_peak(device: str) -> Optional[float]:
 
 
 def orchestrate(args) -> int:
+    """Every contender of every workload of ``args.workload`` (comma-separated: rows side by side,
+    e.g. bf16 and float8), ``args.rounds`` times in alternating order; prints the table."""
     names = [n for n in args.contenders.split(",") if n]
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown:
         print(f"--contenders: unknown {', '.join(unknown)}; valid: {', '.join(CONTENDERS)}", file=sys.stderr)
         return 2
-    folder = Path(args.out or tempfile.mkdtemp(prefix=f"throughput_{args.workload}_"))
+    workloads = args.workload.split(",")
+    # (workload, contender) pairs; a workload's own list says who can run it (float8: ours only).
+    pairs = [(wl, n) for wl in workloads for n in names if n in _workload(wl, args.layers, args.ac).contenders]
+    for wl in workloads:
+        skipped = [n for n in names if (wl, n) not in pairs]
+        if skipped:
+            print(f"[{wl}] not run by {', '.join(skipped)} (not contenders of this workload)", flush=True)
+    folder = Path(args.out or tempfile.mkdtemp(prefix=f"throughput_{workloads[0]}_"))
     folder.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    row = (lambda wl, n: n) if len(workloads) == 1 else (lambda wl, n: f"{n} ({wl})")
+    runs: dict[str, list[dict[str, Any]]] = {row(wl, n): [] for wl, n in pairs}
     for r in range(args.rounds):
-        order = names if r % 2 == 0 else names[::-1]
-        for name in order:
-            data = run_contender_process(name, args.workload, args, folder, r)
-            runs[name].append(data)
+        for wl, name in (pairs if r % 2 == 0 else pairs[::-1]):
+            data = run_contender_process(name, wl, args, folder, r)
+            runs[row(wl, name)].append(data)
             status = data.get("error") or f"{len(data['step_times'])} steps, median {statistics.median(data['step_times']):.3f} s"
-            print(f"[round {r}] {name}: {status} ({data['wall_s']:.0f} s)", flush=True)
+            print(f"[round {r}] {row(wl, name)}: {status} ({data['wall_s']:.0f} s)", flush=True)
     peak = device_peak(args.device)
-    rows = {n: summarize(runs[n], peak) for n in names}
-    w = _workload(args.workload, args.layers, args.ac)
-    header = (f"workload {args.workload} ({w.recipe}, seq {w.seq_len}, batch 1, layers {w.layers or 'all'}, "
-              f"compile {w.compile}, AC {w.ac}), {args.steps} steps x {args.rounds} rounds after {args.warmup} warmup"
+    rows = {key: summarize(value, peak) for key, value in runs.items()}
+    headers = []
+    for wl in workloads:
+        w = _workload(wl, args.layers, args.ac)
+        headers.append(f"workload {wl} ({w.recipe}, seq {w.seq_len}, batch 1, layers {w.layers or 'all'}, "
+                       f"compile {w.compile}, AC {w.ac}{', ' + ' '.join(w.overrides) if w.overrides else ''})")
+    header = ("\n".join(headers) + f"\n{args.steps} steps x {args.rounds} rounds after {args.warmup} warmup"
               + ("" if args.sdpa == "default" else f", SDPA {args.sdpa} only (torchtitan: default)"))
     env = environment(args.device)
-    print("\n" + header + "\n" + ", ".join(f"{k} {v}" for k, v in env.items()) + "\n\n" + table(rows))
+    print("\n" + header + "\n" + ", ".join(f"{k} {v}" for k, v in env.items()) + "\n\n"
+          + table(rows, reference=row(workloads[0], "bare")))
     (folder / "summary.json").write_text(json.dumps({"workload": args.workload, "header": header, "environment": env,
                                                     "rows": rows, "runs": runs}, indent=1))
     print(f"\nper-round results and logs: {folder}")
@@ -671,7 +720,8 @@ def orchestrate(args) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.throughput", description=__doc__.split("\n")[0])
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="llama3_1b")
+    parser.add_argument("--workload", default="llama3_1b",
+                        help=f"one of {', '.join(sorted(WORKLOADS))}, or several, comma-separated (rows side by side)")
     parser.add_argument("--layers", type=int, default=None, help="override the workload's layer count")
     parser.add_argument("--ac", choices=("none", "selective", "full"), default=None,
                         help="override the workload's activation checkpointing (every contender that has one)")
@@ -693,6 +743,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--warmup={args.warmup} and --steps={args.steps} must be >= 1")
     if args.profile_steps < 0:
         parser.error(f"--profile-steps={args.profile_steps} must be >= 0")
+    unknown = [wl for wl in args.workload.split(",") if wl not in WORKLOADS]
+    if unknown or (args.contender and "," in args.workload):
+        problem = "unknown " + ", ".join(unknown) if unknown else "one per contender"
+        parser.error(f"--workload={args.workload!r}: {problem}; valid: {', '.join(sorted(WORKLOADS))}")
     if args.contender:
         use_sdpa_backend(args.sdpa)
         w = _workload(args.workload, args.layers, args.ac, args.profile_steps)
@@ -700,7 +754,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         Path(args.result).write_text(json.dumps(data))
         return 0
     if args.contenders is None:
-        args.contenders = ",".join(_workload(args.workload, args.layers, args.ac).contenders)
+        args.contenders = ",".join(dict.fromkeys(n for wl in args.workload.split(",")
+                                                 for n in _workload(wl, args.layers, args.ac).contenders))
     return orchestrate(args)
 
 

@@ -43,11 +43,13 @@ Assumed, where a real run depends on values fake tensors do not have:
     its end without the ``causal_lower_right`` mask (a tensor subclass fake tensors refuse):
     the same shapes and the same saved output and logsumexp as SDPA's masked flash kernel.
 
-Not modeled: the CUDA kernels themselves (ops run as the CPU kernels; SDPA's CPU flash
-kernel saves the same output and logsumexp as the CUDA flash kernel, other kernels'
-workspaces are not seen), temporaries inside DTensor ops (TP/CP redistributions; their
-outputs are counted), allocator rounding and fragmentation, CUDA context and NCCL buffers
-(none of which ``max_memory_allocated`` counts either).
+Not modeled: float8 (``quantize.float8``): the linears are estimated without it (torchao keeps
+the high-precision weights and saves the high-precision inputs for the backward, as a plain
+linear does; its float8 copies are temporaries); the CUDA kernels themselves (ops run as the
+CPU kernels; SDPA's CPU flash kernel saves the same output and logsumexp as the CUDA flash
+kernel, other kernels' workspaces are not seen), temporaries inside DTensor ops (TP/CP
+redistributions; their outputs are counted), allocator rounding and fragmentation, CUDA
+context and NCCL buffers (none of which ``max_memory_allocated`` counts either).
 
 Pipeline parallelism (with FSDP/HSDP/DDP; with TP, CP or EP it is refused): torch's schedules
 cannot run under the fake process group, so the rank's stage modules run as the schedule
@@ -136,8 +138,9 @@ def estimate(run: Run, world_size: int, rank: int = 0) -> MemoryEstimate:
     validate_estimate(job, world_size, rank)
     if dist.is_initialized():
         raise RuntimeError("estimate() runs its own fake process group; a process group is already initialized")
-    backend = job.compile.backend
+    backend, float8 = job.compile.backend, job.quantize.float8.enable
     job.compile.backend = COMPILE_BACKEND
+    job.quantize.float8.enable = False  # (not modeled: see the module's docstring)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with _value_free_model():
@@ -148,7 +151,7 @@ def estimate(run: Run, world_size: int, rank: int = 0) -> MemoryEstimate:
             raise
         raise ConfigError(_unsupported(type(getattr(module, "model", module)).__name__, cause)) from None
     finally:
-        job.compile.backend = backend
+        job.compile.backend, job.quantize.float8.enable = backend, float8
         if dist.is_initialized():
             dist.destroy_process_group()
         release_dtensor_caches()

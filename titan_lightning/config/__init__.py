@@ -6,6 +6,7 @@ from titan_lightning.config.job import JobConfig, ModelArgs
 from titan_lightning.config.optimizer import LRScheduleConfig, OptimizerConfig
 from titan_lightning.config.parallelism import ParallelismConfig
 from titan_lightning.config.profiling import ProfilingConfig
+from titan_lightning.config.quantize import Float8Config, QuantizeConfig
 from titan_lightning.config.training import TrainingConfig
 from titan_lightning.config.validation import ConfigError, validate_job
 
@@ -16,12 +17,14 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DataSource",
+    "Float8Config",
     "JobConfig",
     "LRScheduleConfig",
     "ModelArgs",
     "OptimizerConfig",
     "ParallelismConfig",
     "ProfilingConfig",
+    "QuantizeConfig",
     "TrainingConfig",
     "validate_job",
 ]

@@ -9,6 +9,7 @@ from titan_lightning.config.data import DataConfig
 from titan_lightning.config.optimizer import LRScheduleConfig, OptimizerConfig
 from titan_lightning.config.parallelism import ParallelismConfig
 from titan_lightning.config.profiling import ProfilingConfig
+from titan_lightning.config.quantize import QuantizeConfig
 from titan_lightning.config.training import TrainingConfig
 
 # Attention implementations: kernels over the local sequence (models/common/masking.py) and
@@ -77,4 +78,5 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)

@@ -25,15 +25,17 @@ def validate_job(job: JobConfig, *, world_size: int, max_steps: Optional[int] = 
                  device_type: Optional[str] = None) -> None:
     # Recipes derive runs by assigning fields, which skips __post_init__: run it again.
     for section in (job.model, job.training, job.parallelism, job.optimizer, job.lr_schedule, job.data,
-                    job.activation_checkpoint, job.checkpoint, job.compile, job.profiling):
+                    job.activation_checkpoint, job.checkpoint, job.compile, job.quantize, job.profiling):
         section.__post_init__()
     validate_degrees(job.parallelism, world_size, fake_pg=fake_pg)
     validate_model_parallelism(job)
+    validate_float8(job)
     validate_batch(job, world_size)
     if max_steps is not None:
         validate_schedule(job, max_steps)
     if device_type is not None:
         validate_attention_kernel(job, device_type)
+        validate_float8_device(job, device_type, fake_pg=fake_pg)
 
 
 def validate_degrees(p: ParallelismConfig, world_size: int, *, fake_pg: bool = False) -> None:
@@ -280,6 +282,50 @@ def validate_attention_kernel(job: JobConfig, device_type: str) -> None:
     if kernel == "flex" and device_type == "cpu":
         raise ConfigError("model.attention='flex' cannot train on 'cpu': torch has no FlexAttention backward there; "
                           "use 'sdpa' (block_causal through a dense mask) or a GPU")
+
+
+def validate_float8(job: JobConfig) -> None:
+    """Float8 linears against the layout (the device's rules: ``validate_float8_device``)."""
+    f8, p = job.quantize.float8, job.parallelism
+    if f8.enable and p.tp > 1:
+        raise ConfigError(
+            f"quantize.float8.enable=True with parallelism.tp={p.tp} is not supported (torchao's float8 "
+            f"tensor-parallel styles are not wired in); use tp=1 (FSDP, CP, PP and EP compose with float8)"
+        )
+
+
+def validate_float8_device(job: JobConfig, device_type: str, capability: Optional[tuple[int, int]] = None, *,
+                           fake_pg: bool = False) -> None:
+    """Float8 linears on the run's device: float8 kernels on a GPU of compute ``capability`` 8.9 or
+    newer (default: the current CUDA device's), compiled (inductor fuses torchao's casts); anywhere
+    else only torchao's emulation."""
+    f8, compile = job.quantize.float8, job.compile
+    if f8.enable and not f8.emulate and device_type == "cuda" and capability is None:
+        import torch
+
+        capability = torch.cuda.get_device_capability()
+    if not f8.enable or f8.emulate:
+        if f8.enable and device_type == "cpu" and f8.enable_fsdp_float8_all_gather and not fake_pg:
+            raise ConfigError(
+                "quantize.float8.enable_fsdp_float8_all_gather=True cannot run on CPU: gloo has no float8 "
+                "all-gather (\"Invalid scalar type\"); set it False there (FSDP then all-gathers high precision)"
+            )
+        return
+    if device_type != "cuda":
+        raise ConfigError(
+            f"quantize.float8.enable=True on {device_type!r} needs quantize.float8.emulate=True: float8 kernels "
+            f"run on CUDA GPUs of compute capability 8.9 or newer only"
+        )
+    if capability is not None and tuple(capability) < (8, 9):
+        raise ConfigError(
+            f"quantize.float8.enable=True needs a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell), "
+            f"this one is {capability[0]}.{capability[1]}; turn float8 off (or quantize.float8.emulate=True to test)"
+        )
+    if not (compile.enable and "model" in compile.components):
+        raise ConfigError(
+            f"quantize.float8.enable=True on a GPU needs compile.enable=True with 'model' in compile.components "
+            f"(got enable={compile.enable}, components={compile.components}): eager float8 casts are slower than bf16"
+        )
 
 
 def validate_batch(job: JobConfig, world_size: int) -> None:

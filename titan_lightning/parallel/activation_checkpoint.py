@@ -25,10 +25,10 @@ from titan_lightning.config.activation_checkpoint import MODES
 
 def _saved_ops() -> set:
     aten = torch.ops.aten
-    names = ["mm.default", "addmm.default", "bmm.default", "_scaled_dot_product_efficient_attention.default",
-             "_scaled_dot_product_flash_attention.default", "_scaled_dot_product_cudnn_attention.default",
-             "_scaled_dot_product_flash_attention_for_cpu.default", "_efficient_attention_forward.default",
-             "_grouped_mm.default"]
+    names = ["mm.default", "addmm.default", "bmm.default", "_scaled_mm.default",  # (float8 matmuls: torchao)
+             "_scaled_dot_product_efficient_attention.default", "_scaled_dot_product_flash_attention.default",
+             "_scaled_dot_product_cudnn_attention.default", "_scaled_dot_product_flash_attention_for_cpu.default",
+             "_efficient_attention_forward.default", "_grouped_mm.default"]
     ops = set()
     for name in names:
         packet, _, overload = name.partition(".")

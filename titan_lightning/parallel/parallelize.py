@@ -1,12 +1,15 @@
 """The order in which a job's parallelisms are applied to a model, as one function.
 
-    PP split -> TP -> CP -> EP (or expert TP) -> activation checkpointing -> compile -> FSDP or DDP
+    float8 -> PP split -> TP -> CP -> EP (or expert TP) -> activation checkpointing -> compile -> FSDP or DDP
 
 torchtitan's order: TP first (it swaps parameters for DTensors and adds hooks the later steps
 wrap), activation checkpointing and compile wrap each block's forward, FSDP last (its
-per-block hooks stay outside the compiled and checkpointed code). Under PP the model is cut
-into stages first and each of this rank's stages is an FSDP root of its own, as the schedule
-expects. Nothing is materialized: a model built on the meta device stays there.
+per-block hooks stay outside the compiled and checkpointed code). Float8 (torchao) goes before
+all of them, as torchtitan converts the model right after building it: it swaps the linears
+themselves, so everything after wraps the float8 ones (and FSDP's float8 all-gather finds their
+weights). Under PP the model is then cut into stages and each of this rank's stages is an FSDP
+root of its own, as the schedule expects. Nothing is materialized: a model built on the meta
+device stays there.
 """
 
 from dataclasses import dataclass, field
@@ -20,6 +23,7 @@ from titan_lightning.parallel.activation_checkpoint import apply_activation_chec
 from titan_lightning.parallel.compile import compile_blocks
 from titan_lightning.parallel.context import ContextParallel, apply_context_parallel
 from titan_lightning.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel, grouped_experts
+from titan_lightning.parallel.float8 import convert_to_float8
 from titan_lightning.parallel.fsdp import apply_ddp, apply_fsdp, model_blocks
 from titan_lightning.parallel.mesh import Mesh
 from titan_lightning.parallel.pipeline import PipelinePlan, PipelineSplit, split_pipeline
@@ -34,6 +38,7 @@ class Parallelized:
     loss_parallel: bool = False  # the logits come out vocab-sharded: the loss runs in loss_parallel()
     pipeline: Optional[PipelineSplit] = None  # this rank's pipeline stages
     fsdp_roots: list[nn.Module] = field(default_factory=list)
+    float8: list[str] = field(default_factory=list)  # the linears now float8 (names within ``model``)
 
 
 def parallelize(
@@ -58,10 +63,13 @@ def parallelize(
     sharded itself, no data parallelism here; ``ddp=False``: replicas are left alone (under the
     fake process group DDP's all-reduce moves no data, and its reducer refuses fake futures).
     FSDP computes in ``job.training.mixed_precision_param``, reduces in ``mixed_precision_reduce``.
+    ``job.quantize.float8`` swaps ``model``'s linears for float8 ones before anything else.
     """
     dims, p = mesh.dims, job.parallelism
     model = module if model is None else model
     result = Parallelized()
+    if job.quantize.float8.enable:
+        result.float8 = convert_to_float8(model, job.quantize.float8)
     if dims.pp_enabled:
         result.pipeline = split_pipeline(module, pipeline_plan, p, mesh.rank_and_size("pp")[0])
     if dims.tp_enabled and tp_plan is not None:

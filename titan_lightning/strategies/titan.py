@@ -44,6 +44,7 @@ from titan_lightning.config.validation import (
     validate_tp_plan,
 )
 from titan_lightning.parallel.determinism import set_determinism
+from titan_lightning.parallel.float8 import precompute_float8_scales
 from titan_lightning.parallel.fsdp import find_repeated_blocks
 from titan_lightning.parallel.grad_norm import clip_grad_norm_
 from titan_lightning.parallel.heartbeat import Heartbeat, output_target
@@ -521,6 +522,16 @@ class TitanStrategy(ModelParallelStrategy):
         # Loss parallel needs its context around backward too, not only the loss.
         with self._loss_parallel():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        """The step, then what float8 does after it: with FSDP's float8 all-gather and
+        ``precompute_float8_dynamic_scale_for_fsdp``, every weight's scale in one all-reduce."""
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        f8 = self._job(self.lightning_module).quantize.float8
+        if self._applied.float8 and self._applied.fsdp_roots and f8.precompute_float8_dynamic_scale_for_fsdp:
+            for root in self._applied.fsdp_roots:
+                precompute_float8_scales(root)
+        return result
 
     # -- checkpoints -------------------------------------------------------------------------
 

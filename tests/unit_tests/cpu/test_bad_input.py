@@ -36,6 +36,8 @@ def good():
 
 D = ["fit", "--recipe", "recipes.llama3:debugmodel"]
 MOE = ["fit", "--recipe", "recipes.qwen3:debugmodel_moe"]
+F8 = [*D, "--trainer.accelerator", "cpu", "--job.quantize.float8.enable", "true",
+      "--job.quantize.float8.emulate", "true"]
 
 
 def _files(root: Path) -> None:
@@ -258,6 +260,18 @@ CASES = [
      "a save that did not finish leaves such a folder"),
     ("resume from a file", [*D, "--job.checkpoint.resume_from", "a_file.txt"], "is a file; TitanStrategy checkpoints are folders"),
     ("bad checkpoint interval", [*D, "--job.checkpoint.interval", "0"], "checkpoint.interval=0 must be an integer >= 1"),
+    # -- float8 (quantize.float8) ------------------------------------------------------------------
+    ("float8 unknown recipe", [*D, "--job.quantize.float8.recipe", "mxfp8"],
+     "quantize.float8.recipe='mxfp8' is not one of tensorwise, rowwise"),
+    ("float8 all-gather with rowwise", [*D, "--job.quantize.float8.recipe", "rowwise",
+                                        "--job.quantize.float8.enable_fsdp_float8_all_gather", "true"],
+     "quantize.float8.enable_fsdp_float8_all_gather=True needs recipe='tensorwise'"),
+    ("float8 on CPU without emulation", [*D, "--trainer.accelerator", "cpu", "--job.quantize.float8.enable", "true"],
+     "quantize.float8.enable=True on 'cpu' needs quantize.float8.emulate=True"),
+    ("float8 with tp", [*F8, "--trainer.devices", "2", "--job.parallelism.tp", "2", "--job.parallelism.dp_shard", "1"],
+     "quantize.float8.enable=True with parallelism.tp=2 is not supported"),
+    ("float8 all-gather on gloo", [*F8, "--job.quantize.float8.enable_fsdp_float8_all_gather", "true"],
+     "quantize.float8.enable_fsdp_float8_all_gather=True cannot run on CPU: gloo has no float8 all-gather"),
     # -- estimate ----------------------------------------------------------------------------------
     ("estimate without world size", ["estimate", "--recipe", "recipes.llama3:debugmodel"], "estimate needs --world_size N"),
     ("estimate bad world size", ["estimate", "--world_size", "0", "--recipe", "recipes.llama3:debugmodel"],

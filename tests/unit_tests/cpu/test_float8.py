@@ -1,0 +1,270 @@
+"""Float8 training through torchao (``quantize.float8``, parallel/float8.py): which linears
+convert, the rules a run must pass, and training in torchao's emulation (float8 casts around
+high-precision matmuls, what a CPU runs) against bf16: on one process, FSDP over 2 gloo ranks,
+and FSDP's float8 all-gather under the fake process group (gloo has no float8 all-gather).
+
+Tolerances: one layer within torchao's own test bounds (test/float8/test_base.py: output SQNR
+>= 18 dB, weight gradient >= 17 dB); a training curve within 0.5% of bf16's at every step
+(the issue's bar for 200 steps on a GPU is 1%; here 12 steps stay under 0.05%).
+"""
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import float8_cases  # (also what the ranks import, through PYTHONPATH)
+from recipes import qwen3
+from recipes.tests import features
+from titan_lightning.config import ConfigError, Float8Config, JobConfig, validate_job
+from titan_lightning.config.validation import validate_float8_device
+from titan_lightning.parallel.float8 import convert_to_float8, float8_filter
+from titan_lightning.recipe import RUN_DIR_ENV, build_trainer
+from titan_lightning.strategies import FakePGStrategy
+from titan_lightning.testing.launch import launch
+from titan_lightning.testing.record import RecordSteps
+
+pytest.importorskip("torchao", reason='quantize.float8 needs torchao: pip install -e ".[float8]"')
+
+HERE = Path(__file__).parent
+BLOCK_LINEARS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+@pytest.fixture(autouse=True)
+def run_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "run"))
+    yield
+    if dist.is_initialized():  # a failed fake-PG run may leave its group behind
+        dist.destroy_process_group()
+
+
+def emulated(**fields) -> Float8Config:
+    return Float8Config(enable=True, emulate=True, **fields)
+
+
+def meta_model(run) -> nn.Module:
+    with torch.device("meta"):
+        return run.module.build_model()
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+
+
+def sqnr_db(reference: torch.Tensor, other: torch.Tensor) -> float:
+    return (20 * torch.log10(reference.norm() / (reference - other).norm())).item()
+
+
+# -- one layer ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_float8_linear_stays_within_torchaos_sqnr_of_the_high_precision_one(recipe):
+    torch.manual_seed(0)
+    reference = nn.Linear(256, 512, bias=False)
+    model = nn.Sequential(copy.deepcopy(reference))
+    assert convert_to_float8(model, emulated(recipe=recipe, filter_fqns=[])) == ["0"]
+    assert type(model[0]).__name__ == "Float8Linear" and torch.equal(model[0].weight, reference.weight)
+    x, grad = torch.randn(64, 256), torch.randn(64, 512)
+    y_ref, y = reference(x), model(x)
+    y_ref.backward(grad)
+    y.backward(grad)
+    assert not torch.equal(y, y_ref)  # the operands went through float8
+    assert sqnr_db(y_ref, y) >= 18.0
+    assert sqnr_db(reference.weight.grad, model[0].weight.grad) >= 17.0
+
+
+# -- which linears convert ---------------------------------------------------------------------
+
+
+def test_every_block_linear_converts_and_the_head_stays_high_precision():
+    model = meta_model(features.llama3_debugmodel())
+    before = linear_names(model)
+    converted = convert_to_float8(model, emulated())
+    assert converted == [name for name in before if name != "output"]
+    assert len(converted) == 6 * len(BLOCK_LINEARS)
+    assert all(float8_cases.float8(model.get_submodule(name)) for name in converted)
+    assert type(model.output) is nn.Linear
+
+
+def test_the_filter_matches_whole_name_parts_and_skips_small_and_odd_dimensions():
+    f = float8_filter(emulated(filter_fqns=["output", "layers.1"], min_dim=64))
+    linear = nn.Linear(64, 128)
+    assert f(linear, "layers.0.attention.output_proj")  # "output" is a whole part, not a prefix
+    assert not f(linear, "output") and not f(linear, "model.output")
+    assert not f(linear, "layers.1.feed_forward.w1") and f(linear, "layers.10.feed_forward.w1")
+    assert not f(nn.Linear(32, 128), "w")  # 32 < min_dim
+    assert not f(nn.Linear(64 + 8, 128), "w") and not f(nn.Linear(64, 128 + 8), "w")  # not divisible by 16
+    assert not f(nn.Embedding(64, 64), "tok_embeddings")
+
+
+def test_moe_routed_experts_and_router_gates_stay_high_precision():
+    model = meta_model(qwen3.debugmodel_moe())
+    experts = {name: type(m) for name, m in model.named_modules() if getattr(m, "routed_experts", False)}
+    converted = convert_to_float8(model, emulated())
+    assert experts and {name: type(model.get_submodule(name)) for name in experts} == experts
+    assert not any(".experts" in name or "router" in name for name in converted)
+    assert {name.rsplit(".", 1)[-1] for name in converted} == {"wq", "wk", "wv", "wo"}
+    assert type(model.layers["0"].moe.router.gate) is nn.Linear
+    ungated = meta_model(qwen3.debugmodel_moe())  # the default filter is what keeps the gates
+    assert "layers.0.moe.router.gate" in convert_to_float8(ungated, emulated(filter_fqns=["output"]))
+
+
+# -- the rules (the CLI's one-line errors: test_bad_input.py) -----------------------------------
+
+
+def float8_job(**fields) -> JobConfig:
+    job = JobConfig()
+    job.quantize.float8 = Float8Config(enable=True, **fields)
+    return job
+
+
+def one_line_error(call, *args, **kwargs) -> str:
+    with pytest.raises((ConfigError, ValueError)) as err:
+        call(*args, **kwargs)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_torchao_missing_names_the_extra(monkeypatch):
+    import titan_lightning.config.quantize as quantize
+
+    monkeypatch.setattr(quantize, "find_spec", lambda name: None)
+    assert Float8Config(enable=False).enable is False  # off: torchao is not needed
+    message = one_line_error(Float8Config, enable=True)
+    assert "quantize.float8.enable=True needs torchao" in message and 'pip install -e ".[float8]"' in message
+
+
+def test_single_field_rules_name_the_field_the_value_and_what_is_valid():
+    assert "quantize.float8.recipe='mxfp8' is not one of tensorwise, rowwise" in one_line_error(
+        Float8Config, recipe="mxfp8")
+    assert "needs recipe='tensorwise'" in one_line_error(
+        Float8Config, recipe="rowwise", enable_fsdp_float8_all_gather=True)
+    assert "set quantize.float8.enable_fsdp_float8_all_gather=True too" in one_line_error(
+        Float8Config, precompute_float8_dynamic_scale_for_fsdp=True)
+    assert "quantize.float8.min_dim=-1 must be an integer >= 0" in one_line_error(Float8Config, min_dim=-1)
+
+
+def test_tensor_parallelism_is_refused():
+    job = float8_job(emulate=True)
+    job.parallelism.tp, job.parallelism.dp_shard = 2, 1
+    assert "quantize.float8.enable=True with parallelism.tp=2 is not supported" in one_line_error(
+        validate_job, job, world_size=2)
+
+
+def test_a_gpu_needs_sm89_and_compile_and_elsewhere_only_emulation_runs():
+    job = float8_job()
+    assert "compute capability 8.9 or newer" in one_line_error(validate_float8_device, job, "cuda", (8, 0))
+    assert "needs compile.enable=True" in one_line_error(validate_float8_device, job, "cuda", (9, 0))
+    job.compile.enable = True
+    validate_float8_device(job, "cuda", (9, 0))
+    validate_float8_device(job, "cuda", (8, 9))
+    assert "on 'cpu' needs quantize.float8.emulate=True" in one_line_error(validate_float8_device, job, "cpu")
+    emulating = float8_job(emulate=True)
+    for device, capability in (("cuda", (8, 0)), ("cpu", None)):
+        validate_float8_device(emulating, device, capability)  # no float8 kernels, no compile needed
+    gathering = float8_job(emulate=True, enable_fsdp_float8_all_gather=True)
+    assert "gloo has no float8 all-gather" in one_line_error(validate_float8_device, gathering, "cpu")
+    validate_float8_device(gathering, "cpu", fake_pg=True)  # the fake group moves no data
+
+
+def test_the_estimator_runs_a_float8_job_as_high_precision_and_leaves_the_job_as_it_was():
+    from titan_lightning.estimate import estimate
+
+    plain = estimate(features.llama3_small(), world_size=2)
+    run = features.llama3_small()
+    run.job.quantize.float8 = Float8Config(enable=True)  # as a GPU recipe holds it: no emulation
+    assert estimate(run, world_size=2) == plain
+    assert run.job.quantize.float8.enable
+
+
+# -- training ----------------------------------------------------------------------------------
+
+
+def fit(run, steps: int, strategy=None) -> RecordSteps:
+    record = RecordSteps()
+    callbacks = [*run.trainer.get("callbacks", []), record]
+    run.trainer.update(max_steps=steps, accelerator="cpu", devices=1, callbacks=callbacks)
+    if strategy is not None:
+        run.trainer["strategy"] = strategy
+    build_trainer(run).fit(run.module, datamodule=run.datamodule)
+    return record
+
+
+PARITY_STEPS, PARITY_LR = 12, 3e-3  # a learning rate at which 12 steps make a curve (8.0 -> 7.3)
+
+
+def bf16_small(float8: str = ""):
+    """The small Llama 3 with bf16 compute (fp32 weights), optionally float8 linears on top."""
+    run = float8_cases.llama3_small_float8(float8) if float8 else features.llama3_small()
+    run.job.training.mixed_precision_param = "bfloat16"
+    run.job.optimizer.lr = PARITY_LR
+    return run
+
+
+@pytest.fixture(scope="module")
+def bf16_losses():
+    return fit(bf16_small(), PARITY_STEPS).losses
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_training_follows_the_bf16_loss_curve(recipe, bf16_losses):
+    losses = fit(bf16_small(recipe), PARITY_STEPS).losses  # (ExpectFloat8: the linears are float8)
+    assert bf16_losses[-1] < bf16_losses[0] - 0.5  # a curve, not noise around the initial loss
+    assert losses == pytest.approx(bf16_losses, rel=5e-3)
+    assert losses != bf16_losses  # float8 changed the numbers
+
+
+@pytest.fixture(scope="module")
+def one_process_float8():
+    """The small Llama 3, float8, 5 steps on one process (fp32 weights and compute)."""
+    return fit(float8_cases.llama3_small_float8(), 5)
+
+
+def test_float8_under_selective_checkpointing_and_compile_trains_as_eager(one_process_float8):
+    """The GPU's composition (float8, then per-op AC, then compiled blocks), traced without inductor."""
+    run = float8_cases.llama3_small_float8()
+    run.job.compile.enable, run.job.compile.backend = True, "aot_eager"
+    run.job.activation_checkpoint.mode = "selective"
+    record = fit(run, 5)
+    assert all(getattr(block, "compiled", None) == "aot_eager" for block in run.module.model.layers.values())
+    assert record.losses == one_process_float8.losses
+    assert record.grad_norms == one_process_float8.grad_norms
+
+
+@pytest.mark.multi_process
+def test_fsdp_over_2_gloo_ranks_trains_float8_as_one_process(tmp_path, one_process_float8):
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+    argv = ["fit", "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--recipe",
+            "float8_cases:llama3_fsdp2_float8"]
+    for rank in launch(argv, 2, out_dir=tmp_path, timeout=300, env=env).ranks:
+        # Not bitwise: each rank scales its own half of the batch's activations (tensorwise amax).
+        assert rank["losses"] == pytest.approx(one_process_float8.losses, rel=1e-4)
+        assert rank["grad_norms"] == pytest.approx(one_process_float8.grad_norms, rel=1e-3)
+
+
+def fake_fsdp2(all_gather: bool):
+    run = float8_cases.llama3_small_float8()
+    run.job.parallelism.dp_shard = 2
+    f8 = run.job.quantize.float8
+    f8.enable_fsdp_float8_all_gather = f8.precompute_float8_dynamic_scale_for_fsdp = all_gather
+    return run, fit(run, 3, strategy=FakePGStrategy(world_size=2))
+
+
+def test_fsdp_float8_all_gather_moves_float8_and_the_scales_follow_each_optimizer_step():
+    _, high_precision = fake_fsdp2(all_gather=False)
+    run, gathered = fake_fsdp2(all_gather=True)
+    # Casting each shard with the weight's scale, then gathering, is casting the gathered weight.
+    assert gathered.losses == high_precision.losses
+    e4m3_max = torch.finfo(torch.float8_e4m3fn).max
+    for name in ("layers.0.attention.wq", "layers.1.feed_forward.w2"):
+        local = run.module.model.get_submodule(name).weight._local_tensor  # (to_local() makes a view without it)
+        assert type(local).__name__ == "WeightWithDynamicFloat8CastTensor"
+        # Precomputed by the strategy after the last optimizer step, from the weights it left.
+        # (The fake group's all-reduce keeps this rank's amax.)
+        expected = (e4m3_max / local._tensor.abs().max().double()).float()
+        assert torch.equal(local._precomputed_scale, expected)
