@@ -25,11 +25,12 @@ def _names(fqn: str, name: str) -> bool:
 
 
 def float8_filter(config: Float8Config) -> Callable[[nn.Module, str], bool]:
-    """Which modules convert: nn.Linear whose dimensions divide by 16 (float8 kernels need it), none
-    below ``min_dim``, and none whose name matches ``filter_fqns``."""
+    """Which modules convert: plain nn.Linear (a subclass may change what its forward does, as the
+    decoder's Head does for the chunked loss: Float8Linear would drop that) whose dimensions divide
+    by 16 (float8 kernels need it), none below ``min_dim``, and none whose name matches ``filter_fqns``."""
 
     def convertible(module: nn.Module, fqn: str) -> bool:
-        if not isinstance(module, nn.Linear):
+        if type(module) is not nn.Linear:
             return False
         out_features, in_features = module.weight.shape
         if out_features % 16 or in_features % 16 or min(out_features, in_features) < config.min_dim:

@@ -88,7 +88,15 @@ def test_every_block_linear_converts_and_the_head_stays_high_precision():
     assert converted == [name for name in before if name != "output"]
     assert len(converted) == 6 * len(BLOCK_LINEARS)
     assert all(float8_cases.float8(model.get_submodule(name)) for name in converted)
-    assert type(model.output) is nn.Linear
+    assert not float8_cases.float8(model.output)
+
+
+def test_a_subclass_of_linear_keeps_its_own_forward():
+    """The decoder's Head (an nn.Linear whose forward also takes labels: the chunked loss) stays
+    itself even when no filter names it."""
+    model = meta_model(features.llama3_debugmodel())
+    convert_to_float8(model, emulated(filter_fqns=[]))
+    assert isinstance(model.output, nn.Linear) and not float8_cases.float8(model.output)
 
 
 def test_the_filter_matches_whole_name_parts_and_skips_small_and_odd_dimensions():
