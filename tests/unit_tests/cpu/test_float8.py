@@ -10,6 +10,7 @@ Tolerances: one layer within torchao's own test bounds (test/float8/test_base.py
 
 import copy
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -194,12 +195,17 @@ def test_the_estimator_runs_a_float8_job_as_high_precision_and_leaves_the_job_as
 
 
 def fit(run, steps: int, strategy=None) -> RecordSteps:
+    """Train ``run`` in this process, in a run folder of its own: module fixtures call this before
+    the autouse fixture sets one, and a run exports its folder for its ranks, which would stay in
+    this process's environment for every later test (a CLI test then writes elsewhere)."""
     record = RecordSteps()
     callbacks = [*run.trainer.get("callbacks", []), record]
     run.trainer.update(max_steps=steps, accelerator="cpu", devices=1, callbacks=callbacks)
     if strategy is not None:
         run.trainer["strategy"] = strategy
-    build_trainer(run).fit(run.module, datamodule=run.datamodule)
+    with tempfile.TemporaryDirectory() as folder, pytest.MonkeyPatch.context() as patch:
+        patch.setenv(RUN_DIR_ENV, str(Path(folder) / "run"))
+        build_trainer(run).fit(run.module, datamodule=run.datamodule)
     return record
 
 

@@ -39,7 +39,8 @@ def test_a_non_editable_install_trains_the_quickstart_from_any_folder(tmp_path):
     elsewhere.mkdir()
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of the checkout on the path
+    # Nothing of the checkout on the path, and no run folder another test may have left exported.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TITAN_LIGHTNING_RUN_DIR")}
     purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True, env=env).stdout.strip()
     (Path(purelib) / "sitecustomize.py").write_text(HIDE_EDITABLE)

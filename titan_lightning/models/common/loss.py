@@ -24,6 +24,8 @@ gradient of ``h`` is each rank's part of a sum: it goes back as a ``Partial`` DT
 where the hidden states were gathered.
 """
 
+import functools
+
 import torch
 from torch.distributed.tensor import DTensor, Partial, Shard
 
@@ -78,12 +80,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             valid = labels != ignore_index
             lse_all = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
             loss = torch.zeros((), dtype=torch.float32, device=h.device)
+            chunk_forward = _kernels(h.is_cuda)[0]
             for first, last in _chunk_bounds(h.shape[0], chunks):
-                logits = (hc[first:last] @ wc.T).float()
-                index, mine = _label_index(labels[first:last], vocab_start, weight.shape[0])
-                lse = torch.logsumexp(logits, dim=1)
-                target = logits.gather(1, index).squeeze(1).masked_fill(~mine, 0.0)
-                del logits
+                lse, target = chunk_forward(hc[first:last], wc, labels[first:last], vocab_start)
                 if group is not None:
                     parts = all_gather(torch.stack([lse, target]).unsqueeze(0), 0, group)  # [tp, 2, rows]
                     lse, target = torch.logsumexp(parts[:, 0], dim=0), parts[:, 1].sum(dim=0)
@@ -103,21 +102,52 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None
+        chunk_grad = _kernels(h.is_cuda)[1]
+        slices = _chunk_bounds(weight.shape[0], WEIGHT_SLICES)
         for first, last in _chunk_bounds(h.shape[0], ctx.chunks):
             x = hc[first:last]
-            grad = (x @ wc.T).float().sub_(lse_all[first:last].unsqueeze(1)).exp_()  # softmax
-            index, mine = _label_index(labels[first:last], ctx.vocab_start, weight.shape[0])
-            grad.scatter_add_(1, index, -mine.unsqueeze(1).to(grad.dtype))
-            grad.mul_((valid[first:last].to(grad.dtype) * scale).unsqueeze(1))
-            grad = grad.to(dtype)
+            grad = chunk_grad(x, wc, lse_all[first:last], labels[first:last], scale, ctx.vocab_start,
+                              ctx.ignore_index)
             if grad_h is not None:
                 grad_h[first:last] = grad @ wc
             if grad_weight is not None:  # in slices of the vocab: no weight-sized temporary
-                for v0, v1 in _chunk_bounds(weight.shape[0], ctx.chunks):
+                for v0, v1 in slices:
                     grad_weight[v0:v1].add_(grad[:, v0:v1].T @ x)
         if grad_weight is not None and grad_weight.dtype != weight.dtype:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_h, grad_weight, *(None,) * 6
+
+
+# The weight's gradient is summed in fp32 over the token chunks, a quarter of the vocab at a time
+# (a bf16 product of a quarter of the head's size is the largest temporary).
+WEIGHT_SLICES = 4
+
+
+def _chunk_forward(x, w, labels, vocab_start: int):
+    """One chunk's fp32 log-sum-exp over this rank's vocab and the logit of each label it holds (0
+    where the label is another rank's)."""
+    logits = (x @ w.T).float()
+    index, mine = _label_index(labels, vocab_start, w.shape[0])
+    lse = torch.logsumexp(logits, dim=1)
+    return lse, logits.gather(1, index).squeeze(1).masked_fill(~mine, 0.0)
+
+
+def _chunk_grad(x, w, lse, labels, scale, vocab_start: int, ignore_index: int):
+    """d loss / d logits of one chunk, (softmax - one-hot) x scale on labelled rows, in x's dtype."""
+    grad = ((x @ w.T).float() - lse.unsqueeze(1)).exp()
+    index, mine = _label_index(labels, vocab_start, w.shape[0])
+    grad = grad.scatter_add(1, index, -mine.unsqueeze(1).to(grad.dtype))
+    return (grad * ((labels != ignore_index).to(grad.dtype) * scale).unsqueeze(1)).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=2)
+def _kernels(compiled: bool):
+    """(chunk forward, chunk gradient): compiled on GPU, so that each chunk's fp32 epilogue (the
+    cast, log-sum-exp, softmax, one-hot and scale) is one fused pass over its logits; eager
+    elsewhere (the CPU tests' exactness, and no compiler on the CPU's path)."""
+    if not compiled:
+        return _chunk_forward, _chunk_grad
+    return torch.compile(_chunk_forward, dynamic=False), torch.compile(_chunk_grad, dynamic=False)
 
 
 def _label_index(labels: torch.Tensor, vocab_start: int, local_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
