@@ -22,6 +22,7 @@ from titan_lightning.models.common.masking import attend, documents_for
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "cpu"))
 from test_document_masking import FAMILIES, VOCAB  # noqa: E402
+from test_document_masking import _documents as _spans  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -31,14 +32,6 @@ S = 512
 
 def _positions(lengths, device="cuda"):
     return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths]).to(device)
-
-
-def _spans(lengths):
-    for b, row in enumerate(lengths):
-        start = 0
-        for n in row:
-            yield b, start, n
-            start += n
 
 
 class _Args:
