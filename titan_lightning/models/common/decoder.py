@@ -173,8 +173,8 @@ class Decoder(nn.Module):
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, **_documents(documents))
         h = self.norm(h) if self.norm is not None else h
-        if self.output is None:
-            return h if documents is None else (h, position_ids)
+        if self.output is None:  # (flex/varlen without boundaries build Documents too: nothing to hand on)
+            return h if position_ids is None or documents is None else (h, position_ids)
         return h if self.head_in_loss else self.output(h)
 
     def init_weights(self, seed: int) -> None:
