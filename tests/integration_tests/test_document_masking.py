@@ -1,6 +1,7 @@
 """Document masking through the parallelisms: FSDP2, TP2 (sequence parallel), PP2, EP2 (Qwen 3 MoE) and CP2 / CP4 with the
 all-gather attention (each rank masks its head-tail slices against the gathered keys with the
-global document ids) and CP2 with Ulysses (heads sharded, the whole sequence masked) give the one-process run's per-step losses and grad norms (1e-5), with
+global document ids) CP2 with Ulysses (heads sharded, the whole sequence masked) and CP2 with ring attention (each
+chunk pair masked by the global document ids) give the one-process run's per-step losses and grad norms (1e-5), with
 block-causal attention and per-document positions on the shipped corpus."""
 
 import math
@@ -27,6 +28,7 @@ def _fit(recipe: str, world: int, tmp_path, masked: bool = True) -> dict:
     ("llama3_fsdp2", 2, "llama3_debugmodel"), ("llama3_tp2", 2, "llama3_debugmodel"),
     ("llama3_cp2", 2, "llama3_debugmodel"), ("llama3_cp4", 4, "llama3_debugmodel"),
     ("llama3_cp2_ulysses", 2, "llama3_debugmodel"),  # the whole sequence, masked by the gathered documents
+    ("llama3_cp2_ring", 2, "llama3_debugmodel"),  # each (query chunk, key chunk) pair masked
     ("llama3_pp2", 2, "llama3_debugmodel"),  # the first stage hands the position ids on with the hidden states
     ("recipes.tests.models:qwen3_moe_fsdp2_ep2", 2, "recipes.tests.models:qwen3_moe_debugmodel"),
 ])

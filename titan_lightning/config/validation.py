@@ -153,9 +153,6 @@ def validate_schedule_csv(p: ParallelismConfig) -> None:
 
 def validate_model_parallelism(job: JobConfig) -> None:
     p, m = job.parallelism, job.model
-    if getattr(m, "mask", "causal") == "block_causal" and p.cp > 1 and m.attention == "ring":
-        raise ConfigError(f"model.mask='block_causal' with parallelism.cp={p.cp} needs model.attention 'allgather' or "
-                          f"'ulysses' (got 'ring'): the ring backend does not mask documents yet")
     for name in ("n_heads", "n_kv_heads"):
         heads = getattr(m, name)
         if heads % p.tp:

@@ -127,16 +127,13 @@ def context_parallel_attention(
     ``q`` [B, S_local, H, D], ``k``/``v`` [B, S_local, H_kv, D] (H a multiple of H_kv, GQA),
     all already rotated. Returns [B, S_local, H, D]. ``documents`` (models/common/masking.py:
     this rank's slice of the batch's ``position_ids`` and whether attention is block-causal)
-    keeps each query inside its document; the allgather and ulysses backends honour it.
+    keeps each query inside its document (every backend honours it).
     """
     position_ids = documents.position_ids if documents is not None and documents.block_causal else None
-    if position_ids is not None and backend == "ring":
-        raise ConfigError("model.mask='block_causal' with the 'ring' context-parallel attention: only 'allgather' "
-                          "and 'ulysses' mask documents")
     if backend == "allgather":
         return _allgather_attention(q, k, v, cp, position_ids)
     if backend == "ring":
-        return _ring_attention(q, k, v, cp)
+        return _ring_attention(q, k, v, cp, position_ids)
     if backend == "ulysses":
         return _ulysses_attention(q, k, v, cp, position_ids)
     raise ValueError(f"context-parallel attention backend {backend!r} is not one of {', '.join(CP_ATTENTIONS)}")
@@ -178,6 +175,12 @@ def _allgather_attention(q, k, v, cp: ContextParallel, position_ids: Optional[to
 # (which makes every partial gradient exact), and passes the K/V gradients along with the
 # blocks, so that after cp shifts each block's gradient arrives back at its owner. Nothing
 # of size S_local x S_local is kept between forward and backward.
+#
+# Document masking (block_causal): every pair is masked by the global document ids of its
+# query and key chunks (all-gathered once per layer call, [B, S] integers) and computed by the
+# explicit math kernel, the one that takes a mask: exact, not fast. A query row with no key of
+# its document in a pair gets log-sum-exp -inf and output 0 there; its own chunk's diagonal
+# always holds the query itself, so the merged row is finite.
 
 
 def _chunk_ids(cp: ContextParallel, rank: int) -> list[int]:
@@ -197,16 +200,25 @@ def _ring_kernel(q: torch.Tensor, v: torch.Tensor) -> str:
     return "math"
 
 
-def _math_scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+def _math_scores(q, k, causal: bool, scale: float, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Scaled scores, -inf where masked: above the diagonal when ``causal``, and where ``mask``
+    ([B, 1, S_q, S_k] bool, True = attend) says no."""
     acc = torch.promote_types(q.dtype, torch.float32)
     scores = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale
     if causal:
         n = scores.shape[-1]
         scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     return scores
 
 
-def _pair_forward(kernel: str, q, k, v, causal: bool, scale: float):
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with the -inf of fully masked rows as 0 (so exp(scores - lse) is 0 there, not NaN)."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _pair_forward(kernel: str, q, k, v, causal: bool, scale: float, mask=None):
     """(out [B, H, S, Dv] in q's dtype, lse [B, H, S] fp32 or fp64, saved state for the backward)."""
     aten = torch.ops.aten
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -217,13 +229,13 @@ def _pair_forward(kernel: str, q, k, v, causal: bool, scale: float):
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale)
         return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
-    scores = _math_scores(q, k, causal, scale)
+    scores = _math_scores(q, k, causal, scale, mask)
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.exp(scores - lse[..., None]) @ v.to(scores.dtype)
+    out = torch.exp(scores - _finite(lse)[..., None]) @ v.to(scores.dtype)
     return out.to(q.dtype), lse, ()
 
 
-def _pair_backward(kernel: str, grad, q, k, v, out, lse, state, causal: bool, scale: float):
+def _pair_backward(kernel: str, grad, q, k, v, out, lse, state, causal: bool, scale: float, mask=None):
     """Gradients of q, k, v of one pair, given the merged output and log-sum-exp of q's rows."""
     aten = torch.ops.aten
     # Chunks are views into the whole local sequence; the kernels want dense inputs (the CUDA
@@ -236,7 +248,7 @@ def _pair_backward(kernel: str, grad, q, k, v, out, lse, state, causal: bool, sc
         cum_q, cum_k, max_q, max_k, seed, offset = state
         return aten._scaled_dot_product_flash_attention_backward(
             grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
-    scores = _math_scores(q, k, causal, scale)
+    scores = _math_scores(q, k, causal, scale, mask)
     acc = scores.dtype
     p = torch.exp(scores - lse[..., None].to(acc))
     g = grad.to(acc)
@@ -260,10 +272,10 @@ class _RingAttention(torch.autograd.Function):
     """q [B, H, S, D], k/v [B, H_kv, S, D] (local, heads first) -> out [B, H, S, Dv]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel):
+    def forward(ctx, q, k, v, cp: ContextParallel, documents: Optional[torch.Tensor] = None):
         n_rep, n_chunks = q.shape[1] // k.shape[1], len(_chunk_ids(cp, cp.rank))
         scale = 1.0 / math.sqrt(q.shape[-1])
-        kernel = _ring_kernel(q, v)
+        kernel = _ring_kernel(q, v) if documents is None else "math"
         chunk = q.shape[2] // n_chunks
         q_chunks = q.split(chunk, dim=2)
         outs: list = [None] * n_chunks
@@ -275,20 +287,23 @@ class _RingAttention(torch.autograd.Function):
             ks = _repeat_heads(block[0], n_rep).split(chunk, dim=2)
             vs = _repeat_heads(block[1], n_rep).split(chunk, dim=2)
             for a, b, causal in _ring_pairs(cp, source):
-                out, lse, states[step, a, b] = _pair_forward(kernel, q_chunks[a], ks[b], vs[b], causal, scale)
+                mask = _pair_mask(documents, cp, source, a, b, chunk)
+                out, lse, states[step, a, b] = _pair_forward(kernel, q_chunks[a], ks[b], vs[b], causal, scale, mask)
                 acc = torch.promote_types(q.dtype, torch.float32)
                 out, lse = out.to(acc), lse.to(acc)
                 if outs[a] is None:
                     outs[a], lses[a] = out, lse
                 else:
                     merged = torch.logaddexp(lses[a], lse)
-                    outs[a] = outs[a] * torch.exp(lses[a] - merged)[..., None] + out * torch.exp(lse - merged)[..., None]
+                    shift = _finite(merged)  # (rows masked in every pair so far: both weights 0)
+                    outs[a] = outs[a] * torch.exp(lses[a] - shift)[..., None] + out * torch.exp(lse - shift)[..., None]
                     lses[a] = merged
             if step + 1 < cp.size:
                 block = _ring_step(block, cp, 1)
         out = torch.cat(outs, dim=2).to(q.dtype)
         lse = torch.cat(lses, dim=2)
         ctx.cp, ctx.kernel, ctx.scale, ctx.n_rep, ctx.chunk, ctx.states = cp, kernel, scale, n_rep, chunk, states
+        ctx.documents = documents
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -309,15 +324,27 @@ class _RingAttention(torch.autograd.Function):
             vs = _repeat_heads(block[1], n_rep).split(chunk, dim=2)
             dk, dv = block[2].split(chunk, 2), block[3].split(chunk, 2)
             for a, b, causal in _ring_pairs(cp, source):
+                mask = _pair_mask(ctx.documents, cp, source, a, b, chunk)
                 gq, gk, gv = _pair_backward(kernel, g_chunks[a], q_chunks[a], ks[b], vs[b], o_chunks[a],
-                                            lse_chunks[a], ctx.states[step, a, b], causal, scale)
+                                            lse_chunks[a], ctx.states[step, a, b], causal, scale, mask)
                 dq_chunks[a].add_(gq.to(acc))
                 dk[b].add_(_sum_heads(gk.to(acc), n_rep))
                 dv[b].add_(_sum_heads(gv.to(acc), n_rep))
             # K/V move on to the next rank with their gradient so far; after cp shifts the
             # gradient is back with the block's owner (K/V themselves need only cp - 1).
             block = _ring_step(block, cp, 1) if step + 1 < cp.size else [None, None, *_ring_step(block[2:], cp, 1)]
-        return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype), None
+        return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype), None, None
+
+
+def _pair_mask(documents: Optional[torch.Tensor], cp: ContextParallel, source: int, a: int, b: int,
+               chunk: int) -> Optional[torch.Tensor]:
+    """[B, 1, chunk, chunk] bool: query chunk ``a`` of this rank and key chunk ``b`` of ``source``
+    in the same document (``documents``: [B, S] global document ids), or None (no masking)."""
+    if documents is None:
+        return None
+    qa, kb = _chunk_ids(cp, cp.rank)[a], _chunk_ids(cp, source)[b]
+    mine, theirs = documents[:, qa * chunk:(qa + 1) * chunk], documents[:, kb * chunk:(kb + 1) * chunk]
+    return (mine[:, :, None] == theirs[:, None, :])[:, None]
 
 
 def _repeat_heads(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -333,9 +360,12 @@ def _sum_heads(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x.view(B, H // n_rep, n_rep, S, D).sum(dim=2)
 
 
-def _ring_attention(q, k, v, cp: ContextParallel) -> torch.Tensor:
+def _ring_attention(q, k, v, cp: ContextParallel, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    documents = None
+    if position_ids is not None:
+        documents = _global_document_ids(position_ids, cp, cp.gathered_order(q.shape[1], q.device))
     out = _RingAttention.apply(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
-                               v.transpose(1, 2).contiguous(), cp)
+                               v.transpose(1, 2).contiguous(), cp, documents)
     return out.transpose(1, 2)
 
 

@@ -164,3 +164,20 @@ def test_ring_math_kernel_is_exact_too(balancer, monkeypatch):
     for errors in run_threaded(attention_parity, 2, backend="ring", load_balancer=balancer, n_heads=4,
                                n_kv_heads=2, seq_len=32):
         assert all(errors[name] < 1e-10 for name in ("out", "dq", "dk", "dv")), errors
+
+
+# Documents of random lengths (of 1 too) that cross the chunk and rank boundaries, and a row that
+# is one document: every backend gives full block-causal attention (fp64: 1e-10).
+DOCUMENTS = [[5, 1, 9, 1, 12, 4], [32]]
+
+
+@pytest.mark.parametrize("backend", ["allgather", "ring", "ulysses"])
+@pytest.mark.parametrize("balancer, cp", [("headtail", 2), ("headtail", 4), (None, 2)])
+def test_every_backend_masks_documents_exactly(backend, balancer, cp):
+    from cp_cases import attention_parity
+    from titan_lightning.testing.threaded import run_threaded
+
+    for errors in run_threaded(attention_parity, cp, backend=backend, load_balancer=balancer, n_heads=4,
+                               n_kv_heads=4 if backend == "ulysses" and cp == 4 else 2, seq_len=32,
+                               documents=DOCUMENTS):
+        assert all(errors[name] < 1e-10 for name in ("out", "dq", "dk", "dv")), errors
