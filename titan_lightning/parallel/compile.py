@@ -28,6 +28,9 @@ def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor", fu
     """Compile each block's forward in place (or, with ``per_child`` or an MoE layer inside,
     each of its non-MoE children's; with ``moe``, a block with an MoE layer whole); returns how
     many forwards were compiled."""
+    blocks = list(blocks)
+    if moe and any(moe_layers(block) for block in blocks):
+        _count_tokens_once_under_checkpointing()
     count = 0
     for block in blocks:
         has_moe = bool(moe_layers(block))
@@ -44,6 +47,17 @@ def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor", fu
             child.compiled = backend
             count += 1
     return count
+
+
+def _count_tokens_once_under_checkpointing() -> None:
+    """An MoE layer adds its tokens per expert to a buffer in its forward (the load-balancing
+    counts). Under activation checkpointing dynamo refuses to trace that side effect inside the
+    checkpoint (the whole checkpointed block then runs eagerly, uncompiled) unless told to skip
+    it in the backward's recompute. Skipping is right: eager checkpointing replays it and counts
+    each token twice, which the sign-based bias update does not notice; compiled, it counts once."""
+    config = torch._dynamo.config
+    if hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def compile_loss(loss_fn: Callable, *, backend: str = "inductor") -> Callable:

@@ -2,6 +2,7 @@
 forward runs). Numerics of compiled runs against eager ones: the features entries
 llama3_fsdp2_compile_ac, llama3_pp2_fsdp2_compile and llama3_fsdp2_tp2_compile."""
 
+import pytest
 import torch
 
 from recipes import qwen3
@@ -55,3 +56,32 @@ def test_moe_blocks_compile_whole_with_the_moe_component_and_match_eager():
     assert compiled.layers["0"].compiled == "aot_eager"
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(compiled(tokens), eager(tokens), rtol=0, atol=0)
+
+
+def test_a_compiled_moe_block_under_checkpointing_is_one_graph(monkeypatch):
+    """The MoE's token counting (a buffer update in its forward) inside per-op checkpointing: dynamo
+    refuses the side effect (the checkpointed block would run eagerly) until compile_blocks with
+    the 'moe' component lets the recompute skip it; then the block is one graph, counting once."""
+    import dataclasses
+
+    from titan_lightning.models.common.decoder import decoder_class
+    from titan_lightning.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    monkeypatch.setattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", False)
+    run = qwen3.debugmodel_moe()
+    args = run.job.model
+    args = dataclasses.replace(args, n_layers=1, moe=dataclasses.replace(args.moe, use_grouped_mm=True,
+                                                                         token_group_align=8))
+    model = decoder_class(type(args))(args)
+    model.init_weights(seed=0)
+    model.bfloat16()
+    blocks = list(model.layers.values())
+    apply_activation_checkpointing(blocks, "selective", "op")
+    checkpointed = blocks[0].forward
+    x = torch.randn(2, 16, args.dim, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(Exception, match="side effect"):
+        torch.compile(checkpointed, backend="aot_eager", fullgraph=True)(x, model.rope_cache)
+    torch._dynamo.reset()
+    compile_blocks(blocks, backend="aot_eager", moe=True)
+    torch.compile(checkpointed, backend="aot_eager", fullgraph=True)(x, model.rope_cache).float().sum().backward()
+    assert blocks[0].moe.tokens_per_expert.sum().item() == 2 * 16 * args.moe.top_k  # counted once
