@@ -31,6 +31,12 @@ class Float8Config:
     # float8 saves on small matmuls); dimensions not divisible by 16 always do (float8 kernels).
     min_dim: int = 0
 
+    @property
+    def float8_tensor_parallel(self) -> bool:
+        """Tensor parallelism shards the float8 linears with torchao's float8 styles (which cast
+        before their collectives, per tensor): the tensorwise recipe only, as torchtitan does."""
+        return self.enable and self.recipe == "tensorwise"
+
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
             raise ValueError(f"quantize.float8.recipe={self.recipe!r} is not one of {', '.join(RECIPES)}")

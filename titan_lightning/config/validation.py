@@ -29,7 +29,6 @@ def validate_job(job: JobConfig, *, world_size: int, max_steps: Optional[int] = 
         section.__post_init__()
     validate_degrees(job.parallelism, world_size, fake_pg=fake_pg)
     validate_model_parallelism(job)
-    validate_float8(job)
     validate_batch(job, world_size)
     if max_steps is not None:
         validate_schedule(job, max_steps)
@@ -281,22 +280,12 @@ def validate_attention_kernel(job: JobConfig, device_type: str) -> None:
                           "use 'sdpa' (block_causal through a dense mask) or a GPU")
 
 
-def validate_float8(job: JobConfig) -> None:
-    """Float8 linears against the layout (the device's rules: ``validate_float8_device``)."""
-    f8, p = job.quantize.float8, job.parallelism
-    if f8.enable and p.tp > 1:
-        raise ConfigError(
-            f"quantize.float8.enable=True with parallelism.tp={p.tp} is not supported (torchao's float8 "
-            f"tensor-parallel styles are not wired in); use tp=1 (FSDP, CP, PP and EP compose with float8)"
-        )
-
-
 def validate_float8_device(job: JobConfig, device_type: str, capability: Optional[tuple[int, int]] = None, *,
                            fake_pg: bool = False) -> None:
     """Float8 linears on the run's device: float8 kernels on a GPU of compute ``capability`` 8.9 or
     newer (default: the current CUDA device's), compiled (inductor fuses torchao's casts); anywhere
     else only torchao's emulation."""
-    f8, compile = job.quantize.float8, job.compile
+    f8, compile, p = job.quantize.float8, job.compile, job.parallelism
     if f8.enable and not f8.emulate and device_type == "cuda" and capability is None:
         import torch
 
@@ -306,6 +295,13 @@ def validate_float8_device(job: JobConfig, device_type: str, capability: Optiona
             raise ConfigError(
                 "quantize.float8.enable_fsdp_float8_all_gather=True cannot run on CPU: gloo has no float8 "
                 "all-gather (\"Invalid scalar type\"); set it False there (FSDP then all-gathers high precision)"
+            )
+        if device_type == "cpu" and f8.float8_tensor_parallel and p.tp > 1 and p.sequence_parallel and not fake_pg:
+            raise ConfigError(
+                f"quantize.float8.recipe='tensorwise' with parallelism.tp={p.tp} and "
+                f"parallelism.sequence_parallel=True cannot run on CPU: torchao's float8 TP styles all-gather the "
+                f"sequence in float8 and gloo has no float8 all-gather; set parallelism.sequence_parallel=False "
+                f"there (or quantize.float8.recipe='rowwise')"
             )
         return
     if device_type != "cuda":

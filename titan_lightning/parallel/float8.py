@@ -7,6 +7,13 @@ on the meta device before any other parallelism wraps the layers (parallelize.py
 torchtitan converts right after building the model. Only nn.Linear converts: MoE routed experts
 (grouped GEMMs over 3-D parameters) stay in high precision.
 
+Under tensor parallelism the tensorwise recipe (``Float8Config.float8_tensor_parallel``) shards
+the float8 linears with torchao's float8 forms of the TP styles (``float8_tp_styles``, picked per
+module in parallel/tensor.py): the same layouts, but a sequence-parallel input is cast to float8
+before its all-gather and the output's gradient is cast in the backward, as torchtitan's
+``enable_float8_tensorwise_tp``. The rowwise recipe keeps torch's styles around the float8 linears
+(torchao's styles cast per tensor).
+
 torchao is imported only here and only when float8 is on (the ``float8`` extra).
 """
 
@@ -71,6 +78,23 @@ def convert_to_float8(model: nn.Module, config: Float8Config) -> list[str]:
         torch._inductor.config.emulate_precision_casts = True
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return sorted(converted, key=order.__getitem__)
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return isinstance(module, Float8Linear)
+
+
+def float8_tp_styles() -> tuple[type, type, type]:
+    """torchao's float8 forms of ColwiseParallel, RowwiseParallel and PrepareModuleInput."""
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
 
 def precompute_float8_scales(module: nn.Module) -> None:

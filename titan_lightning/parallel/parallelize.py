@@ -6,9 +6,10 @@ torchtitan's order: TP first (it swaps parameters for DTensors and adds hooks th
 wrap), activation checkpointing and compile wrap each block's forward, FSDP last (its
 per-block hooks stay outside the compiled and checkpointed code). Float8 (torchao) goes before
 all of them, as torchtitan converts the model right after building it: it swaps the linears
-themselves, so everything after wraps the float8 ones (and FSDP's float8 all-gather finds their
-weights). Under PP the model is then cut into stages and each of this rank's stages is an FSDP
-root of its own, as the schedule expects. Nothing is materialized: a model built on the meta
+themselves, so everything after wraps the float8 ones (TP gives them torchao's float8 styles
+under the tensorwise recipe, and FSDP's float8 all-gather finds their weights). Under PP the
+model is then cut into stages and each of this rank's stages is an FSDP root of its own, as the
+schedule expects. Nothing is materialized: a model built on the meta
 device stays there.
 """
 
@@ -73,7 +74,8 @@ def parallelize(
     if dims.pp_enabled:
         result.pipeline = split_pipeline(module, pipeline_plan, p, mesh.rank_and_size("pp")[0])
     if dims.tp_enabled and tp_plan is not None:
-        apply_tp(module, mesh.get("tp"), tp_plan, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
+        apply_tp(module, mesh.get("tp"), tp_plan, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel,
+                 float8=job.quantize.float8.float8_tensor_parallel)
         result.loss_parallel = p.loss_parallel
     if dims.cp_enabled:
         result.cp = apply_context_parallel(model, mesh.get("cp"), p.cp_load_balancer)

@@ -47,6 +47,13 @@ stands for a layer index). This file knows *how* each style is sharded:
 Every parameter of a sharded module becomes a DTensor on the TP mesh, norms included, so
 one grad-norm and one optimizer path serve the whole model.
 
+Float8 (torchao's Float8Linear, tensorwise recipe: ``apply_tp(float8=True)``): a colwise or
+rowwise float8 linear takes torchao's Float8ColwiseParallel / Float8RowwiseParallel, and a
+``prepare_block_input`` block whose linear children are all those takes PrepareFloat8ModuleInput
+(with sequence parallelism the block input is cast once and all-gathered in float8). The same
+layouts as the plain styles; anything else (the high-precision head, a block with a plain
+linear, MLA's replicated projections) keeps the plain style.
+
 Weights are not broadcast (``src_data_rank=None``): each rank shards the full weights it
 holds. Build the model on the meta device, apply TP, then materialize it (the
 layout-independent init gives every rank its own shard); or, for a user's module built
@@ -133,11 +140,12 @@ def _norm(module: nn.Module, sp: bool, loss_parallel: bool) -> ParallelStyle:
     return SequenceParallel() if sp else ReplicateParallel()
 
 
-def _prepare_block_input(module: nn.Module, sp: bool, loss_parallel: bool) -> Optional[ParallelStyle]:
+def _prepare_block_input(module: nn.Module, sp: bool, loss_parallel: bool,
+                         prepare: type = PrepareModuleInput) -> Optional[ParallelStyle]:
     if not sp:
         return None  # the input is already a replicated local tensor, which colwise expects
     rest = (None,) * (_positional_arity(module) - 1)
-    return PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest))
+    return prepare(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest))
 
 
 def _moe(module: nn.Module, sp: bool, loss_parallel: bool) -> ParallelStyle:
@@ -278,6 +286,7 @@ def apply_tp(
     *,
     sequence_parallel: bool,
     loss_parallel: bool,
+    float8: bool = False,
 ) -> nn.Module:
     """Shard ``model`` over the 1-D ``tp_mesh`` as ``plan`` says; the model is changed in place.
 
@@ -285,18 +294,45 @@ def apply_tp(
     anything is sharded. Head counts are then made per-rank (see the module docstring), and
     every module that owns sharded children explains a shape error of its forward. With
     ``loss_parallel`` the model returns vocab-sharded DTensor logits: compute the loss and run
-    backward inside ``torch.distributed.tensor.parallel.loss_parallel()``.
+    backward inside ``torch.distributed.tensor.parallel.loss_parallel()``. With ``float8``
+    (torchao's float8 linears, tensorwise recipe) the float8 linears and the blocks that feed only
+    them take torchao's float8 styles (``_float8_factories``).
     """
     tp = tp_mesh.size()
     resolved, heads = _checked_plan(model, plan, tp, sequence_parallel)
+    float8_styles = _float8_factories(resolved) if float8 else {}
     for fqn, module, style in resolved:
-        parallel_style = _factory(style)(module, sequence_parallel, loss_parallel)
+        parallel_style = float8_styles.get(fqn, _factory(style))(module, sequence_parallel, loss_parallel)
         if parallel_style is not None:
             parallelize_module(module, tp_mesh, parallel_style, src_data_rank=None)
     for count in heads:
         setattr(count.owner, count.attr, count.value // tp)
     _explain_shape_errors(model, resolved, heads, tp)
     return model
+
+
+def _float8_factories(resolved: list[tuple[str, nn.Module, str]]) -> dict[str, StyleFactory]:
+    """The entries that take torchao's float8 styles (same layouts, parallel/float8.py), by fqn:
+    a colwise or rowwise float8 linear, and a ``prepare_block_input`` block whose linear children
+    are all such (its gathered input then meets float8 matmuls only: torchao casts it once, before
+    the all-gather). Anything else, such as the high-precision head, keeps torch's style."""
+    from titan_lightning.parallel.float8 import float8_tp_styles, is_float8_linear
+
+    colwise, rowwise, prepare = float8_tp_styles()
+    factories: dict[str, StyleFactory] = {
+        "colwise": lambda module, sp, loss_parallel: colwise(),
+        "rowwise": lambda module, sp, loss_parallel: rowwise(output_layouts=_activation(sp)),
+        "prepare_block_input": lambda module, sp, loss_parallel: _prepare_block_input(module, sp, loss_parallel,
+                                                                                       prepare),
+    }
+    linears = {fqn for fqn, module, style in resolved if style in ("colwise", "rowwise") and is_float8_linear(module)}
+
+    def fed_float8_only(fqn: str, block: nn.Module) -> bool:
+        children = [_join(fqn, name) for name, child in block.named_children() if isinstance(child, nn.Linear)]
+        return bool(children) and set(children) <= linears
+
+    blocks = {fqn for fqn, module, style in resolved if style == "prepare_block_input" and fed_float8_only(fqn, module)}
+    return {fqn: factories[style] for fqn, _, style in resolved if fqn in linears | blocks}
 
 
 def check_tp_plan(model: nn.Module, plan: dict[str, str], tp: int, *, sequence_parallel: bool) -> None:

@@ -1,6 +1,6 @@
 """Float8 recipes for test_float8.py (imported by the test and, through PYTHONPATH, by its ranks):
-the small Llama 3 in torchao's emulation, on one process or FSDP over 2, with a callback that
-fails the rank unless the linears it trains are float8 (and the head is not)."""
+the small Llama 3 in torchao's emulation, on one process, FSDP over 2 or TP over 2, with a callback
+that fails the rank unless the linears it trains are float8 (and the head is not)."""
 
 import lightning as L
 from torch import nn
@@ -36,3 +36,8 @@ def llama3_small_float8(recipe: str = "tensorwise") -> Run:
 def llama3_fsdp2_float8() -> Run:
     """FSDP over 2 ranks, the same global batch as one process."""
     return on_layout(llama3_small_float8(), dp_shard=2)
+
+
+def llama3_tp2_float8() -> Run:
+    """TP over 2 ranks without sequence parallelism (gloo cannot all-gather the float8 block inputs)."""
+    return on_layout(llama3_small_float8(), dp_shard=1, tp=2, sequence_parallel=False)

@@ -268,8 +268,9 @@ CASES = [
      "quantize.float8.enable_fsdp_float8_all_gather=True needs recipe='tensorwise'"),
     ("float8 on CPU without emulation", [*D, "--trainer.accelerator", "cpu", "--job.quantize.float8.enable", "true"],
      "quantize.float8.enable=True on 'cpu' needs quantize.float8.emulate=True"),
-    ("float8 with tp", [*F8, "--trainer.devices", "2", "--job.parallelism.tp", "2", "--job.parallelism.dp_shard", "1"],
-     "quantize.float8.enable=True with parallelism.tp=2 is not supported"),
+    ("float8 tp with sp on gloo", [*F8, "--trainer.devices", "2", "--job.parallelism.tp", "2",
+                                   "--job.parallelism.dp_shard", "1"],
+     "quantize.float8.recipe='tensorwise' with parallelism.tp=2 and parallelism.sequence_parallel=True cannot run"),
     ("float8 all-gather on gloo", [*F8, "--job.quantize.float8.enable_fsdp_float8_all_gather", "true"],
      "quantize.float8.enable_fsdp_float8_all_gather=True cannot run on CPU: gloo has no float8 all-gather"),
     # -- estimate ----------------------------------------------------------------------------------
