@@ -237,7 +237,47 @@ def device_busy(profiler, wall_s: float, steps: int) -> dict[str, float]:
     spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
                    if e.get("ph") == "X" and e.get("cat") in DEVICE_EVENT_CATEGORIES)
     busy = union_length_us(spans) / 1e3 / steps if spans else None  # None: no device events (CPU)
-    return {"wall_ms": 1e3 * wall_s / steps, "busy_ms": busy}
+    return {"wall_ms": 1e3 * wall_s / steps, "busy_ms": busy, **kernel_breakdown(events, steps)}
+
+
+# Kernel families by name (first match wins): where a step's device time goes.
+KERNEL_KINDS = (
+    ("grouped gemm", ("grouped", "group_gemm", "ragged")),
+    ("attention", ("flash", "fmha", "attention", "flex", "cudnn", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "matmul", "_mm_")),
+    ("compiled (triton)", ("triton",)),
+    ("sort / scan / index", ("sort", "radix", "scan", "index", "scatter", "gather", "cumsum", "unique", "histogram",
+                             "nonzero", "select")),
+    ("reduction", ("reduce",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "fill", "copy")),
+    ("memcpy / memset", ("memcpy", "memset")),
+    ("collective", ("nccl",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in lowered for k in keys)), "other")
+
+
+def kernel_breakdown(events: list[dict[str, Any]], steps: int, top: int = 12) -> dict[str, Any]:
+    """Per step: device time and launches by kernel family, and the ``top`` kernels by time."""
+    kinds: dict[str, list[float]] = {}
+    kernels: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in DEVICE_EVENT_CATEGORIES:
+            continue
+        name = e.get("name", "?")
+        for table, key in ((kinds, kernel_kind(name)), (kernels, name[:90])):
+            entry = table.setdefault(key, [0.0, 0])
+            entry[0] += e.get("dur", 0) / 1e3 / steps
+            entry[1] += 1 / steps
+    if not kernels:
+        return {}
+    ordered = lambda table, n=None: [{"name": k, "ms": round(v[0], 3), "launches": round(v[1], 1)}
+                                     for k, v in sorted(table.items(), key=lambda kv: -kv[1][0])[:n]]
+    return {"launches": round(sum(v[1] for v in kinds.values()), 1), "kinds": ordered(kinds),
+            "top_kernels": ordered(kernels, top)}
 
 
 def union_length_us(spans: list[tuple[float, float]]) -> float:
@@ -607,6 +647,7 @@ def summarize(runs: list[dict[str, Any]], peak: Optional[float]) -> dict[str, An
     if profiled:
         row["profile_wall_ms"] = statistics.median(p["wall_ms"] for p in profiled)
         row["device_busy_ms"] = statistics.median(p["busy_ms"] for p in profiled)
+        row["kernels"] = {k: profiled[0][k] for k in ("launches", "kinds", "top_kernels") if k in profiled[0]}
     failed = [r["error"] for r in runs if "error" in r]
     if failed:
         row["failed_rounds"] = failed
@@ -640,6 +681,19 @@ def table(rows: dict[str, dict[str, Any]], reference: str = "bare") -> str:
             f"{r['step_ms_median']:.1f} ({r['step_ms_p10']:.1f}-{r['step_ms_p90']:.1f}) | {peak} | {loss} |"
             + (_busy_cell(r) if profiled else "")
         )
+    return "\n".join(lines)
+
+
+def kernel_table(rows: dict[str, dict[str, Any]]) -> str:
+    """One line per (row, kernel family), then each row's top kernels: the per-kernel breakdown."""
+    lines = []
+    for name, r in rows.items():
+        k = r.get("kernels")
+        if not k:
+            continue
+        lines.append(f"{name}: {k['launches']:.0f} launches per step")
+        lines += [f"  {e['name']:<22} {e['ms']:8.2f} ms {e['launches']:7.0f}" for e in k["kinds"]]
+        lines += [f"    top: {e['ms']:8.2f} ms {e['launches']:5.0f}x {e['name']}" for e in k["top_kernels"]]
     return "\n".join(lines)
 
 
@@ -712,6 +766,9 @@ def orchestrate(args) -> int:
     env = environment(args.device)
     print("\n" + header + "\n" + ", ".join(f"{k} {v}" for k, v in env.items()) + "\n\n"
           + table(rows, reference=row(workloads[0], "bare")))
+    breakdown = kernel_table(rows)
+    if breakdown:
+        print("\nper profiled step, device time by kernel family (ms, launches):\n" + breakdown)
     (folder / "summary.json").write_text(json.dumps({"workload": args.workload, "header": header, "environment": env,
                                                     "rows": rows, "runs": runs}, indent=1))
     print(f"\nper-round results and logs: {folder}")

@@ -3,7 +3,8 @@ ratio between them is the framework's cost), and the table reports what the runs
 
 import pytest
 
-from benchmarks.throughput import WORKLOADS, StepClock, run_bare, run_titan, summarize, table, union_length_us
+from benchmarks.throughput import (WORKLOADS, StepClock, kernel_breakdown, kernel_table, run_bare, run_titan, summarize,
+                                   table, union_length_us)
 
 
 @pytest.mark.slow
@@ -68,3 +69,23 @@ def test_table_shows_device_busy_time_when_profiled():
     assert "device busy ms / profiled step ms |" in text.splitlines()[0]
     assert text.splitlines()[2].endswith("| 150.0 / 200.0 (75%) |")
     assert text.splitlines()[3].endswith("| - |")
+
+
+def test_kernel_breakdown_groups_device_time_per_step_by_family():
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x256_h_bz_coopA_NTN", "ts": 0, "dur": 4000},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x256_h_bz_coopA_NTN", "ts": 5000, "dur": 4000},
+        {"ph": "X", "cat": "kernel", "name": "void at::native::_grouped_mm_kernel<bf16>", "ts": 9000, "dur": 2000},
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_silu_mul_0", "ts": 11000, "dur": 500},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 12000, "dur": 100},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9000},  # host side: not counted
+    ]
+    k = kernel_breakdown(events, steps=2)
+    assert k["launches"] == 2.5
+    kinds = {e["name"]: (e["ms"], e["launches"]) for e in k["kinds"]}
+    assert kinds == {"gemm": (4.0, 1.0), "grouped gemm": (1.0, 0.5), "compiled (triton)": (0.25, 0.5),
+                     "memcpy / memset": (0.05, 0.5)}
+    assert k["top_kernels"][0] == {"name": "nvjet_tst_128x256_h_bz_coopA_NTN", "ms": 4.0, "launches": 1.0}
+    assert kernel_breakdown([events[-1]], steps=1) == {}  # no device events (CPU)
+    row = summarize([dict(_run([0.2]), profile={"wall_ms": 20.0, "busy_ms": 10.0, **k})], None)
+    assert "gemm" in kernel_table({"titan": row}) and "4.00 ms" in kernel_table({"titan": row})
