@@ -107,7 +107,7 @@ WORKLOADS: dict[str, Workload] = {
     # The same with the MoE layers compiled inside their blocks (compile.components 'moe').
     "qwen3_30b_a3b_shape_compiled_moe": Workload(recipe="recipes.qwen3:qwen3_30b_a3b", layers=4, seq_len=4096,
                                                  overrides=("--job.compile.components", "[model,loss,moe]"),
-                                                 contenders=("titan", "bare")),
+                                                 contenders=("titan", "bare", "lightning")),
     # DeepSeek V3 16B-shaped layers (DeepSeek-V2-Lite's sizes: dim 2048, MLA kv rank 512, 64 routed
     # experts of 1408 + 2 shared, top 6) with V3's routing: sigmoid scores normalized over the top
     # k, picked from the 4 best of 8 expert groups; the dense first layer and 3 MoE layers.
@@ -116,6 +116,14 @@ WORKLOADS: dict[str, Workload] = {
                                       overrides=("--job.model.moe.score_func", "sigmoid", "--job.model.moe.route_norm",
                                                  "true", "--job.model.moe.num_groups", "8",
                                                  "--job.model.moe.top_k_groups", "4")),
+    # The same with the MoE layers compiled inside their blocks.
+    "deepseek_v3_16b_shape_compiled_moe": Workload(recipe="recipes.deepseek_v3:deepseek_v3_16b", layers=4, seq_len=4096,
+                                                   contenders=("titan", "bare"),
+                                                   overrides=("--job.model.moe.score_func", "sigmoid",
+                                                              "--job.model.moe.route_norm", "true",
+                                                              "--job.model.moe.num_groups", "8",
+                                                              "--job.model.moe.top_k_groups", "4",
+                                                              "--job.compile.components", "[model,loss,moe]")),
     # The MoE harness on CPU: Qwen 3 MoE debug model, eager.
     "debug_moe": Workload(recipe="recipes.qwen3:debugmodel_moe", seq_len=128, compile=False,
                           contenders=("titan", "bare", "lightning", "hf")),
@@ -242,10 +250,10 @@ def device_busy(profiler, wall_s: float, steps: int) -> dict[str, float]:
 
 # Kernel families by name (first match wins): where a step's device time goes.
 KERNEL_KINDS = (
-    ("grouped gemm", ("grouped", "group_gemm", "ragged")),
+    ("compiled (triton)", ("triton",)),
+    ("grouped gemm", ("grouped", "group_gemm", "ragged", "groupproblemshape")),
     ("attention", ("flash", "fmha", "attention", "flex", "cudnn", "sdpa")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "matmul", "_mm_")),
-    ("compiled (triton)", ("triton",)),
     ("sort / scan / index", ("sort", "radix", "scan", "index", "scatter", "gather", "cumsum", "unique", "histogram",
                              "nonzero", "select")),
     ("reduction", ("reduce",)),
