@@ -10,9 +10,11 @@ class CompileConfig:
     enable: bool = False
     # "model": each transformer block's forward, compiled on its own (after TP/CP/EP and
     # activation checkpointing, before FSDP), its MoE layer left eager; "loss": the cross-entropy;
-    # "moe": with "model", the MoE layers inside the blocks too (their token path has no host
-    # read on one device or with parallelism.ep_dispatch='padded'; not under TP).
-    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    # "moe": with "model", the MoE layers inside the blocks too, where their token path reads
+    # nothing on the host (the grouped GEMM, on one device, FSDP/HSDP/DDP or EP with
+    # parallelism.ep_dispatch='padded'); elsewhere (TP, 'splits' EP, the per-expert loop of
+    # CPUs) they stay eager and the run's log says why.
+    components: list[str] = field(default_factory=lambda: ["model", "loss", "moe"])
     # A torch.compile backend: "inductor" (kernels; GPU), "aot_eager" (traced graphs without
     # code generation: the CPU tests use it to check composition quickly), ...
     backend: str = "inductor"

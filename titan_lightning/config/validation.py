@@ -194,17 +194,8 @@ def validate_pipeline(job: JobConfig) -> None:
 
 def validate_expert_parallel(job: JobConfig) -> None:
     """EP needs MoE layers whose experts split evenly; MoE under TP needs sequence parallelism,
-    and with ep=1 (tensor-parallel experts) a hidden dim that splits over tp; compiled MoE layers
-    need a token path without host reads."""
+    and with ep=1 (tensor-parallel experts) a hidden dim that splits over tp."""
     p, moe = job.parallelism, getattr(job.model, "moe", None)
-    if "moe" in job.compile.components and job.compile.enable:
-        if p.tp > 1:
-            raise ConfigError(f"compile.components has 'moe' with parallelism.tp={p.tp}: under TP the blocks compile "
-                              f"per child and MoE layers stay eager; drop 'moe'")
-        if p.ep > 1 and p.ep_dispatch != "padded":
-            raise ConfigError(f"compile.components has 'moe' with parallelism.ep={p.ep} and ep_dispatch="
-                              f"{p.ep_dispatch!r}: its all-to-all sizes are read on the host every layer; set "
-                              f"parallelism.ep_dispatch='padded' or drop 'moe'")
     if moe is None:
         if p.ep > 1:
             raise ConfigError(f"parallelism.ep={p.ep} needs a mixture-of-experts model, and model.moe is None")

@@ -11,16 +11,16 @@ input/output hooks fails, or silently gives wrong gradients, in torch 2.13; each
 its own hooks left outside, is exact) and MoE layers (data-dependent token counts: the MoE
 child stays eager, the rest of the block is compiled). With ``moe`` a block with an MoE layer
 is compiled whole (not under ``per_child``): its token path is static-shaped where nothing reads
-the token counts on the host (the grouped GEMM on one device, or padded EP); where something
-still does (the per-expert loop of the CPU), that is a graph break, not an error.
+the token counts on the host (the grouped GEMM on one device, or padded EP); ``moe_stays_eager``
+says where that does not hold, and ``parallelize`` then leaves the MoE layers eager.
 """
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
 
-from titan_lightning.parallel.expert import moe_layers
+from titan_lightning.parallel.expert import grouped_experts, moe_layers
 
 
 def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor", fullgraph: bool = True,
@@ -47,6 +47,28 @@ def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor", fu
             child.compiled = backend
             count += 1
     return count
+
+
+def moe_stays_eager(model: nn.Module, *, device_type: str, dtype: torch.dtype, tp: bool,
+                    ep_dispatch: Optional[str]) -> Optional[str]:
+    """Why ``model``'s MoE layers cannot be compiled with their blocks in this layout (their
+    token path reads the host, or the blocks compile per child), or None: they can.
+
+    ``dtype``: what the experts compute in; ``ep_dispatch``: expert parallelism's dispatch
+    (None: no EP). Experts that do not declare ``static_token_path`` are taken to read the host."""
+    if tp:
+        return "under tensor parallelism each block's children are compiled and the MoE layers stay eager"
+    if ep_dispatch == "splits":
+        return ("expert parallelism's 'splits' dispatch reads the all-to-all sizes on the host every layer "
+                "(parallelism.ep_dispatch='padded' does not)")
+    probe = torch.empty(0, device=device_type, dtype=dtype)
+    for experts in grouped_experts(model):
+        static = getattr(experts, "static_token_path", None)
+        if static is None or not static(probe):
+            return (f"the experts take the per-expert loop on {device_type} in {dtype}, which reads the token "
+                    f"counts on the host (the grouped GEMM: bf16 on CUDA compute capability 9.0+, or "
+                    f"model.moe.use_grouped_mm=true where torch has it)")
+    return None
 
 
 def _count_tokens_once_under_checkpointing() -> None:

@@ -21,9 +21,10 @@ from torch import nn
 
 from titan_lightning.config import JobConfig
 from titan_lightning.parallel.activation_checkpoint import apply_activation_checkpointing
-from titan_lightning.parallel.compile import compile_blocks
+from titan_lightning.parallel.compile import compile_blocks, moe_stays_eager
 from titan_lightning.parallel.context import ContextParallel, apply_context_parallel
-from titan_lightning.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel, grouped_experts
+from titan_lightning.parallel.expert import (apply_expert_parallel, apply_expert_tensor_parallel, grouped_experts,
+                                             moe_layers)
 from titan_lightning.parallel.float8 import convert_to_float8
 from titan_lightning.parallel.fsdp import apply_ddp, apply_fsdp, model_blocks
 from titan_lightning.parallel.mesh import Mesh
@@ -40,6 +41,7 @@ class Parallelized:
     pipeline: Optional[PipelineSplit] = None  # this rank's pipeline stages
     fsdp_roots: list[nn.Module] = field(default_factory=list)
     float8: list[str] = field(default_factory=list)  # the linears now float8 (names within ``model``)
+    notes: list[str] = field(default_factory=list)  # what was left undone and why, for the log
 
 
 def parallelize(
@@ -88,8 +90,17 @@ def parallelize(
     if ac.mode != "none":
         apply_activation_checkpointing(blocks, ac.mode, ac.selective_ac_option)
     if compile.enable and "model" in compile.components:
+        moe = "moe" in compile.components and bool(moe_layers(model))
+        if moe:
+            t = job.training
+            dtype = torch.bfloat16 if "bfloat16" in (t.dtype, t.mixed_precision_param) else torch.float32
+            reason = moe_stays_eager(model, device_type=mesh.device_mesh.device_type, dtype=dtype,
+                                     tp=dims.tp_enabled, ep_dispatch=p.ep_dispatch if dims.ep_enabled else None)
+            if reason is not None:
+                result.notes.append(f"compile: MoE layers stay eager: {reason}")
+                moe = False
         compile_blocks(blocks, backend=compile.backend, fullgraph=compile.fullgraph, per_child=dims.tp_enabled,
-                       moe="moe" in compile.components)
+                       moe=moe)
     if not fsdp:
         return result
     if dims.fsdp_enabled:

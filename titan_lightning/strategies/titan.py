@@ -378,6 +378,9 @@ class TitanStrategy(ModelParallelStrategy):
         split = applied.pipeline
         if split is not None and self.global_rank == 0:
             print(f"[pipeline] {describe_split(split.names, config, split.placement)}", flush=True)
+        if self.global_rank == 0:
+            for note in applied.notes:
+                print(f"[parallelize] {note}", flush=True)
         # Roots whose gradient sync follows the accumulation window (under PP the schedule does it).
         self._sync_last_roots = applied.fsdp_roots if config.fsdp_sync_last_microbatch_only and split is None else []
         # The LightningModule itself as FSDP's (or DDP's) root: see _call_step.

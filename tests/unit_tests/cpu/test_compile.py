@@ -85,3 +85,63 @@ def test_a_compiled_moe_block_under_checkpointing_is_one_graph(monkeypatch):
     compile_blocks(blocks, backend="aot_eager", moe=True)
     torch.compile(checkpointed, backend="aot_eager", fullgraph=True)(x, model.rope_cache).float().sum().backward()
     assert blocks[0].moe.tokens_per_expert.sum().item() == 2 * 16 * args.moe.top_k  # counted once
+
+
+def _moe_model(**moe):
+    import dataclasses
+
+    run = qwen3.debugmodel_moe()
+    run.job.model = dataclasses.replace(run.job.model, moe=dataclasses.replace(run.job.model.moe, **moe))
+    return run, _model(run)
+
+
+def test_moe_stays_eager_says_why_where_the_token_path_reads_the_host():
+    from titan_lightning.models.common.moe import CPU_GROUPED_MM
+    from titan_lightning.parallel.compile import moe_stays_eager
+
+    _, looped = _moe_model(use_grouped_mm=False)
+    assert "per-expert loop on cpu" in moe_stays_eager(looped, device_type="cpu", dtype=torch.float32, tp=False,
+                                                       ep_dispatch=None)
+    _, default = _moe_model(use_grouped_mm=None)  # the automatic choice: the grouped GEMM on Hopper GPUs only
+    assert "per-expert loop" in moe_stays_eager(default, device_type="cpu", dtype=torch.bfloat16, tp=False,
+                                                ep_dispatch=None)
+    assert "tensor parallelism" in moe_stays_eager(default, device_type="cpu", dtype=torch.bfloat16, tp=True,
+                                                   ep_dispatch=None)
+    assert "'splits' dispatch" in moe_stays_eager(default, device_type="cpu", dtype=torch.bfloat16, tp=False,
+                                                  ep_dispatch="splits")
+    if not CPU_GROUPED_MM:
+        pytest.skip("this torch has no grouped GEMM on CPU: no static token path to check here")
+    _, grouped = _moe_model(use_grouped_mm=True)
+    for dispatch in (None, "padded"):
+        assert moe_stays_eager(grouped, device_type="cpu", dtype=torch.bfloat16, tp=False, ep_dispatch=dispatch) is None
+
+
+def _parallelize_one_rank(rank, world_size, use_grouped_mm):
+    from titan_lightning.config.parallelism import ParallelismConfig
+    from titan_lightning.parallel.mesh import ParallelDims
+    from titan_lightning.parallel.parallelize import parallelize
+
+    run, model = _moe_model(use_grouped_mm=use_grouped_mm)
+    job = run.job
+    job.compile.enable, job.compile.backend = True, "aot_eager"
+    job.training.mixed_precision_param = "bfloat16"
+    assert "moe" in job.compile.components
+    mesh = ParallelDims.from_config(ParallelismConfig(), world_size).build_mesh("cpu")
+    applied = parallelize(model, mesh, job, fsdp=False, ddp=False)
+    block = model.layers["0"]
+    return getattr(block, "compiled", None), getattr(block.attention, "compiled", None), applied.notes
+
+
+def test_parallelize_compiles_moe_blocks_whole_by_default_where_the_token_path_is_static():
+    """compile.components' default has 'moe': a one-process layout on the grouped GEMM compiles the
+    MoE blocks whole; on the per-expert loop they keep their MoE layer eager and the notes say why."""
+    from titan_lightning.models.common.moe import CPU_GROUPED_MM
+    from titan_lightning.testing.threaded import run_threaded
+
+    if not CPU_GROUPED_MM:
+        pytest.skip("this torch has no grouped GEMM on CPU: no static token path to compile whole")
+    [(block, attention, notes)] = run_threaded(_parallelize_one_rank, 1, use_grouped_mm=True)
+    assert (block, attention, notes) == ("aot_eager", None, [])
+    [(block, attention, notes)] = run_threaded(_parallelize_one_rank, 1, use_grouped_mm=False)
+    assert (block, attention) == (None, "aot_eager")
+    assert len(notes) == 1 and notes[0].startswith("compile: MoE layers stay eager: the experts take the per-expert loop")

@@ -330,6 +330,12 @@ class GroupedExperts(nn.Module):
             return grouped_mm_available(x)
         return self.use_grouped_mm and grouped_mm_supported(x)
 
+    def static_token_path(self, x: torch.Tensor) -> bool:
+        """Whether ``compute`` on tokens like ``x`` (in the compute dtype) reads nothing on the
+        host: the grouped GEMM (the per-expert loop reads the counts). What lets compile take
+        the MoE layer with its block (parallel/compile.py)."""
+        return self.grouped(x) and _fits_grouped_mm(x, self.w1)
+
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     device = x.device.type
