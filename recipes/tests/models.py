@@ -67,6 +67,25 @@ def deepseek_v3_fsdp2_ep2_padded() -> Run:
     return run
 
 
+def qwen3_moe_debugmodel_bf16_grouped() -> Run:
+    """The MoE debug model computing in bf16 (autocast over fp32 parameters) on the grouped GEMM."""
+    run = qwen3_moe_debugmodel()
+    run.job.training.mixed_precision_param = "bfloat16"
+    run.job.model.moe.use_grouped_mm, run.job.model.moe.token_group_align = True, 8
+    return run
+
+
+def qwen3_moe_fsdp2_compiled() -> Run:
+    """FSDP2 (experts sharded with their blocks, no EP, bf16 compute) with compile on (aot_eager on
+    CPU) and per-op activation checkpointing: each MoE block compiled whole (compile.components'
+    default 'moe': on the grouped GEMM its token path reads nothing on the host), its token
+    counting kept out of the checkpoint's recompute."""
+    run = on_layout(qwen3_moe_debugmodel_bf16_grouped(), dp_shard=2)
+    run.job.compile.enable, run.job.compile.backend = True, "aot_eager"
+    run.job.activation_checkpoint.mode, run.job.activation_checkpoint.selective_ac_option = "selective", "op"
+    return run
+
+
 def deepseek_v3_fsdp4_ep4() -> Run:
     return on_layout(deepseek_v3_debugmodel(), dp_shard=4, ep=4)
 

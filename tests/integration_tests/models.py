@@ -27,6 +27,10 @@ ENTRIES = [
     _entry("deepseek_v3_fsdp2_ep2", "DeepSeek V3: FSDP2, experts over EP2", 2, "deepseek_v3_debugmodel", golden=True),
     _entry("deepseek_v3_fsdp2_ep2_padded", "DeepSeek V3: FSDP2, EP2 without host reads (padded all-to-all, "
            "grouped GEMM over 8-row groups)", 2, "deepseek_v3_debugmodel"),
+    # bf16 compute (FSDP's bf16 parameters against one process's autocast): the llama3_fsdp2_tp2_bf16 bounds.
+    _entry("qwen3_moe_fsdp2_compiled", "Qwen 3 MoE: FSDP2, MoE blocks compiled whole (aot_eager, grouped GEMM, "
+           "bf16) under per-op activation checkpointing", 2, "qwen3_moe_debugmodel_bf16_grouped",
+           loss_rtol=1e-2, grad_norm_rtol=5e-2),
     _entry("deepseek_v3_tp2_ep2", "DeepSeek V3: TP2 (MLA heads) x EP2", 2, "deepseek_v3_debugmodel"),
     _entry("deepseek_v3_fsdp2_tp2", "DeepSeek V3: FSDP2 x TP2, tensor-parallel experts (ep=1)", 4,
            "deepseek_v3_debugmodel"),

@@ -11,9 +11,9 @@ class CompileConfig:
     # "model": each transformer block's forward, compiled on its own (after TP/CP/EP and
     # activation checkpointing, before FSDP), its MoE layer left eager; "loss": the cross-entropy;
     # "moe": with "model", the MoE layers inside the blocks too, where their token path reads
-    # nothing on the host (the grouped GEMM, on one device, FSDP/HSDP/DDP or EP with
-    # parallelism.ep_dispatch='padded'); elsewhere (TP, 'splits' EP, the per-expert loop of
-    # CPUs) they stay eager and the run's log says why.
+    # nothing on the host (the bf16 grouped GEMM, on one device, FSDP/HSDP/DDP without EP, or EP
+    # with parallelism.ep_dispatch='padded' and no FSDP); elsewhere (TP, 'splits' EP, FSDP with
+    # EP, fp32, the per-expert loop of CPUs) they stay eager and the run's log says why.
     components: list[str] = field(default_factory=lambda: ["model", "loss", "moe"])
     # A torch.compile backend: "inductor" (kernels; GPU), "aot_eager" (traced graphs without
     # code generation: the CPU tests use it to check composition quickly), ...

@@ -50,17 +50,25 @@ def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor", fu
 
 
 def moe_stays_eager(model: nn.Module, *, device_type: str, dtype: torch.dtype, tp: bool,
-                    ep_dispatch: Optional[str]) -> Optional[str]:
+                    ep_dispatch: Optional[str], experts_sharded_apart: bool = False) -> Optional[str]:
     """Why ``model``'s MoE layers cannot be compiled with their blocks in this layout (their
-    token path reads the host, or the blocks compile per child), or None: they can.
+    token path reads the host, the blocks compile per child, or FSDP hooks sit inside them), or
+    None: they can.
 
     ``dtype``: what the experts compute in; ``ep_dispatch``: expert parallelism's dispatch
-    (None: no EP). Experts that do not declare ``static_token_path`` are taken to read the host."""
+    (None: no EP); ``experts_sharded_apart``: the experts are an FSDP unit of their own (FSDP with
+    EP). Experts that do not declare ``static_token_path`` are taken to read the host."""
     if tp:
         return "under tensor parallelism each block's children are compiled and the MoE layers stay eager"
+    if experts_sharded_apart:
+        # Their FSDP hooks (dynamo-disabled) inside a compiled, checkpointed block break the
+        # recompute's replay (measured on CPU: models entry deepseek_v3_fsdp2_ep2_padded).
+        return "under FSDP with expert parallelism the experts are an FSDP unit of their own inside each block"
     if ep_dispatch == "splits":
         return ("expert parallelism's 'splits' dispatch reads the all-to-all sizes on the host every layer "
                 "(parallelism.ep_dispatch='padded' does not)")
+    if dtype != torch.bfloat16:
+        return f"torch's grouped GEMM is traced in bf16 only, and the experts compute in {dtype}"
     probe = torch.empty(0, device=device_type, dtype=dtype)
     for experts in grouped_experts(model):
         static = getattr(experts, "static_token_path", None)

@@ -95,7 +95,8 @@ def parallelize(
             t = job.training
             dtype = torch.bfloat16 if "bfloat16" in (t.dtype, t.mixed_precision_param) else torch.float32
             reason = moe_stays_eager(model, device_type=mesh.device_mesh.device_type, dtype=dtype,
-                                     tp=dims.tp_enabled, ep_dispatch=p.ep_dispatch if dims.ep_enabled else None)
+                                     tp=dims.tp_enabled, ep_dispatch=p.ep_dispatch if dims.ep_enabled else None,
+                                     experts_sharded_apart=fsdp and dims.fsdp_enabled and mesh.expert_fsdp_mesh() is not None)
             if reason is not None:
                 result.notes.append(f"compile: MoE layers stay eager: {reason}")
                 moe = False

@@ -100,8 +100,9 @@ def test_moe_stays_eager_says_why_where_the_token_path_reads_the_host():
     from titan_lightning.parallel.compile import moe_stays_eager
 
     _, looped = _moe_model(use_grouped_mm=False)
-    assert "per-expert loop on cpu" in moe_stays_eager(looped, device_type="cpu", dtype=torch.float32, tp=False,
+    assert "per-expert loop on cpu" in moe_stays_eager(looped, device_type="cpu", dtype=torch.bfloat16, tp=False,
                                                        ep_dispatch=None)
+    assert "bf16 only" in moe_stays_eager(looped, device_type="cpu", dtype=torch.float32, tp=False, ep_dispatch=None)
     _, default = _moe_model(use_grouped_mm=None)  # the automatic choice: the grouped GEMM on Hopper GPUs only
     assert "per-expert loop" in moe_stays_eager(default, device_type="cpu", dtype=torch.bfloat16, tp=False,
                                                 ep_dispatch=None)
@@ -114,6 +115,8 @@ def test_moe_stays_eager_says_why_where_the_token_path_reads_the_host():
     _, grouped = _moe_model(use_grouped_mm=True)
     for dispatch in (None, "padded"):
         assert moe_stays_eager(grouped, device_type="cpu", dtype=torch.bfloat16, tp=False, ep_dispatch=dispatch) is None
+    assert "FSDP unit of their own" in moe_stays_eager(grouped, device_type="cpu", dtype=torch.bfloat16, tp=False,
+                                                       ep_dispatch="padded", experts_sharded_apart=True)
 
 
 def _parallelize_one_rank(rank, world_size, use_grouped_mm):
