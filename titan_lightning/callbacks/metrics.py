@@ -108,11 +108,13 @@ class TrainingMetrics(L.Callback):
         elapsed = time.perf_counter() - self._step_start
         self._step_start = None
         per_device = self._tokens * _data_parallel_size(trainer) / trainer.world_size / elapsed
-        pl_module.log("train/tokens_per_s", per_device, prog_bar=True)
+        # Progress-bar values as CPU tensors: Lightning reads them on the host after every step
+        # (a number would become a tensor on the GPU, and each read would wait for the device).
+        pl_module.log("train/tokens_per_s", torch.tensor(per_device), prog_bar=True)
         pl_module.log("train/lr", self._lr)
         flops = getattr(pl_module, "flops_per_token", None)
         if self._peak is not None and flops is not None:
-            pl_module.log("train/mfu", mfu(per_device, flops(self._seq_len), self._peak), prog_bar=True)
+            pl_module.log("train/mfu", torch.tensor(mfu(per_device, flops(self._seq_len), self._peak)), prog_bar=True)
         if pl_module.device.type == "cuda":
             pl_module.log("train/memory_peak_gib", torch.cuda.max_memory_allocated(pl_module.device) / 2**30)
             pl_module.log("train/memory_reserved_gib", torch.cuda.memory_reserved(pl_module.device) / 2**30)

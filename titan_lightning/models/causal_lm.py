@@ -181,7 +181,7 @@ class CausalLMModule(L.LightningModule):
         # Checked for finiteness with the grad norm, one step later (configure_gradient_clipping): a
         # check here would synchronize with the device between forward and backward on every step.
         self._step_losses.append(value)
-        self.log("train/loss", value, prog_bar=True, sync_dist=True)
+        self.log("train/loss", value, sync_dist=True)
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
@@ -245,7 +245,7 @@ class CausalLMModule(L.LightningModule):
         pipeline = self._pipeline()
         norm = global_grad_norm(grads, pp_group=pipeline.pp_group if pipeline is not None else None)
         step = self.trainer.global_step + 1
-        self.check_finite(f"before step {step}'s optimizer step")
+        self._show_in_progress_bar(self.check_finite(f"before step {step}'s optimizer step"))
         losses, self._step_losses = self._step_losses, []
         # The grad norm is reduced over every rank above: under PP a NaN loss on the last stage
         # makes every stage's norm NaN, so all ranks stop together, at the same step.
@@ -253,14 +253,27 @@ class CausalLMModule(L.LightningModule):
         if max_norm is not None:
             clip_grads_(grads, max_norm, norm)
         self.last_grad_norm = norm.detach()
-        self.log("train/grad_norm", norm, prog_bar=True)
+        self.log("train/grad_norm", norm)
 
-    def check_finite(self, where: str) -> None:
+    def check_finite(self, where: str) -> Optional[tuple[list[float], float]]:
         """Raise FloatingPointError if the last clipped step's loss or grad norm was not finite
-        (``where``: the point of the run this check stops, for the message)."""
+        (``where``: the point of the run this check stops, for the message); else return them
+        (this rank's microbatch losses and the global norm, as Python numbers), or None."""
         unchecked, self._unchecked = self._unchecked, None
-        if unchecked is not None:
-            unchecked.check(where)
+        return None if unchecked is None else unchecked.check(where)
+
+    def _show_in_progress_bar(self, previous: Optional[tuple[list[float], float]]) -> None:
+        """The progress bar's ``loss`` (this rank's, the mean of its microbatches) and ``grad_norm``:
+        the previous step's, already on the host. Lightning turns every progress-bar value into a
+        Python number after each step; a value on the GPU would make the host wait there for all
+        the work queued so far, every step. (``train/loss`` and ``train/grad_norm``, each step's own
+        and the loss averaged over ranks, go to the loggers and callbacks.)"""
+        if previous is None:
+            return
+        losses, norm = previous
+        if losses:
+            self.log("loss", torch.tensor(sum(losses) / len(losses)), prog_bar=True, logger=False)
+        self.log("grad_norm", torch.tensor(norm), prog_bar=True, logger=False)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Every save (ModelCheckpoint, preemption, Trainer.save_checkpoint) comes through here:
@@ -291,7 +304,7 @@ class _Unchecked:
         else:
             self.values = values
 
-    def check(self, where: str) -> None:
+    def check(self, where: str) -> tuple[list[float], float]:
         if self.event is not None:
             self.event.synchronize()  # waits for this step's copy only, not for the work queued since
         *losses, norm = self.values.tolist()
@@ -300,3 +313,4 @@ class _Unchecked:
                 raise FloatingPointError(f"non-finite training loss {value} at step {self.step}; stopping {where}")
         if not math.isfinite(norm):
             raise FloatingPointError(f"non-finite gradient norm {norm} at step {self.step}; stopping {where}")
+        return losses, norm

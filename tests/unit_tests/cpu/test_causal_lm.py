@@ -224,3 +224,29 @@ def test_mfu_and_peak_lookup():
     # 10,000 tokens/s x 5.79e10 FLOPs / 989e12 = 58.5%
     assert abs(mfu(10_000, 5.79e10, 989e12) - 100 * 10_000 * 5.79e10 / 989e12) < 1e-12
     assert round(mfu(10_000, 5.79e10, 989e12), 1) == 58.5
+
+
+def test_the_progress_bar_shows_the_previous_steps_values_from_the_host():
+    """Lightning turns every progress-bar value into a Python number after each step, which on a
+    GPU waits for all the work queued so far. So the bar's ``loss`` and ``grad_norm`` are the
+    previous step's, from the finiteness check's host copies (CPU tensors), and ``train/loss`` /
+    ``train/grad_norm`` (each step's own; the loss averaged over ranks) go to loggers and callbacks
+    only."""
+    shown = []
+
+    class Bar(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            results = trainer._results  # what this step logged, with how (prog_bar or not)
+            bar = {m.meta.name: m._forward_cache for _, m in results.valid_items() if m.meta.prog_bar}
+            assert all(t.device.type == "cpu" and t.grad_fn is None for t in bar.values())
+            assert not any(m.meta.prog_bar for _, m in results.valid_items() if m.meta.name.startswith("train/loss"))
+            shown.append({name: t.item() for name, t in bar.items() if name in ("loss", "grad_norm")})
+
+    run = features.llama3_debugmodel()
+    record = RecordSteps()
+    run.trainer.update(max_steps=4, accelerator="cpu", devices=1, callbacks=[record, Bar()])
+    build_trainer(run).fit(run.module, datamodule=run.datamodule)
+    assert shown[0] == {}  # nothing checked yet at the first step
+    for step in range(1, 4):
+        assert shown[step]["loss"] == pytest.approx(record.losses[step - 1], rel=1e-6)
+        assert shown[step]["grad_norm"] == pytest.approx(record.grad_norms[step - 1], rel=1e-6)
