@@ -335,8 +335,13 @@ def _dump_stacks(procs: list[subprocess.Popen]) -> None:
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
-    """SIGKILL every rank's process group (leftover children too) and reap the ranks."""
+    """SIGKILL every rank and its process group (leftover children too) and reap the ranks.
+
+    The rank itself first: a rank forked by the server makes its own group (``setsid``) only
+    once it runs, so one killed right after it started has no group yet, and a group kill alone
+    missed it (seen: an interrupted launch waiting forever for a rank stuck in rendezvous)."""
     for proc in procs:
+        _signal(proc.pid, signal.SIGKILL, group=False)
         _signal(proc.pid, signal.SIGKILL, group=True)
     for proc in procs:
         proc.wait()

@@ -145,6 +145,23 @@ def test_an_interrupted_launch_kills_every_rank(tmp_path, monkeypatch):
     assert_all_gone(started)
 
 
+def test_a_rank_killed_before_it_has_its_own_process_group_is_killed_too():
+    """A forked rank makes its own group (setsid) only once it runs: killed right after the fork,
+    it has none yet, and a group kill alone would leave it running (and the launch waiting)."""
+    import subprocess
+    import sys
+
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # our group, not its own
+    assert os.getpgid(rank.pid) != rank.pid
+    with ThreadPoolExecutor(1) as pool:
+        killing = pool.submit(launch_module._kill, [rank])
+        try:
+            killing.result(timeout=20)
+        finally:
+            rank.kill()
+    assert rank.returncode == -9
+
+
 # -- the fork server ------------------------------------------------------------------------------
 
 PROBE = textwrap.dedent("""
