@@ -348,8 +348,7 @@ def _build_model(run, device):
         apply_activation_checkpointing(blocks, job.activation_checkpoint.mode, job.activation_checkpoint.selective_ac_option)
     c = job.compile
     if c.enable and "model" in c.components:
-        t = job.training
-        dtype = torch.bfloat16 if "bfloat16" in (t.dtype, t.mixed_precision_param) else torch.float32
+        dtype = getattr(torch, job.training.mixed_precision_param)  # what the blocks compute in
         moe = "moe" in c.components and moe_stays_eager(model, device_type=device.type, dtype=dtype, tp=False,
                                                          ep_dispatch=None) is None
         compile_blocks(blocks, backend=c.backend, fullgraph=c.fullgraph, moe=moe)

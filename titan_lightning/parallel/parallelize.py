@@ -92,8 +92,8 @@ def parallelize(
     if compile.enable and "model" in compile.components:
         moe = "moe" in compile.components and bool(moe_layers(model))
         if moe:
-            t = job.training
-            dtype = torch.bfloat16 if "bfloat16" in (t.dtype, t.mixed_precision_param) else torch.float32
+            # (what the blocks compute in: autocast's or FSDP's dtype; full-bf16 training needs it bf16)
+            dtype = getattr(torch, job.training.mixed_precision_param)
             reason = moe_stays_eager(model, device_type=mesh.device_mesh.device_type, dtype=dtype,
                                      tp=dims.tp_enabled, ep_dispatch=p.ep_dispatch if dims.ep_enabled else None,
                                      experts_sharded_apart=fsdp and dims.fsdp_enabled and mesh.expert_fsdp_mesh() is not None)
