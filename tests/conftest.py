@@ -25,6 +25,12 @@ def _restore_environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
+    # A Trainer run in this process leaves its process group up (as Lightning's strategies do, for what
+    # comes after fit); the next test starts without one.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def pytest_collection_modifyitems(config, items):

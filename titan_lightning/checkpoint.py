@@ -433,7 +433,14 @@ def checkpoint_group() -> Any:
     Called by every rank at the same point (a new group is a collective)."""
     if not _distributed() or dist.get_backend() == "fake":
         return None
-    return dist.new_group(backend="gloo")  # also for one rank: DCP's async save needs a CPU backend (not NCCL)
+    default = dist.distributed_c10d._get_default_group()
+    if _CHECKPOINT_GROUP.get("default") is not default:  # (one per process group: a second fit reuses it)
+        # Also for one rank: DCP's async save needs a CPU backend (not NCCL).
+        _CHECKPOINT_GROUP.update(default=default, group=dist.new_group(backend="gloo"))
+    return _CHECKPOINT_GROUP["group"]
+
+
+_CHECKPOINT_GROUP: dict[str, Any] = {}
 
 
 # -- load ----------------------------------------------------------------------------------

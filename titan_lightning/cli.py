@@ -106,6 +106,7 @@ def _main(argv: list[str]) -> int:
     rank = trainer.global_rank if trainer.world_size > 1 else None
     try:
         execute(command, run, trainer)
+        _end_process_group()
     except RUN_FAILURES as err:
         _report(err, rank=rank)
         return 1
@@ -117,6 +118,20 @@ def _main(argv: list[str]) -> int:
         _report(RankLost(lost), rank=rank)
         os._exit(1)  # a peer is gone: leave without the backend's shutdown, which would wait for it
     return 0
+
+
+def _end_process_group() -> None:
+    """The run's strategy leaves the process group up for what follows the command in the same
+    process (as Lightning's strategies do); the command line ends it, every rank together."""
+    import torch.distributed as dist
+
+    from titan_lightning.parallel.mesh import release_dtensor_caches
+
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() != "fake":
+            dist.barrier()
+        dist.destroy_process_group()
+        release_dtensor_caches()
 
 
 class RankLost(RuntimeError):

@@ -3,11 +3,13 @@
 from typing import Any, Optional
 
 import lightning as L
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from titan_lightning.config import ConfigError
 from titan_lightning.parallel.fake import deterministic_collectives, init_fake_process_group, memory_report
+from titan_lightning.parallel.mesh import release_dtensor_caches
 from titan_lightning.strategies.titan import TitanStrategy
 
 
@@ -72,6 +74,10 @@ class FakePGStrategy(TitanStrategy):
 
     def teardown(self) -> None:
         super().teardown()
+        # The simulated group is this run's own (nothing after it can use a fake world): it goes with the run.
+        if dist.is_initialized() and dist.get_backend() == "fake":
+            dist.destroy_process_group()
+            release_dtensor_caches()
         if getattr(self, "_collectives", None) is not None:
             self._collectives.__exit__(None, None, None)
             self._collectives = None

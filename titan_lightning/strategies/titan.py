@@ -320,6 +320,7 @@ class TitanStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self.check_module(self.lightning_module)  # (done already when build_trainer built the Trainer)
         self._setup_distributed()
+        release_dtensor_caches()  # (sharding decisions cached against the meshes of a process group gone since)
         self.dims = ParallelDims.from_config(self.parallelism(), self.world_size)
         self.mesh = self.dims.build_mesh(self.root_device.type)
         self._device_mesh = self.mesh.device_mesh
@@ -712,10 +713,10 @@ class TitanStrategy(ModelParallelStrategy):
         if getattr(self, "_determinism", None) is not None:
             self._determinism.restore()
             self._determinism = None
-        if _distributed_is_initialized():
-            if not failed:
-                dist.barrier()
+        # The process group outlives the run, as under Lightning's own strategies: what comes after
+        # ``trainer.fit`` (saving, ``lightning_module_state_dict()``, ``full_tensor()``, a second fit
+        # or a test in the same processes) needs it. The program that started it ends it (the CLI
+        # does, after its command). After a failure a peer may be gone: the group is abandoned.
+        if failed and _distributed_is_initialized():
             dist.destroy_process_group()
             release_dtensor_caches()
-        self.mesh = None
-        self.pipeline = None
