@@ -11,8 +11,9 @@ rendezvous store, for its account: the last collective it entered in that group,
 waits in, where its main thread is. Each rank writes its Python stacks (faulthandler) and its
 flight recorder to ``<dump_dir>/rank<r>_stacks.txt`` and ``rank<r>_flight_recorder.json``. One
 line names the rank(s) that never entered the collective, the collective, how long it waited
-and where the stuck rank is; every rank exits with status 1, rank 0 first (under Lightning's
-launcher its exit is the run's, and nothing else is reported).
+and where the stuck rank is; every rank exits with status 1, rank 0 last (it hosts the store
+under env:// launches; under Lightning's launcher its exit is the run's, and ``on_hang`` keeps
+the launcher from reporting the others' exit).
 
 The process groups' own timeout comes ``BACKSTOP_S`` later (``process_group_timeout``): it ends
 the run, with torch's error (under NCCL, torch's flight-recorder dump), only if the watchdog
@@ -105,11 +106,12 @@ class Watchdog:
 
     def __init__(self, rank: int, world_size: int, host: str, port: int, *, init_timeout_s: float,
                  train_timeout_s: float, dump_dir: Path, steps: Callable[[], int] = lambda: 0,
-                 ignore: Iterable[Any] = (), interval_s: float = 1.0, answer_s: float = 5.0) -> None:
+                 ignore: Iterable[Any] = (), on_hang: Callable[[], None] = lambda: None, interval_s: float = 1.0,
+                 answer_s: float = 5.0) -> None:
         self.rank, self.world_size = rank, world_size
         self.init_timeout_s, self.train_timeout_s = init_timeout_s, train_timeout_s
         self.dump_dir, self.interval_s, self.answer_s = Path(dump_dir), interval_s, answer_s
-        self._steps = steps
+        self._steps, self._on_hang = steps, on_hang
         self._ignore = {group.group_name for group in ignore if group is not None}
         self._ignored: set[tuple[str, str]] = set()  # (recorder, pg id) of ignored groups
         self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10),
@@ -121,9 +123,10 @@ class Watchdog:
         self._thread.start()
 
     @classmethod
-    def from_env(cls, comm: CommConfig, dump_dir: Path, steps: Callable[[], int],
-                 ignore: Iterable[Any] = ()) -> Optional["Watchdog"]:
-        """For an env:// launch of several ranks with the flight recorder on; else None."""
+    def from_env(cls, comm: CommConfig, dump_dir: Path, steps: Callable[[], int], ignore: Iterable[Any] = (),
+                 on_hang: Callable[[], None] = lambda: None) -> Optional["Watchdog"]:
+        """For an env:// launch of several ranks with the flight recorder on; else None. ``steps``: the
+        optimizer steps done; ``on_hang``: called on rank 0 once a hang is found, before any rank leaves."""
         if comm.trace_buf_size == 0 or not (dist.is_available() and dist.is_initialized()):
             return None
         host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -131,7 +134,8 @@ class Watchdog:
             return None
         try:
             return cls(dist.get_rank(), dist.get_world_size(), host, int(port), init_timeout_s=comm.init_timeout_s,
-                       train_timeout_s=comm.train_timeout_s, dump_dir=dump_dir, steps=steps, ignore=ignore)
+                       train_timeout_s=comm.train_timeout_s, dump_dir=dump_dir, steps=steps, ignore=ignore,
+                       on_hang=on_hang)
         except (RuntimeError, ValueError, OSError):
             return None  # no store to reach: the process groups' timeout alone
 
@@ -148,7 +152,7 @@ class Watchdog:
         while not self._stop.wait(self.interval_s):
             try:
                 if self._store.check([f"{_PREFIX}/request"]):
-                    return self._answer_and_leave()
+                    return self._leaving(self._answer)
                 if death_reported(self._store):
                     continue  # a rank died: the heartbeat names it
                 now = time.monotonic()
@@ -169,7 +173,7 @@ class Watchdog:
                     if entry is None or entry["process_group"][0] in self._ignore:
                         self._ignored.add(key)
                     elif self._store.add(f"{_PREFIX}/claim", 1) == 1:
-                        return self._coordinate(entry, now - since, timeout_s, field)
+                        return self._leaving(self._coordinate, entry, now - since, timeout_s, field)
             except Exception:  # noqa: BLE001 - the store's host is gone (the run is ending)
                 return
 
@@ -188,6 +192,23 @@ class Watchdog:
 
     # -- the verdict ---------------------------------------------------------------------
 
+    def _leaving(self, report: Callable[..., None], *args: Any) -> None:
+        """A hang was found: ``report`` it, then leave; rank 0 last, once the others have left (it
+        hosts the store under env:// launches, and is the run's process under Lightning's launcher)."""
+        try:
+            if self.rank == 0:
+                self._on_hang()
+            report(*args)
+            if self.rank != 0:
+                self._store.add(f"{_PREFIX}/left", 1)
+            else:
+                deadline = time.monotonic() + self.answer_s
+                while self._store.add(f"{_PREFIX}/left", 0) < self.world_size - 1 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        finally:
+            sys.stderr.flush()
+            os._exit(1)
+
     def _coordinate(self, entry: dict, waited_s: float, timeout_s: float, field: str) -> None:
         """This rank saw the hang first: it gathers every rank's account and says who hangs."""
         name, desc = entry["process_group"][0], entry["process_group"][1]
@@ -203,23 +224,21 @@ class Watchdog:
                     answers[rank] = json.loads(self._store.get(f"{_PREFIX}/answer/{rank}"))
             time.sleep(0.1)
         line = self._verdict(request, answers)
-        self._store.set(f"{_PREFIX}/verdict", line)
         print(f"titan-lightning: error: [rank {self.rank}] {line}", file=sys.stderr, flush=True)
-        self._leave()
+        self._store.set(f"{_PREFIX}/verdict", line)
 
-    def _answer_and_leave(self) -> None:
+    def _answer(self) -> None:
+        """Another rank saw the hang: this rank's account, then the verdict in its own log (when it has one)."""
         request = json.loads(self._store.get(f"{_PREFIX}/request"))
         mine = self._account(request)
         self._store.set(f"{_PREFIX}/answer/{self.rank}", json.dumps(mine))
         deadline = time.monotonic() + self.answer_s + 10
         while not self._store.check([f"{_PREFIX}/verdict"]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if self._store.check([f"{_PREFIX}/verdict"]):
-            coordinator = json.loads(self._store.get(f"{_PREFIX}/answer/{request['rank']}"))
-            if coordinator["output"] != mine["output"]:  # a log of its own (torchrun --log-dir): say it there too
-                line = self._store.get(f"{_PREFIX}/verdict").decode()
-                print(f"titan-lightning: error: [rank {self.rank}] {line}", file=sys.stderr, flush=True)
-        self._leave()
+            time.sleep(0.05)
+        coordinator = json.loads(self._store.get(f"{_PREFIX}/answer/{request['rank']}"))
+        if coordinator["output"] != mine["output"] and self._store.check([f"{_PREFIX}/verdict"]):
+            line = self._store.get(f"{_PREFIX}/verdict").decode()  # (torchrun --log-dir: a log per rank)
+            print(f"titan-lightning: error: [rank {self.rank}] {line}", file=sys.stderr, flush=True)
 
     def _account(self, request: dict) -> dict:
         """This rank's stacks and flight recorder to files; for the store: the last collective it
@@ -272,21 +291,6 @@ class Watchdog:
             return json.loads(self._store.get(f"{_PREFIX}/where/{rank}"))
         except Exception:  # noqa: BLE001
             return {}
-
-    def _leave(self) -> None:
-        """Rank 0 first: under Lightning's launcher it is the run's process, and it hosts the store
-        (the others then leave when it is gone); elsewhere, when it says it left."""
-        if self.rank == 0:
-            self._store.set(f"{_PREFIX}/left", "0")
-        else:
-            deadline = time.monotonic() + 10
-            try:
-                while not self._store.check([f"{_PREFIX}/left"]) and time.monotonic() < deadline:
-                    time.sleep(0.1)
-            except Exception:  # noqa: BLE001 - rank 0 left and took the store with it
-                pass
-        sys.stderr.flush()
-        os._exit(1)
 
 
 def _group_label(process_group: list) -> str:

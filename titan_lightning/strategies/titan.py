@@ -333,7 +333,7 @@ class TitanStrategy(ModelParallelStrategy):
         self._checkpoint_writer = ckpt.CheckpointWriter(ckpt.checkpoint_group())
         self.heartbeat = Heartbeat.from_env()  # names a rank that dies (see parallel/heartbeat.py)
         self.watchdog = Watchdog.from_env(comm, traces, steps=lambda: self.lightning_module.trainer.global_step,
-                                          ignore=[self._checkpoint_writer.group])  # names a rank that hangs
+                                          ignore=[self._checkpoint_writer.group], on_hang=self._on_hang)
         self.lightning_module._device_mesh = self._device_mesh
         self._set_determinism()
 
@@ -345,6 +345,11 @@ class TitanStrategy(ModelParallelStrategy):
         except RuntimeError:  # not attached to a Trainer
             root = Path.cwd()
         return (job.comm if job is not None else CommConfig()), root / "comm_traces"
+
+    def _on_hang(self) -> None:
+        # The watchdog names a hung rank (parallel/watchdog.py) and every rank leaves: no news for the launcher.
+        if getattr(self._launcher, "_observer", None) is not None:
+            self._launcher._observer.stopped = True
 
     def _set_determinism(self) -> None:
         # Only modules that carry a job (every titan_lightning model) say how to seed.
