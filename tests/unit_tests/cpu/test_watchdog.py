@@ -12,9 +12,8 @@ from titan_lightning.testing.spawn import run_function
 
 CASES_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
 
-pytestmark = pytest.mark.multi_process
 
-
+@pytest.mark.multi_process
 def test_a_rank_stuck_in_its_step_is_named_with_the_collective_its_peer_waits_in(tmp_path):
     dumps = tmp_path / "traces"
     with pytest.raises(LaunchFailed) as failed:
@@ -36,6 +35,7 @@ def test_a_rank_stuck_in_its_step_is_named_with_the_collective_its_peer_waits_in
         assert '"gloo:all_reduce"' in (dumps / f"rank{rank}_flight_recorder.json").read_text()
 
 
+@pytest.mark.multi_process
 def test_a_rank_slower_than_its_peer_but_within_the_timeout_is_left_alone(tmp_path):
     results = run_function("watchdog_cases:sleepy_rank", 2, out_dir=tmp_path, timeout=50, env=CASES_ENV,
                            dump_dir=str(tmp_path / "traces"), timeout_s=3.0, sleep_s=1.5)
@@ -43,8 +43,24 @@ def test_a_rank_slower_than_its_peer_but_within_the_timeout_is_left_alone(tmp_pa
     assert not (tmp_path / "traces").exists()
 
 
+@pytest.mark.multi_process
 def test_no_thread_of_ours_outlives_fit(tmp_path):
     for threads in run_function("watchdog_cases:threads_after_fit", 2, out_dir=tmp_path, timeout=110, env=CASES_ENV,
                                 root=str(tmp_path)):
         assert {"titan-lightning-heartbeat", "titan-lightning-watchdog"} <= set(threads["in_step"]), threads
         assert not [name for name in threads["after_fit"] if name.startswith("titan-lightning")], threads
+
+
+@pytest.mark.parametrize("override, message", [
+    (["--job.comm.train_timeout_s", "0"], "comm.train_timeout_s=0.0 must be a number of seconds > 0"),
+    (["--job.comm.init_timeout_s", "-5"], "comm.init_timeout_s=-5.0 must be a number of seconds > 0"),
+    (["--job.comm.trace_buf_size", "-1"], "comm.trace_buf_size=-1 must be an integer >= 0"),
+])
+def test_bad_comm_settings_fail_before_launch_in_one_line(override, message, tmp_path, monkeypatch, capsys):
+    from titan_lightning import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["fit", "--recipe", "recipes.llama3:fsdp2", *override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "runs").exists()
