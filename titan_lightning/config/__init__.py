@@ -1,5 +1,6 @@
 from titan_lightning.config.activation_checkpoint import ActivationCheckpointConfig
 from titan_lightning.config.checkpoint import CheckpointConfig
+from titan_lightning.config.comm import CommConfig
 from titan_lightning.config.compile import CompileConfig
 from titan_lightning.config.data import DataConfig, DataSource
 from titan_lightning.config.job import JobConfig, ModelArgs
@@ -13,6 +14,7 @@ from titan_lightning.config.validation import ConfigError, validate_job
 __all__ = [
     "ActivationCheckpointConfig",
     "CheckpointConfig",
+    "CommConfig",
     "CompileConfig",
     "ConfigError",
     "DataConfig",

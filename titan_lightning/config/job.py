@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from titan_lightning.config.activation_checkpoint import ActivationCheckpointConfig
 from titan_lightning.config.checkpoint import CheckpointConfig
+from titan_lightning.config.comm import CommConfig
 from titan_lightning.config.compile import CompileConfig
 from titan_lightning.config.data import DataConfig
 from titan_lightning.config.optimizer import LRScheduleConfig, OptimizerConfig
@@ -80,3 +81,4 @@ class JobConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    comm: CommConfig = field(default_factory=CommConfig)

@@ -110,12 +110,15 @@ class Heartbeat:
         os._exit(1)
 
     def stop(self) -> None:
-        """This rank ends normally: its watcher must not take the silence for a death."""
+        """This rank ends normally: its watcher must not take the silence for a death. The thread
+        ends before this returns (none outlives ``trainer.fit``)."""
         try:
             self._store.set(f"{_PREFIX}/done/{self.rank}", "1")
         except Exception:  # noqa: BLE001 - the store's host already left at the end of the run
             pass
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval_s + 15)  # (a store call in flight times out in 10 s)
 
     def explain(self, wait_s: float = 15.0) -> Optional[str]:
         """One line naming the rank(s) that stopped beating, waiting up to ``wait_s`` for the
@@ -160,3 +163,8 @@ class Heartbeat:
             where = {"host": "?", "pid": "?", "output": "unknown"}
         return (f"rank {rank} (pid {where['pid']} on {where['host']}) stopped: no heartbeat for {self.stall_s:.0f} s "
                 f"(killed, out of memory or crashed); its output: {where['output']}")
+
+
+def death_reported(store) -> bool:
+    """Whether some rank's heartbeat has marked a peer dead (the watchdog then leaves it to the heartbeat)."""
+    return store.add(f"{_PREFIX}/dead_any", 0) > 0

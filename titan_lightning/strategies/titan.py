@@ -15,6 +15,7 @@ import signal
 import sys
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning as L
@@ -34,7 +35,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_lightning import checkpoint as ckpt
 from titan_lightning.checkpoint import CheckpointError
-from titan_lightning.config import JobConfig, ParallelismConfig, TrainingConfig, validate_job
+from titan_lightning.config import CommConfig, JobConfig, ParallelismConfig, TrainingConfig, validate_job
 from titan_lightning.config.training import DTYPES
 from titan_lightning.config.validation import (
     validate_degrees,
@@ -52,6 +53,7 @@ from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_ca
 from titan_lightning.parallel.parallelize import Parallelized, parallelize
 from titan_lightning.parallel.pipeline import describe_split, stage_autocast
 from titan_lightning.parallel.tensor import FUSED, check_tp_plan
+from titan_lightning.parallel.watchdog import Watchdog, process_group_timeout, set_comm_environment
 from titan_lightning.strategies.pipeline import PipelineRunner, average_records, patched, record_logs, replay_records
 
 
@@ -246,6 +248,7 @@ class TitanStrategy(ModelParallelStrategy):
         self._window: list = []
         self._checkpoint_writer = ckpt.CheckpointWriter()
         self.heartbeat: Optional[Heartbeat] = None
+        self.watchdog: Optional[Watchdog] = None
 
     # -- configuration ---------------------------------------------------------------------
 
@@ -319,6 +322,10 @@ class TitanStrategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         self.check_module(self.lightning_module)  # (done already when build_trainer built the Trainer)
+        comm, traces = self._comm()
+        set_comm_environment(comm, traces, self._get_process_group_backend())
+        if self._timeout == default_pg_timeout:  # (a timeout passed to the strategy wins)
+            self._timeout = process_group_timeout(comm)
         self._setup_distributed()
         release_dtensor_caches()  # (sharding decisions cached against the meshes of a process group gone since)
         self.dims = ParallelDims.from_config(self.parallelism(), self.world_size)
@@ -326,8 +333,24 @@ class TitanStrategy(ModelParallelStrategy):
         self._device_mesh = self.mesh.device_mesh
         self._checkpoint_writer = ckpt.CheckpointWriter(ckpt.checkpoint_group())
         self.heartbeat = Heartbeat.from_env()  # names a rank that dies (see parallel/heartbeat.py)
+        self.watchdog = Watchdog.from_env(comm, traces, steps=lambda: self.lightning_module.trainer.global_step,
+                                          ignore=[self._checkpoint_writer.group], on_hang=self._on_hang)
         self.lightning_module._device_mesh = self._device_mesh
         self._set_determinism()
+
+    def _comm(self) -> tuple[CommConfig, Path]:
+        """The module's ``job.comm`` (torchtitan's defaults without a job) and where a hang's traces go."""
+        job = getattr(self.lightning_module, "job", None)
+        try:
+            root = Path(self.lightning_module.trainer.default_root_dir)
+        except RuntimeError:  # not attached to a Trainer
+            root = Path.cwd()
+        return (job.comm if job is not None else CommConfig()), root / "comm_traces"
+
+    def _on_hang(self) -> None:
+        # The watchdog names a hung rank (parallel/watchdog.py) and every rank leaves: no news for the launcher.
+        if getattr(self._launcher, "_observer", None) is not None:
+            self._launcher._observer.stopped = True
 
     def _set_determinism(self) -> None:
         # Only modules that carry a job (every titan_lightning model) say how to seed.
@@ -709,6 +732,8 @@ class TitanStrategy(ModelParallelStrategy):
             self._checkpoint_writer.wait()  # an asynchronous save still being written
         if getattr(self, "heartbeat", None) is not None and not failed:
             self.heartbeat.stop()  # (after a failure it beats on: the peers are told who really died)
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.stop()
         super().teardown()
         if getattr(self, "_determinism", None) is not None:
             self._determinism.restore()

@@ -1,0 +1,298 @@
+"""Which rank hangs: a watchdog per rank over torch's flight recorder.
+
+A rank stuck inside a step (a deadlock in user code, a slow file system, an endless loop) is
+alive and beats (heartbeat.py) while its peers wait for it in a collective until the process
+group's timeout. torch's flight recorder (``TORCH_FR_BUFFER_SIZE``, gloo and NCCL) counts, per
+process group, the collectives a rank enqueued and those that completed; the watchdog thread
+reads those counters once a second (a few microseconds). When a collective of this rank has
+waited longer than ``comm.init_timeout_s`` (before the first optimizer step) or
+``comm.train_timeout_s`` (after), the first rank to see it asks every rank, through the
+rendezvous store, for its account: the last collective it entered in that group, the ones it
+waits in, where its main thread is. Each rank writes its Python stacks (faulthandler) and its
+flight recorder to ``<dump_dir>/rank<r>_stacks.txt`` and ``rank<r>_flight_recorder.json``. One
+line names the rank(s) that never entered the collective, the collective, how long it waited
+and where the stuck rank is; every rank exits with status 1, rank 0 last (it hosts the store
+under env:// launches; under Lightning's launcher its exit is the run's, and ``on_hang`` keeps
+the launcher from reporting the others' exit).
+
+The process groups' own timeout comes ``BACKSTOP_S`` later (``process_group_timeout``): it ends
+the run, with torch's error (under NCCL, torch's flight-recorder dump), only if the watchdog
+could not. Collectives of ``ignore``d groups (the checkpoint writer's own) are left to it.
+Point-to-point transfers (pipeline stages) are not watched: their waits end at that timeout.
+"""
+
+import faulthandler
+import json
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import torch.distributed as dist
+
+from titan_lightning.config.comm import CommConfig
+from titan_lightning.parallel.heartbeat import death_reported, output_target
+
+_PREFIX = "titan_lightning/watchdog"
+BACKSTOP_S = 60.0
+
+
+def set_comm_environment(comm: CommConfig, dump_dir: Path, backend: Optional[str]) -> None:
+    """Before the process group exists: the flight recorder's size and, under NCCL, torchtitan's
+    settings (dump the recorder when a collective times out; tear the process down on an error)."""
+    os.environ["TORCH_FR_BUFFER_SIZE"] = str(comm.trace_buf_size)
+    if backend is None or "nccl" not in backend:
+        return
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # 1 aborts before the recorder is dumped
+    if comm.trace_buf_size > 0:
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        if "TORCH_FR_DUMP_TEMP_FILE" not in os.environ:
+            dump_dir.mkdir(parents=True, exist_ok=True)
+            os.environ["TORCH_FR_DUMP_TEMP_FILE"] = str(dump_dir / "nccl_timeout_rank")
+
+
+def process_group_timeout(comm: CommConfig) -> timedelta:
+    """The process groups' own timeout: a backstop behind the watchdog's."""
+    return timedelta(seconds=max(comm.init_timeout_s, comm.train_timeout_s) + BACKSTOP_S)
+
+
+def _recorders() -> dict[str, Callable[..., bytes]]:
+    """torch's flight recorders: the generic one (gloo, ...) and, in CUDA builds, NCCL's."""
+    import torch._C._distributed_c10d as c10d
+
+    found = {"fr": lambda collectives: c10d._dump_fr_trace_json(includeCollectives=collectives)}
+    if hasattr(c10d, "_dump_nccl_trace_json"):
+        found["nccl"] = lambda collectives: c10d._dump_nccl_trace_json(includeCollectives=collectives,
+                                                                       includeStackTraces=False)
+    return found
+
+
+def _main_thread_at() -> str:
+    """Where the main thread is: its innermost Python frame, and the innermost one of the user's
+    code (outside site-packages) when that is another."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "unknown"
+
+    def describe(f) -> str:
+        return f"{f.f_code.co_name} ({f.f_code.co_filename}:{f.f_lineno})"
+
+    where, inner = describe(frame), frame
+    while inner is not None and ("site-packages" in inner.f_code.co_filename
+                                 or inner.f_code.co_filename.startswith(sys.prefix)):
+        inner = inner.f_back
+    if inner is not None and inner is not frame:
+        where += f" <- {describe(inner)}"
+    return where
+
+
+def _group_ranks(name: str, world_size: int) -> list[int]:
+    try:
+        for group, group_name in dist.distributed_c10d._world.pg_names.items():
+            if group_name == name:
+                return dist.get_process_group_ranks(group)
+    except Exception:  # noqa: BLE001 - torch's registry changed: every rank answers anyway
+        pass
+    return list(range(world_size))
+
+
+class Watchdog:
+    """A daemon thread that ends a hung run, naming the rank it waits for (see the module's docstring)."""
+
+    def __init__(self, rank: int, world_size: int, host: str, port: int, *, init_timeout_s: float,
+                 train_timeout_s: float, dump_dir: Path, steps: Callable[[], int] = lambda: 0,
+                 ignore: Iterable[Any] = (), on_hang: Callable[[], None] = lambda: None, interval_s: float = 1.0,
+                 answer_s: float = 5.0) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.init_timeout_s, self.train_timeout_s = init_timeout_s, train_timeout_s
+        self.dump_dir, self.interval_s, self.answer_s = Path(dump_dir), interval_s, answer_s
+        self._steps, self._on_hang = steps, on_hang
+        self._ignore = {group.group_name for group in ignore if group is not None}
+        self._ignored: set[tuple[str, str]] = set()  # (recorder, pg id) of ignored groups
+        self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10),
+                                    wait_for_workers=False)
+        self._store.set(f"{_PREFIX}/where/{rank}", json.dumps(
+            {"host": socket.gethostname(), "pid": os.getpid(), "output": output_target()}))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="titan-lightning-watchdog")
+        self._thread.start()
+
+    @classmethod
+    def from_env(cls, comm: CommConfig, dump_dir: Path, steps: Callable[[], int], ignore: Iterable[Any] = (),
+                 on_hang: Callable[[], None] = lambda: None) -> Optional["Watchdog"]:
+        """For an env:// launch of several ranks with the flight recorder on; else None. ``steps``: the
+        optimizer steps done; ``on_hang``: called on rank 0 once a hang is found, before any rank leaves."""
+        if comm.trace_buf_size == 0 or not (dist.is_available() and dist.is_initialized()):
+            return None
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if dist.get_world_size() == 1 or not host or not port or dist.get_backend() == "fake":
+            return None
+        try:
+            return cls(dist.get_rank(), dist.get_world_size(), host, int(port), init_timeout_s=comm.init_timeout_s,
+                       train_timeout_s=comm.train_timeout_s, dump_dir=dump_dir, steps=steps, ignore=ignore,
+                       on_hang=on_hang)
+        except (RuntimeError, ValueError, OSError):
+            return None  # no store to reach: the process groups' timeout alone
+
+    def stop(self) -> None:
+        """The run ended: the thread ends before this returns."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval_s + 15)
+
+    # -- watching ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        pending: dict[tuple[str, str], tuple[int, float]] = {}  # (recorder, pg id) -> (oldest open seq, seen since)
+        while not self._stop.wait(self.interval_s):
+            try:
+                if self._store.check([f"{_PREFIX}/request"]):
+                    return self._leaving(self._answer)
+                if death_reported(self._store):
+                    continue  # a rank died: the heartbeat names it
+                now = time.monotonic()
+                for source, dump in _recorders().items():
+                    for pg_id, status in json.loads(dump(False)).get("pg_status", {}).items():
+                        done, enqueued = int(status["last_completed_collective"]), int(status["last_enqueued_collective"])
+                        key = (source, pg_id)
+                        if enqueued <= done:
+                            pending.pop(key, None)
+                        elif pending.get(key, (None,))[0] != done + 1:
+                            pending[key] = (done + 1, now)
+                timeout_s, field = ((self.train_timeout_s, "comm.train_timeout_s") if self._steps_done() > 0
+                                    else (self.init_timeout_s, "comm.init_timeout_s"))
+                for key, (seq, since) in pending.items():
+                    if key in self._ignored or now - since <= timeout_s:
+                        continue
+                    entry = self._entry(*key, seq)
+                    if entry is None or entry["process_group"][0] in self._ignore:
+                        self._ignored.add(key)
+                    elif self._store.add(f"{_PREFIX}/claim", 1) == 1:
+                        return self._leaving(self._coordinate, entry, now - since, timeout_s, field)
+            except Exception:  # noqa: BLE001 - the store's host is gone (the run is ending)
+                return
+
+    def _steps_done(self) -> int:
+        try:
+            return int(self._steps())
+        except Exception:  # noqa: BLE001 - the trainer is not attached (yet, or any more)
+            return 0
+
+    @staticmethod
+    def _entry(source: str, pg_id: str, seq: int) -> Optional[dict]:
+        for entry in json.loads(_recorders()[source](True)).get("entries", []):
+            if str(entry["pg_id"]) == pg_id and entry["collective_seq_id"] == seq and not entry["is_p2p"]:
+                return entry
+        return None
+
+    # -- the verdict ---------------------------------------------------------------------
+
+    def _leaving(self, report: Callable[..., None], *args: Any) -> None:
+        """A hang was found: ``report`` it, then leave; rank 0 last, once the others have left (it
+        hosts the store under env:// launches, and is the run's process under Lightning's launcher)."""
+        try:
+            if self.rank == 0:
+                self._on_hang()
+            report(*args)
+            if self.rank != 0:
+                self._store.add(f"{_PREFIX}/left", 1)
+            else:
+                deadline = time.monotonic() + self.answer_s
+                while self._store.add(f"{_PREFIX}/left", 0) < self.world_size - 1 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        finally:
+            sys.stderr.flush()
+            os._exit(1)
+
+    def _coordinate(self, entry: dict, waited_s: float, timeout_s: float, field: str) -> None:
+        """This rank saw the hang first: it gathers every rank's account and says who hangs."""
+        name, desc = entry["process_group"][0], entry["process_group"][1]
+        request = {"rank": self.rank, "group": name, "desc": desc, "seq": entry["collective_seq_id"],
+                   "op": entry["profiling_name"], "waited_s": waited_s, "timeout_s": timeout_s, "field": field,
+                   "ranks": _group_ranks(name, self.world_size)}
+        self._store.set(f"{_PREFIX}/request", json.dumps(request))
+        self._store.set(f"{_PREFIX}/answer/{self.rank}", json.dumps(self._account(request)))
+        answers, deadline = {}, time.monotonic() + self.answer_s
+        while len(answers) < self.world_size and time.monotonic() < deadline:
+            for rank in range(self.world_size):
+                if rank not in answers and self._store.check([f"{_PREFIX}/answer/{rank}"]):
+                    answers[rank] = json.loads(self._store.get(f"{_PREFIX}/answer/{rank}"))
+            time.sleep(0.1)
+        line = self._verdict(request, answers)
+        print(f"titan-lightning: error: [rank {self.rank}] {line}", file=sys.stderr, flush=True)
+        self._store.set(f"{_PREFIX}/verdict", line)
+
+    def _answer(self) -> None:
+        """Another rank saw the hang: this rank's account, then the verdict in its own log (when it has one)."""
+        request = json.loads(self._store.get(f"{_PREFIX}/request"))
+        mine = self._account(request)
+        self._store.set(f"{_PREFIX}/answer/{self.rank}", json.dumps(mine))
+        deadline = time.monotonic() + self.answer_s + 10
+        while not self._store.check([f"{_PREFIX}/verdict"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        coordinator = json.loads(self._store.get(f"{_PREFIX}/answer/{request['rank']}"))
+        if coordinator["output"] != mine["output"] and self._store.check([f"{_PREFIX}/verdict"]):
+            line = self._store.get(f"{_PREFIX}/verdict").decode()  # (torchrun --log-dir: a log per rank)
+            print(f"titan-lightning: error: [rank {self.rank}] {line}", file=sys.stderr, flush=True)
+
+    def _account(self, request: dict) -> dict:
+        """This rank's stacks and flight recorder to files; for the store: the last collective it
+        entered in the request's group, those it waits in, where its main thread is."""
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.dump_dir / f"rank{self.rank}_stacks.txt", "w") as out:
+            faulthandler.dump_traceback(out, all_threads=True)
+        traces = {source: json.loads(dump(True)) for source, dump in _recorders().items()}
+        (self.dump_dir / f"rank{self.rank}_flight_recorder.json").write_text(json.dumps(traces))
+        entered, waiting, now_ns = 0, [], time.time_ns()
+        for trace in traces.values():
+            entries = [e for e in trace.get("entries", []) if not e["is_p2p"]]
+            ids = {str(e["pg_id"]) for e in entries if e["process_group"][0] == request["group"]}
+            for pg_id in ids:
+                status = trace.get("pg_status", {}).get(pg_id, {})
+                entered = max(entered, int(status.get("last_enqueued_collective", 0)))
+            for e in entries:
+                if not e["retired"] and e["state"] != "completed":
+                    waiting.append(f"{e['profiling_name']} #{e['collective_seq_id']} of process group "
+                                   f"{_group_label(e['process_group'])} for {(now_ns - e['time_created_ns']) / 1e9:.0f} s")
+        where = json.loads(self._store.get(f"{_PREFIX}/where/{self.rank}"))
+        return {**where, "rank": self.rank, "step": self._steps_done(), "entered": entered, "waiting": waiting,
+                "at": _main_thread_at()}
+
+    def _verdict(self, request: dict, answers: dict[int, dict]) -> str:
+        op = f"{request['op']} #{request['seq']} of process group {_group_label([request['group'], request['desc']])}"
+        ranks = request["ranks"]
+        waited = (f"in which rank {request['rank']} has waited {math.floor(request['waited_s'])} s "
+                  f"({request['field']}={request['timeout_s']:g})")
+        behind = [answers[r] for r in ranks if r in answers and answers[r]["entered"] < request["seq"]]
+        silent = [r for r in ranks if r not in answers]
+        parts = []
+        for a in behind:
+            also = f"; it waits in {', '.join(a['waiting'])}" if a["waiting"] else ""
+            parts.append(f"rank {a['rank']} (pid {a['pid']} on {a['host']}) never entered {op}, {waited}; "
+                         f"rank {a['rank']} is at step {a['step']} in {a['at']}{also}")
+        for r in silent:
+            where = self._where(r)
+            parts.append(f"rank {r} (pid {where.get('pid', '?')} on {where.get('host', '?')}) did not answer "
+                         f"within {self.answer_s:g} s (its process is stopped, or a thread holds the GIL); "
+                         f"the others wait in {op}, {waited}")
+        if not parts:
+            parts.append(f"every rank of process group {_group_label([request['group'], request['desc']])} "
+                         f"(ranks {', '.join(map(str, ranks))}) entered {request['op']} #{request['seq']} and it has "
+                         f"not completed ({waited}): the network or the backend hangs, not a rank")
+        return f"hung collective: {'; '.join(parts)}. Python stacks and flight recorder of every rank: {self.dump_dir}"
+
+    def _where(self, rank: int) -> dict:
+        try:
+            return json.loads(self._store.get(f"{_PREFIX}/where/{rank}"))
+        except Exception:  # noqa: BLE001
+            return {}
+
+
+def _group_label(process_group: list) -> str:
+    name, desc = process_group[0], process_group[1] if len(process_group) > 1 else ""
+    return f"{name} ({desc})" if desc and desc != "undefined" else name
