@@ -102,9 +102,18 @@ class ParallelDims:
             parts.append(f"EP={self.ep}")
         return ", ".join(parts) or "single device"
 
-    def build_mesh(self, device_type: str) -> "Mesh":
+    def build_mesh(self, device_type: str, lightning_names: bool = False) -> "Mesh":
+        """``lightning_names``: the root mesh's dims are called as ModelParallelStrategy calls them,
+        ``("data_parallel", "tensor_parallel")`` (for its ``data_parallel_size``/``tensor_parallel_size``:
+        only dp_shard and tp may be enabled); otherwise ours, with those names as flattened views."""
         dims = self.enabled_dims
         root_dims = tuple(d for d in MESH_DIMS if d in dims or d in ("dp_shard", "tp"))
+        if lightning_names:
+            if set(dims) - {"dp_shard", "tp"}:
+                raise ValueError(f"ModelParallelStrategy's mesh names need a dp_shard x tp layout; got {self.describe()}")
+            renamed = {"dp_shard": "data_parallel", "tp": "tensor_parallel"}
+            mesh = init_device_mesh(device_type, (self.dp_shard, self.tp), mesh_dim_names=tuple(renamed.values()))
+            return Mesh(self, mesh, {dim: mesh[renamed[dim]] for dim in dims})
         mesh = init_device_mesh(device_type, tuple(self.degree(d) for d in root_dims), mesh_dim_names=root_dims)
         views = {dim: mesh[dim] for dim in dims}
         for name, parts in LIGHTNING_NAMES.items():

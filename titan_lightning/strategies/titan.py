@@ -65,9 +65,19 @@ def _accumulating(trainer: L.Trainer, batch_idx: Optional[int]) -> bool:
     return batch_idx is not None and (batch_idx + 1) % trainer.accumulate_grad_batches != 0
 
 
+# Wrappers whose attribute torch's state-dict functions leave out of a parameter's name
+# (torch.compile's OptimizedModule, activation checkpointing's wrapper, FSDP1's).
+_WRAPPER_ATTRIBUTES = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def _clean_name(name: str) -> str:
+    """A parameter's name as ``get_optimizer_state_dict`` keys it: ``model._orig_mod.0.weight`` -> ``model.0.weight``."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_ATTRIBUTES)
+
+
 def _optimizer_names(model: torch.nn.Module, optimizer) -> list[str]:
     """The parameter names of ``optimizer``, in its own order (what its state_dict indexes)."""
-    names = {id(param): name for name, param in model.named_parameters()}
+    names = {id(param): _clean_name(name) for name, param in model.named_parameters()}
     return [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
 
 
@@ -329,7 +339,8 @@ class TitanStrategy(ModelParallelStrategy):
         self._setup_distributed()
         release_dtensor_caches()  # (sharding decisions cached against the meshes of a process group gone since)
         self.dims = ParallelDims.from_config(self.parallelism(), self.world_size)
-        self.mesh = self.dims.build_mesh(self.root_device.type)
+        # ModelParallelStrategy's sizes given: its mesh names too (code written for it asserts them).
+        self.mesh = self.dims.build_mesh(self.root_device.type, lightning_names=self._lightning_sizes is not None)
         self._device_mesh = self.mesh.device_mesh
         self._checkpoint_writer = ckpt.CheckpointWriter(ckpt.checkpoint_group())
         self.heartbeat = Heartbeat.from_env()  # names a rank that dies (see parallel/heartbeat.py)
@@ -394,7 +405,12 @@ class TitanStrategy(ModelParallelStrategy):
         user_fsdp, user_tp = _applied_by_user(module)
         plan = getattr(module, "tp_plan", None)
         if dims.tp_enabled and not user_tp and _parallelizes_itself(module):  # (check_module left TP to it)
-            validate_tp_plan(type(module).__name__, config, self.world_size, plan, FUSED)
+            if self._lightning_sizes is None or plan is not None:
+                validate_tp_plan(type(module).__name__, config, self.world_size, plan, FUSED)
+            elif self.global_rank == 0:  # ModelParallelStrategy's contract: TP is the module's own business
+                print(f"[parallelize] tensor_parallel_size={dims.tp}: {type(module).__name__}.configure_model applied "
+                      f"no tensor parallelism and it declares no tp_plan; its parameters are replicated over the "
+                      f"{dims.tp} tensor-parallel ranks", flush=True)
         blocks = None if inner is not None else find_repeated_blocks(module)
         self._applied = applied = parallelize(
             module, self.mesh, self._job(module), model=inner, tp_plan=None if user_tp else plan, blocks=blocks,
