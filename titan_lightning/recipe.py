@@ -34,7 +34,7 @@ from titan_lightning.callbacks import TrainingMetrics
 from titan_lightning.callbacks.metrics import SourceTokens
 from titan_lightning.callbacks.preemption import PreemptionCheckpoint
 from titan_lightning.callbacks.profiling import ProfileSteps
-from titan_lightning.callbacks.weights import ExportWeights, LoadWeights, check_export, check_initial_weights
+from titan_lightning.callbacks.weights import ExportWeights, LoadWeights, check_export, check_initial_weights, model_shapes
 from titan_lightning.config import ConfigError, JobConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig, validate_job
 from titan_lightning.config.job import CP_ATTENTIONS
 from titan_lightning.config.parallelism import CP_LOAD_BALANCERS
@@ -235,11 +235,17 @@ def resume_path(run: Run, trainer: L.Trainer) -> Optional[str]:
         return run.ckpt_path  # a user's module: the recipe's own Run(ckpt_path=...)
     if job.checkpoint.resume_from is None:
         return None
-    from titan_lightning.checkpoint import resolve_resume, unfinished_checkpoints
+    from titan_lightning.checkpoint import check_model_shapes, resolve_resume, unfinished_checkpoints
 
     # "latest" searches every run of this recipe: <root>/<name>/<timestamp>/checkpoints.
     root = Path(trainer.default_root_dir).parent
-    path = resolve_resume(job.checkpoint.resume_from, root)
+    path = resolve_resume(job.checkpoint.resume_from, root, checksums=job.checkpoint.verify_checksums)
+    if path is not None:
+        what = f"checkpoint.resume_from={job.checkpoint.resume_from!r}" + (
+            f" ({path})" if job.checkpoint.resume_from == "latest" else "")
+        shapes = model_shapes(run.module)
+        if shapes is not None:
+            check_model_shapes(Path(path), shapes, what)
     if path is None and trainer.global_rank == 0:
         ignored = unfinished_checkpoints(root)
         note = (f" ({len(ignored)} folder(s) without a completion manifest ignored, e.g. {ignored[-1]}: "
@@ -256,7 +262,8 @@ def check_inputs(command: str, run: Run, trainer: L.Trainer) -> None:
     if job is None:
         return
     if job.checkpoint.initial_load_path is not None and command == "fit":
-        check_initial_weights(job.checkpoint.initial_load_path, job.checkpoint.initial_load_format, run.module)
+        check_initial_weights(job.checkpoint.initial_load_path, job.checkpoint.initial_load_format, run.module,
+                              checksums=job.checkpoint.verify_checksums)
     if command == "fit":
         check_export(run.module, job.checkpoint.export_format)
     run.ckpt_path = resume_path(run, trainer) if command == "fit" else None
