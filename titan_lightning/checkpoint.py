@@ -42,7 +42,9 @@ import os
 import pickle
 import random
 import shutil
+import sys
 import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -338,6 +340,9 @@ class _Pending:
         self._thread.join()
         return self.error
 
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
 
 class CheckpointWriter:
     """Saves Lightning checkpoints as sharded, atomic folders; one per strategy.
@@ -350,20 +355,32 @@ class CheckpointWriter:
     def __init__(self, group: Any = None) -> None:
         self.group = group
         self._pending: Optional[_Pending] = None
+        self._announced: Optional[tuple[Path, float]] = None  # (path, start) of an announced save in flight
         self._saves = 0
 
     def wait(self) -> None:
         """Block until the asynchronous save in flight (if any) is complete under its final name;
         raise on every rank if it failed on any."""
         pending, self._pending = self._pending, None
-        if pending is not None:
-            self._agree(pending.wait())
+        if pending is None:
+            return
+        announced, self._announced = self._announced, None
+        if announced is not None and not pending.done():
+            say(f"checkpoint {announced[0]}: waiting for the background write")
+        self._agree(pending.wait())
+        if announced is not None:
+            say(f"checkpoint {announced[0]}: written ({time.monotonic() - announced[1]:.1f} s since the save began)")
 
     def save(self, checkpoint: dict[str, Any], path: Path, *, rank: int, rank_state: dict[str, Any],
-             async_save: bool = False) -> None:
+             async_save: bool = False, announce: bool = False) -> None:
+        """``announce``: say on rank 0 when the save begins and ends (and how long it took): for the
+        saves after the last step, when nothing else shows that the run is still working."""
         import torch.distributed.checkpoint as dcp
 
         self.wait()  # one save at a time, in order
+        begun = time.monotonic()
+        if announce:
+            say(f"checkpoint {path}: saving{' (staged, then written in the background)' if async_save else ''}")
         self._saves += 1
         fault = _fault(self._saves)
         staging = path.with_name(path.name + PARTIAL)
@@ -409,9 +426,14 @@ class CheckpointWriter:
             self.agree(lambda: dcp.save(state, checkpoint_id=str(staging), storage_writer=writer,
                                         process_group=self.group), fail)
             self.agree(finish, fail)
+            if announce:
+                say(f"checkpoint {path}: saved ({time.monotonic() - begun:.1f} s)")
             return
         future = dcp.async_save(state, checkpoint_id=str(staging), storage_writer=writer, process_group=self.group)
         self._pending = _Pending(future, finish, fail)
+        if announce:
+            say(f"checkpoint {path}: staged ({time.monotonic() - begun:.1f} s), writing in the background")
+            self._announced = (path, begun)
 
     def remove(self, path: Path, *, rank: int) -> None:
         """Delete a checkpoint (keep_latest_k), on rank 0: after the save in flight completes (never
@@ -443,6 +465,16 @@ class CheckpointWriter:
         for rank, message in enumerate(errors):
             if message is not None:
                 raise CheckpointError(message if message == error else f"{message} (on rank {rank})")
+
+
+def say(message: str) -> None:
+    """One progress line on rank 0, above the progress bar if one is showing."""
+    if _distributed() and dist.get_rank() != 0:
+        return
+    from tqdm import tqdm
+
+    tqdm.write(f"titan-lightning: {message}")
+    sys.stdout.flush()
 
 
 def _remove_dir(path: Path) -> None:

@@ -7,6 +7,7 @@ gathers the full tensors to rank 0 (under PP, each stage's part travels to rank 
 """
 
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -23,6 +24,7 @@ from titan_lightning.checkpoint import (
     dcp_saveable,
     load_sharded,
     read_manifest,
+    say,
 )
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -156,10 +158,13 @@ class ExportWeights(L.Callback):
         check_finite = getattr(pl_module, "check_finite", None)  # (CausalLMModule: the last step's values)
         if check_finite is not None:
             check_finite("before exporting the weights")
+        begun = time.monotonic()
+        say(f"export ({self.fmt}, {str(self.dtype).removeprefix('torch.')}) to {self.folder}: writing")
         if self.fmt == "dcp":
             self._export_sharded(trainer, pl_module)
         else:
             self._export_hf(trainer, pl_module)
+        say(f"export to {self.folder}: done ({time.monotonic() - begun:.1f} s)")
 
     def _export_sharded(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         import torch.distributed.checkpoint as dcp
