@@ -1,9 +1,11 @@
 """Checkpoint folders for the tests that check them before launch: one small checkpoint saved once
 per process (one step of the debug model cut to width 64 and 2 layers), and damaged copies of it."""
 
+import atexit
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from titan_lightning.checkpoint import MANIFEST, read_dcp_metadata
@@ -15,14 +17,16 @@ SMALL_MODEL = ["--job.model.dim", "64", "--job.model.n_layers", "2", "--job.mode
                "--job.model.n_kv_heads", "4"]
 
 
-def small_checkpoint(root: Path) -> Path:
-    """A complete checkpoint of `SMALL_MODEL` after one step (saved once per process, in ``root``'s
-    first caller; later callers get a copy of it)."""
+def small_checkpoint() -> Path:
+    """A complete checkpoint of `SMALL_MODEL` after one step, saved once per process into a
+    temporary folder of its own (removed at exit); copy it before changing it."""
     if _SAVED:
         return _SAVED[0]
     from recipes.llama3 import debugmodel
     from titan_lightning.recipe import RUN_DIR_ENV, build_trainer, execute
 
+    root = Path(tempfile.mkdtemp(prefix="titan_small_checkpoint_"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     before = os.environ.get(RUN_DIR_ENV)
     os.environ[RUN_DIR_ENV] = str(root / "small_run")
     try:
@@ -60,7 +64,7 @@ def damaged_copies(root: Path) -> None:
     output.weight flipped), ckpt_bad_metadata (bytes of .metadata flipped), ckpt_truncated (its
     shard cut short), ckpt_no_shard (its shard deleted), ckpt_old_truncated (a manifest without
     checksums, as saved before they were recorded, and its shard cut short)."""
-    saved = small_checkpoint(root)
+    saved = small_checkpoint()
     copies = {name: root / name for name in ("ckpt_small", "ckpt_bitflip", "ckpt_bad_metadata", "ckpt_truncated",
                                              "ckpt_no_shard", "ckpt_old_truncated")}
     for folder in copies.values():
@@ -77,5 +81,3 @@ def damaged_copies(root: Path) -> None:
     manifest = json.loads((copies["ckpt_old_truncated"] / MANIFEST).read_text())
     del manifest["files"]
     (copies["ckpt_old_truncated"] / MANIFEST).write_text(json.dumps(manifest))
-    if (root / "small_run").exists():
-        shutil.rmtree(root / "small_run")

@@ -243,7 +243,7 @@ def test_the_manifest_lists_every_file_with_its_size_and_crc32(tmp_path):
 
     from tests.unit_tests.cpu.checkpoint_folders import small_checkpoint
 
-    path = small_checkpoint(tmp_path)
+    path = small_checkpoint()
     files = verify(path)["files"]
     on_disk = {p.name for p in path.iterdir()} - {MANIFEST}
     assert set(files) == on_disk == {DCP_METADATA, META, "rank0.pt", "__0_0.distcp"}
@@ -257,7 +257,7 @@ def test_a_flipped_bit_is_named_unless_checksums_are_off_and_old_checkpoints_sti
 
     from tests.unit_tests.cpu.checkpoint_folders import byte_of, flip_bit, small_checkpoint
 
-    path = shutil.copytree(small_checkpoint(tmp_path), tmp_path / "copy")
+    path = shutil.copytree(small_checkpoint(), tmp_path / "copy")
     shard, offset = byte_of(path, "state_dict.model.layers.1.feed_forward.w2.weight")
     flip_bit(path / shard, offset)
     with pytest.raises(CheckpointError, match=rf"checkpoint.resume_from='{path}': {shard} is corrupt \(crc32 "):
