@@ -7,7 +7,8 @@ A checkpoint is a folder::
         .metadata, __<rank>_0.distcp   model and optimizer, sharded (torch.distributed.checkpoint)
         meta.pt                        the rest of Lightning's checkpoint (loops, LR schedulers, callbacks ...)
         rank<r>.pt                     what differs per rank: RNG states, the data module's position
-        checkpoint.json                the completion manifest, written last: step, world size, rank files
+        checkpoint.json                the completion manifest, written last: step, world size, and every
+                                       other file's size and crc32 (computed while it was written)
 
 - Model and optimizer are saved by name (the unsplit module names, the optimizer state
   flattened per parameter), so a checkpoint loads on any other layout: another FSDP degree,
@@ -22,6 +23,10 @@ A checkpoint is a folder::
 - ``async_save``: the tensors are staged to CPU memory, then written in a background thread
   while training goes on; its collectives run on a process group of their own (gloo), so they
   never interleave with training's. The manifest and the rename follow as soon as the write ends.
+- Before a run starts from a checkpoint, every file the manifest lists is checked: present, of its
+  size, and (``checkpoint.verify_checksums``, the default) of its crc32, so a flipped bit in a
+  weight or a truncated shard is named before launch instead of training a wrong model. A
+  checkpoint saved before checksums were recorded is checked for its files and their sizes only.
 - Loading runs no code from the files: ``meta.pt`` and ``rank<r>.pt`` are read with
   ``torch.load(weights_only=True)``, DCP's pickled ``.metadata`` with an unpickler that admits
   only DCP's own metadata classes, and DCP's non-tensor items with ``weights_only=True``;
@@ -37,14 +42,23 @@ import os
 import pickle
 import random
 import shutil
+import sys
 import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 # Fault injection for tests: ``N`` or ``N:MOMENT`` makes the process die (exit 137) in its N-th
 # save at MOMENT: "begin" (the .partial folder made), "files" (meta.pt and the rank files written;
@@ -137,9 +151,10 @@ def latest_checkpoint(root: Union[str, Path]) -> Optional[Path]:
     return best
 
 
-def resolve_resume(resume_from: Optional[str], runs_root: Path) -> Optional[str]:
+def resolve_resume(resume_from: Optional[str], runs_root: Path, *, checksums: bool = True) -> Optional[str]:
     """``resume_from`` as a checkpoint path: None, a checkpoint folder, or "latest" (the newest
-    under ``runs_root``; None when there is none yet: the run starts fresh)."""
+    under ``runs_root``; None when there is none yet: the run starts fresh). Its files are checked
+    (``check_files``; ``checksums``: their crc32 too) and meta.pt read, without running code."""
     if resume_from is None:
         return None
     if resume_from == "latest":
@@ -152,7 +167,7 @@ def resolve_resume(resume_from: Optional[str], runs_root: Path) -> Optional[str]
         if not path.exists():
             raise CheckpointError(f"{what} does not exist; give a checkpoint folder "
                                   f"(<run>/checkpoints/epoch=...-step=....ckpt) or 'latest'")
-    verify(path, what=what)
+    check_files(path, verify(path, what=what), what=what, checksums=checksums)
     load_meta(path)  # readable without running code, before any process starts
     return str(path)
 
@@ -182,6 +197,101 @@ def verify(path: Path, *, what: Optional[str] = None, ranks: bool = True) -> dic
         if not (path / name).is_file():
             raise CheckpointError(f"{what}: {name} is missing (saved by {manifest['world_size']} ranks)")
     return manifest
+
+
+def check_files(path: Path, manifest: Optional[dict[str, Any]], *, what: Optional[str] = None,
+                checksums: bool = True) -> None:
+    """Fail with one line naming the first file of the checkpoint ``path`` that is missing, of
+    another size than saved, or (``checksums``) of another crc32; then read its .metadata (no code
+    run) and check that every shard it points into is there and long enough. A manifest without
+    ``files`` (saved before checksums were recorded) or None (an export) gets the last part only."""
+    what = what or f"checkpoint {path}"
+    files = _listed_files(manifest, what) if manifest is not None else {}
+    for name, (size, _) in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{what}: {name} is missing (the checkpoint was saved with it)")
+        found = file.stat().st_size
+        if found != size:
+            state = "truncated" if found < size else "longer than saved"
+            raise CheckpointError(f"{what}: {name} is {state} ({found} bytes, {size} when saved); the file "
+                                  f"changed after the save: use another checkpoint")
+    if checksums and files:
+        names = list(files)
+        with ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:  # zlib releases the GIL
+            found_crcs = list(pool.map(lambda name: _crc32(path / name), names))
+        for name, crc in zip(names, found_crcs):
+            if crc != files[name][1]:
+                raise CheckpointError(
+                    f"{what}: {name} is corrupt (crc32 {crc:08x}, {files[name][1]:08x} when saved); use another "
+                    f"checkpoint, or load it anyway with checkpoint.verify_checksums=false")
+    if not (path / DCP_METADATA).is_file():
+        raise CheckpointError(f"{what}: {DCP_METADATA} is missing")
+    _check_shards(path, read_dcp_metadata(path, what), what)
+
+
+def check_model_shapes(path: Path, shapes: dict[str, tuple[int, ...]], what: str) -> None:
+    """Fail with one line unless the checkpoint ``path`` holds exactly the model tensors ``shapes``
+    names (``state_dict.<name>``, global shapes), naming the first that differs and both shapes.
+    Reads only DCP's .metadata: before launch, on the model built on the meta device."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = read_dcp_metadata(path, what).state_dict_metadata
+    prefix = "state_dict."
+    theirs = {key[len(prefix):]: tuple(meta.size) for key, meta in saved.items()
+              if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    hint = "; give the model it was saved with (job.model), or a checkpoint of this model"
+    for name, shape in shapes.items():
+        if name not in theirs:
+            raise CheckpointError(f"{what} holds no {name}, which this run's model has ({tuple(shape)}): it is a "
+                                  f"checkpoint of another model{hint}")
+        if theirs[name] != tuple(shape):
+            raise CheckpointError(f"{what}: {name} is {theirs[name]} there, {tuple(shape)} in this run's "
+                                  f"model{hint}")
+    extra = [name for name in theirs if name not in shapes]
+    if extra:
+        raise CheckpointError(f"{what} holds {extra[0]} {theirs[extra[0]]}, which this run's model has not"
+                              f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}: it is a checkpoint "
+                              f"of another model{hint}")
+
+
+def _listed_files(manifest: dict[str, Any], what: str) -> dict[str, tuple[int, int]]:
+    """The manifest's ``files`` as {name: (bytes, crc32)}; {} when it has none. Names are plain file
+    names of the folder (a crafted manifest cannot send the check elsewhere)."""
+    files = manifest.get("files")
+    if files is None:
+        return {}
+    ok = isinstance(files, dict) and all(
+        isinstance(name, str) and name and "/" not in name and "\\" not in name and name not in (".", "..")
+        and isinstance(entry, list) and len(entry) == 2 and all(isinstance(v, int) and v >= 0 for v in entry)
+        for name, entry in files.items())
+    if not ok:
+        raise CheckpointError(f"{what}: {MANIFEST} lists its files in a form not written here; it was changed "
+                              f"after the save")
+    return {name: (entry[0], entry[1]) for name, entry in files.items()}
+
+
+def _crc32(file: Path, chunk: int = 16 << 20) -> int:
+    crc = 0
+    with open(file, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _check_shards(path: Path, metadata: Any, what: str) -> None:
+    """Every shard file DCP's metadata points into is there and holds the bytes it points at."""
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = getattr(info, "relative_path", None)
+        if name is not None:
+            needed[name] = max(needed.get(name, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{what}: shard file {name} is missing")
+        if file.stat().st_size < size:
+            raise CheckpointError(f"{what}: shard file {name} is truncated ({file.stat().st_size} of {size} bytes)")
 
 
 # -- save ----------------------------------------------------------------------------------
@@ -230,6 +340,9 @@ class _Pending:
         self._thread.join()
         return self.error
 
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
 
 class CheckpointWriter:
     """Saves Lightning checkpoints as sharded, atomic folders; one per strategy.
@@ -242,20 +355,32 @@ class CheckpointWriter:
     def __init__(self, group: Any = None) -> None:
         self.group = group
         self._pending: Optional[_Pending] = None
+        self._announced: Optional[tuple[Path, float]] = None  # (path, start) of an announced save in flight
         self._saves = 0
 
     def wait(self) -> None:
         """Block until the asynchronous save in flight (if any) is complete under its final name;
         raise on every rank if it failed on any."""
         pending, self._pending = self._pending, None
-        if pending is not None:
-            self._agree(pending.wait())
+        if pending is None:
+            return
+        announced, self._announced = self._announced, None
+        if announced is not None and not pending.done():
+            say(f"checkpoint {announced[0]}: waiting for the background write")
+        self._agree(pending.wait())
+        if announced is not None:
+            say(f"checkpoint {announced[0]}: written ({time.monotonic() - announced[1]:.1f} s since the save began)")
 
     def save(self, checkpoint: dict[str, Any], path: Path, *, rank: int, rank_state: dict[str, Any],
-             async_save: bool = False) -> None:
+             async_save: bool = False, announce: bool = False) -> None:
+        """``announce``: say on rank 0 when the save begins and ends (and how long it took): for the
+        saves after the last step, when nothing else shows that the run is still working."""
         import torch.distributed.checkpoint as dcp
 
         self.wait()  # one save at a time, in order
+        begun = time.monotonic()
+        if announce:
+            say(f"checkpoint {path}: saving{' (staged, then written in the background)' if async_save else ''}")
         self._saves += 1
         fault = _fault(self._saves)
         staging = path.with_name(path.name + PARTIAL)
@@ -281,28 +406,34 @@ class CheckpointWriter:
         manifest = {"format": FORMAT, "global_step": int(checkpoint.get("global_step", -1)),
                     "world_size": world_size, "layout": rank_state.get("layout")}
 
-        def write_own_files() -> None:
-            _save_small(rank_state, staging / rank_file(rank))
+        def write_own_files() -> dict[str, list[int]]:
+            written = {rank_file(rank): _save_small(rank_state, staging / rank_file(rank))}
             if rank == 0:
-                _save_small(checkpoint, staging / META)
+                written[META] = _save_small(checkpoint, staging / META)
+            return written
 
-        self.agree(write_own_files, fail)
+        own = self.agree(write_own_files, fail)
         _die_at("files", fault)
-        writer = _FaultyWriter(staging) if fault == "enospc" else None
+        writer = _ChecksummingWriter(staging, own, full_disk=fault == "enospc")
 
         def finish() -> None:
             _die_at("written", fault)
             if rank == 0:  # DCP's coordinator wrote .metadata last, after every rank's data
-                _write_json(staging / MANIFEST, manifest)
+                _write_json(staging / MANIFEST, {**manifest, "files": dict(sorted(writer.checksums.items()))})
                 _replace_dir(staging, path)
 
         if not async_save:
             self.agree(lambda: dcp.save(state, checkpoint_id=str(staging), storage_writer=writer,
                                         process_group=self.group), fail)
             self.agree(finish, fail)
+            if announce:
+                say(f"checkpoint {path}: saved ({time.monotonic() - begun:.1f} s)")
             return
         future = dcp.async_save(state, checkpoint_id=str(staging), storage_writer=writer, process_group=self.group)
         self._pending = _Pending(future, finish, fail)
+        if announce:
+            say(f"checkpoint {path}: staged ({time.monotonic() - begun:.1f} s), writing in the background")
+            self._announced = (path, begun)
 
     def remove(self, path: Path, *, rank: int) -> None:
         """Delete a checkpoint (keep_latest_k), on rank 0: after the save in flight completes (never
@@ -336,12 +467,67 @@ class CheckpointWriter:
                 raise CheckpointError(message if message == error else f"{message} (on rank {rank})")
 
 
+def say(message: str) -> None:
+    """One progress line on rank 0, above the progress bar if one is showing."""
+    if _distributed() and dist.get_rank() != 0:
+        return
+    from tqdm import tqdm
+
+    tqdm.write(f"titan-lightning: {message}")
+    sys.stdout.flush()
+
+
 def _remove_dir(path: Path) -> None:
     if path.exists():
         doomed = path.with_name(path.name + PARTIAL)
         shutil.rmtree(doomed, ignore_errors=True)
         path.rename(doomed)
         shutil.rmtree(doomed, ignore_errors=True)
+
+
+# -- checksums, computed while writing ------------------------------------------------------
+#
+# Every file of a checkpoint is listed in its manifest as [bytes, crc32]. The crc32 is computed
+# from the bytes as they go to the file (DCP's writes pass through ``_CountingStream``), so a save
+# reads nothing back. Each rank's list travels to DCP's coordinator (rank 0) with DCP's own write
+# results, as one more result that ``_ChecksummingWriter.finish`` takes out again.
+
+_CHECKSUMS = "titan_lightning/checksums"  # the extra write result's key; never reaches .metadata
+
+
+class _CountingStream:
+    """A writable stream that adds up the size and crc32 of what passes through it."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner, self.size, self.crc = inner, 0, 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.crc, self.size = zlib.crc32(view, self.crc), self.size + view.nbytes
+        return self._inner.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _ChecksumFileSystem:
+    """DCP's file system, recording [bytes, crc32] of each file written into ``files`` (by name)."""
+
+    def __init__(self, inner: Any, files: dict[str, list[int]]) -> None:
+        self._inner, self._files = inner, files
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str):
+        with self._inner.create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            counted = _CountingStream(stream)
+            yield counted
+        self._files[Path(path).name] = [counted.size, counted.crc]
 
 
 class _FaultyFileSystem:
@@ -359,12 +545,32 @@ class _FaultyFileSystem:
         return self._inner.create_stream(path, mode)
 
 
-def _FaultyWriter(path: Path):
-    from torch.distributed.checkpoint import FileSystemWriter
+class _ChecksummingWriter(FileSystemWriter):
+    """DCP's FileSystemWriter that records [bytes, crc32] of every file it writes; after ``finish``
+    the coordinator's ``checksums`` holds every rank's files, ``own`` (this rank's files written
+    outside DCP) and .metadata. ``full_disk``: every shard write fails with ENOSPC (fault injection)."""
 
-    writer = FileSystemWriter(str(path))
-    writer.fs = _FaultyFileSystem(writer.fs)
-    return writer
+    def __init__(self, path: Path, own: dict[str, list[int]], *, full_disk: bool = False) -> None:
+        super().__init__(str(path))
+        self._written: dict[str, list[int]] = dict(own)
+        self.fs = _ChecksumFileSystem(self.fs, self._written)
+        if full_disk:
+            self.fs = _FaultyFileSystem(self.fs)
+        self.checksums: dict[str, list[int]] = {}
+
+    def write_data(self, plan: Any, planner: Any) -> Future:
+        results = super().write_data(plan, planner).wait()  # (FileSystemWriter writes before it returns)
+        done: Future = Future()
+        done.set_result([*results, WriteResult(index=MetadataIndex(_CHECKSUMS), size_in_bytes=0,
+                                               storage_data=dict(self._written))])
+        return done
+
+    def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+        ours = [r.storage_data for rank in results for r in rank if r.index.fqn == _CHECKSUMS]
+        super().finish(metadata, [[r for r in rank if r.index.fqn != _CHECKSUMS] for rank in results])
+        for files in ours:
+            self.checksums.update(files)
+        self.checksums[DCP_METADATA] = self._written.pop(DCP_METADATA + ".tmp")  # (renamed when complete)
 
 
 def _describe(error: BaseException, folder: Optional[Path] = None) -> str:
@@ -398,13 +604,14 @@ def _free_bytes(folder: Path) -> Optional[int]:
         return None
 
 
-def _save_small(value: Any, file: Path) -> None:
+def _save_small(value: Any, file: Path) -> list[int]:
     """torch.save through memory, then one plain write: a failed write is the OS's own error (ENOSPC,
-    EACCES), not torch's zip writer's."""
+    EACCES), not torch's zip writer's. Returns [bytes, crc32] of the file."""
     buffer = io.BytesIO()
     torch.save(value, buffer)
     with open(file, "wb") as f:
         f.write(buffer.getbuffer())
+    return [buffer.getbuffer().nbytes, zlib.crc32(buffer.getbuffer())]
 
 
 def _write_json(file: Path, value: dict[str, Any]) -> None:
@@ -510,12 +717,13 @@ def _safe_planner():
     return SafeLoadPlanner()
 
 
-def read_dcp_metadata(path: Path):
+def read_dcp_metadata(path: Path, what: Optional[str] = None):
     """DCP's metadata of the folder ``path``, read without running code; one-line errors."""
     try:
         return _safe_reader(path).read_metadata()
-    except (OSError, EOFError, pickle.UnpicklingError, ValueError, AttributeError, ImportError, IndexError) as error:
-        raise CheckpointError(f"checkpoint {path}: cannot read {DCP_METADATA} ({_describe(error)})") from None
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError, AttributeError, ImportError, IndexError,
+            KeyError, TypeError, MemoryError, OverflowError) as error:
+        raise CheckpointError(f"{what or f'checkpoint {path}'}: cannot read {DCP_METADATA} ({_describe(error)})") from None
 
 
 def check_checkpoint(path: Path, state: dict[str, Any]) -> None:
@@ -551,19 +759,7 @@ def check_checkpoint(path: Path, state: dict[str, Any]) -> None:
         if mismatched:
             parts.append(f"shapes differ ({'; '.join(mismatched[:3])}{' ...' if len(mismatched) > 3 else ''})")
         raise CheckpointError(f"checkpoint {path} does not match this run: {'; '.join(parts)}")
-    needed: dict[str, int] = {}
-    for info in (getattr(metadata, "storage_data", None) or {}).values():
-        name = getattr(info, "relative_path", None)
-        if name is not None:
-            needed[name] = max(needed.get(name, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {path}: shard file {name} is missing")
-        if file.stat().st_size < size:
-            raise CheckpointError(
-                f"checkpoint {path}: shard file {name} is truncated ({file.stat().st_size} of {size} bytes)"
-            )
+    _check_shards(path, metadata, f"checkpoint {path}")
 
 
 def load_sharded(path: Path, state: dict[str, Any], group: Any = None) -> None:

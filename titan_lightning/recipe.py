@@ -23,17 +23,18 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from titan_lightning.callbacks import TrainingMetrics
 from titan_lightning.callbacks.metrics import SourceTokens
 from titan_lightning.callbacks.preemption import PreemptionCheckpoint
 from titan_lightning.callbacks.profiling import ProfileSteps
-from titan_lightning.callbacks.weights import ExportWeights, LoadWeights, check_export, check_initial_weights
+from titan_lightning.callbacks.weights import ExportWeights, LoadWeights, check_export, check_initial_weights, model_shapes
 from titan_lightning.config import ConfigError, JobConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig, validate_job
 from titan_lightning.config.job import CP_ATTENTIONS
 from titan_lightning.config.parallelism import CP_LOAD_BALANCERS
@@ -234,11 +235,17 @@ def resume_path(run: Run, trainer: L.Trainer) -> Optional[str]:
         return run.ckpt_path  # a user's module: the recipe's own Run(ckpt_path=...)
     if job.checkpoint.resume_from is None:
         return None
-    from titan_lightning.checkpoint import resolve_resume, unfinished_checkpoints
+    from titan_lightning.checkpoint import check_model_shapes, resolve_resume, unfinished_checkpoints
 
     # "latest" searches every run of this recipe: <root>/<name>/<timestamp>/checkpoints.
     root = Path(trainer.default_root_dir).parent
-    path = resolve_resume(job.checkpoint.resume_from, root)
+    path = resolve_resume(job.checkpoint.resume_from, root, checksums=job.checkpoint.verify_checksums)
+    if path is not None:
+        what = f"checkpoint.resume_from={job.checkpoint.resume_from!r}" + (
+            f" ({path})" if job.checkpoint.resume_from == "latest" else "")
+        shapes = model_shapes(run.module)
+        if shapes is not None:
+            check_model_shapes(Path(path), shapes, what)
     if path is None and trainer.global_rank == 0:
         ignored = unfinished_checkpoints(root)
         note = (f" ({len(ignored)} folder(s) without a completion manifest ignored, e.g. {ignored[-1]}: "
@@ -255,7 +262,8 @@ def check_inputs(command: str, run: Run, trainer: L.Trainer) -> None:
     if job is None:
         return
     if job.checkpoint.initial_load_path is not None and command == "fit":
-        check_initial_weights(job.checkpoint.initial_load_path, job.checkpoint.initial_load_format, run.module)
+        check_initial_weights(job.checkpoint.initial_load_path, job.checkpoint.initial_load_format, run.module,
+                              checksums=job.checkpoint.verify_checksums)
     if command == "fit":
         check_export(run.module, job.checkpoint.export_format)
     run.ckpt_path = resume_path(run, trainer) if command == "fit" else None
@@ -284,12 +292,43 @@ def train_description(trainer: L.Trainer) -> str:
     return description
 
 
+def _batches_done(trainer: L.Trainer) -> int:
+    """Batches of this epoch already trained when it starts: 0, or where a resumed run continues."""
+    return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+
+def train_total(trainer: L.Trainer) -> Union[int, float]:
+    """The training bar's total, in batches of this epoch: for a run limited by steps, the batches
+    done (a resumed run's bar continues from them) plus the rest of ``max_steps`` times the batches
+    per optimizer step. Lightning's own counts the remaining optimizer steps only, so a resumed
+    run's bar (and one accumulating gradients) ran past its total and tqdm dropped it ("33/?")."""
+    batches = trainer.num_training_batches
+    if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:
+        remaining = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
+        return min(batches, _batches_done(trainer) + remaining)
+    return batches
+
+
 class StepProgressBar(TQDMProgressBar):
     """Lightning's progress bar, its training bar described by ``train_description``."""
 
+    @property
+    def total_train_batches(self) -> Union[int, float]:
+        return train_total(self.trainer)
+
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        super().on_train_start(trainer, *args)
+        self._start(trainer)  # a run resumed inside an epoch gets no on_train_epoch_start
+
     def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
         super().on_train_epoch_start(trainer, *args)
-        self.train_progress_bar.set_description(train_description(trainer))
+        self._start(trainer)
+
+    def _start(self, trainer: L.Trainer) -> None:
+        bar = self.train_progress_bar
+        bar.total = convert_inf(self.total_train_batches)
+        bar.initial = bar.n = _batches_done(trainer)  # (its rate counts this run's batches only)
+        bar.set_description(train_description(trainer))
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if not self.train_progress_bar.disable:
@@ -299,6 +338,10 @@ class StepProgressBar(TQDMProgressBar):
 
 class StepRichProgressBar(RichProgressBar):
     """Lightning's RichProgressBar, its training bar described by ``train_description``."""
+
+    @property
+    def total_train_batches(self) -> Union[int, float]:
+        return train_total(self.trainer)
 
     def _get_train_description(self, current_epoch: int) -> str:  # Lightning's only hook for it
         return f"{train_description(self.trainer):{len(self.validation_description)}}"

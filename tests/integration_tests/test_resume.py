@@ -14,7 +14,8 @@ import uuid
 
 import pytest
 
-from titan_lightning.checkpoint import FAULT_ENV, PARTIAL, CheckpointError, check_checkpoint, latest_checkpoint, verify
+from titan_lightning.checkpoint import (FAULT_ENV, PARTIAL, CheckpointError, check_checkpoint, check_files,
+                                       latest_checkpoint, verify)
 from titan_lightning.recipe import RUN_DIR_ENV
 from titan_lightning.testing.launch import LaunchFailed, launch
 
@@ -67,7 +68,11 @@ def test_resume_continues_exactly(layout, world, saving, straight, tmp_path):
     reference = straight(layout, world)
     assert (saved["steps"], saved["losses"], saved["grad_norms"]) == (
         reference["steps"], reference["losses"], reference["grad_norms"])
-    assert verify(_step2(run_dir))["world_size"] == world and latest_checkpoint(run_dir).name == "epoch=0-step=4.ckpt"
+    manifest = verify(_step2(run_dir))
+    assert manifest["world_size"] == world and latest_checkpoint(run_dir).name == "epoch=0-step=4.ckpt"
+    # Every rank's files are in the manifest (sent to rank 0 with DCP's write results), checksums right.
+    assert {f"rank{r}.pt" for r in range(world)} | {f"__{r}_0.distcp" for r in range(world)} <= set(manifest["files"])
+    check_files(_step2(run_dir), manifest)
     resumed = fit(layout, world, tmp_path / "resume", tmp_path / "resumed",
                   extra=["--job.checkpoint.resume_from", str(_step2(run_dir))])
     assert resumed["steps"] == [3, 4, 5]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 import torch.distributed as dist
 
@@ -49,6 +50,7 @@ class PreemptionCheckpoint(L.Callback):
         path = folder / f"epoch={trainer.current_epoch}-step={trainer.global_step}.ckpt"
         trainer.save_checkpoint(path)
         self.preempted = path
+        _saved_at_this_step(trainer)
         trainer.should_stop = True
         if trainer.is_global_zero:
             print(f"titan-lightning: SIGTERM: stopped after step {trainer.global_step}, checkpoint {path}; rerun "
@@ -68,3 +70,14 @@ class PreemptionCheckpoint(L.Callback):
         if self._group is not None and dist.is_initialized():
             dist.destroy_process_group(self._group)
         self._group = None
+
+
+def _saved_at_this_step(trainer: L.Trainer) -> None:
+    """Tell the run's ModelCheckpoints that this step is saved, so none writes a second checkpoint of
+    it when fit ends (``epoch=0-step=S-v1.ckpt``: the validation that ends a stopped run saves again).
+    That second one would also be what ``latest`` picks, and Lightning restores its logger step one
+    too low (a checkpoint saved at validation end after the last batch). ``_last_global_step_saved``
+    is the attribute ModelCheckpoint itself reads to skip a step it already saved."""
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and hasattr(callback, "_last_global_step_saved"):
+            callback._last_global_step_saved = trainer.global_step

@@ -7,6 +7,7 @@ gathers the full tensors to rank 0 (under PP, each stage's part travels to rank 
 """
 
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,9 +19,12 @@ from titan_lightning.checkpoint import (
     DCP_METADATA,
     PARTIAL,
     CheckpointError,
+    check_files,
+    check_model_shapes,
     dcp_saveable,
     load_sharded,
-    read_dcp_metadata,
+    read_manifest,
+    say,
 )
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -50,10 +54,25 @@ def _tied(folder: Path) -> bool:
     return _hf_config_path(folder) is not None and bool(read_config_json(folder).get("tie_word_embeddings", False))
 
 
-def check_initial_weights(path: str, fmt: str, module: Optional[L.LightningModule] = None) -> None:
+def model_shapes(module: L.LightningModule) -> Optional[dict[str, tuple[int, ...]]]:
+    """The LightningModule's model tensors as a checkpoint names them (``model.<name>``) with their
+    global shapes, from the model built on the meta device (no memory, no init); None for a module
+    that does not build its model itself (``build_model``)."""
+    build = getattr(module, "build_model", None)
+    if not callable(build):
+        return None
+    with torch.device("meta"):
+        model = build()
+    return {f"model.{name}": tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def check_initial_weights(path: str, fmt: str, module: Optional[L.LightningModule] = None,
+                          checksums: bool = True) -> None:
     """Before launch: ``checkpoint.initial_load_path`` is a folder of the format it claims (its
     index or metadata readable, no code run), and for a Hugging Face folder with a config.json,
-    ``module``'s model args describe that model; one-line CheckpointError / ConfigError otherwise."""
+    ``module``'s model args describe that model; a folder of ours holds ``module``'s tensors with
+    their shapes, its files whole (``checksums``: their crc32 too); one-line CheckpointError /
+    ConfigError otherwise."""
     from titan_lightning.models.common.hf_checkpoint import INDEX_FILE, SINGLE_FILE
 
     field = f"checkpoint.initial_load_path={path!r}"
@@ -78,7 +97,10 @@ def check_initial_weights(path: str, fmt: str, module: Optional[L.LightningModul
             (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file()) else ""
         raise CheckpointError(f"{field} holds no {DCP_METADATA} (initial_load_format=dcp: a sharded export or "
                               f"checkpoint){hint}")
-    read_dcp_metadata(folder)
+    check_files(folder, read_manifest(folder), what=field, checksums=checksums)  # (an export has no manifest)
+    shapes = model_shapes(module) if module is not None else None
+    if shapes is not None:
+        check_model_shapes(folder, shapes, field)
 
 
 def check_export(module: L.LightningModule, fmt: Optional[str]) -> None:
@@ -136,10 +158,13 @@ class ExportWeights(L.Callback):
         check_finite = getattr(pl_module, "check_finite", None)  # (CausalLMModule: the last step's values)
         if check_finite is not None:
             check_finite("before exporting the weights")
+        begun = time.monotonic()
+        say(f"export ({self.fmt}, {str(self.dtype).removeprefix('torch.')}) to {self.folder}: writing")
         if self.fmt == "dcp":
             self._export_sharded(trainer, pl_module)
         else:
             self._export_hf(trainer, pl_module)
+        say(f"export to {self.folder}: done ({time.monotonic() - begun:.1f} s)")
 
     def _export_sharded(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         import torch.distributed.checkpoint as dcp

@@ -24,6 +24,10 @@ class CheckpointConfig:
     # model export or checkpoint folder of ours ("dcp").
     initial_load_path: Optional[str] = None
     initial_load_format: Literal["dcp", "hf"] = "dcp"
+    # Before launch, check the crc32 of every file of the checkpoint to resume or start from
+    # (recorded when it was saved): a flipped bit is named instead of loaded. Off: sizes only
+    # (reading a 1 TB checkpoint once takes minutes; benchmarks/RESULTS.md has the speed).
+    verify_checksums: bool = True
     # At the end of fit, export the weights only (no optimizer) to <run folder>/export, in this
     # format and dtype: "dcp" (sharded, loads on any layout) or "hf" (safetensors + index).
     export_format: Optional[Literal["dcp", "hf"]] = None
@@ -34,6 +38,8 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.interval={self.interval!r} must be an integer >= 1, or None")
         if not isinstance(self.keep_latest_k, int) or (self.keep_latest_k < 1 and self.keep_latest_k != -1):
             raise ValueError(f"checkpoint.keep_latest_k={self.keep_latest_k!r} must be -1 (keep all) or >= 1")
+        if not isinstance(self.verify_checksums, bool):
+            raise ValueError(f"checkpoint.verify_checksums={self.verify_checksums!r} must be true or false")
         if self.initial_load_format not in EXPORT_FORMATS:
             raise ValueError(f"checkpoint.initial_load_format={self.initial_load_format!r} is not one of dcp, hf")
         if self.export_format is not None and self.export_format not in EXPORT_FORMATS:

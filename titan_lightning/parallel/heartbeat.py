@@ -19,6 +19,7 @@ and the "someone died" counter), not O(world size^2).
 
 import json
 import os
+import select
 import socket
 import sys
 import threading
@@ -60,6 +61,10 @@ class Heartbeat:
                                     wait_for_workers=False)
         self._store.set(f"{_PREFIX}/where/{rank}", json.dumps(
             {"host": socket.gethostname(), "pid": os.getpid(), "output": output_target()}))
+        # An idle plain connection to the store: it reads end-of-file when the store's host dies, so
+        # that death is seen without a store call, whose failure torch logs with a C++ stack dump.
+        self._sentinel = socket.create_connection((host, port), timeout=10)
+        self._sentinel_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="titan-lightning-heartbeat")
         self._thread.start()
@@ -81,6 +86,8 @@ class Heartbeat:
         watched = (self.rank + 1) % self.world_size
         last, since, marked, told_at = None, time.monotonic(), False, None
         while not self._stop.wait(self.interval_s):
+            if self._store_gone():
+                return  # explain() says so
             try:
                 self._store.add(f"{_PREFIX}/beat/{self.rank}", 1)
                 count = self._store.add(f"{_PREFIX}/beat/{watched}", 0)
@@ -113,12 +120,33 @@ class Heartbeat:
         """This rank ends normally: its watcher must not take the silence for a death. The thread
         ends before this returns (none outlives ``trainer.fit``)."""
         try:
-            self._store.set(f"{_PREFIX}/done/{self.rank}", "1")
+            if not self._store_gone():
+                self._store.set(f"{_PREFIX}/done/{self.rank}", "1")
         except Exception:  # noqa: BLE001 - the store's host already left at the end of the run
             pass
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval_s + 15)  # (a store call in flight times out in 10 s)
+        self._sentinel.close()
+
+    def _store_gone(self) -> bool:
+        """The store's host has died: the sentinel connection reads end-of-file and a new connection
+        is refused (a store that merely closed the sentinel gets a new one)."""
+        with self._sentinel_lock:
+            try:
+                readable, _, _ = select.select([self._sentinel], [], [], 0)
+                if not readable or self._sentinel.recv(1, socket.MSG_PEEK):
+                    return False
+            except (OSError, ValueError):  # (ValueError: closed by stop())
+                pass
+            host, port = self.address.rsplit(":", 1)
+            try:
+                sentinel = socket.create_connection((host, int(port)), timeout=2)
+            except OSError:
+                return True
+            self._sentinel.close()
+            self._sentinel = sentinel
+            return False
 
     def explain(self, wait_s: float = 15.0) -> Optional[str]:
         """One line naming the rank(s) that stopped beating, waiting up to ``wait_s`` for the
@@ -133,6 +161,8 @@ class Heartbeat:
         deadline = time.monotonic() + wait_s
         while True:
             try:
+                if self._store_gone():
+                    raise ConnectionError(self.address)
                 dead = [r for r in range(self.world_size) if r != self.rank
                         and self._store.check([f"{_PREFIX}/dead/{r}"])]
                 if dead:

@@ -626,8 +626,10 @@ class TitanStrategy(ModelParallelStrategy):
             return
         job = getattr(self.lightning_module, "job", None)
         async_save = bool(job is not None and job.checkpoint.async_save)
+        trainer = self.lightning_module.trainer
+        last = trainer.should_stop or 0 < (trainer.max_steps or 0) <= trainer.global_step  # (nothing else shows)
         self._checkpoint_writer.save(checkpoint, path, rank=self.global_rank, rank_state=self._rank_state(),
-                                     async_save=async_save)
+                                     async_save=async_save, announce=last)
 
     def _save_full(self, checkpoint: dict[str, Any], path) -> None:
         """One file written by rank 0 (``torch.load(path)["state_dict"]`` loads into a plain module),

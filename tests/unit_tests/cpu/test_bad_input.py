@@ -18,6 +18,8 @@ import pytest
 from titan_lightning import cli
 from titan_lightning.recipe import RUN_DIR_ENV
 
+from tests.unit_tests.cpu.checkpoint_folders import SMALL_MODEL, damaged_copies
+
 RECIPES = '''
 from recipes.llama3 import debugmodel
 
@@ -87,6 +89,7 @@ def _files(root: Path) -> None:
         (root / name).mkdir()
         (root / name / "model.safetensors").write_bytes(b"")
         (root / name / "config.json").write_text(json.dumps(config))
+    damaged_copies(root)  # ckpt_small and its damaged copies (tests/unit_tests/cpu/checkpoint_folders.py)
 
 
 _PRINTED: list[str] = []
@@ -280,6 +283,31 @@ CASES = [
     ("estimate bad recipe", ["estimate", "--world_size", "2", "--recipe", "my_recipes:raises"], "raised RuntimeError: boom"),
     ("estimate bad layout", ["estimate", "--world_size", "2", "--recipe", "recipes.llama3:debugmodel",
                              "--job.parallelism.tp", "3"], "world size 2 is not divisible"),
+    # -- damaged checkpoints and checkpoints of another model (checkpoint_folders.py) ---------------
+    ("checkpoint with a flipped bit in a weight", [*D, *SMALL_MODEL, "--job.checkpoint.resume_from", "ckpt_bitflip"],
+     "checkpoint.resume_from='ckpt_bitflip': __0_0.distcp is corrupt (crc32 "),
+    ("initial weights with a flipped bit", [*D, *SMALL_MODEL, "--job.checkpoint.initial_load_path", "ckpt_bitflip"],
+     "checkpoint.initial_load_path='ckpt_bitflip': __0_0.distcp is corrupt (crc32 "),
+    ("checkpoint with flipped bytes in .metadata", [*D, *SMALL_MODEL, "--job.checkpoint.resume_from", "ckpt_bad_metadata"],
+     "checkpoint.resume_from='ckpt_bad_metadata': .metadata is corrupt (crc32 "),
+    ("checkpoint .metadata unreadable, checksums off", [*D, *SMALL_MODEL, "--job.checkpoint.resume_from",
+                                                        "ckpt_bad_metadata", "--job.checkpoint.verify_checksums", "false"],
+     "checkpoint.resume_from='ckpt_bad_metadata': cannot read .metadata"),
+    ("checkpoint with a truncated shard", [*D, *SMALL_MODEL, "--job.checkpoint.resume_from", "ckpt_truncated"],
+     "checkpoint.resume_from='ckpt_truncated': __0_0.distcp is truncated ("),
+    ("checkpoint with a deleted shard", [*D, *SMALL_MODEL, "--job.checkpoint.resume_from", "ckpt_no_shard"],
+     "checkpoint.resume_from='ckpt_no_shard': __0_0.distcp is missing"),
+    ("checkpoint without checksums, truncated shard", [*D, *SMALL_MODEL, "--job.checkpoint.resume_from",
+                                                       "ckpt_old_truncated"],
+     "checkpoint.resume_from='ckpt_old_truncated': shard file __0_0.distcp is truncated"),
+    ("resume a checkpoint of another model size", [*D, "--job.checkpoint.resume_from", "ckpt_small"],
+     "checkpoint.resume_from='ckpt_small': model.tok_embeddings.weight is (2048, 64) there, (2048, 256) in this run's model"),
+    ("resume a checkpoint of another family", ["fit", "--recipe", "recipes.qwen3:debugmodel", *SMALL_MODEL,
+                                              "--job.model.head_dim", "16", "--job.checkpoint.resume_from", "ckpt_small"],
+     "checkpoint.resume_from='ckpt_small' holds no model.layers.0.attention.q_norm.weight, which this run's model has"),
+    ("initial weights of another model size", [*D, "--job.checkpoint.initial_load_path", "ckpt_small"],
+     "checkpoint.initial_load_path='ckpt_small': model.tok_embeddings.weight is (2048, 64) there, (2048, 256)"),
+    ("verify_checksums not a bool", [*D, "--job.checkpoint.verify_checksums", "maybe"], "verify_checksums"),
 ]
 
 

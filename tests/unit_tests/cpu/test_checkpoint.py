@@ -232,3 +232,92 @@ def test_model_export_in_bf16_and_hugging_face(tmp_path, monkeypatch):
     for file in (tmp_path / "hf" / "export_hf").glob("*.safetensors"):
         hf.update(load_file(str(file)))
     assert hf["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16 and "lm_head.weight" in hf
+
+
+# -- checksums, checked before launch -------------------------------------------------------
+
+
+def test_the_manifest_lists_every_file_with_its_size_and_crc32(tmp_path):
+    """Computed while writing (no file is read back by the save), equal to the files' own."""
+    import zlib
+
+    from tests.unit_tests.cpu.checkpoint_folders import small_checkpoint
+
+    path = small_checkpoint()
+    files = verify(path)["files"]
+    on_disk = {p.name for p in path.iterdir()} - {MANIFEST}
+    assert set(files) == on_disk == {DCP_METADATA, META, "rank0.pt", "__0_0.distcp"}
+    for name, (size, crc) in files.items():
+        data = (path / name).read_bytes()
+        assert (size, crc) == (len(data), zlib.crc32(data)), name
+
+
+def test_a_flipped_bit_is_named_unless_checksums_are_off_and_old_checkpoints_still_load(tmp_path):
+    import shutil
+
+    from tests.unit_tests.cpu.checkpoint_folders import byte_of, flip_bit, small_checkpoint
+
+    path = shutil.copytree(small_checkpoint(), tmp_path / "copy")
+    shard, offset = byte_of(path, "state_dict.model.layers.1.feed_forward.w2.weight")
+    flip_bit(path / shard, offset)
+    with pytest.raises(CheckpointError, match=rf"checkpoint.resume_from='{path}': {shard} is corrupt \(crc32 "):
+        resolve_resume(str(path), tmp_path)
+    assert resolve_resume(str(path), tmp_path, checksums=False) == str(path)  # sizes only
+    # Saved before checksums were recorded: no "files" in the manifest; it resumes (and loads).
+    manifest = json.loads((path / MANIFEST).read_text())
+    del manifest["files"]
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    assert resolve_resume(str(path), tmp_path) == str(path)
+    weight = torch.zeros(2048, 64)
+    load_sharded(path, {"state_dict": {"model.output.weight": weight}})
+    assert weight.abs().sum() > 0
+    # A manifest whose file list points outside its folder is refused, not followed.
+    manifest["files"] = {"../elsewhere": [1, 2]}
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"lists its files in a form not written here"):
+        resolve_resume(str(path), tmp_path)
+
+
+def test_sigterm_saves_one_checkpoint_and_the_resumed_run_logs_and_shows_its_steps(tmp_path, monkeypatch):
+    """The recipe's defaults (no checkpoint.interval, validation on): SIGTERM after step 3 leaves one
+    checkpoint of step 3 (none written again when fit ends); resumed with `latest`, the loggers get
+    steps 4-5 at their own step numbers (3 and 4: Lightning logs step k at k - 1) and the progress bar
+    keeps its total."""
+    import csv
+    import signal
+
+    import lightning as L
+
+    from recipes.llama3 import debugmodel
+    from titan_lightning.recipe import RUN_DIR_ENV, StepProgressBar, build_trainer, execute
+    from titan_lightning.testing.record import SignalAtStep
+
+    class BarTotals(L.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_train_batch_start(self, trainer, *args):
+            bar = next(c for c in trainer.callbacks if isinstance(c, StepProgressBar)).train_progress_bar
+            self.seen.append((bar.n, bar.total))
+
+        on_train_end = on_train_batch_start
+
+    def run(name, *callbacks, resume=None):
+        monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "llama3_debugmodel" / name))
+        run = debugmodel()
+        model, training = run.job.model, run.job.training
+        model.dim, model.n_layers, model.n_heads, model.n_kv_heads = 64, 2, 4, 4
+        training.seq_len, training.tokens_per_microbatch_per_dp_rank = 64, 128
+        run.job.checkpoint.resume_from = resume
+        run.trainer.update(max_steps=5, limit_val_batches=1, enable_model_summary=False,
+                           callbacks=list(callbacks))
+        execute("fit", run, build_trainer(run))
+        with open(tmp_path / "llama3_debugmodel" / name / "csv" / "metrics.csv") as f:
+            return [int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")]
+
+    assert run("stopped", SignalAtStep(3, rank=0, signum=signal.SIGTERM)) == [0, 1, 2]
+    folder = tmp_path / "llama3_debugmodel" / "stopped" / "checkpoints"
+    assert [p.name for p in folder.iterdir()] == ["epoch=0-step=3.ckpt"]
+    bar = BarTotals()
+    assert run("resumed", bar, resume="latest") == [3, 4]
+    assert bar.seen == [(3, 5), (4, 5), (5, 5)]  # before steps 4 and 5, at the end (was "3/?" ... "5/?")
