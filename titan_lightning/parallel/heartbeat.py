@@ -29,7 +29,15 @@ from typing import Optional
 
 import torch.distributed as dist
 
-_PREFIX = "titan_lightning/heartbeat"
+# The process group (and its store) outlives a fit: each fit's heartbeats count in keys of their own
+# (every rank runs the same fits in the same order), so a second fit never reads the first one's marks.
+_RUNS = {"heartbeat": 0}
+
+
+def run_prefix(kind: str) -> str:
+    """A fresh store-key prefix for this process's next ``kind`` (heartbeat, watchdog) of a fit."""
+    _RUNS[kind] = _RUNS.get(kind, 0) + 1
+    return f"titan_lightning/{kind}/{_RUNS[kind]}"
 
 
 def output_target() -> str:
@@ -51,6 +59,7 @@ class Heartbeat:
     def __init__(self, rank: int, world_size: int, host: str, port: int, *, interval_s: float = 1.0,
                  stall_s: float = 3.0, grace_s: float = 5.0) -> None:
         self.rank, self.world_size = rank, world_size
+        self._keys = run_prefix("heartbeat")
         self.address = f"{host}:{port}"
         self.interval_s, self.stall_s, self.grace_s = interval_s, stall_s, grace_s
         # One reporter per process: the main thread's explain() or, when it never comes, the heartbeat's.
@@ -59,7 +68,7 @@ class Heartbeat:
         # A client of its own: the main thread's store connection stays untouched.
         self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10),
                                     wait_for_workers=False)
-        self._store.set(f"{_PREFIX}/where/{rank}", json.dumps(
+        self._store.set(f"{self._keys}/where/{rank}", json.dumps(
             {"host": socket.gethostname(), "pid": os.getpid(), "output": output_target()}))
         # An idle plain connection to the store: it reads end-of-file when the store's host dies, so
         # that death is seen without a store call, whose failure torch logs with a C++ stack dump.
@@ -89,16 +98,16 @@ class Heartbeat:
             if self._store_gone():
                 return  # explain() says so
             try:
-                self._store.add(f"{_PREFIX}/beat/{self.rank}", 1)
-                count = self._store.add(f"{_PREFIX}/beat/{watched}", 0)
+                self._store.add(f"{self._keys}/beat/{self.rank}", 1)
+                count = self._store.add(f"{self._keys}/beat/{watched}", 0)
                 now = time.monotonic()
                 if count != last:
                     last, since = count, now
-                elif now - since > self.stall_s and not marked and not self._store.check([f"{_PREFIX}/done/{watched}"]):
-                    self._store.set(f"{_PREFIX}/dead/{watched}", f"{now - since:.0f}")
-                    self._store.add(f"{_PREFIX}/dead_any", 1)
+                elif now - since > self.stall_s and not marked and not self._store.check([f"{self._keys}/done/{watched}"]):
+                    self._store.set(f"{self._keys}/dead/{watched}", f"{now - since:.0f}")
+                    self._store.add(f"{self._keys}/dead_any", 1)
                     marked = True
-                if told_at is None and self._store.add(f"{_PREFIX}/dead_any", 0) > 0:
+                if told_at is None and self._store.add(f"{self._keys}/dead_any", 0) > 0:
                     told_at = now
             except Exception:  # noqa: BLE001 - the store's host is gone; explain() says so
                 return
@@ -121,7 +130,7 @@ class Heartbeat:
         ends before this returns (none outlives ``trainer.fit``)."""
         try:
             if not self._store_gone():
-                self._store.set(f"{_PREFIX}/done/{self.rank}", "1")
+                self._store.set(f"{self._keys}/done/{self.rank}", "1")
         except Exception:  # noqa: BLE001 - the store's host already left at the end of the run
             pass
         self._stop.set()
@@ -164,7 +173,7 @@ class Heartbeat:
                 if self._store_gone():
                     raise ConnectionError(self.address)
                 dead = [r for r in range(self.world_size) if r != self.rank
-                        and self._store.check([f"{_PREFIX}/dead/{r}"])]
+                        and self._store.check([f"{self._keys}/dead/{r}"])]
                 if dead:
                     account = "; ".join(self._describe(r) for r in dead)
                     self._linger(len(dead))  # after reading: rank 0 may leave (with the store) once told
@@ -180,15 +189,15 @@ class Heartbeat:
         """Count this rank as told; rank 0, which hosts the store under env:// launches, stays until
         every surviving rank has read it (or ``wait_s``), so that none blames rank 0 for leaving.
         (5 s was too short on a loaded machine: a survivor whose collective failed later blamed rank 0.)"""
-        told = self._store.add(f"{_PREFIX}/told", 1)
+        told = self._store.add(f"{self._keys}/told", 1)
         deadline = time.monotonic() + wait_s
         while self.rank == 0 and told < self.world_size - dead and time.monotonic() < deadline:
             time.sleep(0.1)
-            told = self._store.add(f"{_PREFIX}/told", 0)
+            told = self._store.add(f"{self._keys}/told", 0)
 
     def _describe(self, rank: int) -> str:
         try:
-            where = json.loads(self._store.get(f"{_PREFIX}/where/{rank}"))
+            where = json.loads(self._store.get(f"{self._keys}/where/{rank}"))
         except Exception:  # noqa: BLE001
             where = {"host": "?", "pid": "?", "output": "unknown"}
         return (f"rank {rank} (pid {where['pid']} on {where['host']}) stopped: no heartbeat for {self.stall_s:.0f} s "
@@ -197,4 +206,4 @@ class Heartbeat:
 
 def death_reported(store) -> bool:
     """Whether some rank's heartbeat has marked a peer dead (the watchdog then leaves it to the heartbeat)."""
-    return store.add(f"{_PREFIX}/dead_any", 0) > 0
+    return store.add(f"titan_lightning/heartbeat/{_RUNS['heartbeat']}/dead_any", 0) > 0

@@ -36,9 +36,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch.distributed as dist
 
 from titan_lightning.config.comm import CommConfig
-from titan_lightning.parallel.heartbeat import death_reported, output_target
+from titan_lightning.parallel.heartbeat import death_reported, output_target, run_prefix
 
-_PREFIX = "titan_lightning/watchdog"
 BACKSTOP_S = 60.0
 
 
@@ -109,6 +108,7 @@ class Watchdog:
                  ignore: Iterable[Any] = (), on_hang: Callable[[], None] = lambda: None, interval_s: float = 1.0,
                  answer_s: float = 5.0) -> None:
         self.rank, self.world_size = rank, world_size
+        self._keys = run_prefix("watchdog")
         self.init_timeout_s, self.train_timeout_s = init_timeout_s, train_timeout_s
         self.dump_dir, self.interval_s, self.answer_s = Path(dump_dir), interval_s, answer_s
         self._steps, self._on_hang = steps, on_hang
@@ -116,7 +116,7 @@ class Watchdog:
         self._ignored: set[tuple[str, str]] = set()  # (recorder, pg id) of ignored groups
         self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10),
                                     wait_for_workers=False)
-        self._store.set(f"{_PREFIX}/where/{rank}", json.dumps(
+        self._store.set(f"{self._keys}/where/{rank}", json.dumps(
             {"host": socket.gethostname(), "pid": os.getpid(), "output": output_target()}))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="titan-lightning-watchdog")
@@ -151,7 +151,7 @@ class Watchdog:
         pending: dict[tuple[str, str], tuple[int, float]] = {}  # (recorder, pg id) -> (oldest open seq, seen since)
         while not self._stop.wait(self.interval_s):
             try:
-                if self._store.check([f"{_PREFIX}/request"]):
+                if self._store.check([f"{self._keys}/request"]):
                     return self._leaving(self._answer)
                 if death_reported(self._store):
                     continue  # a rank died: the heartbeat names it
@@ -172,7 +172,7 @@ class Watchdog:
                     entry = self._entry(*key, seq)
                     if entry is None or entry["process_group"][0] in self._ignore:
                         self._ignored.add(key)
-                    elif self._store.add(f"{_PREFIX}/claim", 1) == 1:
+                    elif self._store.add(f"{self._keys}/claim", 1) == 1:
                         return self._leaving(self._coordinate, entry, now - since, timeout_s, field)
             except Exception:  # noqa: BLE001 - the store's host is gone (the run is ending)
                 return
@@ -200,10 +200,10 @@ class Watchdog:
                 self._on_hang()
             report(*args)
             if self.rank != 0:
-                self._store.add(f"{_PREFIX}/left", 1)
+                self._store.add(f"{self._keys}/left", 1)
             else:
                 deadline = time.monotonic() + self.answer_s
-                while self._store.add(f"{_PREFIX}/left", 0) < self.world_size - 1 and time.monotonic() < deadline:
+                while self._store.add(f"{self._keys}/left", 0) < self.world_size - 1 and time.monotonic() < deadline:
                     time.sleep(0.05)
         finally:
             sys.stderr.flush()
@@ -215,29 +215,29 @@ class Watchdog:
         request = {"rank": self.rank, "group": name, "desc": desc, "seq": entry["collective_seq_id"],
                    "op": entry["profiling_name"], "waited_s": waited_s, "timeout_s": timeout_s, "field": field,
                    "ranks": _group_ranks(name, self.world_size)}
-        self._store.set(f"{_PREFIX}/request", json.dumps(request))
-        self._store.set(f"{_PREFIX}/answer/{self.rank}", json.dumps(self._account(request)))
+        self._store.set(f"{self._keys}/request", json.dumps(request))
+        self._store.set(f"{self._keys}/answer/{self.rank}", json.dumps(self._account(request)))
         answers, deadline = {}, time.monotonic() + self.answer_s
         while len(answers) < self.world_size and time.monotonic() < deadline:
             for rank in range(self.world_size):
-                if rank not in answers and self._store.check([f"{_PREFIX}/answer/{rank}"]):
-                    answers[rank] = json.loads(self._store.get(f"{_PREFIX}/answer/{rank}"))
+                if rank not in answers and self._store.check([f"{self._keys}/answer/{rank}"]):
+                    answers[rank] = json.loads(self._store.get(f"{self._keys}/answer/{rank}"))
             time.sleep(0.1)
         line = self._verdict(request, answers)
         print(f"titan-lightning: error: [rank {self.rank}] {line}", file=sys.stderr, flush=True)
-        self._store.set(f"{_PREFIX}/verdict", line)
+        self._store.set(f"{self._keys}/verdict", line)
 
     def _answer(self) -> None:
         """Another rank saw the hang: this rank's account, then the verdict in its own log (when it has one)."""
-        request = json.loads(self._store.get(f"{_PREFIX}/request"))
+        request = json.loads(self._store.get(f"{self._keys}/request"))
         mine = self._account(request)
-        self._store.set(f"{_PREFIX}/answer/{self.rank}", json.dumps(mine))
+        self._store.set(f"{self._keys}/answer/{self.rank}", json.dumps(mine))
         deadline = time.monotonic() + self.answer_s + 10
-        while not self._store.check([f"{_PREFIX}/verdict"]) and time.monotonic() < deadline:
+        while not self._store.check([f"{self._keys}/verdict"]) and time.monotonic() < deadline:
             time.sleep(0.05)
-        coordinator = json.loads(self._store.get(f"{_PREFIX}/answer/{request['rank']}"))
-        if coordinator["output"] != mine["output"] and self._store.check([f"{_PREFIX}/verdict"]):
-            line = self._store.get(f"{_PREFIX}/verdict").decode()  # (torchrun --log-dir: a log per rank)
+        coordinator = json.loads(self._store.get(f"{self._keys}/answer/{request['rank']}"))
+        if coordinator["output"] != mine["output"] and self._store.check([f"{self._keys}/verdict"]):
+            line = self._store.get(f"{self._keys}/verdict").decode()  # (torchrun --log-dir: a log per rank)
             print(f"titan-lightning: error: [rank {self.rank}] {line}", file=sys.stderr, flush=True)
 
     def _account(self, request: dict) -> dict:
@@ -259,7 +259,7 @@ class Watchdog:
                 if not e["retired"] and e["state"] != "completed":
                     waiting.append(f"{e['profiling_name']} #{e['collective_seq_id']} of process group "
                                    f"{_group_label(e['process_group'])} for {(now_ns - e['time_created_ns']) / 1e9:.0f} s")
-        where = json.loads(self._store.get(f"{_PREFIX}/where/{self.rank}"))
+        where = json.loads(self._store.get(f"{self._keys}/where/{self.rank}"))
         return {**where, "rank": self.rank, "step": self._steps_done(), "entered": entered, "waiting": waiting,
                 "at": _main_thread_at()}
 
@@ -288,7 +288,7 @@ class Watchdog:
 
     def _where(self, rank: int) -> dict:
         try:
-            return json.loads(self._store.get(f"{_PREFIX}/where/{rank}"))
+            return json.loads(self._store.get(f"{self._keys}/where/{rank}"))
         except Exception:  # noqa: BLE001
             return {}
 
