@@ -53,6 +53,10 @@ def _files(root: Path) -> None:
     (root / "bad_type.yaml").write_text(good.replace("    seed: 0\n", "    seed: abc\n"))
     (root / "bad_key.yaml").write_text(good.replace("    seed: 0\n", "    sed: 0\n"))
     (root / "no_recipe.yaml").write_text("trainer:\n  max_steps: 3\n")
+    for name, body in (("job_scalar", "job: 5"), ("job_null", "job: null"), ("trainer_scalar", "trainer: 5"),
+                       ("training_list", "job: {training: [1, 2]}"), ("training_scalar", "job:\n  training: 5"),
+                       ("top_level_section", "training: 5")):
+        (root / f"{name}.yaml").write_text(f"recipe: recipes.llama3:debugmodel\n{body}\n")
     (root / "binary.yaml").write_bytes(bytes(range(128, 256)))
     (root / "empty.txt").write_text("")
     (root / "binary.bin").write_bytes(b"\x00\x01\x02\xff\xfe" * 100)
@@ -159,6 +163,10 @@ CASES = [
     ("unknown option", [*D, "--foo", "1"], "unknown option --foo; valid options: --recipe"),
     ("ill-typed value", [*D, "--job.training.seed", "abc"], "job.training.seed: Expected a <class 'int'>. Got value: abc"),
     ("negative lr", [*D, "--job.optimizer.lr", "-1"], "optimizer.lr=-1.0 must be > 0"),
+    ("lr not a number", [*D, "--job.optimizer.lr", "nan"],
+     "job.optimizer.lr: Expected a <class 'float'>. Got value: nan; give a finite number (the recipe's: 0.002)"),
+    ("compile backend unknown", [*D, "--job.compile.backend", "nosuchbackend"],
+     "compile.backend='nosuchbackend' is not a torch.compile backend; valid: aot_eager, "),
     ("max_steps 0", [*D, "--trainer.max_steps", "0"], "trainer.max_steps=0 must be >= 1"),
     ("precision unsupported", [*D, "--trainer.precision", "16-mixed"], "trainer.precision='16-mixed' is not supported"),
     ("trainer arg owned by the job", [*D, "--trainer.gradient_clip_val", "1.0"],
@@ -183,6 +191,18 @@ CASES = [
     ("config unknown key", ["fit", "--config", "bad_key.yaml"],
      "--config='bad_key.yaml', line 24: unknown key job.training.sed; valid keys under job.training: seed"),
     ("config without recipe", ["fit", "--config", "no_recipe.yaml"], "names no recipe"),
+    ("config job a scalar", ["fit", "--config", "job_scalar.yaml"],
+     "--config='job_scalar.yaml', line 2: job=5 must be a mapping of model, training, parallelism"),
+    ("config job null", ["fit", "--config", "job_null.yaml"],
+     "--config='job_null.yaml', line 2: job=null must be a mapping of model, training"),
+    ("config trainer a scalar", ["fit", "--config", "trainer_scalar.yaml"],
+     "--config='trainer_scalar.yaml', line 2: trainer=5 must be a mapping of lightning.Trainer arguments"),
+    ("config section a list", ["fit", "--config", "training_list.yaml"],
+     "--config='training_list.yaml', line 2: job.training=[1, 2] must be a mapping of seed, seq_len"),
+    ("config section a scalar", ["fit", "--config", "training_scalar.yaml"],
+     "--config='training_scalar.yaml', line 3: job.training=5 must be a mapping of seed, seq_len"),
+    ("config section at the top", ["fit", "--config", "top_level_section.yaml"],
+     "--config='top_level_section.yaml', line 2: unknown key training; valid keys: recipe, job, trainer"),
     # -- layouts ---------------------------------------------------------------------------------
     ("tp over the world", [*D, "--job.parallelism.tp", "2"], "world size 1 is not divisible by dp_replicate*tp*pp*cp"),
     ("dp_shard vs devices", [*D, "--job.parallelism.dp_shard", "2"], "= 2 must equal the world size 1"),
@@ -319,6 +339,49 @@ def test_debug_variable_shows_the_traceback(inputs, capfd, monkeypatch):
     assert cli.main(["fit", "--recipe", "my_recipes:raises"]) == 2
     err = capfd.readouterr().err
     assert "Traceback" in err and err.strip().splitlines()[-1].startswith("titan-lightning: error: ")
+
+
+def test_config_fifo_without_a_writer_is_refused_not_waited_on(tmp_path, capfd, monkeypatch):
+    """A FIFO nobody writes to: one line after CONFIG_PIPE_WAIT_S, instead of blocking in open()."""
+    import threading
+
+    monkeypatch.setattr(cli, "CONFIG_PIPE_WAIT_S", 0.3)
+    fifo = tmp_path / "run.yaml"
+    os.mkfifo(fifo)
+    result = []
+    thread = threading.Thread(target=lambda: result.append(cli.main(["fit", "--config", str(fifo)])), daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    if thread.is_alive():  # a regression blocks in open() or read(): a writer releases it, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(timeout=30)
+        pytest.fail("--config on a FIFO without a writer blocked")
+    err = capfd.readouterr().err
+    assert result == [2] and err.count("\n") == 1, err
+    assert f"--config={str(fifo)!r}: nothing to read for 0.3 s (a FIFO with no writer?)" in err, err
+
+
+def test_config_from_a_pipe_with_a_writer_is_read_once(tmp_path, capfd):
+    """``--config <(cat run.yaml)``: the shell passes /dev/fd/N, a pipe whose writer may be late."""
+    import threading
+
+    text = subprocess_free_print_config()
+    read, write = os.pipe()
+
+    def writer():
+        time.sleep(0.2)
+        os.write(write, text.encode())
+        os.close(write)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        assert cli.main(["fit", "--config", f"/dev/fd/{read}", "--print_config"]) == 0
+    finally:
+        thread.join(timeout=10)
+        os.close(read)
+    out, err = capfd.readouterr()
+    assert out == text and err == ""
 
 
 def test_resume_latest_with_nothing_saved_starts_fresh_in_one_line(tmp_path, capfd, monkeypatch):
