@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from titan_lightning import cli
+from titan_lightning.data.shards import tokenizer_identity
+from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
 from titan_lightning.recipe import RUN_DIR_ENV
 
 RECIPES = '''
@@ -81,6 +83,15 @@ def _files(root: Path) -> None:
         "format": "titan-lightning-tokens", "version": 1, "dtype": "uint16", "total_tokens": 3000, "documents": 2,
         "tokenizer": {"sha256": "0" * 64, "vocab_size": 2048, "eos_id": 0, "bos_id": None},
         "shards": [{"name": "part-00000-00000", "tokens": 3000, "documents": 2}]}))
+    _shard_set(root / "uint13_shards", np.zeros(3000, dtype="<u2"), dtype="uint13")
+    tokenizer = load_tokenizer()
+    identity = tokenizer_identity(tokenizer_file(None), tokenizer.vocab_size, tokenizer.eot_id, None)
+    _shard_set(root / "past_vocab_shards", np.arange(3000, dtype="<u2") % 2100, tokenizer=identity)
+    (root / "unreadable.txt").write_text("a <|endoftext|> b")
+    (root / "unreadable.txt").chmod(0)
+    (root / "null.parquet").write_bytes(_parquet({"text": [None] * 4, "id": [1, 2, 3, 4]}))
+    (root / "bad_middle.jsonl").write_text("".join(['{"text": "one"}\n'] * 200 + ["{not json\n"] +
+                                                   ['{"text": "two"}\n'] * 200))
     (root / "hf_model").mkdir()
     (root / "hf_model" / "model.safetensors").write_bytes(b"")
     llama = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 160,
@@ -91,6 +102,33 @@ def _files(root: Path) -> None:
         (root / name).mkdir()
         (root / name / "model.safetensors").write_bytes(b"")
         (root / name / "config.json").write_text(json.dumps(config))
+
+
+def _shard_set(folder: Path, tokens, dtype: str = "uint16", tokenizer=None) -> None:
+    """A shard set of one shard holding ``tokens`` as two documents, its index written by hand
+    (as a set of another tool, or of a prepare before the index recorded max_id, looks)."""
+    import numpy as np
+
+    folder.mkdir()
+    np.asarray(tokens, dtype="<u2").tofile(folder / "part-00000-00000.tokens")
+    np.asarray([len(tokens) // 2, len(tokens)], dtype="<i8").tofile(folder / "part-00000-00000.docs")
+    tokenizer = tokenizer or {"sha256": "0" * 64, "vocab_size": 2048, "eos_id": 0, "bos_id": None}
+    (folder / "index.json").write_text(json.dumps({
+        "format": "titan-lightning-tokens", "version": 1, "dtype": dtype, "total_tokens": len(tokens),
+        "documents": 2, "tokenizer": tokenizer,
+        "shards": [{"name": "part-00000-00000", "tokens": len(tokens), "documents": 2}]}))
+
+
+def _parquet(columns: dict) -> bytes:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = io.BytesIO()
+    pq.write_table(pa.table({k: pa.array(v, type=pa.string() if k == "text" else None) for k, v in columns.items()}),
+                   out)
+    return out.getvalue()
 
 
 _PRINTED: list[str] = []
@@ -151,8 +189,20 @@ CASES = [
      "nofield.jsonl:1: no text field 'text' (--text-field); the record has: content"),
     ("prepare without output", ["prepare", "--input", "one_doc.txt"],
      "prepare: the following arguments are required: --output"),
+    ("prepare all-null Parquet column", ["prepare", "--input", "null.parquet", "--output", "out"],
+     "null.parquet: the column 'text' is null or empty in all 4 rows; name the column that holds the text with "
+     "--text-field (columns: text, id)"),
+    ("prepare stops on a bad record", ["prepare", "--input", "bad_middle.jsonl", "--output", "out", "--bad-records",
+                                       "stop"], "bad_middle.jsonl:201: not a JSON line (--bad-records stop)"),
+    ("prepare output is a file", ["prepare", "--input", "one_doc.txt", "--output", "a_file.txt"],
+     "--output 'a_file.txt' is a file; give a folder for the shards"),
     ("shards of another tokenizer", [*D, "--job.data.dataset_path", "other_shards"],
      "the shards in other_shards were written by another tokenizer"),
+    ("shards of an unknown dtype", [*D, "--job.data.dataset_path", "uint13_shards"],
+     "data.dataset_path='uint13_shards': index.json has dtype=\"uint13\"; token shards are uint16 or uint32"),
+    ("shards past the vocabulary", [*D, "--job.data.dataset_path", "past_vocab_shards"],
+     "data.dataset_path='past_vocab_shards' holds token id 2099 (a scan found it), out of range for "
+     "model.vocab_size=2048"),
     ("mixture weight not positive", [*D, "--job.data.sources", '[{"path": "other_shards", "weight": 0}]'],
      "data.sources[0].weight=0.0 (other_shards) must be > 0"),
     ("mixture source missing", [*D, "--job.data.sources", '[{"path": "nope_dir"}]'],
@@ -251,6 +301,8 @@ CASES = [
     ("dataset binary", [*D, "--job.data.dataset_path", "binary.bin"], "data.dataset_path='binary.bin' is not UTF-8 text"),
     ("dataset with NUL bytes", [*D, "--job.data.dataset_path", "nul.txt"], "data.dataset_path='nul.txt' is not text"),
     ("dataset is a folder", [*D, "--job.data.dataset_path", "folder"], "data.dataset_path='folder' is not a file"),
+    ("dataset unreadable", [*D, "--job.data.dataset_path", "unreadable.txt"],
+     "data.dataset_path='unreadable.txt' cannot be read (Permission denied); give a file this user may read"),
     ("dataset of one document", [*D, "--job.data.dataset_path", "one_doc.txt"], "holds 1 document(s)"),
     ("dataset shorter than a window", [*D, "--job.data.dataset_path", "short.txt"],
      "the train split of data.dataset_path='short.txt'"),
@@ -315,7 +367,13 @@ def inputs(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("name, argv, message", CASES, ids=[c[0].replace(" ", "_") for c in CASES])
+# Root reads a file whatever its mode: the unreadable-file case cannot be made as root.
+_ROOT_READS_ALL = {"dataset unreadable"} if hasattr(os, "geteuid") and os.geteuid() == 0 else set()
+
+
+@pytest.mark.parametrize("name, argv, message", [
+    pytest.param(*case, marks=pytest.mark.skipif(case[0] in _ROOT_READS_ALL, reason="root reads a file of mode 000"))
+    for case in CASES], ids=[c[0].replace(" ", "_") for c in CASES])
 def test_bad_input_is_one_line_exit_2_nothing_written(name, argv, message, inputs, capfd, monkeypatch):
     monkeypatch.chdir(inputs)
     monkeypatch.syspath_prepend(str(inputs))
