@@ -262,8 +262,9 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = N
     todo = [(i, part, str(out), text_field, bad_records, shard_tokens) for i, part in enumerate(parts) if i not in done]
     total_bytes = sum(p.stop - p.start for p in parts if p.kind != "parquet")
     bar = _Progress(len(parts), total_bytes, len(done), sum(r["bytes"] for r in done.values()), progress)
+    results = _map(_run_part, todo, tokenizer_path, workers or min(len(todo), os.cpu_count() or 1))
     try:
-        for result in _map(_run_part, todo, tokenizer_path, workers or min(len(todo), os.cpu_count() or 1)):
+        for result in results:
             if "error" in result:
                 raise PrepareError(result["error"])
             done[result["index"]] = result
@@ -273,6 +274,7 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = N
     except PrepareError:
         # Bad input: the error alone on the terminal, and nothing of this run left behind (a folder
         # an earlier interrupted run left keeps what that run finished).
+        results.close()  # the workers are stopped before their files are removed
         bar.close(clear=True)
         _undo(out, created, done if resumed else None)
         raise
