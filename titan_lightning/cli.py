@@ -54,6 +54,7 @@ import lightning as L
 
 from titan_lightning.checkpoint import CheckpointError
 from titan_lightning.config import ConfigError, JobConfig
+from titan_lightning.pretrained import check_initial_hf_weights
 from titan_lightning.recipe import RECIPE_PARAMETERS, Run, RecipeError, build_run, build_trainer, check_inputs, execute
 
 SUBCOMMANDS = ("fit", "validate", "test", "estimate", "prepare")
@@ -187,6 +188,7 @@ def prepare(argv: list[str]) -> Optional[tuple[str, Run, L.Trainer]]:
         return None
     trainer = build_trainer(run)
     check_inputs(command, run, trainer)
+    check_initial_hf_weights(command, run)
     return command, run, trainer
 
 

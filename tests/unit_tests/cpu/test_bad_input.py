@@ -102,6 +102,23 @@ def _files(root: Path) -> None:
         (root / name).mkdir()
         (root / name / "model.safetensors").write_bytes(b"")
         (root / name / "config.json").write_text(json.dumps(config))
+    _hf_weights(root / "hf_shapes", llama, {**llama, "intermediate_size": 192})  # config.json edited after saving
+    _hf_weights(root / "hf_truncated", llama, llama)
+    weights = root / "hf_truncated" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+
+
+def _hf_weights(folder: Path, saved: dict, config: dict) -> None:
+    """A Hugging Face folder holding the weights of the model ``saved`` describes, and ``config``."""
+    from titan_lightning.models.common.hf_checkpoint import save_hf_safetensors
+    from titan_lightning.pretrained import read_hf_model
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(saved))
+    model = read_hf_model(folder)
+    module = model.module_class(model.job_class(model=model.args))
+    save_hf_safetensors(module.state_dict_adapter().to_hf(module.build_model().state_dict()), folder)
+    (folder / "config.json").write_text(json.dumps(config))
 
 
 def _shard_set(folder: Path, tokens, dtype: str = "uint16", tokenizer=None) -> None:
@@ -173,6 +190,14 @@ CASES = [
     ("hf config value not supported", ["fit", "--recipe", "recipes.hf:pretrained",
                                        "--job.checkpoint.initial_load_path", "hf_bias"],
      "hf_bias/config.json: attention_bias=true is not supported by Llama here (supported: false)"),
+    ("hf weights of other shapes", ["fit", "--recipe", "recipes.hf:pretrained", "--job.checkpoint.initial_load_path",
+                                    "hf_shapes"],
+     "checkpoint.initial_load_path='hf_shapes': loading hf_shapes into Transformer: model.layers.0.mlp.gate_proj.weight "
+     "(ours layers.0.feed_forward.w1.weight) has shape (160, 64), the model has (192, 64)"),
+    ("hf weights truncated", ["fit", "--recipe", "recipes.hf:pretrained", "--job.checkpoint.initial_load_path",
+                              "hf_truncated"],
+     "checkpoint.initial_load_path='hf_truncated': hf_truncated/model.safetensors: not a readable safetensors file "
+     "(truncated or corrupt?): the tensors end at byte "),
     ("preset against a folder", [*D, "--job.checkpoint.initial_load_path", "hf_llama",
                                  "--job.checkpoint.initial_load_format", "hf"],
      "model args differ from hf_llama/config.json: hidden_size is 256 here, 64 there"),
