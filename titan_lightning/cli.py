@@ -3,7 +3,8 @@
 Options (frozen by tests/unit_tests/cpu/test_cli.py; new knobs go into the configs):
 
     --recipe MOD:FN      the run to start from
-    --config FILE        a YAML file written by --print_config (it names its recipe)
+    --config FILE        a YAML file written by --print_config (it names its recipe); a pipe
+                         works too: --config <(sed s/0.002/0.001/ run.yaml)
     --print_config       print the fully resolved run as YAML and exit
     --job.SECTION.FIELD  override a JobConfig field (model, training, parallelism, ...)
     --trainer.ARG        override a lightning.Trainer argument; --trainer.logger and
