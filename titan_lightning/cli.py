@@ -398,15 +398,12 @@ def read_config(argv: list[str]) -> tuple[list[str], Optional[ConfigFile]]:
         return argv, None
     text = _read_text(path)
     config = ConfigFile(path, text, _parse_yaml(path, text))
-    out = list(argv)
-    for i, arg in enumerate(out):
-        if arg == "--config":
-            out[i + 1] = text
-            break
-        if arg.startswith("--config="):
-            out[i] = f"--config={text}"
-            break
-    return out, config
+    for i, arg in enumerate(argv):
+        if arg == "--config" or arg.startswith("--config="):
+            # One argument, --config=TEXT: a text starting with "---" would read as an option.
+            width = 2 if arg == "--config" else 1
+            return [*argv[:i], f"--config={text}", *argv[i + width:]], config
+    return argv, config
 
 
 def _read_text(path: str) -> str:
