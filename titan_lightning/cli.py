@@ -32,14 +32,13 @@ A recipe module in the current folder is found (``--recipe my_recipes:fn``), as 
 import argparse
 import dataclasses
 import inspect
-import logging
 import json
+import logging
 import os
 import re
 import select
 import stat
 import sys
-import time
 import traceback
 import types
 import typing

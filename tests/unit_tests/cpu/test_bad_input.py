@@ -192,8 +192,9 @@ CASES = [
      "hf_bias/config.json: attention_bias=true is not supported by Llama here (supported: false)"),
     ("hf weights of other shapes", ["fit", "--recipe", "recipes.hf:pretrained", "--job.checkpoint.initial_load_path",
                                     "hf_shapes"],
-     "checkpoint.initial_load_path='hf_shapes': loading hf_shapes into Transformer: model.layers.0.mlp.gate_proj.weight "
-     "(ours layers.0.feed_forward.w1.weight) has shape (160, 64), the model has (192, 64)"),
+     "checkpoint.initial_load_path='hf_shapes': loading hf_shapes into Transformer: "
+     "model.layers.0.mlp.gate_proj.weight (ours layers.0.feed_forward.w1.weight) has shape (160, 64), the model has "
+     "(192, 64)"),
     ("hf weights truncated", ["fit", "--recipe", "recipes.hf:pretrained", "--job.checkpoint.initial_load_path",
                               "hf_truncated"],
      "checkpoint.initial_load_path='hf_truncated': hf_truncated/model.safetensors: not a readable safetensors file "
