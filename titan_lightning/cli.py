@@ -3,7 +3,8 @@
 Options (frozen by tests/unit_tests/cpu/test_cli.py; new knobs go into the configs):
 
     --recipe MOD:FN      the run to start from
-    --config FILE        a YAML file written by --print_config (it names its recipe)
+    --config FILE        a YAML file written by --print_config (it names its recipe); a pipe
+                         works too: --config <(sed s/0.002/0.001/ run.yaml)
     --print_config       print the fully resolved run as YAML and exit
     --job.SECTION.FIELD  override a JobConfig field (model, training, parallelism, ...)
     --trainer.ARG        override a lightning.Trainer argument; --trainer.logger and
@@ -31,15 +32,20 @@ A recipe module in the current folder is found (``--recipe my_recipes:fn``), as 
 import argparse
 import dataclasses
 import inspect
+import json
 import logging
 import os
 import re
+import select
+import stat
 import sys
 import traceback
+import types
 import typing
 import warnings
 from contextlib import contextmanager
-from typing import Annotated, Iterator, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Annotated, Any, Iterator, Optional, Sequence, Union
 
 import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser
@@ -48,6 +54,7 @@ import lightning as L
 
 from titan_lightning.checkpoint import CheckpointError
 from titan_lightning.config import ConfigError, JobConfig
+from titan_lightning.pretrained import check_initial_hf_weights
 from titan_lightning.recipe import RECIPE_PARAMETERS, Run, RecipeError, build_run, build_trainer, check_inputs, execute
 
 SUBCOMMANDS = ("fit", "validate", "test", "estimate", "prepare")
@@ -196,6 +203,7 @@ def prepare(argv: list[str]) -> Optional[tuple[str, Run, L.Trainer]]:
         return None
     trainer = build_trainer(run)
     check_inputs(command, run, trainer)
+    check_initial_hf_weights(command, run)
     return command, run, trainer
 
 
@@ -204,13 +212,16 @@ def parse_run(argv: list[str]) -> Optional[Run]:
     if {"-h", "--help"} & set(argv) and _recipe_arg(argv) is None and _config_path(argv) is None:
         build_parser(None).print_help()  # every option, with JobConfig's and Trainer's defaults
         return None
-    spec = _recipe_spec(argv)
-    run = build_run(spec, {name: _option_value(argv, option) for name, option in RECIPE_PARAMETERS.items()})
+    argv, config = read_config(argv)
+    spec = _recipe_spec(argv, config)
+    run = build_run(spec, {name: _option_value(argv, option, config) for name, option in RECIPE_PARAMETERS.items()})
+    if config is not None:
+        check_config_sections(config, run)
     parser = build_parser(run)
     try:
         namespace = parser.parse_args(argv)
     except argparse.ArgumentError as err:
-        raise UsageError(_describe_parse_error(str(err), run, _config_path(argv))) from None
+        raise UsageError(_describe_parse_error(str(err), run, config)) from None
     if namespace.print_config:
         namespace.print_config = False
         print(parser.dump(namespace, skip_validation=True), end="")
@@ -322,16 +333,14 @@ def _int_or_float_args() -> dict:
     }
 
 
-def _recipe_spec(argv: list[str]) -> str:
+def _recipe_spec(argv: list[str], config: Optional["ConfigFile"]) -> str:
     spec = _recipe_arg(argv)
     if spec is not None:
         return spec
-    path = _config_path(argv)
-    if path is not None:
-        saved = _read_yaml(path)
-        if isinstance(saved, dict) and isinstance(saved.get("recipe"), str) and saved["recipe"]:
-            return saved["recipe"]
-        raise UsageError(f"--config={path!r} names no recipe; add 'recipe: package.module:function'")
+    if config is not None:
+        if isinstance(config.data.get("recipe"), str) and config.data["recipe"]:
+            return config.data["recipe"]
+        raise UsageError(f"{config.where} names no recipe; add 'recipe: package.module:function'")
     raise UsageError("--recipe is required (e.g. --recipe recipes.llama3:debugmodel)")
 
 
@@ -344,7 +353,7 @@ def _recipe_arg(argv: list[str]) -> Optional[str]:
     return None
 
 
-def _option_value(argv: list[str], option: str) -> Optional[str]:
+def _option_value(argv: list[str], option: str, config: Optional["ConfigFile"]) -> Optional[str]:
     """The last value of ``--option`` on the command line, else the one of the --config file."""
     value = None
     for i, arg in enumerate(argv):
@@ -352,9 +361,8 @@ def _option_value(argv: list[str], option: str) -> Optional[str]:
             value = argv[i + 1]
         elif arg.startswith(f"--{option}="):
             value = arg.split("=", 1)[1]
-    path = _config_path(argv)
-    if value is None and path is not None:
-        saved = _read_yaml(path)
+    if value is None and config is not None:
+        saved = config.data
         for key in option.split("."):
             saved = saved.get(key) if isinstance(saved, dict) else None
         value = saved if isinstance(saved, str) else None
@@ -372,27 +380,163 @@ def _config_path(argv: list[str]) -> Optional[str]:
     return None
 
 
-def _read_yaml(path: str):
+# How long --config may stay silent when it is a pipe: ``<(command)`` has a writer that may take a
+# moment; a FIFO nobody writes to would otherwise be waited on forever.
+CONFIG_PIPE_WAIT_S = 10.0
+
+
+@dataclass
+class ConfigFile:
+    """The --config file, read once: a pipe (``--config <(cat run.yaml)``) can be read only once,
+    so the parser gets its text, never the path again."""
+
+    path: str
+    text: str
+    data: dict
+
+    @property
+    def where(self) -> str:
+        return f"--config={self.path!r}"
+
+    def at(self, key: str) -> str:
+        """``--config='run.yaml', line 3`` for the line of ``key`` (dotted), if it is there."""
+        line = _yaml_line(self.text, key)
+        return f"{self.where}, line {line}" if line is not None else self.where
+
+
+def read_config(argv: list[str]) -> tuple[list[str], Optional[ConfigFile]]:
+    """``argv`` with the --config file's text in place of its path, and that file; (argv, None)
+    without --config."""
+    path = _config_path(argv)
+    if path is None:
+        return argv, None
+    text = _read_text(path)
+    config = ConfigFile(path, text, _parse_yaml(path, text))
+    for i, arg in enumerate(argv):
+        if arg == "--config" or arg.startswith("--config="):
+            # One argument, --config=TEXT: a text starting with "---" would read as an option.
+            width = 2 if arg == "--config" else 1
+            return [*argv[:i], f"--config={text}", *argv[i + width:]], config
+    return argv, config
+
+
+def _read_text(path: str) -> str:
+    """The text of --config: a file, or a pipe read until its writer closes it. Never blocks
+    for longer than CONFIG_PIPE_WAIT_S without data: a FIFO with no writer is refused."""
+    where = f"--config={path!r}"
     try:
-        with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f) or {}
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO's open would wait for a writer
     except OSError as err:
-        raise UsageError(f"--config={path!r}: {err.strerror}") from None
+        raise UsageError(f"{where}: {err.strerror}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise UsageError(f"{where}: Is a directory; give a YAML file (--print_config writes one)")
+        data = _read_regular(fd) if stat.S_ISREG(mode) else _read_stream(fd, where)
+    except OSError as err:
+        raise UsageError(f"{where}: {err.strerror}") from None
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise UsageError(f"--config={path!r} is not UTF-8 text (byte {err.start}); give a YAML file") from None
+        raise UsageError(f"{where} is not UTF-8 text (byte {err.start}); give a YAML file") from None
+
+
+def _read_regular(fd: int) -> bytes:
+    os.set_blocking(fd, True)
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _read_stream(fd: int, where: str) -> bytes:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    chunks = []
+    while True:
+        if not poller.poll(CONFIG_PIPE_WAIT_S * 1000):
+            raise UsageError(f"{where}: nothing to read for {CONFIG_PIPE_WAIT_S:g} s (a FIFO with no writer?); "
+                             f"give a YAML file, or <(command) with a command that writes one")
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            continue
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def _parse_yaml(path: str, text: str) -> dict:
+    """The YAML of --config: a mapping (an empty file reads as {})."""
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f", line {mark.line + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise UsageError(f"--config={path!r}{where}: not valid YAML ({problem})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"--config={path!r} holds {_yaml_value(data)}, not a mapping; give a YAML file of "
+                         f"recipe, job and trainer as --print_config writes it")
+    return data
 
 
-def _yaml_line(path: str, key: str) -> Optional[int]:
-    """The line of ``key`` (dotted: job.training.seed) in the YAML file ``path``, if it is there."""
+def check_config_sections(config: ConfigFile, run: Run) -> None:
+    """Every section of the --config file that holds fields (``job``, ``job.training``, ...,
+    ``trainer``) is a mapping: a scalar or null there would replace the recipe's whole section
+    with the defaults."""
+    data = config.data
+    if "trainer" in data and not isinstance(data["trainer"], dict):
+        raise UsageError(f"{config.at('trainer')}: trainer={_yaml_value(data['trainer'])} must be a mapping of "
+                         f"lightning.Trainer arguments (e.g. max_steps: 100), as --print_config writes it")
+    if "job" in data and run.job is not None:
+        _check_section(config, "job", data["job"], run.job, type(run.job), optional=False)
+
+
+def _check_section(config: ConfigFile, key: str, value: Any, current: Any, cls: type, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, dict):
+        fields = ", ".join(f.name for f in dataclasses.fields(cls))
+        raise UsageError(f"{config.at(key)}: {key}={_yaml_value(value)} must be a mapping of {fields}"
+                         f"{' (or null)' if optional else ''}, as --print_config writes it")
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        if field.name not in value:
+            continue
+        child = getattr(current, field.name, None)
+        child_cls, child_optional = _section_type(hints.get(field.name))
+        if dataclasses.is_dataclass(child) and not isinstance(child, type):
+            child_cls = type(child)  # a family narrows a field's type (job.model)
+        if child_cls is not None:
+            _check_section(config, f"{key}.{field.name}", value[field.name], child, child_cls, child_optional)
+
+
+def _section_type(hint: Any) -> tuple[Optional[type], bool]:
+    """(the dataclass a field holds, whether it may be None), or (None, False) for other fields."""
+    optional = False
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        members = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional = len(members) < len(typing.get_args(hint))
+        hint = members[0] if len(members) == 1 else None
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return hint, optional
+    return None, False
+
+
+def _yaml_value(value: Any) -> str:
+    return json.dumps(value, default=str)
+
+
+def _yaml_line(text: str, key: str) -> Optional[int]:
+    """The line of ``key`` (dotted: job.training.seed) in the YAML ``text``, if it is there."""
     try:
-        with open(path, encoding="utf-8") as f:
-            node = yaml.compose(f)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        node = yaml.compose(text)
+    except yaml.YAMLError:
         return None
     line = None
     for part in key.split("."):
@@ -407,7 +551,7 @@ def _yaml_line(path: str, key: str) -> Optional[int]:
     return line
 
 
-def _describe_parse_error(message: str, run: Run, config: Optional[str] = None) -> str:
+def _describe_parse_error(message: str, run: Run, config: Optional[ConfigFile] = None) -> str:
     unknown = re.search(r"unrecognized arguments: (\S+)", message)
     if unknown:
         option = unknown.group(1).split("=", 1)[0]
@@ -420,11 +564,17 @@ def _describe_parse_error(message: str, run: Run, config: Optional[str] = None) 
         message = f"unknown key {name}; {_valid_keys_near(name, run)}"
     if name in _CLASS_EXAMPLES:
         message = _describe_class_error(name, message)
+    typed = re.search(r"Expected a <class '(\w+)'>\. Got value: (.+)", message)
+    if typed and name is not None:
+        message = " ".join(message.split()) + "; " + _expected_value(name, typed.group(1), typed.group(2), run)
+    top = re.search(r"Option '([^']+)' is not accepted", message)
+    if top and config is not None:
+        return f"{config.at(top.group(1))}: unknown key {top.group(1)}; valid keys: recipe, job, trainer"
     if config is not None and name is not None:
         # A value from the config file (a command-line override of the same key would have won).
-        line = _yaml_line(config, name)
+        line = _yaml_line(config.text, name)
         if line is not None:
-            return f"--config={config!r}, line {line}: {message}"
+            return f"{config.where}, line {line}: {message}"
     return message
 
 
@@ -442,6 +592,21 @@ def _describe_class_error(name: str, message: str) -> str:
     given = re.search(r"Given value: (.+)", message)
     value = given.group(1).strip() if given else "the value"
     return f"{name}: {value!r} is not a class path; e.g. --{name} {_CLASS_EXAMPLES[name]}"
+
+
+_KINDS = {"float": "a number", "int": "an integer", "bool": "true or false", "str": "a string"}
+
+
+def _expected_value(name: str, kind: str, given: str, run: Run) -> str:
+    """What a field of type ``kind`` takes, with the run's own value as the example."""
+    what = _KINDS.get(kind, kind)
+    if kind == "float" and given.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
+        what = "a finite number"
+    node: Any = run.job if name.startswith("job.") else None
+    for part in name.split(".")[1:]:
+        node = getattr(node, part, None)
+    example = f" (the recipe's: {node})" if node is not None and not dataclasses.is_dataclass(node) else ""
+    return f"give {what}{example}"
 
 
 def _valid_keys_near(option: str, run: Run) -> str:

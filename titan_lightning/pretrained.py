@@ -92,6 +92,34 @@ def check_folder_matches(args: Any, adapter_class: type, folder: Any) -> None:
                               f"{json.dumps(ours.get(key))} here, {json.dumps(expected.get(key))} there")
 
 
+def check_initial_hf_weights(command: str, run: Run) -> None:
+    """Before launch: the safetensors a fresh ``fit`` will load (``checkpoint.initial_load_path``,
+    ``initial_load_format=hf``) hold every tensor of the run's model in its shape, and no file is
+    shorter than its header says. Only the headers are read; the model is built on the meta device.
+    One-line ConfigError naming the tensor and both shapes, or the file and both sizes."""
+    job, module = run.job, run.module
+    if command != "fit" or job is None or run.ckpt_path is not None:
+        return
+    folder = job.checkpoint.initial_load_path
+    if folder is None or job.checkpoint.initial_load_format != "hf":
+        return
+    adapter = module.state_dict_adapter() if hasattr(module, "state_dict_adapter") else None
+    if adapter is None or not hasattr(module, "build_model"):
+        return  # a module of its own kind: its loader checks what it loads
+    if (Path(folder) / CONFIG_FILE).is_file() and read_config_json(Path(folder)).get("tie_word_embeddings", False):
+        adapter = type(adapter)(adapter.args, tie_word_embeddings=True)
+    import torch
+
+    with torch.device("meta"):
+        model = module.build_model()
+    try:
+        adapter.check_folder(model, folder)
+    except (OSError, ValueError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"checkpoint.initial_load_path={folder!r}: {' '.join(str(err).split())}") from None
+
+
 def pretrained_run(folder: Any) -> Run:
     """Fine-tuning the model in ``folder`` on the shipped corpus: its args, its tokenizer (when it
     has tokenizer.json), its weights; sequences of min(2048, max_position_embeddings) tokens, lr

@@ -24,5 +24,14 @@ class CompileConfig:
         unknown = [c for c in self.components if c not in COMPONENTS]
         if unknown:
             raise ValueError(f"compile.components has {unknown}; valid components are {', '.join(COMPONENTS)}")
-        if not isinstance(self.backend, str) or not self.backend:
-            raise ValueError(f"compile.backend={self.backend!r} must name a torch.compile backend")
+        if not isinstance(self.backend, str) or self.backend not in compile_backends():
+            raise ValueError(f"compile.backend={self.backend!r} is not a torch.compile backend; valid: "
+                             f"{', '.join(b for b in compile_backends() if not b.endswith('_TESTING_ONLY'))}")
+
+
+def compile_backends() -> list[str]:
+    """The names ``torch.compile(backend=...)`` accepts here (debug and experimental ones too, and
+    those of installed packages' ``torch_dynamo_backends`` entry points)."""
+    from torch._dynamo import list_backends
+
+    return list_backends(exclude_tags=())

@@ -84,7 +84,8 @@ class TextDataModule(L.LightningDataModule):
         if field != "data.dataset_path" and not path.exists():
             raise FileNotFoundError(f"{field}={str(path)!r}: no such file or folder")
         if is_shard_set(path):
-            streams = shard_splits(path, data.tokenizer_path, data.val_fraction, self.tokenizer, field)
+            streams = shard_splits(path, data.tokenizer_path, data.val_fraction, self.tokenizer, field,
+                                   vocab_size=self.job.model.vocab_size)
         else:
             streams = tokenized_splits(path, data.tokenizer_path, data.val_fraction, lambda: self.tokenizer)
         if data.repeat_to_fit and 0 < len(streams["train"]) < seq_len + 1:
@@ -288,13 +289,17 @@ def tokenized_splits(path: Path, tokenizer_path: Optional[str], val_fraction: fl
 
 
 def shard_splits(path: Path, tokenizer_path: Optional[str], val_fraction: float,
-                 tokenizer: Tokenizer, field: str = "data.dataset_path") -> dict[str, Any]:
+                 tokenizer: Tokenizer, field: str = "data.dataset_path", *,
+                 vocab_size: Optional[int] = None) -> dict[str, Any]:
     """The ``train`` and ``val`` spans of the token shard set ``path``: val is the tail from the
-    last document end before ``1 - val_fraction`` of the tokens. Refuses shards of another tokenizer."""
+    last document end before ``1 - val_fraction`` of the tokens. Refuses shards of another tokenizer,
+    and shards with token ids past ``vocab_size`` (the model's)."""
     shards = ShardSet(path, field)
     bos = tokenizer.bos_id if tokenizer.add_bos else None
     shards.check_tokenizer(tokenizer_identity(tokenizer_file(tokenizer_path), tokenizer.vocab_size,
                                               tokenizer.eot_id, bos))
+    if vocab_size is not None:
+        shards.check_vocab(vocab_size, field)
     split = shards.document_end_before(int(len(shards) * (1 - val_fraction)))
     if split == 0 or split == len(shards):
         raise ValueError(f"{field}={str(path)!r}: the train/val split is by documents, and "

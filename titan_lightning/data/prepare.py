@@ -23,6 +23,7 @@ skip`` counts it (the summary names the first), ``stop`` ends the run on it, nam
 import glob
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -237,24 +238,46 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = N
     except (OSError, ValueError) as err:
         raise PrepareError(str(err).replace("data.tokenizer_path", "--tokenizer")) from None
     out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise PrepareError(f"--output {output!r} is a file; give a folder for the shards (a new or an empty one)")
     if (out / INDEX).is_file():
         raise PrepareError(f"--output {output!r} already holds a shard set ({INDEX}); choose another folder")
-    out.mkdir(parents=True, exist_ok=True)
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PrepareError(f"--output {output!r}: cannot create the folder ({err.strerror})") from None
     identity = tokenizer_identity(tokenizer_file(tokenizer_path), tokenizer.vocab_size, tokenizer.eot_id,
                                   tokenizer.bos_id if tokenizer.add_bos else None)
     parts = plan_parts(files)
     settings = {"inputs": [str(p.resolve()) for p in files], "sizes": [p.stat().st_size for p in files],
                 "text_field": text_field, "tokenizer": identity, "shard_tokens": shard_tokens}
-    done = _resume(out, settings)
+    resumed = (out / PROGRESS).is_file()
+    try:
+        done = _resume(out, settings)
+    except PrepareError:
+        if created:
+            shutil.rmtree(out)
+        raise
     todo = [(i, part, str(out), text_field, bad_records, shard_tokens) for i, part in enumerate(parts) if i not in done]
     total_bytes = sum(p.stop - p.start for p in parts if p.kind != "parquet")
     bar = _Progress(len(parts), total_bytes, len(done), sum(r["bytes"] for r in done.values()), progress)
-    for result in _map(_run_part, todo, tokenizer_path, workers or min(len(todo), os.cpu_count() or 1)):
-        if "error" in result:
-            raise PrepareError(result["error"])
-        done[result["index"]] = result
-        _save_progress(out, settings, done)
-        bar.update(result)
+    results = _map(_run_part, todo, tokenizer_path, workers or min(len(todo), os.cpu_count() or 1))
+    try:
+        for result in results:
+            if "error" in result:
+                raise PrepareError(result["error"])
+            done[result["index"]] = result
+            _save_progress(out, settings, done)
+            bar.update(result)
+        _check_every_file_has_documents(files, parts, done, text_field)
+    except PrepareError:
+        # Bad input: the error alone on the terminal, and nothing of this run left behind (a folder
+        # an earlier interrupted run left keeps what that run finished).
+        results.close()  # the workers are stopped before their files are removed
+        bar.close(clear=True)
+        _undo(out, created, done if resumed else None)
+        raise
     bar.close()
     shards = [shard for i in sorted(done) for shard in done[i]["shards"]]
     dtype = token_dtype(tokenizer.vocab_size)
@@ -278,11 +301,56 @@ def _resume(out: Path, settings: dict) -> dict[int, dict]:
         done = {int(k): v for k, v in saved["done"].items()}
     elif any(out.iterdir()):
         raise PrepareError(f"--output {str(out)!r} is not empty and holds no unfinished prepare; choose another folder")
+    _remove_unrecorded(out, done)
+    return done
+
+
+def _undo(out: Path, created: bool, resumed: Optional[dict[int, dict]]) -> None:
+    """Leave ``out`` as this run found it: removed if it created it; else without this run's files,
+    or, when it resumed an interrupted run, with the parts finished (``resumed``) still recorded."""
+    if created:
+        shutil.rmtree(out)
+    elif resumed is not None:
+        _remove_unrecorded(out, resumed)
+    else:
+        _remove_unrecorded(out, {})
+        for name in (PROGRESS, PROGRESS + ".partial"):
+            (out / name).unlink(missing_ok=True)
+
+
+def _remove_unrecorded(out: Path, done: dict[int, dict]) -> None:
+    """Remove the shard files of parts that ``done`` does not record (an unfinished part's)."""
     kept = {f"{s['name']}.{ext}" for r in done.values() for s in r["shards"] for ext in ("tokens", "docs")}
     for path in out.glob("part-*"):
         if path.name not in kept:
             path.unlink()
-    return done
+
+
+def _check_every_file_has_documents(files: list[Path], parts: list[Part], done: dict[int, dict],
+                                    text_field: str) -> None:
+    """A file of which no record gave a document (a Parquet column of nulls, ...) is an error, not
+    an empty contribution: the field or column is most likely the wrong one."""
+    documents = {str(path): 0 for path in files}
+    bad = dict.fromkeys(documents, 0)
+    first_bad: dict[str, Optional[str]] = {}
+    for i, result in sorted(done.items()):
+        documents[parts[i].path] += sum(s["documents"] for s in result["shards"])
+        bad[parts[i].path] += result["bad"]
+        if result["first_bad"] is not None:
+            first_bad.setdefault(parts[i].path, result["first_bad"])
+    for path in files:
+        if documents[str(path)]:
+            continue
+        if KINDS[path.suffix] == "parquet":
+            import pyarrow.parquet as pq
+
+            columns = ", ".join(pq.ParquetFile(path).schema_arrow.names)
+            raise PrepareError(f"{path}: the column {text_field!r} is null or empty in all {bad[str(path)]} rows; "
+                               f"name the column that holds the text with --text-field (columns: {columns})")
+        if KINDS[path.suffix] == "jsonl":
+            raise PrepareError(f"{path}: none of its {bad[str(path)]} records has text in the field {text_field!r} "
+                               f"(the first: {first_bad[str(path)]}); name the field with --text-field")
+        raise PrepareError(f"{path}: holds no document, only whitespace and {EOT!r} separators")
 
 
 def _save_progress(out: Path, settings: dict, done: dict[int, dict]) -> None:
@@ -310,7 +378,8 @@ class _Progress:
     def __init__(self, parts: int, total_bytes: int, done_parts: int, done_bytes: int, show: bool) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(total=parts, initial=done_parts, unit="part", file=sys.stderr, disable=not show,
+        # disable=None: tqdm's own rule, no bar when stderr is not a terminal (a log file, a pipe).
+        self.bar = tqdm(total=parts, initial=done_parts, unit="part", file=sys.stderr, disable=None if show else True,
                         dynamic_ncols=True, desc="prepare")
         self.start, self.tokens, self.total, self.bytes, self.first = time.monotonic(), 0, total_bytes, done_bytes, done_bytes
 
@@ -323,7 +392,10 @@ class _Progress:
         self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tokens/s, ETA {eta:,.0f} s")
         self.bar.update(1)
 
-    def close(self) -> None:
+    def close(self, clear: bool = False) -> None:
+        """``clear``: erase the bar (an error follows, alone on its line)."""
+        if clear:
+            self.bar.leave = False
         self.bar.close()
 
 

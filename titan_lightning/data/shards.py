@@ -3,8 +3,9 @@
 A shard set is a folder::
 
     index.json          {"format": "titan-lightning-tokens", "version": 1, "dtype": "uint16",
-                         "tokenizer": {"sha256", "vocab_size", "eos_id", "bos_id"},
-                         "shards": [{"name": "part-00000-00000", "tokens": T, "documents": D}, ...]}
+                         "tokenizer": {"sha256", "vocab_size", "eos_id", "bos_id"}, "max_id": M,
+                         "shards": [{"name": "part-00000-00000", "tokens": T, "documents": D,
+                                     "max_id": M}, ...]}
     <name>.tokens       the token ids, little-endian ``dtype`` (uint16 up to 65,536 ids, else
                         uint32), documents back to back, each ending with the tokenizer's EOS
                         (and starting with its BOS when its tokenizer_config.json says so)
@@ -13,10 +14,15 @@ A shard set is a folder::
 A reader holds the index and, per shard, a memory map it opens on first use: its memory and
 start-up time do not grow with the corpus. ``index.json`` is written last, so a folder without
 it is not a shard set (an unfinished ``prepare`` resumes from its ``progress.json``).
+
+``max_id`` (the largest token id written) lets a run check its model's vocabulary before launch;
+a set written before it was recorded is scanned instead (all of it, or ``SCAN_TOKENS`` spread
+over its shards).
 """
 
 import hashlib
 import json
+import os
 from bisect import bisect_right
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -27,6 +33,8 @@ FORMAT = "titan-lightning-tokens"
 VERSION = 1
 INDEX = "index.json"
 PathLike = Union[str, Path]
+DTYPES = ("uint16", "uint32")
+SCAN_TOKENS = 2**26  # tokens read to find the largest id of a set whose index does not record it
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -52,6 +60,7 @@ class ShardWriter:
         self._file = None
         self._ends: list[int] = []
         self._tokens = 0
+        self._max_id = -1
 
     def add(self, ids: np.ndarray) -> None:
         """One document's token ids (EOS, and BOS, already in place)."""
@@ -62,6 +71,8 @@ class ShardWriter:
             self._file = open(self.folder / f"{name}.tokens", "wb")
         self._file.write(np.asarray(ids, dtype=self.dtype).tobytes())
         self._tokens += len(ids)
+        if len(ids):
+            self._max_id = max(self._max_id, int(np.max(ids)))
         self._ends.append(self._tokens)
 
     def _close_shard(self) -> None:
@@ -70,8 +81,8 @@ class ShardWriter:
         self._file.close()
         shard = self.shards[-1]
         np.asarray(self._ends, dtype="<i8").tofile(self.folder / f"{shard['name']}.docs")
-        shard["tokens"], shard["documents"] = self._tokens, len(self._ends)
-        self._file, self._ends, self._tokens = None, [], 0
+        shard["tokens"], shard["documents"], shard["max_id"] = self._tokens, len(self._ends), self._max_id
+        self._file, self._ends, self._tokens, self._max_id = None, [], 0, -1
 
     def close(self) -> list[dict[str, Any]]:
         self._close_shard()
@@ -83,6 +94,8 @@ def write_index(folder: Path, dtype: np.dtype, tokenizer: dict[str, Any], shards
     index = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "tokenizer": tokenizer,
              "total_tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
              "shards": shards, "sources": sources or []}
+    if all("max_id" in s for s in shards):
+        index["max_id"] = max((s["max_id"] for s in shards), default=-1)
     partial = folder / (INDEX + ".partial")
     partial.write_text(json.dumps(index, indent=1) + "\n")
     partial.replace(folder / INDEX)
@@ -118,6 +131,10 @@ class ShardSet:
         if index.get("format") != FORMAT or index.get("version") != VERSION:
             raise ValueError(f"{where}: {INDEX} is not a titan-lightning token shard index (format {FORMAT} "
                              f"version {VERSION}); write one with `titan-lightning prepare`")
+        if index.get("dtype") not in DTYPES:
+            raise ValueError(f"{where}: {INDEX} has dtype={json.dumps(index.get('dtype'))}; token shards are "
+                             f"{' or '.join(DTYPES)} (a foreign or hand-edited index: write one with "
+                             f"`titan-lightning prepare`)")
         self.index, self.dtype = index, np.dtype(index["dtype"]).newbyteorder("<")
         self.tokenizer: dict[str, Any] = index["tokenizer"]
         self.names = [s["name"] for s in index["shards"]]
@@ -129,6 +146,9 @@ class ShardSet:
                 size = file.stat().st_size if file.is_file() else None
                 raise ValueError(f"{where}: {file.name} holds {size} bytes, the index says {count} tokens "
                                  f"of {self.dtype.name} (a truncated or foreign file)")
+            if not os.access(file, os.R_OK):
+                raise ValueError(f"{where}: {file.name} cannot be read (permission denied); make the shard files "
+                                 f"readable by this user")
         self._maps: dict[int, np.memmap] = {}
 
     def __len__(self) -> int:
@@ -167,6 +187,27 @@ class ShardSet:
                 return self.offsets[k] + int(ends[i - 1])
             k -= 1
         return 0
+
+    def max_id(self) -> int:
+        """The largest token id: the index's, else that of a scan of every token, or of
+        ``SCAN_TOKENS`` of them (the first of each shard) for a larger set."""
+        if isinstance(self.index.get("max_id"), int):
+            return self.index["max_id"]
+        each, found = max(SCAN_TOKENS // max(len(self.names), 1), 1), -1
+        for k in range(len(self.names)):
+            tokens = self._map(k)[:each]
+            for start in range(0, len(tokens), 2**22):
+                found = max(found, int(tokens[start:start + 2**22].max()))
+        return found
+
+    def check_vocab(self, vocab_size: int, field: str = "data.dataset_path") -> None:
+        """One line when a token id is not below ``vocab_size`` (the model's embedding would fail)."""
+        largest = self.max_id()
+        if largest >= vocab_size:
+            where = "the index records" if "max_id" in self.index else "a scan found"
+            raise ValueError(f"{field}={str(self.folder)!r} holds token id {largest} ({where} it), out of range for "
+                             f"model.vocab_size={vocab_size}; use a model with vocab_size > {largest}, or prepare "
+                             f"the shards with the model's tokenizer")
 
     def check_tokenizer(self, expected: dict[str, Any], field: str = "data.tokenizer_path") -> None:
         """One line when this set was written by another tokenizer than ``expected``."""

@@ -17,14 +17,17 @@ def read_documents(path: Path) -> list[str]:
     """The non-empty documents of a corpus file, stripped of surrounding whitespace.
 
     Raises ValueError (FileNotFoundError where it does not exist) naming ``data.dataset_path``
-    for a folder, an empty file, and a file that is not UTF-8 text."""
+    for a folder, an unreadable or empty file, and a file that is not UTF-8 text."""
     field = f"data.dataset_path={str(path)!r}"
     if not path.exists():
         raise FileNotFoundError(f"{field}: no such file")
     if not path.is_file():
         raise ValueError(f"{field} is not a file; give a UTF-8 text file with documents separated by {EOT!r}, "
                          f"or a token shard folder (titan-lightning prepare)")
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"{field} cannot be read ({err.strerror}); give a file this user may read") from None
     if not data.strip():
         raise ValueError(f"{field} is empty; give a UTF-8 text file with documents separated by {EOT!r}")
     try:

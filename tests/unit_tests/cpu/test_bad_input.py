@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from titan_lightning import cli
+from titan_lightning.data.shards import tokenizer_identity
+from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
 from titan_lightning.recipe import RUN_DIR_ENV
 
 from tests.unit_tests.cpu.checkpoint_folders import SMALL_MODEL, damaged_copies
@@ -55,6 +57,10 @@ def _files(root: Path) -> None:
     (root / "bad_type.yaml").write_text(good.replace("    seed: 0\n", "    seed: abc\n"))
     (root / "bad_key.yaml").write_text(good.replace("    seed: 0\n", "    sed: 0\n"))
     (root / "no_recipe.yaml").write_text("trainer:\n  max_steps: 3\n")
+    for name, body in (("job_scalar", "job: 5"), ("job_null", "job: null"), ("trainer_scalar", "trainer: 5"),
+                       ("training_list", "job: {training: [1, 2]}"), ("training_scalar", "job:\n  training: 5"),
+                       ("top_level_section", "training: 5")):
+        (root / f"{name}.yaml").write_text(f"recipe: recipes.llama3:debugmodel\n{body}\n")
     (root / "binary.yaml").write_bytes(bytes(range(128, 256)))
     (root / "empty.txt").write_text("")
     (root / "binary.bin").write_bytes(b"\x00\x01\x02\xff\xfe" * 100)
@@ -79,6 +85,15 @@ def _files(root: Path) -> None:
         "format": "titan-lightning-tokens", "version": 1, "dtype": "uint16", "total_tokens": 3000, "documents": 2,
         "tokenizer": {"sha256": "0" * 64, "vocab_size": 2048, "eos_id": 0, "bos_id": None},
         "shards": [{"name": "part-00000-00000", "tokens": 3000, "documents": 2}]}))
+    _shard_set(root / "uint13_shards", np.zeros(3000, dtype="<u2"), dtype="uint13")
+    tokenizer = load_tokenizer()
+    identity = tokenizer_identity(tokenizer_file(None), tokenizer.vocab_size, tokenizer.eot_id, None)
+    _shard_set(root / "past_vocab_shards", np.arange(3000, dtype="<u2") % 2100, tokenizer=identity)
+    (root / "unreadable.txt").write_text("a <|endoftext|> b")
+    (root / "unreadable.txt").chmod(0)
+    (root / "null.parquet").write_bytes(_parquet({"text": [None] * 4, "id": [1, 2, 3, 4]}))
+    (root / "bad_middle.jsonl").write_text("".join(['{"text": "one"}\n'] * 200 + ["{not json\n"] +
+                                                   ['{"text": "two"}\n'] * 200))
     (root / "hf_model").mkdir()
     (root / "hf_model" / "model.safetensors").write_bytes(b"")
     llama = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 160,
@@ -90,6 +105,50 @@ def _files(root: Path) -> None:
         (root / name / "model.safetensors").write_bytes(b"")
         (root / name / "config.json").write_text(json.dumps(config))
     damaged_copies(root)  # ckpt_small and its damaged copies (tests/unit_tests/cpu/checkpoint_folders.py)
+    _hf_weights(root / "hf_shapes", llama, {**llama, "intermediate_size": 192})  # config.json edited after saving
+    _hf_weights(root / "hf_truncated", llama, llama)
+    weights = root / "hf_truncated" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+
+
+def _hf_weights(folder: Path, saved: dict, config: dict) -> None:
+    """A Hugging Face folder holding the weights of the model ``saved`` describes, and ``config``."""
+    from titan_lightning.models.common.hf_checkpoint import save_hf_safetensors
+    from titan_lightning.pretrained import read_hf_model
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(saved))
+    model = read_hf_model(folder)
+    module = model.module_class(model.job_class(model=model.args))
+    save_hf_safetensors(module.state_dict_adapter().to_hf(module.build_model().state_dict()), folder)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _shard_set(folder: Path, tokens, dtype: str = "uint16", tokenizer=None) -> None:
+    """A shard set of one shard holding ``tokens`` as two documents, its index written by hand
+    (as a set of another tool, or of a prepare before the index recorded max_id, looks)."""
+    import numpy as np
+
+    folder.mkdir()
+    np.asarray(tokens, dtype="<u2").tofile(folder / "part-00000-00000.tokens")
+    np.asarray([len(tokens) // 2, len(tokens)], dtype="<i8").tofile(folder / "part-00000-00000.docs")
+    tokenizer = tokenizer or {"sha256": "0" * 64, "vocab_size": 2048, "eos_id": 0, "bos_id": None}
+    (folder / "index.json").write_text(json.dumps({
+        "format": "titan-lightning-tokens", "version": 1, "dtype": dtype, "total_tokens": len(tokens),
+        "documents": 2, "tokenizer": tokenizer,
+        "shards": [{"name": "part-00000-00000", "tokens": len(tokens), "documents": 2}]}))
+
+
+def _parquet(columns: dict) -> bytes:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = io.BytesIO()
+    pq.write_table(pa.table({k: pa.array(v, type=pa.string() if k == "text" else None) for k, v in columns.items()}),
+                   out)
+    return out.getvalue()
 
 
 _PRINTED: list[str] = []
@@ -134,6 +193,15 @@ CASES = [
     ("hf config value not supported", ["fit", "--recipe", "recipes.hf:pretrained",
                                        "--job.checkpoint.initial_load_path", "hf_bias"],
      "hf_bias/config.json: attention_bias=true is not supported by Llama here (supported: false)"),
+    ("hf weights of other shapes", ["fit", "--recipe", "recipes.hf:pretrained", "--job.checkpoint.initial_load_path",
+                                    "hf_shapes"],
+     "checkpoint.initial_load_path='hf_shapes': loading hf_shapes into Transformer: "
+     "model.layers.0.mlp.gate_proj.weight (ours layers.0.feed_forward.w1.weight) has shape (160, 64), the model has "
+     "(192, 64)"),
+    ("hf weights truncated", ["fit", "--recipe", "recipes.hf:pretrained", "--job.checkpoint.initial_load_path",
+                              "hf_truncated"],
+     "checkpoint.initial_load_path='hf_truncated': hf_truncated/model.safetensors: not a readable safetensors file "
+     "(truncated or corrupt?): the tensors end at byte "),
     ("preset against a folder", [*D, "--job.checkpoint.initial_load_path", "hf_llama",
                                  "--job.checkpoint.initial_load_format", "hf"],
      "model args differ from hf_llama/config.json: hidden_size is 256 here, 64 there"),
@@ -150,8 +218,20 @@ CASES = [
      "nofield.jsonl:1: no text field 'text' (--text-field); the record has: content"),
     ("prepare without output", ["prepare", "--input", "one_doc.txt"],
      "prepare: the following arguments are required: --output"),
+    ("prepare all-null Parquet column", ["prepare", "--input", "null.parquet", "--output", "out"],
+     "null.parquet: the column 'text' is null or empty in all 4 rows; name the column that holds the text with "
+     "--text-field (columns: text, id)"),
+    ("prepare stops on a bad record", ["prepare", "--input", "bad_middle.jsonl", "--output", "out", "--bad-records",
+                                       "stop"], "bad_middle.jsonl:201: not a JSON line (--bad-records stop)"),
+    ("prepare output is a file", ["prepare", "--input", "one_doc.txt", "--output", "a_file.txt"],
+     "--output 'a_file.txt' is a file; give a folder for the shards"),
     ("shards of another tokenizer", [*D, "--job.data.dataset_path", "other_shards"],
      "the shards in other_shards were written by another tokenizer"),
+    ("shards of an unknown dtype", [*D, "--job.data.dataset_path", "uint13_shards"],
+     "data.dataset_path='uint13_shards': index.json has dtype=\"uint13\"; token shards are uint16 or uint32"),
+    ("shards past the vocabulary", [*D, "--job.data.dataset_path", "past_vocab_shards"],
+     "data.dataset_path='past_vocab_shards' holds token id 2099 (a scan found it), out of range for "
+     "model.vocab_size=2048"),
     ("mixture weight not positive", [*D, "--job.data.sources", '[{"path": "other_shards", "weight": 0}]'],
      "data.sources[0].weight=0.0 (other_shards) must be > 0"),
     ("mixture source missing", [*D, "--job.data.sources", '[{"path": "nope_dir"}]'],
@@ -162,6 +242,10 @@ CASES = [
     ("unknown option", [*D, "--foo", "1"], "unknown option --foo; valid options: --recipe"),
     ("ill-typed value", [*D, "--job.training.seed", "abc"], "job.training.seed: Expected a <class 'int'>. Got value: abc"),
     ("negative lr", [*D, "--job.optimizer.lr", "-1"], "optimizer.lr=-1.0 must be > 0"),
+    ("lr not a number", [*D, "--job.optimizer.lr", "nan"],
+     "job.optimizer.lr: Expected a <class 'float'>. Got value: nan; give a finite number (the recipe's: 0.002)"),
+    ("compile backend unknown", [*D, "--job.compile.backend", "nosuchbackend"],
+     "compile.backend='nosuchbackend' is not a torch.compile backend; valid: aot_eager, "),
     ("max_steps 0", [*D, "--trainer.max_steps", "0"], "trainer.max_steps=0 must be >= 1"),
     ("precision unsupported", [*D, "--trainer.precision", "16-mixed"], "trainer.precision='16-mixed' is not supported"),
     ("trainer arg owned by the job", [*D, "--trainer.gradient_clip_val", "1.0"],
@@ -186,6 +270,18 @@ CASES = [
     ("config unknown key", ["fit", "--config", "bad_key.yaml"],
      "--config='bad_key.yaml', line 24: unknown key job.training.sed; valid keys under job.training: seed"),
     ("config without recipe", ["fit", "--config", "no_recipe.yaml"], "names no recipe"),
+    ("config job a scalar", ["fit", "--config", "job_scalar.yaml"],
+     "--config='job_scalar.yaml', line 2: job=5 must be a mapping of model, training, parallelism"),
+    ("config job null", ["fit", "--config", "job_null.yaml"],
+     "--config='job_null.yaml', line 2: job=null must be a mapping of model, training"),
+    ("config trainer a scalar", ["fit", "--config", "trainer_scalar.yaml"],
+     "--config='trainer_scalar.yaml', line 2: trainer=5 must be a mapping of lightning.Trainer arguments"),
+    ("config section a list", ["fit", "--config", "training_list.yaml"],
+     "--config='training_list.yaml', line 2: job.training=[1, 2] must be a mapping of seed, seq_len"),
+    ("config section a scalar", ["fit", "--config", "training_scalar.yaml"],
+     "--config='training_scalar.yaml', line 3: job.training=5 must be a mapping of seed, seq_len"),
+    ("config section at the top", ["fit", "--config", "top_level_section.yaml"],
+     "--config='top_level_section.yaml', line 2: unknown key training; valid keys: recipe, job, trainer"),
     # -- layouts ---------------------------------------------------------------------------------
     ("tp over the world", [*D, "--job.parallelism.tp", "2"], "world size 1 is not divisible by dp_replicate*tp*pp*cp"),
     ("dp_shard vs devices", [*D, "--job.parallelism.dp_shard", "2"], "= 2 must equal the world size 1"),
@@ -234,6 +330,8 @@ CASES = [
     ("dataset binary", [*D, "--job.data.dataset_path", "binary.bin"], "data.dataset_path='binary.bin' is not UTF-8 text"),
     ("dataset with NUL bytes", [*D, "--job.data.dataset_path", "nul.txt"], "data.dataset_path='nul.txt' is not text"),
     ("dataset is a folder", [*D, "--job.data.dataset_path", "folder"], "data.dataset_path='folder' is not a file"),
+    ("dataset unreadable", [*D, "--job.data.dataset_path", "unreadable.txt"],
+     "data.dataset_path='unreadable.txt' cannot be read (Permission denied); give a file this user may read"),
     ("dataset of one document", [*D, "--job.data.dataset_path", "one_doc.txt"], "holds 1 document(s)"),
     ("dataset shorter than a window", [*D, "--job.data.dataset_path", "short.txt"],
      "the train split of data.dataset_path='short.txt'"),
@@ -323,7 +421,13 @@ def inputs(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("name, argv, message", CASES, ids=[c[0].replace(" ", "_") for c in CASES])
+# Root reads a file whatever its mode: the unreadable-file case cannot be made as root.
+_ROOT_READS_ALL = {"dataset unreadable"} if hasattr(os, "geteuid") and os.geteuid() == 0 else set()
+
+
+@pytest.mark.parametrize("name, argv, message", [
+    pytest.param(*case, marks=pytest.mark.skipif(case[0] in _ROOT_READS_ALL, reason="root reads a file of mode 000"))
+    for case in CASES], ids=[c[0].replace(" ", "_") for c in CASES])
 def test_bad_input_is_one_line_exit_2_nothing_written(name, argv, message, inputs, capfd, monkeypatch):
     monkeypatch.chdir(inputs)
     monkeypatch.syspath_prepend(str(inputs))
@@ -347,6 +451,49 @@ def test_debug_variable_shows_the_traceback(inputs, capfd, monkeypatch):
     assert cli.main(["fit", "--recipe", "my_recipes:raises"]) == 2
     err = capfd.readouterr().err
     assert "Traceback" in err and err.strip().splitlines()[-1].startswith("titan-lightning: error: ")
+
+
+def test_config_fifo_without_a_writer_is_refused_not_waited_on(tmp_path, capfd, monkeypatch):
+    """A FIFO nobody writes to: one line after CONFIG_PIPE_WAIT_S, instead of blocking in open()."""
+    import threading
+
+    monkeypatch.setattr(cli, "CONFIG_PIPE_WAIT_S", 0.3)
+    fifo = tmp_path / "run.yaml"
+    os.mkfifo(fifo)
+    result = []
+    thread = threading.Thread(target=lambda: result.append(cli.main(["fit", "--config", str(fifo)])), daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    if thread.is_alive():  # a regression blocks in open() or read(): a writer releases it, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(timeout=30)
+        pytest.fail("--config on a FIFO without a writer blocked")
+    err = capfd.readouterr().err
+    assert result == [2] and err.count("\n") == 1, err
+    assert f"--config={str(fifo)!r}: nothing to read for 0.3 s (a FIFO with no writer?)" in err, err
+
+
+def test_config_from_a_pipe_with_a_writer_is_read_once(tmp_path, capfd):
+    """``--config <(cat run.yaml)``: the shell passes /dev/fd/N, a pipe whose writer may be late."""
+    import threading
+
+    text = subprocess_free_print_config()
+    read, write = os.pipe()
+
+    def writer():
+        time.sleep(0.2)
+        os.write(write, text.encode())
+        os.close(write)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        assert cli.main(["fit", "--config", f"/dev/fd/{read}", "--print_config"]) == 0
+    finally:
+        thread.join(timeout=10)
+        os.close(read)
+    out, err = capfd.readouterr()
+    assert out == text and err == ""
 
 
 def test_resume_latest_with_nothing_saved_starts_fresh_in_one_line(tmp_path, capfd, monkeypatch):

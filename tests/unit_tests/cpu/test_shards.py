@@ -110,6 +110,52 @@ def test_bad_records_are_skipped_and_counted_or_stop_the_run(tmp_path):
         prepare([str(path)], str(tmp_path / "out2"), workers=1, progress=False, bad_records="stop")
 
 
+def test_a_stopped_prepare_leaves_nothing_behind(tmp_path, monkeypatch):
+    """--bad-records stop on line 41, after earlier parts were written: no output folder (or, for a
+    folder that was there, the folder as it was), the file and line in the error."""
+    monkeypatch.setattr(prepare_module, "PART_BYTES", 2_000)  # parts before the bad line finish first
+    path = _jsonl(tmp_path / "a.jsonl", DOCS[:40], extra_lines=["{not json", *map(json.dumps, [{"text": "x"}] * 9)])
+    assert len(prepare_module.plan_parts([path])) > 2
+    message = rf"^{path}:41: not a JSON line \(--bad-records stop\)$"
+    with pytest.raises(PrepareError, match=message):
+        prepare([str(path)], str(tmp_path / "new"), workers=1, progress=False, bad_records="stop")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PrepareError, match=message):
+        prepare([str(path)], str(tmp_path / "empty"), workers=2, progress=False, bad_records="stop")
+    assert list((tmp_path / "empty").iterdir()) == []
+
+
+def test_a_file_without_any_text_is_an_error_not_an_empty_set(tmp_path):
+    path = _jsonl(tmp_path / "blank.jsonl", [" ", "", "\n"])
+    with pytest.raises(PrepareError, match=rf"^{path}: none of its 3 records has text in the field 'text' \(the "
+                                           rf"first: {path}:1: no text in 'text'\); name the field with --text-field$"):
+        prepare([str(path)], str(tmp_path / "out"), workers=1, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_index_records_the_largest_id_and_a_run_checks_it_against_the_model(tmp_path, monkeypatch):
+    from titan_lightning.data import shards as shards_module
+
+    prepare([str(_jsonl(tmp_path / "a.jsonl", DOCS[:20]))], str(tmp_path / "out"), workers=1, progress=False,
+            shard_tokens=500)
+    largest = int(_tokens(tmp_path / "out").max())
+    index = json.loads((tmp_path / "out" / "index.json").read_text())
+    assert index["max_id"] == largest and len(index["shards"]) > 2
+    ShardSet(tmp_path / "out").check_vocab(largest + 1)
+    with pytest.raises(ValueError, match=rf"data.dataset_path='.*out' holds token id {largest} \(the index records "
+                                         rf"it\), out of range for model.vocab_size={largest}; use a model with "
+                                         rf"vocab_size > {largest}"):
+        ShardSet(tmp_path / "out").check_vocab(largest)
+    del index["max_id"]  # a set written before the index recorded it: scanned, all of it or a bounded part
+    (tmp_path / "out" / "index.json").write_text(json.dumps(index))
+    assert ShardSet(tmp_path / "out").max_id() == largest
+    monkeypatch.setattr(shards_module, "SCAN_TOKENS", 3 * len(index["shards"]))
+    first_three = [ShardSet(tmp_path / "out").read(offset, offset + 3).max() for offset in
+                   np.cumsum([0] + [s["tokens"] for s in index["shards"][:-1]])]
+    assert ShardSet(tmp_path / "out").max_id() == max(first_three)
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda d: d / "missing.jsonl", "--input '{d}/missing.jsonl': no such file or folder"),
     (lambda d: (d / "e.jsonl").write_text("") and None or d / "e.jsonl", "{d}/e.jsonl: empty file"),

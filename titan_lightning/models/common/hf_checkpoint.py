@@ -492,14 +492,21 @@ class StateDictAdapter:
     def _both(self, keys: list[str]) -> str:
         return _names([f"{self.hf_key(k)} (ours {k})" if self.hf_key(k) else k for k in keys])
 
-    def load_into(self, model: nn.Module, folder: PathLike, *, partial: bool = False) -> None:
-        """Load the Hugging Face checkpoint in ``folder`` into ``model`` (sharded or not: each
-        DTensor reads only its local block); every key must match (``partial``: a pipeline rank's
-        stages take the keys they hold)."""
+    def check_folder(self, model: nn.Module, folder: PathLike, *, partial: bool = False) -> dict[str, Source]:
+        """The tensors of the Hugging Face checkpoint in ``folder`` as ``model``'s (a model on the
+        meta device will do: only the file headers are read), every key and shape checked, and
+        every file's size against its header (a truncated file); one-line errors naming them."""
         sources = self.sources(HFTensors.open(folder))
         own = model.state_dict()
         self._check(own, sources if not partial else {k: v for k, v in sources.items() if k in own},
                     f"loading {folder} into {type(model).__name__}")
+        return sources
+
+    def load_into(self, model: nn.Module, folder: PathLike, *, partial: bool = False) -> None:
+        """Load the Hugging Face checkpoint in ``folder`` into ``model`` (sharded or not: each
+        DTensor reads only its local block); every key must match (``partial``: a pipeline rank's
+        stages take the keys they hold)."""
+        sources = self.check_folder(model, folder, partial=partial)
         load_sources(model, sources, source=str(folder), partial=partial)
 
     def save_from(self, model: nn.Module, folder: PathLike, max_shard_bytes: int = 5 * 2**30) -> None:
