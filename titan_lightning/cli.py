@@ -113,29 +113,32 @@ def _main(argv: list[str]) -> int:
     rank = trainer.global_rank if trainer.world_size > 1 else None
     try:
         execute(command, run, trainer)
-        _end_process_group()
     except RUN_FAILURES as err:
         _report(err, rank=rank)
+        _end_process_group(failed=True)
         return 1
     except Exception as err:
         heartbeat = getattr(trainer.strategy, "heartbeat", None)
         lost = heartbeat.explain() if heartbeat is not None else None
         if lost is None:
+            _end_process_group(failed=True)
             raise
         _report(RankLost(lost), rank=rank)
         os._exit(1)  # a peer is gone: leave without the backend's shutdown, which would wait for it
+    _end_process_group()
     return 0
 
 
-def _end_process_group() -> None:
+def _end_process_group(failed: bool = False) -> None:
     """The run's strategy leaves the process group up for what follows the command in the same
-    process (as Lightning's strategies do); the command line ends it, every rank together."""
+    process (as Lightning's strategies do); the command line ends it, every rank together (after a
+    failure without waiting for the others: a peer may be gone)."""
     import torch.distributed as dist
 
     from titan_lightning.parallel.mesh import release_dtensor_caches
 
     if dist.is_available() and dist.is_initialized():
-        if dist.get_backend() != "fake":
+        if dist.get_backend() != "fake" and not failed:
             dist.barrier()
         dist.destroy_process_group()
         release_dtensor_caches()

@@ -6,7 +6,7 @@ passes its blocks; ``find_repeated_blocks`` finds them in a model that knows not
 Apply FSDP after TP, activation checkpointing and compile.
 """
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -134,3 +134,103 @@ def find_repeated_blocks(module: nn.Module) -> list[nn.Module]:
         if size > best_size:
             best, best_size = children, size
     return best
+
+
+class OutsideCalls:
+    """Calls into an FSDP root's submodules from outside the root's forward, made to work.
+
+    The root's own parameters (those no inner FSDP unit holds: an embedding, a head, parameters of
+    the root itself) are gathered by the root's forward hooks. A submodule called directly, not
+    through the root's forward (``module.model(x)`` in a Lightning hook or callback, or after
+    ``trainer.fit`` in the user's script, while the root is the LightningModule), would meet them
+    sharded ("mixed torch.Tensor and DTensor"). So each *entry module* (a submodule outside every
+    inner unit that holds root parameters) runs, when called with no root forward in flight, inside
+    the root's own forward hooks: the pre-hooks before its own, the post-hooks after it. That is
+    exactly what a root forward around the call does: parameters gathered (and cast under mixed
+    precision), gradients reduce-scattered after a backward through the output. When no backward can
+    follow (grad mode off, or an output that needs no gradient), the root reshards right after,
+    as it also does after a root forward of its own under ``torch.no_grad()`` (FSDP keeps the root
+    gathered for the backward otherwise): nothing stays gathered for the next step.
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.root = root
+        self.depth = 0  # root forwards in flight (its own, or one opened around an entry module)
+        self._opener: Optional[nn.Module] = None
+        units = {id(m) for m in root.modules() if isinstance(m, FSDPModule) and m is not root}
+        self.entries: list[nn.Module] = []
+
+        def holds_root_parameters(module: nn.Module) -> bool:
+            holds = next(module.parameters(recurse=False), None) is not None
+            for child in module.children():
+                if id(child) not in units:
+                    holds = holds_root_parameters(child) or holds
+            if holds and module is not root:
+                self.entries.append(module)
+            return holds
+
+        holds_root_parameters(root)
+        self._handles = [root.register_forward_pre_hook(self._root_enter, prepend=True),
+                         root.register_forward_hook(self._root_leave, always_call=True)]
+        for module in self.entries:
+            self._handles += [module.register_forward_pre_hook(self._open, prepend=True, with_kwargs=True),
+                              module.register_forward_hook(self._close, with_kwargs=True, always_call=True)]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _root_enter(self, module: nn.Module, args: Any) -> None:
+        self.depth += 1
+
+    def _root_leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.depth -= 1
+        if self.depth == 0 and not _needs_backward(output):
+            self.root.reshard()
+
+    def _open(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
+        if self.depth > 0:
+            return None
+        self._opener = module
+        root, hooks = self.root, self.root._forward_pre_hooks
+        for key, hook in list(hooks.items()):
+            if key in root._forward_pre_hooks_with_kwargs:
+                result = hook(root, args, kwargs)
+                if result is not None:
+                    args, kwargs = result
+            else:
+                result = hook(root, args)
+                if result is not None:
+                    args = result if isinstance(result, tuple) else (result,)
+        return args, kwargs
+
+    def _close(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self._opener is not module:
+            return None
+        self._opener = None
+        root = self.root
+        try:
+            for key, hook in list(root._forward_hooks.items()):
+                if key in root._forward_hooks_with_kwargs:
+                    result = hook(root, args, kwargs, output)
+                else:
+                    result = hook(root, args, output)
+                if result is not None:
+                    output = result
+        finally:
+            if self.depth:  # (the forward raised before the root's hooks could close)
+                self.depth = 0
+                root.reshard()
+        return output
+
+
+def _needs_backward(output: Any) -> bool:
+    """Whether a backward can still come through ``output`` (grad mode on and a tensor needing it)."""
+    if not torch.is_grad_enabled():
+        return False
+    from torch.utils._pytree import tree_leaves
+
+    return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in tree_leaves(output))

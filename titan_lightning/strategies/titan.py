@@ -31,6 +31,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_lightning import checkpoint as ckpt
@@ -46,7 +47,7 @@ from titan_lightning.config.validation import (
 )
 from titan_lightning.parallel.determinism import set_determinism
 from titan_lightning.parallel.float8 import precompute_float8_scales
-from titan_lightning.parallel.fsdp import find_repeated_blocks
+from titan_lightning.parallel.fsdp import OutsideCalls, find_repeated_blocks
 from titan_lightning.parallel.grad_norm import clip_grad_norm_
 from titan_lightning.parallel.heartbeat import Heartbeat, output_target
 from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_caches
@@ -254,6 +255,7 @@ class TitanStrategy(ModelParallelStrategy):
         self._applied = Parallelized()  # what parallelize applied (the CP handle, FSDP roots, ...)
         self._checked = None  # the module check_module validated
         self._sync_last_roots: list = []
+        self._outside_calls: list[OutsideCalls] = []
         # What training_step logged in the microbatches of the optimizer step so far.
         self._window: list = []
         self._checkpoint_writer = ckpt.CheckpointWriter()
@@ -331,6 +333,7 @@ class TitanStrategy(ModelParallelStrategy):
     # -- process groups and mesh -----------------------------------------------------------
 
     def setup_environment(self) -> None:
+        self._failed = False  # (a strategy may run again after a fit that raised)
         self.check_module(self.lightning_module)  # (done already when build_trainer built the Trainer)
         comm, traces = self._comm()
         set_comm_environment(comm, traces, self._get_process_group_backend())
@@ -430,6 +433,12 @@ class TitanStrategy(ModelParallelStrategy):
             module.materialize(self.root_device)
         else:
             _materialize_distributed_module(module, self.root_device)
+        # A submodule called outside a step hook (a Lightning hook, a callback, the user's script
+        # after fit) gathers the root's parameters as the root's forward would (parallel/fsdp.py).
+        for calls in self._outside_calls:
+            calls.remove()
+        self._outside_calls = [] if split is not None else [
+            OutsideCalls(root) for root in applied.fsdp_roots if isinstance(root, FSDPModule)]
         if split is not None:
             stage_mesh = self.mesh.get("stage")
             self.pipeline = PipelineRunner(
@@ -758,8 +767,5 @@ class TitanStrategy(ModelParallelStrategy):
             self._determinism = None
         # The process group outlives the run, as under Lightning's own strategies: what comes after
         # ``trainer.fit`` (saving, ``lightning_module_state_dict()``, ``full_tensor()``, a second fit
-        # or a test in the same processes) needs it. The program that started it ends it (the CLI
-        # does, after its command). After a failure a peer may be gone: the group is abandoned.
-        if failed and _distributed_is_initialized():
-            dist.destroy_process_group()
-            release_dtensor_caches()
+        # or a test in the same processes, also after an exception the user caught) needs it. The
+        # program that started it ends it (the CLI does, after its command, failed or not).

@@ -6,7 +6,7 @@
 
 Each rank is ``python -m titan_lightning.testing.spawn --out DIR -- module:function KWARGS_JSON``
 started by ``launch`` (same environment, timeout and kill rules). The rank initializes the
-default process group (gloo), calls ``function(rank=..., world_size=..., **kwargs)`` and
+default process group (gloo; or leaves it to the function, ``init_process_group=False``), calls ``function(rank=..., world_size=..., **kwargs)`` and
 writes its JSON-able return value to ``DIR/rank{r}.json``; then barrier, destroy, ``os._exit``.
 """
 
@@ -23,13 +23,21 @@ from titan_lightning.testing.launch import launch
 MODULE = "titan_lightning.testing.spawn"
 
 
+# "0": the rank does not start the process group (the function's Trainer does, as in a user's script).
+INIT_ENV = "TITAN_LIGHTNING_SPAWN_INIT"
+
+
 def run_function(
-    target: str, world_size: int, *, out_dir: Path, timeout: float, env: Optional[dict] = None, **kwargs: Any
+    target: str, world_size: int, *, out_dir: Path, timeout: float, env: Optional[dict] = None,
+    init_process_group: bool = True, **kwargs: Any
 ) -> list[Any]:
     """Call ``target`` on ``world_size`` ranks; the list of what each rank returned.
 
     ``env`` adds to each rank's environment (e.g. PYTHONPATH for a test-only module).
+    ``init_process_group=False``: the function starts it itself (a Lightning Trainer does, from the
+    torchrun-style environment each rank gets).
     """
+    env = {**(env or {}), INIT_ENV: "1" if init_process_group else "0"}
     result = launch([target, json.dumps(kwargs)], world_size, out_dir=out_dir, timeout=timeout, module=MODULE,
                     env=env)
     return [rank["result"] for rank in result.ranks]
@@ -48,12 +56,14 @@ def main(argv: list[str]) -> None:
     try:
         module_name, _, name = target.partition(":")
         function = getattr(importlib.import_module(module_name), name)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if os.environ.get(INIT_ENV, "1") != "0":
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
         value = function(rank=rank, world_size=world_size, **kwargs)
         (out / f"rank{rank}.json.partial").write_text(json.dumps({"rank": rank, "result": value}))
         (out / f"rank{rank}.json.partial").replace(out / f"rank{rank}.json")
-        dist.barrier()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
     except BaseException:
         text = traceback.format_exc()
         print(text, file=sys.stderr, flush=True)
