@@ -148,9 +148,9 @@ class OutsideCalls:
     the root's own forward hooks: the pre-hooks before its own, the post-hooks after it. That is
     exactly what a root forward around the call does: parameters gathered (and cast under mixed
     precision), gradients reduce-scattered after a backward through the output. When no backward can
-    follow (grad mode off, or an output that needs no gradient), the root reshards right after,
-    as it also does after a root forward of its own under ``torch.no_grad()`` (FSDP keeps the root
-    gathered for the backward otherwise): nothing stays gathered for the next step.
+    follow (grad mode off, or an output that needs no gradient), every unit reshards right after,
+    as also after a root forward of its own under ``torch.no_grad()`` (FSDP keeps the root and the
+    last unit gathered for the backward otherwise): nothing stays gathered for the next step.
     """
 
     def __init__(self, root: nn.Module) -> None:
@@ -159,7 +159,8 @@ class OutsideCalls:
         self.root = root
         self.depth = 0  # root forwards in flight (its own, or one opened around an entry module)
         self._opener: Optional[nn.Module] = None
-        units = {id(m) for m in root.modules() if isinstance(m, FSDPModule) and m is not root}
+        self._fsdp_modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
+        units = {id(m) for m in self._fsdp_modules if m is not root}
         self.entries: list[nn.Module] = []
 
         def holds_root_parameters(module: nn.Module) -> bool:
@@ -189,7 +190,12 @@ class OutsideCalls:
     def _root_leave(self, module: nn.Module, args: Any, output: Any) -> None:
         self.depth -= 1
         if self.depth == 0 and not _needs_backward(output):
-            self.root.reshard()
+            self.reshard()
+
+    def reshard(self) -> None:
+        """Every unit sharded again (the root, and a last unit FSDP keeps gathered for a backward)."""
+        for module in self._fsdp_modules:
+            module.reshard()
 
     def _open(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
         if self.depth > 0:
@@ -223,7 +229,7 @@ class OutsideCalls:
         finally:
             if self.depth:  # (the forward raised before the root's hooks could close)
                 self.depth = 0
-                root.reshard()
+                self.reshard()
         return output
 
 

@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_lightning import checkpoint as ckpt
 from titan_lightning.checkpoint import CheckpointError
-from titan_lightning.config import CommConfig, JobConfig, ParallelismConfig, TrainingConfig, validate_job
+from titan_lightning.config import CommConfig, ConfigError, JobConfig, ParallelismConfig, TrainingConfig, validate_job
 from titan_lightning.config.training import DTYPES
 from titan_lightning.config.validation import (
     validate_degrees,
@@ -198,6 +198,28 @@ class _RankObserver(_ChildProcessObserver):
         os._exit(1)  # this (rank 0's) process too, with a failure status rather than a kill signal
 
 
+class _Sharded:
+    """What a run's parallelize made of a module, kept on the module (``_titan_sharded``): a later
+    ``trainer.validate/test/fit`` of the same module in the same processes reuses its shards, mesh and
+    hooks instead of sharding (and initializing) it again."""
+
+    def __init__(self, dims: ParallelDims, mesh: Mesh, group: Any, state: tuple) -> None:
+        self.dims, self.mesh, self.group, self.state = dims, mesh, group, state
+
+    @staticmethod
+    def of(module: torch.nn.Module, dims: ParallelDims) -> Optional["_Sharded"]:
+        sharded = getattr(module, "_titan_sharded", None)
+        if sharded is None:
+            return None
+        group = dist.distributed_c10d._get_default_group() if _distributed_is_initialized() else None
+        if sharded.dims != dims or sharded.group is not group:
+            now = f"for {dims.describe()}" if sharded.dims != dims else "in a new process group"
+            raise ConfigError(
+                f"{type(module).__name__} was sharded by an earlier run in this process for {sharded.dims.describe()} "
+                f"and cannot be sharded again {now}: build a new {type(module).__name__} (and load the checkpoint)")
+        return sharded
+
+
 class TitanStrategy(ModelParallelStrategy):
     """Composable N-D parallelism for any LightningModule.
 
@@ -342,8 +364,12 @@ class TitanStrategy(ModelParallelStrategy):
         self._setup_distributed()
         release_dtensor_caches()  # (sharding decisions cached against the meshes of a process group gone since)
         self.dims = ParallelDims.from_config(self.parallelism(), self.world_size)
-        # ModelParallelStrategy's sizes given: its mesh names too (code written for it asserts them).
-        self.mesh = self.dims.build_mesh(self.root_device.type, lightning_names=self._lightning_sizes is not None)
+        sharded = _Sharded.of(self.lightning_module, self.dims)
+        if sharded is not None:  # fit, then validate/test/fit again: the module keeps its shards and mesh
+            self.mesh = sharded.mesh
+        else:
+            # ModelParallelStrategy's sizes given: its mesh names too (code written for it asserts them).
+            self.mesh = self.dims.build_mesh(self.root_device.type, lightning_names=self._lightning_sizes is not None)
         self._device_mesh = self.mesh.device_mesh
         self._checkpoint_writer = ckpt.CheckpointWriter(ckpt.checkpoint_group())
         self.heartbeat = Heartbeat.from_env()  # names a rank that dies (see parallel/heartbeat.py)
@@ -402,6 +428,10 @@ class TitanStrategy(ModelParallelStrategy):
     def parallelize(self, module: L.LightningModule) -> None:
         """parallel.parallelize (PP split, TP, CP, EP, AC, compile, FSDP/DDP), then materialize."""
         dims, config = self.dims, self.parallelism(module)
+        sharded = _Sharded.of(module, dims)
+        if sharded is not None and sharded.mesh is self.mesh:  # (sharded and materialized by an earlier run)
+            self._applied, self._sync_last_roots, self._module_is_root, self._outside_calls, self.pipeline = sharded.state
+            return
         inner = getattr(module, "model", None) if hasattr(module, "materialize") else None
         # What the module's own configure_model already applied (code written for Lightning's
         # ModelParallelStrategy does its TP and FSDP there) stays as the user made it.
@@ -447,6 +477,10 @@ class TitanStrategy(ModelParallelStrategy):
                 placement=split.placement, schedule_csv=config.pp_schedule_csv,
                 stage_group=None if stage_mesh is None else stage_mesh.get_group(),
             )
+        module._titan_sharded = _Sharded(dims, self.mesh, dist.distributed_c10d._get_default_group() if
+                                         _distributed_is_initialized() else None,
+                                         (applied, self._sync_last_roots, self._module_is_root, self._outside_calls,
+                                          self.pipeline))
 
     def _clip_across_stages(self) -> None:
         """Lightning's ``gradient_clip_val`` clips by the norm of this rank's gradients only; under

@@ -77,9 +77,10 @@ class ProbeEachStep(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         values = self.recorder.values
-        values[f"step_{trainer.global_step}"] = probe(pl_module.model)
+        network = getattr(pl_module, "model", None) or pl_module  # (two parts: the LightningModule itself)
+        values[f"step_{trainer.global_step}"] = probe(network)
         if trainer.global_step == 2:
-            values["step_2_gradients"] = probe_gradients(pl_module.model, pl_module)
+            values["step_2_gradients"] = probe_gradients(network, pl_module)
         values[f"step_{trainer.global_step}_sharded"] = _sharded(pl_module)
 
 
@@ -94,13 +95,9 @@ def evaluate_outside_steps(rank: int, world_size: int, out: str, module: str = "
         default_root_dir=out)
     trainer.fit(model)
     values = recorder.values
-    if world_size > 1:
-        values.update({k: v for k, v in values.items() if k.endswith("_sharded")})
-    else:  # (one process: nothing is sharded, the flags only say so)
-        values = {k: v for k, v in values.items() if not k.endswith("_sharded")}
 
     # The user's script, after fit returned.
-    network = model.model if module == "submodule" else model.decoder
+    network = model.model if module == "submodule" else model.encoder
     values["after_fit"] = probe(network)
     values["after_fit_gradients"] = probe_gradients(network, model)
     state = trainer.strategy.lightning_module_state_dict()
@@ -110,8 +107,9 @@ def evaluate_outside_steps(rank: int, world_size: int, out: str, module: str = "
     trainer.save_checkpoint(Path(out) / "after_fit.ckpt")
     (metrics,) = trainer.validate(model, dataloaders=regression_data(batch_size), verbose=False)
     values["validate_after_fit"] = metrics["val/loss"]
-    if world_size > 1:
-        values["after_fit_sharded"] = _sharded(model)
+    values["after_fit_sharded"] = _sharded(model)
+    if world_size == 1:  # (one process: nothing is sharded, the flags say nothing)
+        values = {k: v for k, v in values.items() if not k.endswith("_sharded")}
     return values
 
 
@@ -130,8 +128,10 @@ class TwoPartEvaluating(TwoPartModule):
         self.log("val/loss", torch.nn.functional.mse_loss(self(x), y), sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
-        self.recorder.values[f"val_end_{self.global_step}"] = probe(lambda x: self.decoder(self.encoder(x) * self.scale))
+        self.recorder.values[f"val_end_{self.global_step}"] = probe(self)
 
     def on_train_end(self) -> None:
         self.recorder.values["train_end"] = probe(self.encoder)
+        self.recorder.values["train_end_scale"] = _values(self.scale.full_tensor() if isinstance(self.scale, DTensor)
+                                                          else self.scale)
         self.recorder.values["train_end_gradients"] = probe_gradients(self, self)

@@ -155,3 +155,50 @@ def test_mesh_has_lightning_names_next_to_ours():
     # tp has degree 1 and is still a (size-1) dim, so device_mesh["tensor_parallel"] exists.
     assert seen == {"names": ("dp_replicate", "dp_shard", "tp"), "dp": 4, "tp": 1,
                     "sampler": {"num_replicas": 4, "rank": 3}}
+
+
+# -- the network called outside the step hooks -------------------------------------------------
+
+
+def _outside(world_size: int, out: Path, module: str = "submodule") -> dict:
+    from titan_lightning.testing.spawn import run_function
+
+    values = run_function("outside_calls_cases:evaluate_outside_steps", world_size, out_dir=out, timeout=TIMEOUT,
+                          env=ENV, init_process_group=False, out=str(out / "run"), module=module)
+    for rank_values in values[1:]:  # every rank computes the same numbers
+        assert rank_values == values[0]
+    return values[0]
+
+
+def _assert_close(got, want, path=""):
+    if isinstance(want, dict):
+        assert set(got) == set(want), (path, sorted(set(got) ^ set(want)))
+        for key in want:
+            _assert_close(got[key], want[key], f"{path}.{key}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_close(g, w, f"{path}[{i}]")
+    elif isinstance(want, float):
+        assert abs(got - want) <= 1e-5 * abs(want) + 1e-6, (path, got, want)
+    else:
+        assert got == want, (path, got, want)
+
+
+@pytest.fixture(scope="module")
+def outside_reference(tmp_path_factory):
+    return {module: _outside(1, tmp_path_factory.mktemp(f"outside_{module}"), module)
+            for module in ("submodule", "two_part")}
+
+
+@pytest.mark.multi_process
+@pytest.mark.parametrize("world_size,module", [(2, "submodule"), (4, "submodule"), (2, "two_part")])
+def test_the_network_called_outside_the_step_hooks_matches_one_process(world_size, module, outside_reference,
+                                                                      tmp_path):
+    """In on_validation_epoch_end, on_train_end, a callback's on_train_batch_end and the user's script
+    after fit (no_grad, and a backward for input gradients), then state dict, full_tensor, save and a
+    second validate: the same numbers as one process, and every parameter sharded again after each."""
+    values = _outside(world_size, tmp_path, module)
+    sharded = {key: values.pop(key) for key in list(values) if key.endswith("_sharded")}
+    assert sharded and all(sharded.values()), sharded
+    _assert_close(values, outside_reference[module])
