@@ -179,6 +179,14 @@ def unfinished_checkpoints(root: Union[str, Path]) -> list[Path]:
                   if (metadata.parent / META).exists() and read_manifest(metadata.parent) is None)
 
 
+def is_lightning_sharded(path: Path) -> bool:
+    """A finished sharded checkpoint of Lightning's ModelParallelStrategy (or FSDPStrategy): DCP's
+    ``.metadata`` and Lightning's ``meta.pt``, no manifest of ours (ours are renamed into place
+    with theirs, so a folder of ours is never without it)."""
+    return (path.is_dir() and not path.name.endswith(PARTIAL) and (path / DCP_METADATA).is_file()
+            and (path / META).is_file() and not (path / MANIFEST).exists())
+
+
 def verify(path: Path, *, what: Optional[str] = None, ranks: bool = True) -> dict[str, Any]:
     """Fail with one line unless ``path`` is a complete checkpoint whose files are all there;
     returns its manifest. ``ranks``: also check every rank file the manifest lists."""

@@ -636,7 +636,13 @@ class TitanStrategy(ModelParallelStrategy):
                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             return _names_to_indices(full, self.model, optimizer) if self.global_rank == 0 else {}
         options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=False)
-        return get_optimizer_state_dict(self.model, optimizer, options=options)
+        state = get_optimizer_state_dict(self.model, optimizer, options=options)
+        if self.pipeline is None:
+            # Also the param groups as ModelParallelStrategy saves them (a list; small values), so
+            # that it resumes from this checkpoint too. Under PP each stage has groups of its own:
+            # only the flattened ones (per parameter) say which is which.
+            state["param_groups"] = get_optimizer_state_dict(self.model, optimizer)["param_groups"]
+        return state
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's shards (DTensors); with ``save_distributed_checkpoint=False`` the full
@@ -734,6 +740,8 @@ class TitanStrategy(ModelParallelStrategy):
         if path.is_file():
             ckpt.check_placements(self.model.named_parameters())
             return self._load_full(path, weights_only=weights_only is not False)
+        if ckpt.is_lightning_sharded(path):
+            return self._load_lightning_sharded(path, weights_only=weights_only is not False)
         manifest = writer.agree(lambda: ckpt.verify(path, ranks=False))
         same_world = manifest["world_size"] == self.world_size
         mine = writer.agree(lambda: ckpt.load_rank_state(path, self.global_rank) if same_world else None)
@@ -756,6 +764,33 @@ class TitanStrategy(ModelParallelStrategy):
             datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
             if datamodule is not None and "datamodule" in mine:
                 checkpoint[type(datamodule).__qualname__] = mine["datamodule"]
+        return checkpoint
+
+    def _load_lightning_sharded(self, path, weights_only: bool) -> dict[str, Any]:
+        """A sharded checkpoint of Lightning's ModelParallelStrategy (DCP shards and meta.pt, no
+        manifest): the model and optimizer states in its layout (optimizer state keyed by parameter
+        name, not flattened); no RNG or data position (it saves none)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        writer = self._checkpoint_writer
+        options = StateDictOptions(strict=self.lightning_module.strict_loading)
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        for index, optimizer in enumerate(self.optimizers):
+            state[f"optimizer_{index}"] = get_optimizer_state_dict(self.model, optimizer)
+        writer.agree(lambda: ckpt.load_sharded(path, state, group=writer.group))
+        set_model_state_dict(self.model, state["state_dict"], options=options)
+        for index, optimizer in enumerate(self.optimizers):
+            set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{index}"], options=options)
+        checkpoint = writer.agree(lambda: ckpt.load_meta(path, weights_only=weights_only))
+        if self.global_rank == 0:
+            print(f"[checkpoint] {path} was saved by Lightning's ModelParallelStrategy: model and optimizer "
+                  f"restored; RNG states and the data position it does not save", flush=True)
         return checkpoint
 
     def remove_checkpoint(self, filepath) -> None:

@@ -8,6 +8,8 @@ and ``torch.compile(..., backend="aot_eager")`` instead of inductor (what the ca
 ``_orig_mod`` wrapper and DTensor parameters, does not depend on the backend; inductor on CPU
 would cost minutes). The strategy class is the only other difference: ``Strategy`` below.
 
+The ``cross_*`` cases at the end are ours: a checkpoint of either strategy resumes under the other.
+
 Run by test_lightning_mps_cases.py: ``python -m lightning_mps_cases --out DIR -- STRATEGY CASE...``
 on as many ranks as the cases' ``devices``. Every case of one launch runs in the same processes,
 one after the other (so a second ``fit`` after the first, in the same process group, is under test
@@ -407,11 +409,56 @@ def test_save_load_sharded_state_dict(tmp_path):
     trainer.fit(model, ckpt_path=path)
 
 
+# -- ours: a project switching strategies resumes in both directions -----------------------------
+
+
+def _fit_params(strategy, tmp_path, max_epochs: int, ckpt_path=None) -> list[torch.Tensor]:
+    """FSDP2Model (FSDP over data_parallel, applied by the module) for ``max_epochs`` (2 steps each
+    on 2 ranks); Lightning's ModelCheckpoint saves at each epoch's end. The parameters after fit."""
+    seed_everything(0)
+    trainer = Trainer(**_quiet(default_root_dir=tmp_path, devices=2, max_epochs=max_epochs, logger=False,
+                               strategy=strategy))
+    # (data of its own generator: TitanStrategy restores the RNG states it saved, Lightning's do not)
+    data = DataLoader(torch.randn(8, 32, generator=torch.Generator().manual_seed(1)), batch_size=2)
+    trainer.fit(FSDP2Model(), data, ckpt_path=ckpt_path)
+    return [p.full_tensor() for p in trainer.model.parameters()], trainer
+
+
+def _cross(tmp_path, first, second) -> None:
+    """Train one epoch with ``first``, resume for a second with ``second`` and with ``first``: the same
+    parameters (a switch of strategy mid-project continues exactly)."""
+    _, trainer = _fit_params(first(), tmp_path / "first", 1)
+    path = Path(trainer.strategy.broadcast(trainer.checkpoint_callback.best_model_path))
+    switched, trainer = _fit_params(second(), tmp_path / "switched", 2, ckpt_path=path)
+    assert trainer.global_step == 4
+    same, _ = _fit_params(first(), tmp_path / "same", 2, ckpt_path=path)
+    for a, b in zip(switched, same, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _sizes(cls):
+    return lambda: cls(data_parallel_size=2, tensor_parallel_size=1)
+
+
+def cross_model_parallel_checkpoint_resumes_under_titan(tmp_path):
+    _cross(tmp_path, _sizes(ModelParallelStrategy), _sizes(TitanStrategy))
+
+
+def cross_titan_checkpoint_resumes_under_model_parallel(tmp_path):
+    _cross(tmp_path, _sizes(TitanStrategy), _sizes(ModelParallelStrategy))
+
+
 # -- runner -----------------------------------------------------------------------------------------
 
 
 def cases() -> list[str]:
+    """Lightning's."""
     return sorted(name for name in globals() if name.startswith("test_"))
+
+
+def crossing_cases() -> list[str]:
+    """Ours: checkpoints crossing between ModelParallelStrategy and TitanStrategy."""
+    return sorted(name for name in globals() if name.startswith("cross_"))
 
 
 def main(argv: list[str]) -> None:

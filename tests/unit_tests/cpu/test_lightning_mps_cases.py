@@ -31,7 +31,7 @@ def results(tmp_path_factory) -> dict:
     """{case: [per-rank outcome]} for every case, one launch per world size."""
     outcomes: dict = {}
     for world_size in (1, 2, 4):
-        names = [name for name in cases.cases() if _world_size(name) == world_size]
+        names = [name for name in cases.cases() + cases.crossing_cases() if _world_size(name) == world_size]
         out = tmp_path_factory.mktemp(f"mps_cases_{world_size}")
         try:
             ranks = launch(["titan", *names], world_size, out_dir=out, timeout=240, module="lightning_mps_cases",
@@ -53,5 +53,14 @@ def test_every_case_of_lightning_is_here():
 @pytest.mark.slow
 @pytest.mark.parametrize("case", cases.cases())
 def test_lightning_model_parallel_integration_case_passes_with_titan_strategy(case, results):
+    failures = [outcome for outcome in results[case] if outcome != "passed"]
+    assert not failures, failures[0]
+
+
+@pytest.mark.multi_process
+@pytest.mark.slow
+@pytest.mark.parametrize("case", cases.crossing_cases())
+def test_checkpoints_cross_between_model_parallel_strategy_and_titan_strategy(case, results):
+    """A sharded checkpoint of either resumes under the other and continues as under the first."""
     failures = [outcome for outcome in results[case] if outcome != "passed"]
     assert not failures, failures[0]
