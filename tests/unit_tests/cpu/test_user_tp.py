@@ -283,22 +283,40 @@ def _relative(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-@pytest.mark.multi_process
-def test_users_litgpt_style_module_on_two_tp_ranks_matches_one_process(tmp_path):
-    with ThreadPoolExecutor(1) as pool:  # the reference runs beside the two ranks
-        single = pool.submit(run_single, ["fit", "--recipe", "user_gpt:single"], out_dir=tmp_path / "single",
-                             timeout=300, env=USER_ENV)
-        result = launch(["fit", "--recipe", "user_gpt:tp2", "--trainer.devices", "2"], 2, out_dir=tmp_path / "tp2",
-                        timeout=300, env=USER_ENV)
-        expected = single.result().ranks[0]
-    assert len(expected["losses"]) == 5 and expected["losses"][-1] < expected["losses"][0]
-    assert expected["metrics"]["probe/n_head"] == 4.0
-    for rank in result.ranks:
-        assert rank["metrics"]["probe/n_head"] == 2.0  # each rank's local heads
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference: one process, 5 steps."""
+    out = tmp_path_factory.mktemp("single")
+    (rank,) = run_single(["fit", "--recipe", "user_gpt:single"], out_dir=out, timeout=300, env=USER_ENV).ranks
+    assert len(set(rank["losses"])) == 5  # five steps, each on weights the last one changed
+    assert rank["metrics"]["probe/n_head"] == 4.0
+    return rank
+
+
+def _assert_matches(ranks: list[dict], expected: dict) -> None:
+    for rank in ranks:
         assert len(rank["losses"]) == 5
         for name in ("losses", "grad_norms"):
-            for value, ref in zip(rank[name], expected[name]):
+            for value, ref in zip(rank[name], expected[name], strict=True):
                 assert _relative(value, ref) < 1e-5, (name, rank[name], expected[name])
+
+
+@pytest.mark.multi_process
+def test_users_litgpt_style_module_on_two_tp_ranks_matches_one_process(one_process, tmp_path):
+    """The whole plan: qkv 'colwise_fused:3', the head counts of the shared config per-rank."""
+    ranks = launch(["fit", "--recipe", "user_gpt:tp2", "--trainer.devices", "2"], 2, out_dir=tmp_path, timeout=300,
+                   env=USER_ENV).ranks
+    assert [rank["metrics"]["probe/n_head"] for rank in ranks] == [2.0, 2.0]  # each rank's local heads
+    _assert_matches(ranks, one_process)
+
+
+@pytest.mark.multi_process
+def test_an_mlp_only_plan_on_two_tp_ranks_matches_one_process(one_process, tmp_path):
+    """Only the MLP sharded: the attention, reading the same config, keeps every head."""
+    ranks = launch(["fit", "--recipe", "user_gpt:tp2_mlp", "--trainer.devices", "2"], 2, out_dir=tmp_path,
+                   timeout=300, env=USER_ENV).ranks
+    assert [rank["metrics"]["probe/n_head"] for rank in ranks] == [4.0, 4.0]
+    _assert_matches(ranks, one_process)
 
 
 @pytest.mark.multi_process
@@ -313,7 +331,7 @@ def test_a_sharded_checkpoint_with_a_fused_projection_resumes_exactly_on_tp_rank
     saved = ckpt / "epoch=0-step=3.ckpt"
     assert sorted(p.name for p in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     resume = {**USER_ENV, "USER_GPT_RESUME": str(saved)}
-    with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(1) as pool:  # the one-process resume runs beside the two ranks
         single = pool.submit(run_single, ["fit", "--recipe", "user_gpt:single"], out_dir=tmp_path / "single",
                              timeout=300, env=resume)
         resumed = launch(tp2, 2, out_dir=tmp_path / "resumed", timeout=300, env=resume).ranks
@@ -325,7 +343,6 @@ def test_a_sharded_checkpoint_with_a_fused_projection_resumes_exactly_on_tp_rank
     for name in ("losses", "grad_norms"):
         for value, ref in zip(one_process[name], uninterrupted[name][3:], strict=True):
             assert _relative(value, ref) < 1e-6, (name, one_process[name], uninterrupted[name])
-
 
 
 def test_colwise_fused_with_fsdp_is_refused_before_launch():
@@ -340,3 +357,14 @@ def test_colwise_fused_with_fsdp_is_refused_before_launch():
     L.Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
     with pytest.raises(ConfigError, match=r"\['model.h.\*.attn.qkv'\] \(colwise_fused\) do not compose with FSDP"):
         strategy.check_module(GPTModule())
+
+
+def test_plain_colwise_on_litgpts_qkv_is_refused_by_the_strategy_before_launch():
+    import lightning as L
+
+    from titan_lightning.strategies import TitanStrategy
+
+    strategy = TitanStrategy(dp_shard=1, tp=2)
+    L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+    with pytest.raises(ConfigError, match=r"^tp_plan entry 'model.h.\*.attn.qkv': style 'colwise' on .*'colwise_fused:3'"):
+        strategy.check_module(GPTModule(tp_plan={**GPTModule.tp_plan, "model.h.*.attn.qkv": "colwise"}))

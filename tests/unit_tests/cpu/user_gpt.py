@@ -144,8 +144,10 @@ class GPTModule(L.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None])
-        self.last_grad_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        # Whole gradients: a plan that shards some modules leaves the others' plain tensors.
+        grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                 for p in self.parameters() if p.grad is not None]
+        self.last_grad_norm = torch.nn.utils.get_total_norm(grads)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
