@@ -193,7 +193,8 @@ def parallelize(model: Transformer, device_mesh) -> Transformer:
         for block in model.layers.values():
             parallelize_module(block, tp_mesh, {
                 "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                desired_input_layouts=(Replicate(), None)),
                 "attention.wq": ColwiseParallel(),
                 "attention.wk": ColwiseParallel(),
                 "attention.wv": ColwiseParallel(),
@@ -211,7 +212,8 @@ def parallelize(model: Transformer, device_mesh) -> Transformer:
         for layer_id, block in list(model.layers.items()):
             block = checkpoint_wrapper(block)
             # The last block is gathered again right away for the backward: keep it.
-            fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=int(layer_id) < len(model.layers) - 1)
+            last = int(layer_id) == len(model.layers) - 1
+            fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=not last)
             model.layers[layer_id] = block
         fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     return model

@@ -96,7 +96,8 @@ def test_a_colwise_style_that_mixes_the_stacked_q_and_k_rows_is_refused_before_s
     module = GPTModule()
     plan = {**GPTModule.tp_plan, "model.h.*.attn.qkv": style}
     message = (rf"^tp_plan entry 'model.h.\*.attn.qkv': style '{style}' on model.h.0.attn.qkv \(192 output rows: "
-               r"\(4 heads \+ 2 x 4 query groups\) x head size 16, as model.h.0.attn \(CausalSelfAttention\) declares\) "
+               r"\(4 heads \+ 2 x 4 query groups\) x head size 16, as model.h.0.attn \(CausalSelfAttention\) "
+               r"declares\) "
                r"would give each rank the wrong rows .*: use 'colwise_fused:3' \(rank r computes \[q_r; k_r; v_r\]\); "
                r"rows grouped per query group .* are sharded right by 'colwise_grouped'$")
     with pytest.raises(ConfigError, match=message):
@@ -366,5 +367,6 @@ def test_plain_colwise_on_litgpts_qkv_is_refused_by_the_strategy_before_launch()
 
     strategy = TitanStrategy(dp_shard=1, tp=2)
     L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
-    with pytest.raises(ConfigError, match=r"^tp_plan entry 'model.h.\*.attn.qkv': style 'colwise' on .*'colwise_fused:3'"):
+    message = r"^tp_plan entry 'model.h.\*.attn.qkv': style 'colwise' on .*'colwise_fused:3'"
+    with pytest.raises(ConfigError, match=message):
         strategy.check_module(GPTModule(tp_plan={**GPTModule.tp_plan, "model.h.*.attn.qkv": "colwise"}))
