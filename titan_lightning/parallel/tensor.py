@@ -289,15 +289,12 @@ _SHARDED_WEIGHT_DIM = {"embedding": 0, "colwise": 0, "colwise_grouped": 0, "outp
 _HEAD_SPLITTING = ("colwise", "colwise_grouped", FUSED)
 # Styles that make their owner's forward see local sizes (its shape errors are explained).
 _SPLITTING = (*_HEAD_SPLITTING, "rowwise")
-# Integer attributes that count heads, localized on the owners of colwise children and their ``config``.
-HEAD_COUNT_NAMES = (
-    "n_head", "n_heads", "num_heads", "num_attention_heads", "n_kv_heads", "n_kv_head",
-    "num_key_value_heads", "n_query_groups", "num_kv_heads",
-)
-# What an attention module (or its config) calls its query heads, its key/value heads, its head
-# size and its width, for recognizing a fused q, k, v projection (``_check_fused_qkv``).
+# What an attention module (or its config) calls its query heads and its key/value heads.
 _QUERY_HEAD_NAMES = ("n_head", "n_heads", "num_heads", "num_attention_heads")
-_KV_HEAD_NAMES = ("n_query_groups", "n_kv_heads", "n_kv_head", "num_key_value_heads", "num_kv_heads")
+_KV_HEAD_NAMES = ("n_kv_heads", "n_kv_head", "num_key_value_heads", "n_query_groups", "num_kv_heads")
+# Integer attributes that count heads, localized on the owners of colwise children and their ``config``.
+HEAD_COUNT_NAMES = (*_QUERY_HEAD_NAMES, *_KV_HEAD_NAMES)
+# Its head size and its width, for recognizing a fused q, k, v projection (``_check_fused_qkv``).
 _HEAD_SIZE_NAMES = ("head_size", "head_dim")
 _WIDTH_NAMES = ("n_embd", "dim", "hidden_size", "embed_dim")
 
