@@ -404,7 +404,7 @@ def validate_tp_plan(module: str, p: ParallelismConfig, world_size: int, plan: O
         raise ConfigError(
             f"tp_plan entries {entries} ({fused}) do not compose with FSDP (parallelism.dp_shard*cp={shards}): "
             f"with data parallelism, store the projection's rows per head group ([q_g; k_g; v_g] for each group g, "
-            f"as LitGPT) and use 'colwise'"
+            f"as GPT-NeoX) and use 'colwise_grouped', or shard only the MLP"
         )
 
 

@@ -7,6 +7,10 @@ stands for a layer index). This file knows *how* each style is sharded:
     embedding            rows of the table (vocab); the output is replicated, or sharded
                          on the sequence with sequence parallelism
     colwise              output features; the input is replicated, the output stays local
+    colwise_grouped      colwise, for a fused projection whose rows are grouped per head or
+                         per query group ([q; k; v] of group 0, then of group 1, ...: GPT-NeoX,
+                         Falcon): each rank gets whole groups. Plain 'colwise' on a fused qkv
+                         is refused (below): the name says the rows are grouped
     rowwise              input features; the output is all-reduced (replicated), or
                          reduce-scattered on the sequence with sequence parallelism
     norm                 replicated weights; with sequence parallelism it runs on the local
@@ -33,7 +37,8 @@ stands for a layer index). This file knows *how* each style is sharded:
                          experts): weights replicated on the TP mesh, run on the rank's own
                          tokens (dim 0), gradients summed over the TP ranks
     colwise_fused:N      colwise for an nn.Linear whose output rows are N equal blocks:
-                         nanoGPT-style [all q; all k; all v] ("colwise_fused:3") or a fused
+                         [all q; all k; all v] (nanoGPT's c_attn, LitGPT's qkv with as many
+                         query groups as heads: "colwise_fused:3") or a fused
                          [gate; up] ("colwise_fused:2"). Each block is split on its own, so
                          rank r returns [q_r, k_r, v_r]: split it with ``.chunk(N, dim=-1)``.
                          The weight keeps the module's layout (a ``_StridedShard`` DTensor:
@@ -66,8 +71,12 @@ reshapes with a head count (``q.view(B, T, self.n_head, hs)``) must read the loc
 - found by name on every module that owns a colwise-sharded child (the attention) and on
   that module's ``config`` object: ``HEAD_COUNT_NAMES`` (n_head, n_heads, num_heads,
   num_attention_heads, n_kv_heads, n_kv_head, num_key_value_heads, n_query_groups,
-  num_kv_heads), when they are plain instance attributes. A ``config`` shared by every
-  block (LitGPT) is divided once.
+  num_kv_heads), when they are plain instance attributes and the module's class reads them
+  (its source names them: an MLP holding the model's config does not). A ``config`` shared
+  by every block (LitGPT) is divided once, and only when every module that holds it and
+  reads the count (but the root) has its projections sharded: an MLP-only plan leaves the
+  attention's counts alone; a plan sharding some attention modules and not others that read
+  the same config is refused before anything is sharded.
 - declared in the plan with the style ``heads``: the pattern names a module, then
   attributes, e.g. ``"blocks.*.attn.n_head": "heads"`` or ``"config.n_head": "heads"``.
 
@@ -80,11 +89,18 @@ it (a module that owns sharded children re-raises a shape error of its forward a
 count under a name of its own with -1 for the head size (``view(B, T, self.nh, -1)``) runs,
 on heads of the wrong size; declare such a count.
 
-A fused projection is sharded correctly by plain ``colwise`` when its rows are grouped per
-head or per query group (LitGPT's qkv: [n_query_groups, q_per_kv + 2, head_size]): each rank
-gets whole groups. Rows stacked as [all q; all k; all v] need ``colwise_fused:3``.
+Fused q, k, v projections. Rows stacked as [all q; all k; all v] (LitGPT's ``qkv``,
+nanoGPT's ``c_attn``) need ``colwise_fused:3``: plain ``colwise`` would give rank 0 the q rows
+and some k rows, and the forward would run, silently wrong. So plain ``colwise`` on a linear
+whose output width is (heads + 2 x query groups) x head size of the attention owning it (the
+counts and head size read by name from it or its ``config``, in a class that reads the head
+count) is refused before anything is sharded; rows grouped per query group, which plain colwise
+shards right, are declared ``colwise_grouped``. Under grouped-query attention the stacked blocks
+are of unequal size ([q n_head*hs; k groups*hs; v groups*hs]), which ``colwise_fused`` (equal
+blocks) cannot split: refused too, shard the MLP only (the attention stays whole on every rank).
 """
 
+import functools
 import inspect
 import re
 from dataclasses import dataclass
@@ -255,6 +271,7 @@ HEADS = "heads"  # plan style of an integer attribute that counts heads (not a m
 STYLES: dict[str, StyleFactory] = {
     "embedding": _embedding,
     "colwise": _colwise,
+    "colwise_grouped": _colwise,
     "rowwise": _rowwise,
     "norm": _norm,
     "prepare_block_input": _prepare_block_input,
@@ -267,16 +284,19 @@ STYLES: dict[str, StyleFactory] = {
 }
 
 # The weight dimension each style splits across the TP ranks (nn.Linear weights are [out, in]).
-_SHARDED_WEIGHT_DIM = {"embedding": 0, "colwise": 0, "output": 0, "rowwise": 1, FUSED: 0}
+_SHARDED_WEIGHT_DIM = {"embedding": 0, "colwise": 0, "colwise_grouped": 0, "output": 0, "rowwise": 1, FUSED: 0}
 # Styles whose output features are split: their module's owner holds 1/tp of the heads.
-_HEAD_SPLITTING = ("colwise", FUSED)
+_HEAD_SPLITTING = ("colwise", "colwise_grouped", FUSED)
 # Styles that make their owner's forward see local sizes (its shape errors are explained).
 _SPLITTING = (*_HEAD_SPLITTING, "rowwise")
+# What an attention module (or its config) calls its query heads and its key/value heads.
+_QUERY_HEAD_NAMES = ("n_head", "n_heads", "num_heads", "num_attention_heads")
+_KV_HEAD_NAMES = ("n_kv_heads", "n_kv_head", "num_key_value_heads", "n_query_groups", "num_kv_heads")
 # Integer attributes that count heads, localized on the owners of colwise children and their ``config``.
-HEAD_COUNT_NAMES = (
-    "n_head", "n_heads", "num_heads", "num_attention_heads", "n_kv_heads", "n_kv_head",
-    "num_key_value_heads", "n_query_groups", "num_kv_heads",
-)
+HEAD_COUNT_NAMES = (*_QUERY_HEAD_NAMES, *_KV_HEAD_NAMES)
+# Its head size and its width, for recognizing a fused q, k, v projection (``_check_fused_qkv``).
+_HEAD_SIZE_NAMES = ("head_size", "head_dim")
+_WIDTH_NAMES = ("n_embd", "dim", "hidden_size", "embed_dim")
 
 
 def apply_tp(
@@ -325,7 +345,9 @@ def _float8_factories(resolved: list[tuple[str, nn.Module, str]]) -> dict[str, S
         "prepare_block_input": lambda module, sp, loss_parallel: _prepare_block_input(module, sp, loss_parallel,
                                                                                        prepare),
     }
-    linears = {fqn for fqn, module, style in resolved if style in ("colwise", "rowwise") and is_float8_linear(module)}
+    factories["colwise_grouped"] = factories["colwise"]
+    linears = {fqn for fqn, module, style in resolved
+               if style in ("colwise", "colwise_grouped", "rowwise") and is_float8_linear(module)}
 
     def fed_float8_only(fqn: str, block: nn.Module) -> bool:
         children = [_join(fqn, name) for name, child in block.named_children() if isinstance(child, nn.Linear)]
@@ -346,14 +368,12 @@ def _checked_plan(
 ) -> tuple[list[tuple[str, nn.Module, str]], list["_HeadCount"]]:
     """The plan's (fqn, module, style) entries and the head counts to divide, all checked."""
     _check_sequence_parallel(plan, sequence_parallel)
-    resolved = [
-        (fqn, module, style)
-        for pattern, style in plan.items()
-        if style != HEADS
-        for fqn, module in _resolve(model, pattern, style)
-    ]
-    for fqn, module, style in resolved:
+    entries = [(pattern, fqn, module, style) for pattern, style in plan.items() if style != HEADS
+               for fqn, module in _resolve(model, pattern, style)]
+    for pattern, fqn, module, style in entries:
+        _check_fused_qkv(model, pattern, fqn, module, style)  # (before: it explains an indivisible block size)
         _check_divisible(fqn, module, style, tp)
+    resolved = [(fqn, module, style) for _, fqn, module, style in entries]
     return resolved, _head_counts(model, plan, resolved, tp)
 
 
@@ -462,15 +482,17 @@ def _head_counts(model: nn.Module, plan: dict[str, str], resolved: list, tp: int
     found: dict[tuple[int, str], _HeadCount] = {}
     candidates = [match for pattern, style in plan.items() if style == HEADS
                   for match in _resolve_heads(model, pattern)]
-    for fqn, owner in _owners(model, resolved, _HEAD_SPLITTING).items():
+    owners = _owners(model, resolved, _HEAD_SPLITTING)
+    for fqn, owner in owners.items():
         for prefix, obj in ((fqn, owner), (_join(fqn, "config"), getattr(owner, "config", None))):
             attributes = vars(obj) if obj is not None and hasattr(obj, "__dict__") else {}
             # Instance attributes only: a property or an alias (HF's attribute_map) is not a count of its own.
             candidates += [(_join(prefix, name), obj, name) for name in HEAD_COUNT_NAMES
-                           if _is_count(attributes.get(name))]
+                           if _is_count(attributes.get(name)) and _reads(owner, name)]
     for label, obj, attr in candidates:
         found.setdefault((id(obj), attr), _HeadCount(label, obj, attr, getattr(obj, attr)))
     for count in found.values():
+        _check_shared(model, count, owners)
         if count.value % tp:
             raise ConfigError(
                 f"tensor parallelism gives each of parallelism.tp={tp} ranks 1/{tp} of the heads, but "
@@ -486,6 +508,103 @@ def _head_counts(model: nn.Module, plan: dict[str, str], resolved: list, tp: int
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_shared(model: nn.Module, count: _HeadCount, owners: dict[str, nn.Module]) -> None:
+    """A count on an object other modules hold too (LitGPT's one ``Config``) becomes per-rank for
+    all of them: refused unless every submodule holding it whose class reads the count owns
+    head-sharded projections (the root, which only holds the model, does not count)."""
+    if isinstance(count.owner, nn.Module):
+        return
+    holders = [(fqn, module) for fqn, module in model.named_modules()
+               if fqn and any(value is count.owner for value in vars(module).values())]
+    whole = [f"{fqn} ({type(module).__name__})" for fqn, module in holders
+             if fqn not in owners and _reads(module, count.attr)]
+    if whole:
+        more = f" and {len(whole) - 3} more" if len(whole) > 3 else ""
+        raise ConfigError(
+            f"{count.label} counts heads and the tp_plan shards heads of modules that read it, but the same "
+            f"{type(count.owner).__name__} object is read by {', '.join(whole[:3])}{more}, which the plan does not "
+            f"shard: made per-rank, it would be wrong there; shard the projections of every module that reads it, or "
+            f"none of them (and declare no 'heads' on it)"
+        )
+
+
+def _reads(module: nn.Module, name: str) -> bool:
+    """Whether the class of ``module`` (its own code and its bases', torch's excepted) names
+    ``name``; True when that code cannot be read."""
+    names = _names_in_source(type(module))
+    return names is None or name in names
+
+
+@functools.cache
+def _names_in_source(cls: type) -> Optional[frozenset[str]]:
+    names: set[str] = set()
+    for base in cls.__mro__:
+        if base is object or base.__module__.split(".")[0] == "torch":
+            continue
+        try:
+            names.update(re.findall(r"\w+", inspect.getsource(base)))
+        except (OSError, TypeError):
+            return None
+    return frozenset(names)
+
+
+# -- fused q, k, v projections ----------------------------------------------------------------
+
+
+def _check_fused_qkv(model: nn.Module, pattern: str, fqn: str, module: nn.Module, style: str) -> None:
+    """Refuse a colwise style that would give a rank the wrong rows of a fused q, k, v projection,
+    where the layout can be known: the linear's output width is (heads + 2 x query groups) x head
+    size of the attention owning it, and that attention's class reads its head count."""
+    name, parts = _parse_style(style)
+    if name not in ("colwise", FUSED) or not isinstance(module, nn.Linear):
+        return
+    owner_fqn = fqn.rpartition(".")[0]
+    owner = model.get_submodule(owner_fqn)
+    sizes = _attention_sizes(owner)
+    if sizes is None:
+        return
+    heads, groups, head_size, head_name = sizes
+    if module.out_features != (heads + 2 * groups) * head_size or not _reads(owner, head_name):
+        return
+    if name == FUSED and parts == 3 and heads == groups:
+        return
+    where = (f"{fqn} ({module.out_features} output rows: ({heads} heads + 2 x {groups} query groups) x head size "
+             f"{head_size}, as {owner_fqn or 'the model'} ({type(owner).__name__}) declares)")
+    if heads == groups:
+        fix = f"use '{FUSED}:3' (rank r computes [q_r; k_r; v_r])"
+    else:
+        fix = (f"under grouped-query attention its blocks are of unequal size (q {heads * head_size} rows, k and v "
+               f"{groups * head_size} each), which '{FUSED}' (equal blocks) cannot split: leave "
+               f"{owner_fqn or 'the attention'}'s projections out of tp_plan and shard the MLP only")
+    raise ConfigError(
+        f"tp_plan entry {pattern!r}: style {style!r} on {where} would give each rank the wrong rows where they are "
+        f"stacked [all q; all k; all v] (LitGPT's qkv, nanoGPT's c_attn): {fix}; rows grouped per query group "
+        f"([q; k; v] of group 0, then of group 1, ...: GPT-NeoX, Falcon) are sharded right by 'colwise_grouped'"
+    )
+
+
+def _attention_sizes(owner: nn.Module) -> Optional[tuple[int, int, int, str]]:
+    """(query heads, key/value heads, head size, the head count's name) that a module or its
+    ``config`` declares by the usual names; None where it declares no head count."""
+    def first(names: tuple[str, ...]) -> tuple[Optional[int], str]:
+        for obj in (owner, getattr(owner, "config", None)):
+            for name in names:
+                value = getattr(obj, name, None) if obj is not None else None
+                if _is_count(value) and value > 0:
+                    return value, name
+        return None, ""
+
+    heads, head_name = first(_QUERY_HEAD_NAMES)
+    if heads is None:
+        return None
+    groups = first(_KV_HEAD_NAMES)[0] or heads
+    head_size = first(_HEAD_SIZE_NAMES)[0]
+    if head_size is None:
+        width = first(_WIDTH_NAMES)[0]
+        head_size = width // heads if width is not None and width % heads == 0 else None
+    return None if head_size is None else (heads, groups, head_size, head_name)
 
 
 def _resolve_heads(model: nn.Module, pattern: str) -> list[tuple[str, Any, str]]:

@@ -59,12 +59,67 @@ def test_head_counts_on_a_shared_config_are_divided_once_and_hidden_sizes_kept()
     with tp_mesh() as mesh:
         apply(module, GPTModule.tp_plan, mesh, sequence_parallel=True)
         config = module.config
-        assert config is module.model.h[1].attn.config  # one object, shared by every block
-        assert (config.n_head, config.n_query_groups) == (2, 1)
+        assert config is module.model.h[1].attn.config is module.model.h[0].mlp.config  # one object
+        assert (config.n_head, config.n_query_groups) == (2, 2)
         assert (config.n_embd, config.head_size, config.intermediate_size) == (64, 16, 96)
-        assert module.model.h[0].attn.attn.weight.to_local().shape == ((2 + 2 * 1) * 16, 64)
+        assert module.model.h[0].attn.qkv.weight.to_local().shape == (3 * 2 * 16, 64)
         logits = module(tokens())  # every reshape runs on the local heads
     assert logits.shape == (2, 32, 128)
+
+
+def test_an_mlp_only_plan_leaves_the_head_counts_of_a_shared_config_alone():
+    """LitGPT's MLP holds the config every block shares, but does not read its head counts: they
+    stay global for the attention, which the plan does not shard (grouped-query attention too)."""
+    module = GPTModule(Config(n_head=4, n_query_groups=2))
+    with tp_mesh() as mesh:
+        apply(module, GPTModule.MLP_PLAN, mesh)
+        assert (module.config.n_head, module.config.n_query_groups) == (4, 2)
+        assert module.model.h[0].mlp.fc_1.weight.to_local().shape == (48, 64)
+        assert not isinstance(module.model.h[0].attn.qkv.weight, DTensor)
+        assert module(tokens()).shape == (2, 32, 128)
+
+
+def test_sharding_the_heads_of_some_modules_that_read_a_shared_config_is_refused():
+    plan = {**GPTModule.MLP_PLAN, "model.h.0.attn.qkv": "colwise_fused:3", "model.h.0.attn.proj": "rowwise"}
+    message = (r"^model.h.0.attn.config.n_head counts heads and the tp_plan shards heads of modules that read it, "
+               r"but the same Config object is read by model.h.1.attn \(CausalSelfAttention\), which the plan does "
+               r"not shard: .*shard the projections of every module that reads it, or none of them")
+    module = GPTModule()
+    with pytest.raises(ConfigError, match=message):
+        check_tp_plan(module, plan, TP, sequence_parallel=False)
+    assert module.config.n_head == 4
+
+
+@pytest.mark.parametrize("style", ["colwise", "colwise_fused:2"])
+def test_a_colwise_style_that_mixes_the_stacked_q_and_k_rows_is_refused_before_sharding(style):
+    """LitGPT's qkv rows are [all q; all k; all v]: plain colwise would give rank 0 all of q and half of k."""
+    module = GPTModule()
+    plan = {**GPTModule.tp_plan, "model.h.*.attn.qkv": style}
+    message = (rf"^tp_plan entry 'model.h.\*.attn.qkv': style '{style}' on model.h.0.attn.qkv \(192 output rows: "
+               r"\(4 heads \+ 2 x 4 query groups\) x head size 16, as model.h.0.attn \(CausalSelfAttention\) "
+               r"declares\) "
+               r"would give each rank the wrong rows .*: use 'colwise_fused:3' \(rank r computes \[q_r; k_r; v_r\]\); "
+               r"rows grouped per query group .* are sharded right by 'colwise_grouped'$")
+    with pytest.raises(ConfigError, match=message):
+        check_tp_plan(module, plan, TP, sequence_parallel=True)
+    with tp_mesh() as mesh, pytest.raises(ConfigError, match=message):
+        apply(module, plan, mesh, sequence_parallel=True)
+    assert not isinstance(module.model.wte.weight, DTensor) and module.config.n_head == 4
+
+
+def test_stacked_qkv_of_grouped_query_attention_is_refused_with_the_mlp_only_way_out():
+    module = GPTModule(Config(n_head=4, n_query_groups=2))
+    message = (r"style 'colwise_fused:3' on model.h.0.attn.qkv \(128 output rows: .*under grouped-query attention its "
+               r"blocks are of unequal size \(q 64 rows, k and v 32 each\), which 'colwise_fused' \(equal blocks\) "
+               r"cannot split: leave model.h.0.attn's projections out of tp_plan and shard the MLP only;")
+    with pytest.raises(ConfigError, match=message):
+        check_tp_plan(module, GPTModule.tp_plan, TP, sequence_parallel=True)
+
+
+def test_colwise_grouped_declares_rows_grouped_per_query_group():
+    """The same shapes with rows grouped per query group (GPT-NeoX): plain colwise is right there."""
+    plan = {**GPTModule.tp_plan, "model.h.*.attn.qkv": "colwise_grouped"}
+    check_tp_plan(GPTModule(), plan, TP, sequence_parallel=True)
 
 
 def test_a_head_count_the_tp_degree_does_not_divide_is_refused_before_sharding():
@@ -142,16 +197,24 @@ def test_declaring_the_head_count_it_asks_for_makes_the_forward_run():
         assert model["h"][1]["attn"](torch.randn(2, 8, 64)).shape == (2, 8, 64)
 
 
-def test_nanogpt_attention_is_refused_with_a_pointer_to_fused_projections():
+def test_nanogpt_attention_under_plain_colwise_is_refused_with_a_pointer_to_fused_projections():
+    """Its width (n_embd 64) and head count (n_head 4) say c_attn's 192 rows are q, k and v."""
+    message = (r"^tp_plan entry 'h.\*.attn.c_attn': style 'colwise' on h.0.attn.c_attn \(192 output rows: \(4 heads \+ "
+               r"2 x 4 query groups\) x head size 16, as h.0.attn \(NanoAttention\) declares\) .*use 'colwise_fused:3'")
+    with pytest.raises(ConfigError, match=message):
+        check_tp_plan(blocks(NanoAttention), PLAN, TP, sequence_parallel=False)
+
+
+def test_nanogpt_attention_under_colwise_fused_names_the_reshape_to_fix():
+    """nanoGPT splits c_attn's output by n_embd, a global width: the forward fails, and says what to do."""
     model = blocks(NanoAttention)
     with tp_mesh() as mesh:
-        apply(model, PLAN, mesh)
+        apply(model, FUSED_PLAN, mesh)
         assert model["h"][0]["attn"].n_head == 2 and model["h"][0]["attn"].n_embd == 64
-        unpack = r"^h.0.attn \(NanoAttention\): .*not enough values to unpack"
-        with pytest.raises(TensorParallelShapeError, match=unpack) as failed:
+        with pytest.raises(TensorParallelShapeError, match=r"^h.0.attn \(NanoAttention\): ") as failed:
             model["h"][0]["attn"](torch.randn(2, 8, 64))
     assert "made per-rank: h.0.attn.n_head 4 -> 2" in str(failed.value)
-    assert "needs the style 'colwise_fused:3', its output split with .chunk(3, dim=-1)" in str(failed.value)
+    assert "Sizes read from a hidden size or the input's width (split(n_embd)" in str(failed.value)
 
 
 def test_fused_qkv_shards_each_third_and_the_rank_partials_sum_to_one_process():
@@ -183,15 +246,15 @@ def test_a_sequence_parallel_plan_without_norms_is_refused():
 
 
 def test_a_sharded_checkpoint_holds_a_fused_projection_replicated_and_the_rest_as_their_shards():
-    """DCP takes a rank's shard for one block of the tensor; a fused projection's is [gate_r; up_r]."""
+    """DCP takes a rank's shard for one block of the tensor; a fused projection's is [q_r; k_r; v_r]."""
     module = GPTModule()
     with tp_mesh() as mesh:
         apply(module, GPTModule.tp_plan, mesh, sequence_parallel=True)
         params = dict(module.named_parameters())
         saved = dcp_saveable({"state_dict": params})["state_dict"]
-        fused = saved["model.h.0.mlp.fc.weight"]
+        fused = saved["model.h.0.attn.qkv.weight"]
         assert fused.placements == (Replicate(),) and fused.to_local().shape == (192, 64)
-        assert all(saved[name] is param for name, param in params.items() if ".mlp.fc." not in name)
+        assert all(saved[name] is param for name, param in params.items() if ".attn.qkv." not in name)
 
 
 def test_a_checkpoint_of_fsdp_over_a_fused_projection_is_refused():
@@ -221,27 +284,45 @@ def _relative(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-@pytest.mark.multi_process
-def test_users_litgpt_style_module_on_two_tp_ranks_matches_one_process(tmp_path):
-    with ThreadPoolExecutor(1) as pool:  # the reference runs beside the two ranks
-        single = pool.submit(run_single, ["fit", "--recipe", "user_gpt:single"], out_dir=tmp_path / "single",
-                             timeout=300, env=USER_ENV)
-        result = launch(["fit", "--recipe", "user_gpt:tp2", "--trainer.devices", "2"], 2, out_dir=tmp_path / "tp2",
-                        timeout=300, env=USER_ENV)
-        expected = single.result().ranks[0]
-    assert len(expected["losses"]) == 5 and expected["losses"][-1] < expected["losses"][0]
-    assert expected["metrics"]["probe/n_head"] == 4.0
-    for rank in result.ranks:
-        assert rank["metrics"]["probe/n_head"] == 2.0  # each rank's local heads
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference: one process, 5 steps."""
+    out = tmp_path_factory.mktemp("single")
+    (rank,) = run_single(["fit", "--recipe", "user_gpt:single"], out_dir=out, timeout=300, env=USER_ENV).ranks
+    assert len(set(rank["losses"])) == 5  # five steps, each on weights the last one changed
+    assert rank["metrics"]["probe/n_head"] == 4.0
+    return rank
+
+
+def _assert_matches(ranks: list[dict], expected: dict) -> None:
+    for rank in ranks:
         assert len(rank["losses"]) == 5
         for name in ("losses", "grad_norms"):
-            for value, ref in zip(rank[name], expected[name]):
+            for value, ref in zip(rank[name], expected[name], strict=True):
                 assert _relative(value, ref) < 1e-5, (name, rank[name], expected[name])
 
 
 @pytest.mark.multi_process
+def test_users_litgpt_style_module_on_two_tp_ranks_matches_one_process(one_process, tmp_path):
+    """The whole plan: qkv 'colwise_fused:3', the head counts of the shared config per-rank."""
+    ranks = launch(["fit", "--recipe", "user_gpt:tp2", "--trainer.devices", "2"], 2, out_dir=tmp_path, timeout=300,
+                   env=USER_ENV).ranks
+    assert [rank["metrics"]["probe/n_head"] for rank in ranks] == [2.0, 2.0]  # each rank's local heads
+    _assert_matches(ranks, one_process)
+
+
+@pytest.mark.multi_process
+def test_an_mlp_only_plan_on_two_tp_ranks_matches_one_process(one_process, tmp_path):
+    """Only the MLP sharded: the attention, reading the same config, keeps every head."""
+    ranks = launch(["fit", "--recipe", "user_gpt:tp2_mlp", "--trainer.devices", "2"], 2, out_dir=tmp_path,
+                   timeout=300, env=USER_ENV).ranks
+    assert [rank["metrics"]["probe/n_head"] for rank in ranks] == [4.0, 4.0]
+    _assert_matches(ranks, one_process)
+
+
+@pytest.mark.multi_process
 def test_a_sharded_checkpoint_with_a_fused_projection_resumes_exactly_on_tp_ranks_and_on_one_process(tmp_path):
-    """Two TP ranks (the MLP's [gate; up] is 'colwise_fused:2') save a sharded checkpoint at step 3
+    """Two TP ranks (the attention's [q; k; v] is 'colwise_fused:3') save a sharded checkpoint at step 3
     of 5 (Lightning's ModelCheckpoint); resumed from it, two TP ranks redo steps 4 and 5 bit for
     bit, one process within 1e-6."""
     tp2 = ["fit", "--recipe", "user_gpt:tp2", "--trainer.devices", "2"]
@@ -251,7 +332,7 @@ def test_a_sharded_checkpoint_with_a_fused_projection_resumes_exactly_on_tp_rank
     saved = ckpt / "epoch=0-step=3.ckpt"
     assert sorted(p.name for p in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     resume = {**USER_ENV, "USER_GPT_RESUME": str(saved)}
-    with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(1) as pool:  # the one-process resume runs beside the two ranks
         single = pool.submit(run_single, ["fit", "--recipe", "user_gpt:single"], out_dir=tmp_path / "single",
                              timeout=300, env=resume)
         resumed = launch(tp2, 2, out_dir=tmp_path / "resumed", timeout=300, env=resume).ranks
@@ -265,7 +346,6 @@ def test_a_sharded_checkpoint_with_a_fused_projection_resumes_exactly_on_tp_rank
             assert _relative(value, ref) < 1e-6, (name, one_process[name], uninterrupted[name])
 
 
-
 def test_colwise_fused_with_fsdp_is_refused_before_launch():
     """FSDP over a colwise_fused weight trains right but its placements misdescribe the rows."""
     import lightning as L
@@ -276,5 +356,17 @@ def test_colwise_fused_with_fsdp_is_refused_before_launch():
 
     strategy = TitanStrategy(dp_shard=2, tp=2)
     L.Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
-    with pytest.raises(ConfigError, match=r"\['model.h.\*.mlp.fc'\] \(colwise_fused\) do not compose with FSDP"):
+    with pytest.raises(ConfigError, match=r"\['model.h.\*.attn.qkv'\] \(colwise_fused\) do not compose with FSDP"):
         strategy.check_module(GPTModule())
+
+
+def test_plain_colwise_on_litgpts_qkv_is_refused_by_the_strategy_before_launch():
+    import lightning as L
+
+    from titan_lightning.strategies import TitanStrategy
+
+    strategy = TitanStrategy(dp_shard=1, tp=2)
+    L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+    message = r"^tp_plan entry 'model.h.\*.attn.qkv': style 'colwise' on .*'colwise_fused:3'"
+    with pytest.raises(ConfigError, match=message):
+        strategy.check_module(GPTModule(tp_plan={**GPTModule.tp_plan, "model.h.*.attn.qkv": "colwise"}))
