@@ -23,7 +23,8 @@ Every contender trains the same model shape on the same tokens (the shipped corp
     torchtitan   torchtitan's released trainer (benchmarks/contenders/torchtitan_run.py)
 
 A ``*_float8_<recipe>`` workload turns on ``quantize.float8`` (torchao, needs the ``float8``
-extra and an SM89+ GPU): titan, bare and lightning convert the same linears (``_build_model``).
+extra and an SM89+ GPU): titan, bare and lightning convert the same linears (``_build_model``),
+torchtitan through its own float8 converter with the same torchao recipe and filter.
 Several workloads, comma-separated, share one table (rows "contender (workload)", "vs bare"
 against the first workload's bare loop).
 
@@ -74,9 +75,10 @@ def float8_overrides(recipe: str, emulate: bool = False) -> tuple[str, ...]:
             "--job.quantize.float8.emulate", str(emulate).lower())
 
 
-# What converts the same linears as titan: our model through our parallelize calls (HF's model
-# and torchtitan's runner would need their own float8 setup).
-FLOAT8_CONTENDERS = ("titan", "bare", "lightning")
+# What converts the same linears as titan: our model through our parallelize calls, and
+# torchtitan's trainer with its float8 converter (torchao's same recipe; HF's model would need
+# its own float8 setup).
+FLOAT8_CONTENDERS = ("titan", "bare", "lightning", "torchtitan")
 
 WORKLOADS: dict[str, Workload] = {
     "llama3_1b": Workload(recipe="recipes.llama3:llama3_1b"),
@@ -94,8 +96,8 @@ WORKLOADS: dict[str, Workload] = {
     "llama3_8b_shape_chunked_loss": Workload(recipe="recipes.llama3:llama3_8b", layers=8,
                                              overrides=("--job.training.loss_chunks", "16"),
                                              contenders=("titan", "bare", "lightning")),
-    # The same with float8 linears (torchao; titan and the bare loop convert the same ones, the
-    # head stays bf16). On one GPU next to bf16:
+    # The same with float8 linears (torchao; titan, the bare loop, Lightning and torchtitan
+    # convert the same ones, the head stays bf16). On one GPU next to bf16:
     #   --workload llama3_8b_shape,llama3_8b_shape_float8_tensorwise,llama3_8b_shape_float8_rowwise
     **{f"{name}_float8_{recipe}": Workload(recipe=f"recipes.llama3:{flavor}", layers=layers,
                                            overrides=float8_overrides(recipe), contenders=FLOAT8_CONTENDERS)
@@ -545,14 +547,58 @@ def run_hf(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any]:
     return clock.result("hf", w.seq_len, run.module.flops_per_token(w.seq_len))
 
 
+TORCHTITAN_SCRIPT = REPO / "benchmarks" / "contenders" / "torchtitan_run.py"
+
+
 def torchtitan_workload(w: Workload, device: str) -> dict[str, Any]:
-    """The shape torchtitan's runner builds (benchmarks/contenders/torchtitan_run.py)."""
+    """The workload torchtitan's runner trains (benchmarks/contenders/torchtitan_run.py, its
+    ``WORKLOAD_KEYS``): the titan row's resolved job (shape, step, optimizer, schedule, AC,
+    compile, float8) and the files its data module reads (the shipped corpus and tokenizer by
+    default). What the runner cannot express raises ValueError naming the field."""
+    from titan_lightning.data.tokenizer import CORPUS_PATH, shipped_asset, tokenizer_file
+    from titan_lightning.models.llama3.model import Llama3Args
+
     run = resolve_run(w, device, 1)
-    a = run.job.model
-    return dict(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
-                vocab_size=a.vocab_size, ffn_dim_multiplier=a.ffn_dim_multiplier, multiple_of=a.multiple_of,
-                rope_theta=a.rope_theta, norm_eps=a.norm_eps, seq_len=w.seq_len, batch=1, compile=w.compile,
-                ac=w.ac, dtype="bf16", flops_per_token=run.module.flops_per_token(w.seq_len))
+    job = run.job
+    a, data, o, t, f8 = job.model, job.data, job.optimizer, job.training, job.quantize.float8
+    unsupported = {
+        "model": None if isinstance(a, Llama3Args) else f"{type(a).__name__} (the runner builds Llama 3 only)",
+        "model.ffn_dim": a.ffn_dim if getattr(a, "ffn_dim", None) is not None else None,
+        "model.attention": a.attention if getattr(a, "attention", "sdpa") != "sdpa" else None,
+        "model.mask": a.mask if getattr(a, "mask", "causal") != "causal" else None,
+        "training.loss_chunks": t.loss_chunks,
+        "data.sources": data.sources or None,
+        "quantize.float8.min_dim": f8.min_dim if f8.enable and f8.min_dim else None,
+    }
+    unsupported = {k: v for k, v in unsupported.items() if v is not None}
+    if unsupported:
+        raise ValueError("torchtitan's runner cannot train " + ", ".join(f"{k}={v!r}" for k, v in unsupported.items()))
+    tokenizer = tokenizer_file(data.tokenizer_path)
+    if tokenizer.name != "tokenizer.json":
+        raise ValueError(f"data.tokenizer_path={data.tokenizer_path!r}: torchtitan reads a folder's tokenizer.json")
+    corpus = shipped_asset(CORPUS_PATH) if data.dataset_path is None else Path(data.dataset_path)
+    if not corpus.is_file():
+        raise ValueError(f"data.dataset_path={data.dataset_path!r}: torchtitan's runner reads one text file")
+    s, ac, c = a.rope_scaling, job.activation_checkpoint, job.compile
+    return dict(
+        dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, vocab_size=a.vocab_size,
+        ffn_dim_multiplier=a.ffn_dim_multiplier, multiple_of=a.multiple_of, rope_theta=a.rope_theta,
+        rope_scaling=None if s is None else dataclasses.asdict(s), norm_eps=a.norm_eps,
+        seq_len=t.seq_len, batch=t.tokens_per_microbatch_per_dp_rank // t.seq_len, training_dtype=t.dtype,
+        mixed_precision_param=t.mixed_precision_param,
+        lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay, max_norm=t.max_grad_norm,
+        warmup_steps=job.lr_schedule.warmup_steps, decay_ratio=job.lr_schedule.decay_ratio,
+        decay_type=job.lr_schedule.decay_type, min_lr_factor=job.lr_schedule.min_lr_factor, seed=t.seed,
+        compile=c.enable, compile_components=[n for n in c.components if n in ("model", "loss")],
+        ac=ac.mode, ac_option=str(ac.selective_ac_option),
+        float8=dict(recipe=f8.recipe, filter_fqns=list(f8.filter_fqns), emulate=f8.emulate) if f8.enable else None,
+        dataset_path=str(corpus), tokenizer_path=str(tokenizer.parent),
+    )
+
+
+def flops_per_token(w: Workload, device: str) -> float:
+    """The training FLOPs per token of the workload's model (the same formula for every contender)."""
+    return resolve_run(w, device, 1).module.flops_per_token(w.seq_len)
 
 
 RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
@@ -570,7 +616,7 @@ def _contender_command(name: str, workload: str, args, result: Path) -> tuple[li
         spec = torchtitan_workload(w, args.device)
         site = os.environ.get("TORCHTITAN_SITE", "/tmp/ttsite")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
-        return ([sys.executable, str(REPO / "benchmarks" / "contenders" / "torchtitan_run.py"), "--workload",
+        return ([sys.executable, str(TORCHTITAN_SCRIPT), "--workload",
                  json.dumps(spec), "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(result)], env)
     command = [sys.executable, "-m", "benchmarks.throughput", "--contender", name, "--workload", workload,
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device, "--result", str(result)]
@@ -627,7 +673,7 @@ def run_contender_process(name: str, workload: str, args, folder: Path, round_in
     data["wall_s"] = wall
     if name == "torchtitan" and "error" not in data:
         # The same FLOPs formula for every contender: torchtitan's runner trains our shape.
-        data["flops_per_token"] = torchtitan_workload(_workload(workload, args.layers, args.ac), args.device)["flops_per_token"]
+        data["flops_per_token"] = flops_per_token(_workload(workload, args.layers, args.ac), args.device)
     return data
 
 
