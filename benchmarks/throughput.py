@@ -106,7 +106,7 @@ WORKLOADS: dict[str, Workload] = {
     # Qwen 3 30B-A3B's layers (128 experts, top 8, grouped GEMM), fewer of them; the MoE layers
     # compiled inside their blocks (compile.components' default 'moe').
     "qwen3_30b_a3b_shape": Workload(recipe="recipes.qwen3:qwen3_30b_a3b", layers=4, seq_len=4096,
-                                    contenders=("titan", "bare", "lightning", "hf")),
+                                    contenders=("titan", "bare", "lightning", "hf", "torchtitan")),
     # The same, spelled out (the name of the rows in benchmarks/RESULTS.md before 'moe' was a default).
     "qwen3_30b_a3b_shape_compiled_moe": Workload(recipe="recipes.qwen3:qwen3_30b_a3b", layers=4, seq_len=4096,
                                                  overrides=("--job.compile.components", "[model,loss,moe]"),
@@ -119,7 +119,7 @@ WORKLOADS: dict[str, Workload] = {
     # experts of 1408 + 2 shared, top 6) with V3's routing: sigmoid scores normalized over the top
     # k, picked from the 4 best of 8 expert groups; the dense first layer and 3 MoE layers.
     "deepseek_v3_16b_shape": Workload(recipe="recipes.deepseek_v3:deepseek_v3_16b", layers=4, seq_len=4096,
-                                      contenders=("titan", "bare", "lightning", "hf"),
+                                      contenders=("titan", "bare", "lightning", "hf", "torchtitan"),
                                       overrides=("--job.model.moe.score_func", "sigmoid", "--job.model.moe.route_norm",
                                                  "true", "--job.model.moe.num_groups", "8",
                                                  "--job.model.moe.top_k_groups", "4")),
@@ -133,7 +133,7 @@ WORKLOADS: dict[str, Workload] = {
                                                               "--job.compile.components", "[model,loss,moe]")),
     # The MoE harness on CPU: Qwen 3 MoE debug model, eager.
     "debug_moe": Workload(recipe="recipes.qwen3:debugmodel_moe", seq_len=128, compile=False,
-                          contenders=("titan", "bare", "lightning", "hf")),
+                          contenders=("titan", "bare", "lightning", "hf", "torchtitan")),
     # The harness itself on CPU: the Llama 3 debug model, eager.
     "debug": Workload(recipe="recipes.llama3:debugmodel", seq_len=256, compile=False),
     # Framework overhead: a model so small that a step is mostly the loop's own Python.
@@ -550,26 +550,70 @@ def run_hf(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any]:
 TORCHTITAN_SCRIPT = REPO / "benchmarks" / "contenders" / "torchtitan_run.py"
 
 
+def _torchtitan_moe(m) -> dict[str, Any]:
+    """torchtitan's MoEArgs fields for our MoE: the same router (scores, normalization, groups,
+    expert bias for load balancing) and grouped GEMM experts."""
+    return dict(num_experts=m.num_experts, num_shared_experts=m.num_shared_experts, score_func=m.score_func,
+                route_norm=m.route_norm, route_scale=m.route_scale, gate_bias=False,
+                score_before_experts=m.score_before_experts, top_k=m.top_k,
+                num_expert_groups=None if m.num_groups == 1 else m.num_groups,
+                num_limited_groups=None if m.num_groups == 1 else m.top_k_groups,
+                use_grouped_mm=m.use_grouped_mm is not False, load_balance_coeff=m.load_balance_coeff)
+
+
+def torchtitan_model(a, seq_len: int) -> tuple[str, dict[str, Any]]:
+    """torchtitan's model name and ModelArgs fields for our model args ``a`` (Llama 3, Qwen 3 dense
+    or MoE, DeepSeek V3); what torchtitan's model cannot express raises ValueError naming the field."""
+    from titan_lightning.models.deepseek_v3.model import DeepSeekV3Args
+    from titan_lightning.models.llama3.model import Llama3Args
+    from titan_lightning.models.qwen3.model import Qwen3Args
+
+    unsupported = {f"model.{k}": getattr(a, k) for k, ok in (("attention", "sdpa"), ("mask", "causal"),
+                                                          ("positions", "global")) if getattr(a, k, ok) != ok}
+    for field in ("ffn_dim", "latent_norm_eps", "token_group_align"):
+        value = getattr(a, field, None) if field != "token_group_align" else getattr(getattr(a, "moe", None), field, None)
+        if value is not None:
+            unsupported[f"model.{field}"] = value
+    if unsupported or not isinstance(a, (Llama3Args, Qwen3Args, DeepSeekV3Args)):
+        what = ", ".join(f"{k}={v!r}" for k, v in unsupported.items()) or type(a).__name__
+        raise ValueError(f"torchtitan's runner cannot build {what} (Llama 3, Qwen 3, DeepSeek V3 with SDPA, causal)")
+    common = dict(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, vocab_size=a.vocab_size, norm_eps=a.norm_eps,
+                  rope_theta=a.rope_theta, max_seq_len=seq_len, attn_type="sdpa", attn_mask_type="causal")
+    if isinstance(a, Llama3Args):
+        s = a.rope_scaling  # torchtitan always scales: factor 1 is plain RoPE
+        scaling = dict(scaling_factor=1.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=8192) if s is None else dict(
+            scaling_factor=s.factor, low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+            original_max_position_embeddings=s.original_max_position_embeddings)
+        return "llama3", dict(common, n_kv_heads=a.n_kv_heads, multiple_of=a.multiple_of,
+                              ffn_dim_multiplier=a.ffn_dim_multiplier, rope_scaling_args=scaling,
+                              depth_init=a.depth_init)
+    if isinstance(a, Qwen3Args):
+        moe = {} if a.moe is None else dict(moe_enabled=True, moe_inter_dim=a.moe.hidden_dim,
+                                            moe_args=_torchtitan_moe(a.moe))
+        return "qwen3", dict(common, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, hidden_dim=a.ffn_hidden_dim,
+                             qk_norm=a.qk_norm, depth_init=a.depth_init, enable_weight_tying=False, **moe)
+    return "deepseek_v3", dict(common, inter_dim=a.inter_dim, moe_inter_dim=a.moe.hidden_dim,
+                               n_dense_layers=a.n_dense_layers, moe_args=_torchtitan_moe(a.moe),
+                               q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank,
+                               qk_nope_head_dim=a.qk_nope_head_dim, qk_rope_head_dim=a.qk_rope_head_dim,
+                               v_head_dim=a.v_head_dim, original_seq_len=a.original_seq_len, rope_factor=a.rope_factor,
+                               beta_fast=a.beta_fast, beta_slow=a.beta_slow, mscale=a.mscale)
+
+
 def torchtitan_workload(w: Workload, device: str) -> dict[str, Any]:
     """The workload torchtitan's runner trains (benchmarks/contenders/torchtitan_run.py, its
-    ``WORKLOAD_KEYS``): the titan row's resolved job (shape, step, optimizer, schedule, AC,
+    ``WORKLOAD_KEYS``): the titan row's resolved job (model, step, optimizer, schedule, AC,
     compile, float8) and the files its data module reads (the shipped corpus and tokenizer by
     default). What the runner cannot express raises ValueError naming the field."""
     from titan_lightning.data.tokenizer import CORPUS_PATH, shipped_asset, tokenizer_file
-    from titan_lightning.models.llama3.model import Llama3Args
 
     run = resolve_run(w, device, 1)
     job = run.job
-    a, data, o, t, f8 = job.model, job.data, job.optimizer, job.training, job.quantize.float8
-    unsupported = {
-        "model": None if isinstance(a, Llama3Args) else f"{type(a).__name__} (the runner builds Llama 3 only)",
-        "model.ffn_dim": a.ffn_dim if getattr(a, "ffn_dim", None) is not None else None,
-        "model.attention": a.attention if getattr(a, "attention", "sdpa") != "sdpa" else None,
-        "model.mask": a.mask if getattr(a, "mask", "causal") != "causal" else None,
-        "training.loss_chunks": t.loss_chunks,
-        "data.sources": data.sources or None,
-        "quantize.float8.min_dim": f8.min_dim if f8.enable and f8.min_dim else None,
-    }
+    data, o, t, f8 = job.data, job.optimizer, job.training, job.quantize.float8
+    model, model_args = torchtitan_model(job.model, t.seq_len)
+    unsupported = {"training.loss_chunks": t.loss_chunks, "data.sources": data.sources or None,
+                   "quantize.float8.min_dim": f8.min_dim if f8.enable and f8.min_dim else None}
     unsupported = {k: v for k, v in unsupported.items() if v is not None}
     if unsupported:
         raise ValueError("torchtitan's runner cannot train " + ", ".join(f"{k}={v!r}" for k, v in unsupported.items()))
@@ -579,11 +623,9 @@ def torchtitan_workload(w: Workload, device: str) -> dict[str, Any]:
     corpus = shipped_asset(CORPUS_PATH) if data.dataset_path is None else Path(data.dataset_path)
     if not corpus.is_file():
         raise ValueError(f"data.dataset_path={data.dataset_path!r}: torchtitan's runner reads one text file")
-    s, ac, c = a.rope_scaling, job.activation_checkpoint, job.compile
+    ac, c = job.activation_checkpoint, job.compile
     return dict(
-        dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, vocab_size=a.vocab_size,
-        ffn_dim_multiplier=a.ffn_dim_multiplier, multiple_of=a.multiple_of, rope_theta=a.rope_theta,
-        rope_scaling=None if s is None else dataclasses.asdict(s), norm_eps=a.norm_eps,
+        model=model, model_args=model_args,
         seq_len=t.seq_len, batch=t.tokens_per_microbatch_per_dp_rank // t.seq_len, training_dtype=t.dtype,
         mixed_precision_param=t.mixed_precision_param,
         lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay, max_norm=t.max_grad_norm,

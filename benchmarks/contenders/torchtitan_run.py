@@ -8,9 +8,10 @@ recipe the titan row runs: ``torchtitan_workload`` there):
 The workload JSON holds exactly the keys of ``WORKLOAD_KEYS`` (an unknown or missing key is an
 error; ``default_workload()`` gives every one: Llama 3 8B's shape, seq 8192, batch 1):
 
-    model shape   dim, n_layers, n_heads, n_kv_heads, vocab_size, ffn_dim_multiplier, multiple_of,
-                  rope_theta, rope_scaling (null or {factor, low_freq_factor, high_freq_factor,
-                  original_max_position_embeddings}), norm_eps
+    model         model ("llama3" | "qwen3" | "deepseek_v3": torchtitan's model names) and
+                  model_args (the fields of that model's torchtitan ModelArgs dataclass:
+                  TransformerModelArgs, Qwen3ModelArgs, DeepSeekV3ModelArgs; the nested
+                  rope_scaling_args and moe_args as dicts of RoPEScalingArgs' and MoEArgs' fields)
     step          seq_len, batch, training_dtype, mixed_precision_param ("float32" | "bfloat16")
     optimizer     lr, beta1, beta2, eps, weight_decay, max_norm, warmup_steps, decay_ratio,
                   decay_type, min_lr_factor, seed
@@ -47,8 +48,9 @@ What this script does to torchtitan (none of torchtitan's files are edited):
   own ``HuggingFaceTokenizer`` loaded from ``tokenizer_path``/tokenizer.json (the harness passes
   the titan row's: titan_lightning/assets/tokenizer, ``TOKENIZER_PATH``'s folder; a 2048-token
   BPE, token ids < 2048 < vocab_size, the model keeps the workload's vocab_size, e.g. 128256).
-* Registered, at runtime, model flavor ``tl_bench`` in ``torchtitan.models.llama3.llama3_args``
-  built from the workload (torchtitan has no 1B/3B flavor).
+* Registered, at runtime, model flavor ``tl_bench`` in the model's flavor table
+  (``llama3_args``, ``qwen3_args``, ``deepseekv3_args``) built from the workload's model_args
+  (torchtitan has no Llama 1B/3B flavor, and the benchmark shapes have fewer layers).
 * ``Trainer.train_step`` is wrapped (on the instance) to time each call, with
   ``torch.cuda.synchronize()`` before and after; ``metrics_processor.log`` is wrapped to record
   the step's loss and ``torch.cuda.max_memory_allocated()`` just before torchtitan resets the peak
@@ -79,9 +81,16 @@ Differences from the titan row that remain (torchtitan's code, not options):
 * Data: torchtitan's text dataset tokenizes document by document and packs them into windows
   itself (its tokenizer adds BOS/EOS as it infers from the folder); ours packs the corpus's
   token stream with the data module. The same text, not the same windows.
-* Compile: torchtitan compiles each TransformerBlock (and the loss); ours compiles each block
-  too, and with ``compile.components`` "moe" the MoE layers inside (Llama has none). The
-  embedding, final norm and head run eager in both.
+* Compile: torchtitan compiles each dense TransformerBlock whole (and the loss), as ours does.
+  In an MoE block (Qwen 3, DeepSeek V3) torchtitan compiles each child but the MoE's routed
+  experts, which stay eager (its workaround for FSDP hooks and pytorch/torchtitan#1940); ours,
+  with ``compile.components`` "moe" (the default), compiles the whole block, experts included.
+  The embedding, final norm and head run eager in both.
+* MoE load balancing: torchtitan 0.2.2's Qwen 3 train spec builds plain optimizers, so the
+  expert bias is never updated there (its DeepSeek V3 spec updates it, as ours does for both).
+  Routing (scores, normalization, groups) and grouped GEMM experts are the same.
+* MoE on CPU: torchtitan's routing calls ``torch.histc`` on integer ids, which has no CPU
+  kernel; the MoE workloads run on CUDA only.
 * SAC: torchtitan's per-op policy (save every other matmul, keep SDPA's and reductions'
   outputs); ours is a port of it, not verified op for op.
 * The step's host work: torchtitan logs (``.item()`` of loss and grad norm) every step here
@@ -108,8 +117,7 @@ DATASET = "tl_corpus"
 
 # Every key a workload holds (see the module docstring); the harness passes all of them.
 WORKLOAD_KEYS = (
-    "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim_multiplier", "multiple_of",
-    "rope_theta", "rope_scaling", "norm_eps",
+    "model", "model_args",
     "seq_len", "batch", "training_dtype", "mixed_precision_param",
     "lr", "beta1", "beta2", "eps", "weight_decay", "max_norm", "warmup_steps", "decay_ratio", "decay_type",
     "min_lr_factor", "seed",
@@ -117,6 +125,12 @@ WORKLOAD_KEYS = (
     "dataset_path", "tokenizer_path",
 )
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
+# torchtitan's model name: (its module, the flavor table in it, the ModelArgs class in it).
+MODELS = {
+    "llama3": ("torchtitan.models.llama3", "llama3_args", "TransformerModelArgs"),
+    "qwen3": ("torchtitan.models.qwen3", "qwen3_args", "Qwen3ModelArgs"),
+    "deepseek_v3": ("torchtitan.models.deepseek_v3", "deepseekv3_args", "DeepSeekV3ModelArgs"),
+}
 COMPILE_COMPONENTS = ("model", "loss")
 
 
@@ -128,11 +142,15 @@ def default_workload() -> dict:
     from titan_lightning.data.tokenizer import CORPUS_PATH, TOKENIZER_PATH
 
     return {
-        "dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 128256,
-        "ffn_dim_multiplier": 1.3, "multiple_of": 1024, "rope_theta": 500000.0,
-        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
-        "norm_eps": 1e-5,
+        "model": "llama3",
+        "model_args": {
+            "dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 128256,
+            "ffn_dim_multiplier": 1.3, "multiple_of": 1024, "rope_theta": 500000.0,
+            "rope_scaling_args": {"scaling_factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 8192},
+            "norm_eps": 1e-5, "max_seq_len": 8192, "depth_init": True, "attn_type": "sdpa",
+            "attn_mask_type": "causal",
+        },
         "seq_len": 8192, "batch": 1, "training_dtype": "float32", "mixed_precision_param": "bfloat16",
         "lr": 3e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1, "max_norm": 1.0,
         "warmup_steps": 200, "decay_ratio": 0.2, "decay_type": "linear", "min_lr_factor": 0.0, "seed": 0,
@@ -148,6 +166,8 @@ def check_workload(w: dict) -> None:
     unknown = [k for k in w if k not in WORKLOAD_KEYS]
     if missing or unknown:
         raise ValueError(f"workload: missing keys {missing}, unknown keys {unknown}; valid: {', '.join(WORKLOAD_KEYS)}")
+    if w["model"] not in MODELS:
+        raise ValueError(f"workload model must be one of {', '.join(MODELS)}, got {w['model']!r}")
     if w["ac"] not in ("selective", "none", "full"):
         raise ValueError(f"workload ac must be selective|none|full, got {w['ac']!r}")
     for key in ("training_dtype", "mixed_precision_param"):
@@ -277,38 +297,37 @@ def _load_local_corpus(path: str):
     return Dataset(samples)
 
 
-def model_kwargs(w: dict) -> dict:
-    """torchtitan's ``TransformerModelArgs`` of the workload, ``rope_scaling_args`` as a dict of
-    ``RoPEScalingArgs``'s fields (torchtitan always scales; factor 1 is plain RoPE)."""
-    s = w["rope_scaling"]
-    scaling = {"scaling_factor": 1.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192} if s is None else {
-        "scaling_factor": float(s["factor"]), "low_freq_factor": float(s["low_freq_factor"]),
-        "high_freq_factor": float(s["high_freq_factor"]),
-        "original_max_position_embeddings": int(s["original_max_position_embeddings"])}
-    return dict(
-        dim=int(w["dim"]), n_layers=int(w["n_layers"]), n_heads=int(w["n_heads"]), n_kv_heads=int(w["n_kv_heads"]),
-        vocab_size=int(w["vocab_size"]), multiple_of=int(w["multiple_of"]),
-        ffn_dim_multiplier=None if w["ffn_dim_multiplier"] is None else float(w["ffn_dim_multiplier"]),
-        norm_eps=float(w["norm_eps"]), rope_theta=float(w["rope_theta"]), rope_scaling_args=scaling,
-        max_seq_len=int(w["seq_len"]), depth_init=True, attn_type="sdpa", attn_mask_type="causal",
-    )
+def model_spec(w: dict) -> tuple[str, str, str, dict]:
+    """torchtitan's module, flavor table and ModelArgs class names for the workload's model, and
+    the ModelArgs fields (nested dataclasses still dicts)."""
+    module_name, table, cls_name = MODELS[w["model"]]
+    return module_name, table, cls_name, dict(w["model_args"])
 
 
 def _register(w: dict) -> None:
+    import dataclasses
+    import importlib
+
     from torchtitan.hf_datasets import DatasetConfig
     from torchtitan.hf_datasets.text_datasets import DATASETS
-    from torchtitan.models.llama3 import llama3_args, TransformerModelArgs
     from torchtitan.models.llama3.model.args import RoPEScalingArgs
+    from torchtitan.models.moe import MoEArgs
 
     DATASETS[DATASET] = DatasetConfig(
         path=str(w["dataset_path"]),
         loader=_load_local_corpus,
         sample_processor=lambda sample: sample["text"],
     )
-    kwargs = model_kwargs(w)
-    kwargs["rope_scaling_args"] = RoPEScalingArgs(**kwargs["rope_scaling_args"])
-    llama3_args[FLAVOR] = TransformerModelArgs(**kwargs)
+    module_name, table, cls_name, kwargs = model_spec(w)
+    module = importlib.import_module(module_name)
+    cls = getattr(module, cls_name)
+    for key, nested in (("rope_scaling_args", RoPEScalingArgs), ("moe_args", MoEArgs)):
+        if key in kwargs:
+            kwargs[key] = nested(**kwargs[key])
+    unknown = set(kwargs) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"workload model_args: {sorted(unknown)} are not fields of torchtitan's {cls_name}")
+    getattr(module, table)[FLAVOR] = cls(**kwargs)
 
 
 def job_args(w: dict, total_steps: int, dump_folder: str) -> list[str]:
@@ -316,7 +335,7 @@ def job_args(w: dict, total_steps: int, dump_folder: str) -> list[str]:
     args = [
         "--job.dump_folder", dump_folder,
         "--job.description", "titan_lightning throughput contender",
-        "--model.name", "llama3",
+        "--model.name", str(w["model"]),
         "--model.flavor", FLAVOR,
         "--model.hf_assets_path", str(w["tokenizer_path"]),
         "--optimizer.name", "AdamW",

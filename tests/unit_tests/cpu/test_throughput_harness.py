@@ -11,7 +11,8 @@ import pytest
 
 from benchmarks.contenders import torchtitan_run
 from benchmarks.throughput import (TORCHTITAN_SCRIPT, WORKLOADS, StepClock, _contender_command, kernel_breakdown,
-                                   kernel_table, resolve_run, run_bare, run_titan, summarize, table, union_length_us)
+                                   kernel_table, resolve_run, run_bare, run_titan, summarize, table, torchtitan_model,
+                                   union_length_us)
 from titan_lightning.data.tokenizer import CORPUS_PATH, TOKENIZER_PATH
 
 
@@ -120,8 +121,9 @@ def _torchtitan_spec(name: str, tmp_path: Path) -> tuple[list[str], dict]:
     return command, json.loads(command[command.index("--workload") + 1])
 
 
-def test_torchtitan_runs_every_gpu_llama_workload_and_its_float8_variants():
-    for name in ("llama3_1b", "llama3_8b_shape", "llama3_8b_shape_float8_tensorwise", "llama3_8b_shape_float8_rowwise"):
+def test_torchtitan_runs_every_gpu_workload_it_has_the_model_for():
+    for name in ("llama3_1b", "llama3_8b_shape", "llama3_8b_shape_float8_tensorwise", "llama3_8b_shape_float8_rowwise",
+                 "qwen3_30b_a3b_shape", "deepseek_v3_16b_shape"):
         assert name in TORCHTITAN_WORKLOADS
 
 
@@ -142,7 +144,7 @@ def test_torchtitan_command_names_existing_files_and_gives_every_key_the_runner_
     reads = _Reads(spec)
     torchtitan_run.check_workload(reads)
     flags = torchtitan_run.job_args(reads, 5, str(tmp_path))
-    model = torchtitan_run.model_kwargs(reads)
+    module, _, _, model = torchtitan_run.model_spec(reads)
     reads["batch"], reads["seq_len"]  # run() reads these for tokens_per_step
     assert reads.read == set(torchtitan_run.WORKLOAD_KEYS)  # no key passed in vain
 
@@ -151,9 +153,17 @@ def test_torchtitan_command_names_existing_files_and_gives_every_key_the_runner_
     assert Path(value["--training.dataset_path"]).is_file()
     job = resolve_run(WORKLOADS[name], "cuda", 1).job
     a = job.model
-    assert (model["dim"], model["n_layers"], model["n_heads"], model["n_kv_heads"], model["vocab_size"]) == (
-        a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.vocab_size)
-    assert model["rope_scaling_args"]["scaling_factor"] == (1.0 if a.rope_scaling is None else a.rope_scaling.factor)
+    assert module == f"torchtitan.models.{spec['model']}" and value["--model.name"] == spec["model"]
+    assert (spec["model"], model) == torchtitan_model(a, WORKLOADS[name].seq_len)
+    assert (model["dim"], model["n_layers"], model["vocab_size"], model["max_seq_len"]) == (
+        a.dim, a.n_layers, a.vocab_size, WORKLOADS[name].seq_len)
+    if WORKLOADS[name].layers is not None:
+        assert model["n_layers"] == WORKLOADS[name].layers
+    if getattr(a, "moe", None) is not None:
+        m = model["moe_args"]
+        assert (m["num_experts"], m["top_k"], m["num_shared_experts"], m["score_func"], m["route_norm"],
+                model["moe_inter_dim"]) == (a.moe.num_experts, a.moe.top_k, a.moe.num_shared_experts,
+                                            a.moe.score_func, a.moe.route_norm, a.moe.hidden_dim)
     assert value["--training.seq_len"] == str(WORKLOADS[name].seq_len)
     assert value["--activation_checkpoint.mode"] == job.activation_checkpoint.mode
     assert ("--compile.enable" in flags) == job.compile.enable
