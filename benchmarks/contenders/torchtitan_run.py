@@ -460,7 +460,8 @@ def run(w: dict, steps: int, warmup: int) -> dict:
         "warmup": warmup,
         "step_times": step_times[warmup:],
         "warmup_step_times": step_times[:warmup],
-        "peak_memory_bytes": max(peaks) if peaks else None,
+        # per step (torchtitan resets the peak at every log): the measured steps, as the other rows
+        "peak_memory_bytes": max(peaks[warmup:]) if peaks[warmup:] else None,
         "tokens_per_step": int(w["batch"]) * int(w["seq_len"]),
         "losses": losses[warmup:],
         "warmup_losses": losses[:warmup],
