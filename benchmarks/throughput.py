@@ -20,10 +20,13 @@ Every contender trains the same model shape on the same tokens (the shipped corp
                  in ``configure_model`` as its docs show, the same AC and compile calls
     hf           Hugging Face transformers' LlamaForCausalLM (SDPA) in a plain loop with
                  autocast, the way many users train today (no compile, no AC)
-    torchtitan   torchtitan's released trainer (benchmarks/contenders/torchtitan_run.py)
+    torchtitan   torchtitan's released trainer (benchmarks/contenders/torchtitan_run.py) on its
+                 own Llama 3, Qwen 3 and DeepSeek V3 models of our shapes (``torchtitan_model``),
+                 float8 through its own converter; the differences that remain are in its docstring
 
 A ``*_float8_<recipe>`` workload turns on ``quantize.float8`` (torchao, needs the ``float8``
-extra and an SM89+ GPU): titan, bare and lightning convert the same linears (``_build_model``).
+extra and an SM89+ GPU): titan, bare and lightning convert the same linears (``_build_model``),
+torchtitan through its own float8 converter with the same torchao recipe and filter.
 Several workloads, comma-separated, share one table (rows "contender (workload)", "vs bare"
 against the first workload's bare loop).
 
@@ -74,9 +77,10 @@ def float8_overrides(recipe: str, emulate: bool = False) -> tuple[str, ...]:
             "--job.quantize.float8.emulate", str(emulate).lower())
 
 
-# What converts the same linears as titan: our model through our parallelize calls (HF's model
-# and torchtitan's runner would need their own float8 setup).
-FLOAT8_CONTENDERS = ("titan", "bare", "lightning")
+# What converts the same linears as titan: our model through our parallelize calls, and
+# torchtitan's trainer with its float8 converter (torchao's same recipe; HF's model would need
+# its own float8 setup).
+FLOAT8_CONTENDERS = ("titan", "bare", "lightning", "torchtitan")
 
 WORKLOADS: dict[str, Workload] = {
     "llama3_1b": Workload(recipe="recipes.llama3:llama3_1b"),
@@ -94,8 +98,8 @@ WORKLOADS: dict[str, Workload] = {
     "llama3_8b_shape_chunked_loss": Workload(recipe="recipes.llama3:llama3_8b", layers=8,
                                              overrides=("--job.training.loss_chunks", "16"),
                                              contenders=("titan", "bare", "lightning")),
-    # The same with float8 linears (torchao; titan and the bare loop convert the same ones, the
-    # head stays bf16). On one GPU next to bf16:
+    # The same with float8 linears (torchao; titan, the bare loop, Lightning and torchtitan
+    # convert the same ones, the head stays bf16). On one GPU next to bf16:
     #   --workload llama3_8b_shape,llama3_8b_shape_float8_tensorwise,llama3_8b_shape_float8_rowwise
     **{f"{name}_float8_{recipe}": Workload(recipe=f"recipes.llama3:{flavor}", layers=layers,
                                            overrides=float8_overrides(recipe), contenders=FLOAT8_CONTENDERS)
@@ -104,7 +108,7 @@ WORKLOADS: dict[str, Workload] = {
     # Qwen 3 30B-A3B's layers (128 experts, top 8, grouped GEMM), fewer of them; the MoE layers
     # compiled inside their blocks (compile.components' default 'moe').
     "qwen3_30b_a3b_shape": Workload(recipe="recipes.qwen3:qwen3_30b_a3b", layers=4, seq_len=4096,
-                                    contenders=("titan", "bare", "lightning", "hf")),
+                                    contenders=("titan", "bare", "lightning", "hf", "torchtitan")),
     # The same, spelled out (the name of the rows in benchmarks/RESULTS.md before 'moe' was a default).
     "qwen3_30b_a3b_shape_compiled_moe": Workload(recipe="recipes.qwen3:qwen3_30b_a3b", layers=4, seq_len=4096,
                                                  overrides=("--job.compile.components", "[model,loss,moe]"),
@@ -117,7 +121,7 @@ WORKLOADS: dict[str, Workload] = {
     # experts of 1408 + 2 shared, top 6) with V3's routing: sigmoid scores normalized over the top
     # k, picked from the 4 best of 8 expert groups; the dense first layer and 3 MoE layers.
     "deepseek_v3_16b_shape": Workload(recipe="recipes.deepseek_v3:deepseek_v3_16b", layers=4, seq_len=4096,
-                                      contenders=("titan", "bare", "lightning", "hf"),
+                                      contenders=("titan", "bare", "lightning", "hf", "torchtitan"),
                                       overrides=("--job.model.moe.score_func", "sigmoid", "--job.model.moe.route_norm",
                                                  "true", "--job.model.moe.num_groups", "8",
                                                  "--job.model.moe.top_k_groups", "4")),
@@ -130,6 +134,7 @@ WORKLOADS: dict[str, Workload] = {
                                                               "--job.model.moe.top_k_groups", "4",
                                                               "--job.compile.components", "[model,loss,moe]")),
     # The MoE harness on CPU: Qwen 3 MoE debug model, eager.
+    # (Not torchtitan: its MoE routing calls torch.histc on integers, which has no CPU kernel.)
     "debug_moe": Workload(recipe="recipes.qwen3:debugmodel_moe", seq_len=128, compile=False,
                           contenders=("titan", "bare", "lightning", "hf")),
     # The harness itself on CPU: the Llama 3 debug model, eager.
@@ -545,14 +550,100 @@ def run_hf(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any]:
     return clock.result("hf", w.seq_len, run.module.flops_per_token(w.seq_len))
 
 
+TORCHTITAN_SCRIPT = REPO / "benchmarks" / "contenders" / "torchtitan_run.py"
+
+
+def _torchtitan_moe(m) -> dict[str, Any]:
+    """torchtitan's MoEArgs fields for our MoE: the same router (scores, normalization, groups,
+    expert bias for load balancing) and grouped GEMM experts."""
+    return dict(num_experts=m.num_experts, num_shared_experts=m.num_shared_experts, score_func=m.score_func,
+                route_norm=m.route_norm, route_scale=m.route_scale, gate_bias=False,
+                score_before_experts=m.score_before_experts, top_k=m.top_k,
+                num_expert_groups=None if m.num_groups == 1 else m.num_groups,
+                num_limited_groups=None if m.num_groups == 1 else m.top_k_groups,
+                use_grouped_mm=m.use_grouped_mm is not False, load_balance_coeff=m.load_balance_coeff)
+
+
+def torchtitan_model(a, seq_len: int) -> tuple[str, dict[str, Any]]:
+    """torchtitan's model name and ModelArgs fields for our model args ``a`` (Llama 3, Qwen 3 dense
+    or MoE, DeepSeek V3); what torchtitan's model cannot express raises ValueError naming the field."""
+    from titan_lightning.models.deepseek_v3.model import DeepSeekV3Args
+    from titan_lightning.models.llama3.model import Llama3Args
+    from titan_lightning.models.qwen3.model import Qwen3Args
+
+    unsupported = {f"model.{k}": getattr(a, k) for k, ok in (("attention", "sdpa"), ("mask", "causal"),
+                                                          ("positions", "global")) if getattr(a, k, ok) != ok}
+    for field in ("ffn_dim", "latent_norm_eps", "token_group_align"):
+        value = getattr(a, field, None) if field != "token_group_align" else getattr(getattr(a, "moe", None), field, None)
+        if value is not None:
+            unsupported[f"model.{field}"] = value
+    if unsupported or not isinstance(a, (Llama3Args, Qwen3Args, DeepSeekV3Args)):
+        what = ", ".join(f"{k}={v!r}" for k, v in unsupported.items()) or type(a).__name__
+        raise ValueError(f"torchtitan's runner cannot build {what} (Llama 3, Qwen 3, DeepSeek V3 with SDPA, causal)")
+    common = dict(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, vocab_size=a.vocab_size, norm_eps=a.norm_eps,
+                  rope_theta=a.rope_theta, max_seq_len=seq_len, attn_type="sdpa", attn_mask_type="causal")
+    if isinstance(a, Llama3Args):
+        s = a.rope_scaling  # torchtitan always scales: factor 1 is plain RoPE
+        scaling = dict(scaling_factor=1.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=8192) if s is None else dict(
+            scaling_factor=s.factor, low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+            original_max_position_embeddings=s.original_max_position_embeddings)
+        return "llama3", dict(common, n_kv_heads=a.n_kv_heads, multiple_of=a.multiple_of,
+                              ffn_dim_multiplier=a.ffn_dim_multiplier, rope_scaling_args=scaling,
+                              depth_init=a.depth_init)
+    if isinstance(a, Qwen3Args):
+        moe = {} if a.moe is None else dict(moe_enabled=True, moe_inter_dim=a.moe.hidden_dim,
+                                            moe_args=_torchtitan_moe(a.moe))
+        return "qwen3", dict(common, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, hidden_dim=a.ffn_hidden_dim,
+                             qk_norm=a.qk_norm, depth_init=a.depth_init, enable_weight_tying=False, **moe)
+    return "deepseek_v3", dict(common, inter_dim=a.inter_dim, moe_inter_dim=a.moe.hidden_dim,
+                               n_dense_layers=a.n_dense_layers, moe_args=_torchtitan_moe(a.moe),
+                               q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank,
+                               qk_nope_head_dim=a.qk_nope_head_dim, qk_rope_head_dim=a.qk_rope_head_dim,
+                               v_head_dim=a.v_head_dim, original_seq_len=a.original_seq_len, rope_factor=a.rope_factor,
+                               beta_fast=a.beta_fast, beta_slow=a.beta_slow, mscale=a.mscale)
+
+
 def torchtitan_workload(w: Workload, device: str) -> dict[str, Any]:
-    """The shape torchtitan's runner builds (benchmarks/contenders/torchtitan_run.py)."""
+    """The workload torchtitan's runner trains (benchmarks/contenders/torchtitan_run.py, its
+    ``WORKLOAD_KEYS``): the titan row's resolved job (model, step, optimizer, schedule, AC,
+    compile, float8) and the files its data module reads (the shipped corpus and tokenizer by
+    default). What the runner cannot express raises ValueError naming the field."""
+    from titan_lightning.data.tokenizer import CORPUS_PATH, shipped_asset, tokenizer_file
+
     run = resolve_run(w, device, 1)
-    a = run.job.model
-    return dict(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
-                vocab_size=a.vocab_size, ffn_dim_multiplier=a.ffn_dim_multiplier, multiple_of=a.multiple_of,
-                rope_theta=a.rope_theta, norm_eps=a.norm_eps, seq_len=w.seq_len, batch=1, compile=w.compile,
-                ac=w.ac, dtype="bf16", flops_per_token=run.module.flops_per_token(w.seq_len))
+    job = run.job
+    data, o, t, f8 = job.data, job.optimizer, job.training, job.quantize.float8
+    model, model_args = torchtitan_model(job.model, t.seq_len)
+    unsupported = {"training.loss_chunks": t.loss_chunks, "data.sources": data.sources or None,
+                   "quantize.float8.min_dim": f8.min_dim if f8.enable and f8.min_dim else None}
+    unsupported = {k: v for k, v in unsupported.items() if v is not None}
+    if unsupported:
+        raise ValueError("torchtitan's runner cannot train " + ", ".join(f"{k}={v!r}" for k, v in unsupported.items()))
+    tokenizer = tokenizer_file(data.tokenizer_path)
+    if tokenizer.name != "tokenizer.json":
+        raise ValueError(f"data.tokenizer_path={data.tokenizer_path!r}: torchtitan reads a folder's tokenizer.json")
+    corpus = shipped_asset(CORPUS_PATH) if data.dataset_path is None else Path(data.dataset_path)
+    if not corpus.is_file():
+        raise ValueError(f"data.dataset_path={data.dataset_path!r}: torchtitan's runner reads one text file")
+    ac, c = job.activation_checkpoint, job.compile
+    return dict(
+        model=model, model_args=model_args,
+        seq_len=t.seq_len, batch=t.tokens_per_microbatch_per_dp_rank // t.seq_len, training_dtype=t.dtype,
+        mixed_precision_param=t.mixed_precision_param,
+        lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay, max_norm=t.max_grad_norm,
+        warmup_steps=job.lr_schedule.warmup_steps, decay_ratio=job.lr_schedule.decay_ratio,
+        decay_type=job.lr_schedule.decay_type, min_lr_factor=job.lr_schedule.min_lr_factor, seed=t.seed,
+        compile=c.enable, compile_components=[n for n in c.components if n in ("model", "loss")],
+        ac=ac.mode, ac_option=str(ac.selective_ac_option),
+        float8=dict(recipe=f8.recipe, filter_fqns=list(f8.filter_fqns), emulate=f8.emulate) if f8.enable else None,
+        dataset_path=str(corpus), tokenizer_path=str(tokenizer.parent),
+    )
+
+
+def flops_per_token(w: Workload, device: str) -> float:
+    """The training FLOPs per token of the workload's model (the same formula for every contender)."""
+    return resolve_run(w, device, 1).module.flops_per_token(w.seq_len)
 
 
 RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
@@ -570,7 +661,7 @@ def _contender_command(name: str, workload: str, args, result: Path) -> tuple[li
         spec = torchtitan_workload(w, args.device)
         site = os.environ.get("TORCHTITAN_SITE", "/tmp/ttsite")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
-        return ([sys.executable, str(REPO / "benchmarks" / "contenders" / "torchtitan_run.py"), "--workload",
+        return ([sys.executable, str(TORCHTITAN_SCRIPT), "--workload",
                  json.dumps(spec), "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(result)], env)
     command = [sys.executable, "-m", "benchmarks.throughput", "--contender", name, "--workload", workload,
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device, "--result", str(result)]
@@ -627,7 +718,7 @@ def run_contender_process(name: str, workload: str, args, folder: Path, round_in
     data["wall_s"] = wall
     if name == "torchtitan" and "error" not in data:
         # The same FLOPs formula for every contender: torchtitan's runner trains our shape.
-        data["flops_per_token"] = torchtitan_workload(_workload(workload, args.layers, args.ac), args.device)["flops_per_token"]
+        data["flops_per_token"] = flops_per_token(_workload(workload, args.layers, args.ac), args.device)
     return data
 
 

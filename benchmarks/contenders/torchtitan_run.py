@@ -1,17 +1,35 @@
 """Run torchtitan's own released trainer (torchtitan 0.2.2) as a throughput-benchmark contender.
 
-Usage:
+Usage (``python -m benchmarks.throughput --contenders torchtitan`` builds the workload from the
+recipe the titan row runs: ``torchtitan_workload`` there):
+
     python3 benchmarks/contenders/torchtitan_run.py --workload '<json>' --steps N --warmup W --out result.json
 
-The workload JSON holds: dim, n_layers, n_heads, n_kv_heads, vocab_size, ffn_dim_multiplier,
-multiple_of, rope_theta, norm_eps, seq_len, batch, compile (bool), ac ("selective" | "none" |
-"full") and dtype ("bf16" | "fp32"). Every key has a default (Llama 3 8B shape, seq 8192, batch 1).
+The workload JSON holds exactly the keys of ``WORKLOAD_KEYS`` (an unknown or missing key is an
+error; ``default_workload()`` gives every one: Llama 3 8B's shape, seq 8192, batch 1):
+
+    model         model ("llama3" | "qwen3" | "deepseek_v3": torchtitan's model names) and
+                  model_args (the fields of that model's torchtitan ModelArgs dataclass:
+                  TransformerModelArgs, Qwen3ModelArgs, DeepSeekV3ModelArgs; the nested
+                  rope_scaling_args and moe_args as dicts of RoPEScalingArgs' and MoEArgs' fields)
+    step          seq_len, batch, training_dtype, mixed_precision_param ("float32" | "bfloat16")
+    optimizer     lr, beta1, beta2, eps, weight_decay, max_norm, warmup_steps, decay_ratio,
+                  decay_type, min_lr_factor, seed
+    parallelize   compile (bool), compile_components (list, of "model" and "loss"),
+                  ac ("selective" | "none" | "full"), ac_option ("op" or an int as a string),
+                  float8 (null or {recipe: "tensorwise" | "rowwise", filter_fqns: [...], emulate})
+    data          dataset_path (a text file, documents separated by <|endoftext|>),
+                  tokenizer_path (a folder holding tokenizer.json)
 
 Install of torchtitan on the (offline) GPU machine, from the wheels carried in .whl/torchtitan/
-(torchtitan 0.2.2, torchdata 0.11.0, tyro 1.0.17, typeguard, docstring_parser, typing_extensions):
+(torchtitan 0.2.2, torchdata 0.11.0, tyro 1.0.17, typeguard, docstring_parser, typing_extensions,
+tomli; torchao for the float8 workloads):
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/ttsite .whl/torchtitan/*.whl
     PYTHONPATH=/tmp/ttsite:$PYTHONPATH python3 benchmarks/contenders/torchtitan_run.py ...
+
+(``benchmarks.throughput`` puts ``$TORCHTITAN_SITE``, default /tmp/ttsite, first on this
+process's PYTHONPATH.)
 
 What this script does to torchtitan (none of torchtitan's files are edited):
 
@@ -23,13 +41,16 @@ What this script does to torchtitan (none of torchtitan's files are edited):
   ``load_dataset`` that raises (no network / no hub), and ``split_dataset_by_node`` (strided
   sharding; identity at world size 1).
 * Registered, at runtime, dataset ``tl_corpus`` in torchtitan's ``DATASETS`` registry: the
-  documents of this repo's titan_lightning/assets/corpus/python_reference.txt (split on
-  ``<|endoftext|>``), fed through torchtitan's own ``HuggingFaceTextDataset`` /
-  ``ParallelAwareDataloader`` (StatefulDataLoader) and torchtitan's own
-  ``HuggingFaceTokenizer`` loaded from titan_lightning/assets/tokenizer/tokenizer.json (a 2048-token BPE;
-  token ids < 2048 < vocab_size, the model keeps the workload's vocab_size, e.g. 128256).
-* Registered, at runtime, model flavor ``tl_bench`` in ``torchtitan.models.llama3.llama3_args``
-  built from the workload (torchtitan has no 1B/3B flavor).
+  documents of the workload's ``dataset_path`` (the harness passes the corpus the titan row
+  reads: titan_lightning/assets/corpus/python_reference.txt, ``CORPUS_PATH`` of
+  titan_lightning.data.tokenizer), split on ``<|endoftext|>``, fed through torchtitan's own
+  ``HuggingFaceTextDataset`` / ``ParallelAwareDataloader`` (StatefulDataLoader) and torchtitan's
+  own ``HuggingFaceTokenizer`` loaded from ``tokenizer_path``/tokenizer.json (the harness passes
+  the titan row's: titan_lightning/assets/tokenizer, ``TOKENIZER_PATH``'s folder; a 2048-token
+  BPE, token ids < 2048 < vocab_size, the model keeps the workload's vocab_size, e.g. 128256).
+* Registered, at runtime, model flavor ``tl_bench`` in the model's flavor table
+  (``llama3_args``, ``qwen3_args``, ``deepseekv3_args``) built from the workload's model_args
+  (torchtitan has no Llama 1B/3B flavor, and the benchmark shapes have fewer layers).
 * ``Trainer.train_step`` is wrapped (on the instance) to time each call, with
   ``torch.cuda.synchronize()`` before and after; ``metrics_processor.log`` is wrapped to record
   the step's loss and ``torch.cuda.max_memory_allocated()`` just before torchtitan resets the peak
@@ -44,10 +65,36 @@ What this script does to torchtitan (none of torchtitan's files are edited):
 Settings (torchtitan defaults at world size 1 unless stated): process group of world size 1
 (nccl on CUDA, gloo on CPU), no FSDP (data_parallel_shard_degree resolves to 1), so bf16 mixed
 precision is torch.autocast(bfloat16) over fp32 parameters (training.dtype float32,
-mixed_precision_param bfloat16); fused AdamW lr 3e-4 (eps 1e-8, weight_decay 0.1 = torchtitan
-defaults); max_norm 1.0 grad clipping; AC "selective" = selective_ac_option "op" (per-op SAC);
-compile = torchtitan's per-TransformerBlock compile of model + loss; checkpointing, validation,
-tensorboard, profiling off; metrics.log_freq 1.
+mixed_precision_param bfloat16), as the titan row on one device; fused AdamW, the optimizer,
+the warmup-stable-decay schedule, clipping and seed of the titan row's recipe; AC "selective"
+with option "op" = torchtitan's per-op SAC; compile = torchtitan's per-TransformerBlock compile of
+the model plus the compiled loss; float8 = torchtitan's converter ``quantize.linear.float8``
+(torchao's ``Float8LinearConfig.from_recipe_name``, the same linears as ours: nn.Linear with
+dimensions divisible by 16, ``filter_fqns`` left out, so the head stays bf16; rowwise sets
+inductor's ``emulate_precision_casts`` as ours does); checkpointing, validation, tensorboard,
+profiling off; metrics.log_freq 1.
+
+Differences from the titan row that remain (torchtitan's code, not options):
+
+* Init: torchtitan's own ``init_weights`` (the same std formulas, depth_init, but its own RNG
+  draws), so losses differ from step 1 on.
+* Data: torchtitan's text dataset tokenizes document by document and packs them into windows
+  itself (its tokenizer adds BOS/EOS as it infers from the folder); ours packs the corpus's
+  token stream with the data module. The same text, not the same windows.
+* Compile: torchtitan compiles each dense TransformerBlock whole (and the loss), as ours does.
+  In an MoE block (Qwen 3, DeepSeek V3) torchtitan compiles each child but the MoE's routed
+  experts, which stay eager (its workaround for FSDP hooks and pytorch/torchtitan#1940); ours,
+  with ``compile.components`` "moe" (the default), compiles the whole block, experts included.
+  The embedding, final norm and head run eager in both.
+* MoE load balancing: torchtitan 0.2.2's Qwen 3 train spec builds plain optimizers, so the
+  expert bias is never updated there (its DeepSeek V3 spec updates it, as ours does for both).
+  Routing (scores, normalization, groups) and grouped GEMM experts are the same.
+* MoE on CPU: torchtitan's routing calls ``torch.histc`` on integer ids, which has no CPU
+  kernel; the MoE workloads run on CUDA only.
+* SAC: torchtitan's per-op policy (save every other matmul, keep SDPA's and reductions'
+  outputs); ours is a port of it, not verified op for op.
+* The step's host work: torchtitan logs (``.item()`` of loss and grad norm) every step here
+  (log_freq 1), as our metrics callback reads the loss every step.
 """
 
 from __future__ import annotations
@@ -64,28 +111,79 @@ import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-CORPUS = REPO / "tests" / "assets" / "corpus" / "python_reference.txt"
-TOKENIZER_DIR = REPO / "tests" / "assets" / "tokenizer"
 EOT = "<|endoftext|>"
 FLAVOR = "tl_bench"
 DATASET = "tl_corpus"
 
-DEFAULT_WORKLOAD = {
-    "dim": 4096,
-    "n_layers": 32,
-    "n_heads": 32,
-    "n_kv_heads": 8,
-    "vocab_size": 128256,
-    "ffn_dim_multiplier": 1.3,
-    "multiple_of": 1024,
-    "rope_theta": 500000.0,
-    "norm_eps": 1e-5,
-    "seq_len": 8192,
-    "batch": 1,
-    "compile": False,
-    "ac": "selective",
-    "dtype": "bf16",
+# Every key a workload holds (see the module docstring); the harness passes all of them.
+WORKLOAD_KEYS = (
+    "model", "model_args",
+    "seq_len", "batch", "training_dtype", "mixed_precision_param",
+    "lr", "beta1", "beta2", "eps", "weight_decay", "max_norm", "warmup_steps", "decay_ratio", "decay_type",
+    "min_lr_factor", "seed",
+    "compile", "compile_components", "ac", "ac_option", "float8",
+    "dataset_path", "tokenizer_path",
+)
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+# torchtitan's model name: (its module, the flavor table in it, the ModelArgs class in it).
+MODELS = {
+    "llama3": ("torchtitan.models.llama3", "llama3_args", "TransformerModelArgs"),
+    "qwen3": ("torchtitan.models.qwen3", "qwen3_args", "Qwen3ModelArgs"),
+    "deepseek_v3": ("torchtitan.models.deepseek_v3", "deepseekv3_args", "DeepSeekV3ModelArgs"),
 }
+COMPILE_COMPONENTS = ("model", "loss")
+
+
+def default_workload() -> dict:
+    """Llama 3 8B's shape at seq 8192, batch 1, the recipe defaults, the shipped corpus and
+    tokenizer (their paths from titan_lightning.data.tokenizer, where the data module reads them)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from titan_lightning.data.tokenizer import CORPUS_PATH, TOKENIZER_PATH
+
+    return {
+        "model": "llama3",
+        "model_args": {
+            "dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "vocab_size": 128256,
+            "ffn_dim_multiplier": 1.3, "multiple_of": 1024, "rope_theta": 500000.0,
+            "rope_scaling_args": {"scaling_factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 8192},
+            "norm_eps": 1e-5, "max_seq_len": 8192, "depth_init": True, "attn_type": "sdpa",
+            "attn_mask_type": "causal",
+        },
+        "seq_len": 8192, "batch": 1, "training_dtype": "float32", "mixed_precision_param": "bfloat16",
+        "lr": 3e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1, "max_norm": 1.0,
+        "warmup_steps": 200, "decay_ratio": 0.2, "decay_type": "linear", "min_lr_factor": 0.0, "seed": 0,
+        "compile": False, "compile_components": ["model", "loss"], "ac": "selective", "ac_option": "op",
+        "float8": None,
+        "dataset_path": str(CORPUS_PATH), "tokenizer_path": str(TOKENIZER_PATH.parent),
+    }
+
+
+def check_workload(w: dict) -> None:
+    """Every key of ``WORKLOAD_KEYS``, no other, valid values, and the data files present."""
+    missing = [k for k in WORKLOAD_KEYS if k not in w]
+    unknown = [k for k in w if k not in WORKLOAD_KEYS]
+    if missing or unknown:
+        raise ValueError(f"workload: missing keys {missing}, unknown keys {unknown}; valid: {', '.join(WORKLOAD_KEYS)}")
+    if w["model"] not in MODELS:
+        raise ValueError(f"workload model must be one of {', '.join(MODELS)}, got {w['model']!r}")
+    if w["ac"] not in ("selective", "none", "full"):
+        raise ValueError(f"workload ac must be selective|none|full, got {w['ac']!r}")
+    for key in ("training_dtype", "mixed_precision_param"):
+        if w[key] not in ("float32", "bfloat16"):
+            raise ValueError(f"workload {key} must be float32|bfloat16, got {w[key]!r}")
+    bad = [c for c in w["compile_components"] if c not in COMPILE_COMPONENTS]
+    if bad:
+        raise ValueError(f"workload compile_components {bad}: torchtitan compiles only {', '.join(COMPILE_COMPONENTS)}")
+    f8 = w["float8"]
+    if f8 is not None and (set(f8) != {"recipe", "filter_fqns", "emulate"} or f8["recipe"] not in FLOAT8_RECIPES):
+        raise ValueError(f"workload float8 must be null or {{recipe: {'|'.join(FLOAT8_RECIPES)}, filter_fqns, emulate}}, "
+                         f"got {f8!r}")
+    if not Path(w["dataset_path"]).is_file():
+        raise FileNotFoundError(f"workload dataset_path={w['dataset_path']!r}: no such file")
+    if not (Path(w["tokenizer_path"]) / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"workload tokenizer_path={w['tokenizer_path']!r}: no tokenizer.json in it")
 
 
 # --------------------------------------------------------------------------- stubs / patches
@@ -199,61 +297,70 @@ def _load_local_corpus(path: str):
     return Dataset(samples)
 
 
+def model_spec(w: dict) -> tuple[str, str, str, dict]:
+    """torchtitan's module, flavor table and ModelArgs class names for the workload's model, and
+    the ModelArgs fields (nested dataclasses still dicts)."""
+    module_name, table, cls_name = MODELS[w["model"]]
+    return module_name, table, cls_name, dict(w["model_args"])
+
+
 def _register(w: dict) -> None:
+    import dataclasses
+    import importlib
+
     from torchtitan.hf_datasets import DatasetConfig
     from torchtitan.hf_datasets.text_datasets import DATASETS
-    from torchtitan.models.llama3 import llama3_args, TransformerModelArgs
+    from torchtitan.models.llama3.model.args import RoPEScalingArgs
+    from torchtitan.models.moe import MoEArgs
 
     DATASETS[DATASET] = DatasetConfig(
-        path=str(CORPUS),
+        path=str(w["dataset_path"]),
         loader=_load_local_corpus,
         sample_processor=lambda sample: sample["text"],
     )
-    llama3_args[FLAVOR] = TransformerModelArgs(
-        dim=int(w["dim"]),
-        n_layers=int(w["n_layers"]),
-        n_heads=int(w["n_heads"]),
-        n_kv_heads=int(w["n_kv_heads"]),
-        vocab_size=int(w["vocab_size"]),
-        multiple_of=int(w["multiple_of"]),
-        ffn_dim_multiplier=None if w["ffn_dim_multiplier"] is None else float(w["ffn_dim_multiplier"]),
-        norm_eps=float(w["norm_eps"]),
-        rope_theta=float(w["rope_theta"]),
-        max_seq_len=int(w["seq_len"]),
-    )
+    module_name, table, cls_name, kwargs = model_spec(w)
+    module = importlib.import_module(module_name)
+    cls = getattr(module, cls_name)
+    for key, nested in (("rope_scaling_args", RoPEScalingArgs), ("moe_args", MoEArgs)):
+        if key in kwargs:
+            kwargs[key] = nested(**kwargs[key])
+    unknown = set(kwargs) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"workload model_args: {sorted(unknown)} are not fields of torchtitan's {cls_name}")
+    getattr(module, table)[FLAVOR] = cls(**kwargs)
 
 
-def _job_args(w: dict, total_steps: int, warmup: int, dump_folder: str) -> list[str]:
-    ac = str(w["ac"]).lower()
-    if ac not in ("selective", "none", "full"):
-        raise ValueError(f"workload ac must be selective|none|full, got {w['ac']!r}")
-    dtype = str(w["dtype"]).lower()
-    if dtype not in ("bf16", "bfloat16", "fp32", "float32"):
-        raise ValueError(f"workload dtype must be bf16|fp32, got {w['dtype']!r}")
-    mp_param = "bfloat16" if dtype in ("bf16", "bfloat16") else "float32"
+def job_args(w: dict, total_steps: int, dump_folder: str) -> list[str]:
+    """torchtitan's command line (its ``ConfigManager``'s flags) for the workload."""
     args = [
         "--job.dump_folder", dump_folder,
         "--job.description", "titan_lightning throughput contender",
-        "--model.name", "llama3",
+        "--model.name", str(w["model"]),
         "--model.flavor", FLAVOR,
-        "--model.hf_assets_path", str(TOKENIZER_DIR),
+        "--model.hf_assets_path", str(w["tokenizer_path"]),
         "--optimizer.name", "AdamW",
-        "--optimizer.lr", "3e-4",
+        "--optimizer.lr", repr(float(w["lr"])),
+        "--optimizer.beta1", repr(float(w["beta1"])),
+        "--optimizer.beta2", repr(float(w["beta2"])),
+        "--optimizer.eps", repr(float(w["eps"])),
+        "--optimizer.weight_decay", repr(float(w["weight_decay"])),
         "--optimizer.implementation", "fused",
-        "--lr_scheduler.warmup_steps", str(max(1, min(warmup, total_steps))),
+        "--lr_scheduler.warmup_steps", str(int(w["warmup_steps"])),
+        "--lr_scheduler.decay_type", str(w["decay_type"]),
+        "--lr_scheduler.min_lr_factor", repr(float(w["min_lr_factor"])),
         "--training.dataset", DATASET,
-        "--training.dataset_path", str(CORPUS),
+        "--training.dataset_path", str(w["dataset_path"]),
         "--training.local_batch_size", str(int(w["batch"])),
         "--training.global_batch_size", str(int(w["batch"])),
         "--training.seq_len", str(int(w["seq_len"])),
         "--training.steps", str(total_steps),
-        "--training.max_norm", "1.0",
-        "--training.dtype", "float32",  # fp32 master weights
-        "--training.mixed_precision_param", mp_param,
+        "--training.max_norm", repr(float("inf") if w["max_norm"] is None else float(w["max_norm"])),
+        "--training.dtype", str(w["training_dtype"]),
+        "--training.mixed_precision_param", str(w["mixed_precision_param"]),
         "--parallelism.data_parallel_shard_degree", "-1",
         "--parallelism.data_parallel_replicate_degree", "1",
-        "--activation_checkpoint.mode", ac,
-        "--activation_checkpoint.selective_ac_option", "op",
+        "--activation_checkpoint.mode", str(w["ac"]),
+        "--activation_checkpoint.selective_ac_option", str(w["ac_option"]),
         "--metrics.log_freq", "1",
         "--metrics.no-enable-tensorboard",
         "--metrics.no-enable-wandb",
@@ -261,10 +368,18 @@ def _job_args(w: dict, total_steps: int, warmup: int, dump_folder: str) -> list[
         "--validation.no-enable",
         "--profiling.no-enable-profiling",
         "--profiling.no-enable-memory-snapshot",
-        "--debug.seed", "0",
+        "--debug.seed", str(int(w["seed"])),
         "--compile.enable" if w["compile"] else "--compile.no-enable",
-        "--compile.components", "model,loss",
+        "--compile.components", ",".join(w["compile_components"]),
     ]
+    if w["decay_ratio"] is not None:
+        args += ["--lr_scheduler.decay_ratio", repr(float(w["decay_ratio"]))]
+    f8 = w["float8"]
+    if f8 is not None:
+        args += ["--model.converters", "quantize.linear.float8",
+                 "--quantize.linear.float8.recipe_name", f8["recipe"],
+                 "--quantize.linear.float8.filter_fqns", ",".join(f8["filter_fqns"]),
+                 "--quantize.linear.float8.emulate" if f8["emulate"] else "--quantize.linear.float8.no-emulate"]
     return args
 
 
@@ -291,7 +406,7 @@ def run(w: dict, steps: int, warmup: int) -> dict:
 
     total_steps = warmup + steps
     dump_folder = tempfile.mkdtemp(prefix="tt_contender_")
-    job_config = ConfigManager().parse_args(_job_args(w, total_steps, warmup, dump_folder))
+    job_config = ConfigManager().parse_args(job_args(w, total_steps, dump_folder))
 
     step_times: list[float] = []
     losses: list[float] = []
@@ -345,7 +460,8 @@ def run(w: dict, steps: int, warmup: int) -> dict:
         "warmup": warmup,
         "step_times": step_times[warmup:],
         "warmup_step_times": step_times[:warmup],
-        "peak_memory_bytes": max(peaks) if peaks else None,
+        # per step (torchtitan resets the peak at every log): the measured steps, as the other rows
+        "peak_memory_bytes": max(peaks[warmup:]) if peaks[warmup:] else None,
         "tokens_per_step": int(w["batch"]) * int(w["seq_len"]),
         "losses": losses[warmup:],
         "warmup_losses": losses[:warmup],
@@ -362,8 +478,8 @@ def main() -> int:
 
     out = Path(a.out)
     try:
-        w = dict(DEFAULT_WORKLOAD)
-        w.update(json.loads(a.workload))
+        w = json.loads(a.workload)
+        check_workload(w)
         result = run(w, a.steps, a.warmup)
         rc = 0
     except BaseException as e:  # noqa: BLE001 - report every failure, including SystemExit

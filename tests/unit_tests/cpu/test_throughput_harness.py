@@ -1,10 +1,19 @@
 """benchmarks/throughput.py: the bare loop is the same training as the Trainer path (so the
 ratio between them is the framework's cost), and the table reports what the runs measured."""
 
+import argparse
+import json
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
 import pytest
 
-from benchmarks.throughput import (WORKLOADS, StepClock, kernel_breakdown, kernel_table, run_bare, run_titan, summarize,
-                                   table, union_length_us)
+from benchmarks.contenders import torchtitan_run
+from benchmarks.throughput import (TORCHTITAN_SCRIPT, WORKLOADS, StepClock, _contender_command, kernel_breakdown,
+                                   kernel_table, resolve_run, run_bare, run_titan, summarize, table, torchtitan_model,
+                                   union_length_us)
+from titan_lightning.data.tokenizer import CORPUS_PATH, TOKENIZER_PATH
 
 
 @pytest.mark.slow
@@ -89,3 +98,91 @@ def test_kernel_breakdown_groups_device_time_per_step_by_family():
     assert kernel_breakdown([events[-1]], steps=1) == {}  # no device events (CPU)
     row = summarize([dict(_run([0.2]), profile={"wall_ms": 20.0, "busy_ms": 10.0, **k})], None)
     assert "gemm" in kernel_table({"titan": row}) and "4.00 ms" in kernel_table({"titan": row})
+
+
+TORCHTITAN_WORKLOADS = [name for name, w in WORKLOADS.items() if "torchtitan" in w.contenders]
+
+
+class _Reads(dict):
+    """A dict that records which keys were read."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.read = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
+def _torchtitan_spec(name: str, tmp_path: Path) -> tuple[list[str], dict]:
+    args = argparse.Namespace(layers=None, ac=None, device="cuda", steps=3, warmup=2, profile_steps=0, sdpa="default")
+    command, _ = _contender_command("torchtitan", name, args, tmp_path / "result.json")
+    return command, json.loads(command[command.index("--workload") + 1])
+
+
+def test_torchtitan_runs_every_gpu_workload_it_has_the_model_for():
+    for name in ("llama3_1b", "llama3_8b_shape", "llama3_8b_shape_float8_tensorwise", "llama3_8b_shape_float8_rowwise",
+                 "qwen3_30b_a3b_shape", "deepseek_v3_16b_shape"):
+        assert name in TORCHTITAN_WORKLOADS
+
+
+@pytest.mark.parametrize("name", TORCHTITAN_WORKLOADS)
+def test_torchtitan_command_names_existing_files_and_gives_every_key_the_runner_reads(name, tmp_path):
+    """A move of the shipped corpus/tokenizer or of the runner, or a key the runner reads that the
+    harness does not pass, fails here rather than on the GPU machine (torchtitan is not imported)."""
+    if "float8" in name and find_spec("torchao") is None:
+        pytest.skip('quantize.float8 needs torchao: pip install -e ".[float8]"')
+    command, spec = _torchtitan_spec(name, tmp_path)
+    assert Path(command[1]) == TORCHTITAN_SCRIPT and TORCHTITAN_SCRIPT.is_file()
+    assert sorted(spec) == sorted(torchtitan_run.WORKLOAD_KEYS)
+    torchtitan_run.check_workload(spec)
+    # the titan row's data: the package's shipped files, where the data module reads them
+    assert Path(spec["dataset_path"]) == CORPUS_PATH and CORPUS_PATH.is_file()
+    assert Path(spec["tokenizer_path"]) / "tokenizer.json" == TOKENIZER_PATH and TOKENIZER_PATH.is_file()
+
+    reads = _Reads(spec)
+    torchtitan_run.check_workload(reads)
+    flags = torchtitan_run.job_args(reads, 5, str(tmp_path))
+    module, _, _, model = torchtitan_run.model_spec(reads)
+    reads["batch"], reads["seq_len"]  # run() reads these for tokens_per_step
+    assert reads.read == set(torchtitan_run.WORKLOAD_KEYS)  # no key passed in vain
+
+    value = {flag: flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag.startswith("--")}
+    assert (Path(value["--model.hf_assets_path"]) / "tokenizer.json").is_file()
+    assert Path(value["--training.dataset_path"]).is_file()
+    job = resolve_run(WORKLOADS[name], "cuda", 1).job
+    a = job.model
+    assert module == f"torchtitan.models.{spec['model']}" and value["--model.name"] == spec["model"]
+    assert (spec["model"], model) == torchtitan_model(a, WORKLOADS[name].seq_len)
+    assert (model["dim"], model["n_layers"], model["vocab_size"], model["max_seq_len"]) == (
+        a.dim, a.n_layers, a.vocab_size, WORKLOADS[name].seq_len)
+    if WORKLOADS[name].layers is not None:
+        assert model["n_layers"] == WORKLOADS[name].layers
+    if getattr(a, "moe", None) is not None:
+        m = model["moe_args"]
+        assert (m["num_experts"], m["top_k"], m["num_shared_experts"], m["score_func"], m["route_norm"],
+                model["moe_inter_dim"]) == (a.moe.num_experts, a.moe.top_k, a.moe.num_shared_experts,
+                                            a.moe.score_func, a.moe.route_norm, a.moe.hidden_dim)
+    assert value["--training.seq_len"] == str(WORKLOADS[name].seq_len)
+    assert value["--activation_checkpoint.mode"] == job.activation_checkpoint.mode
+    assert ("--compile.enable" in flags) == job.compile.enable
+    f8 = job.quantize.float8
+    if f8.enable:
+        assert value["--model.converters"] == "quantize.linear.float8"
+        assert value["--quantize.linear.float8.recipe_name"] == f8.recipe
+        assert "output" in value["--quantize.linear.float8.filter_fqns"].split(",")  # the head stays bf16, as ours
+    else:
+        assert "--model.converters" not in flags
+    assert "torchtitan" not in sys.modules
+
+
+def test_torchtitan_runner_rejects_a_missing_file_or_key_before_importing_torchtitan(tmp_path):
+    _, spec = _torchtitan_spec("debug", tmp_path)
+    with pytest.raises(FileNotFoundError, match="tokenizer_path="):
+        torchtitan_run.check_workload(dict(spec, tokenizer_path=str(tmp_path)))
+    with pytest.raises(FileNotFoundError, match="dataset_path="):
+        torchtitan_run.check_workload(dict(spec, dataset_path=str(tmp_path / "corpus.txt")))
+    with pytest.raises(ValueError, match=r"missing keys \['seed'\], unknown keys \['dtype'\]"):
+        torchtitan_run.check_workload({**{k: v for k, v in spec.items() if k != "seed"}, "dtype": "bf16"})
+    assert "torchtitan" not in sys.modules
