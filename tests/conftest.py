@@ -17,6 +17,28 @@ DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SI
                    "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE")
 
 
+def _end_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_environment():
+    """The same around each module, before its module-scoped fixtures start anything (they inherit
+    this process's environment: a MASTER_PORT left by an earlier module's run, whose process group
+    still holds the port, would make their subprocesses fail to bind it)."""
+    _end_process_group()
+    saved = dict(os.environ)
+    for name in DISTRIBUTED_ENV:
+        os.environ.pop(name, None)
+    yield
+    _end_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment():
     saved = dict(os.environ)
@@ -27,10 +49,7 @@ def _restore_environment():
     os.environ.update(saved)
     # A Trainer run in this process leaves its process group up (as Lightning's strategies do, for what
     # comes after fit); the next test starts without one.
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    _end_process_group()
 
 
 def pytest_collection_modifyitems(config, items):

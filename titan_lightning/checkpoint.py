@@ -45,6 +45,7 @@ import shutil
 import sys
 import threading
 import time
+import weakref
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -649,10 +650,12 @@ def checkpoint_group() -> Any:
     if not _distributed() or dist.get_backend() == "fake":
         return None
     default = dist.distributed_c10d._get_default_group()
-    if _CHECKPOINT_GROUP.get("default") is not default:  # (one per process group: a second fit reuses it)
-        # Also for one rank: DCP's async save needs a CPU backend (not NCCL).
-        _CHECKPOINT_GROUP.update(default=default, group=dist.new_group(backend="gloo"))
-    return _CHECKPOINT_GROUP["group"]
+    cached = _CHECKPOINT_GROUP.get("default")
+    if cached is None or cached() is not default:  # (one per process group: a second fit reuses it)
+        # Also for one rank: DCP's async save needs a CPU backend (not NCCL). Weak references: a
+        # destroyed group (and its store's port) is not kept alive here.
+        _CHECKPOINT_GROUP.update(default=weakref.ref(default), group=weakref.ref(dist.new_group(backend="gloo")))
+    return _CHECKPOINT_GROUP["group"]()
 
 
 _CHECKPOINT_GROUP: dict[str, Any] = {}

@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import sys
+import weakref
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -204,7 +205,13 @@ class _Sharded:
     hooks instead of sharding (and initializing) it again."""
 
     def __init__(self, dims: ParallelDims, mesh: Mesh, group: Any, state: tuple) -> None:
-        self.dims, self.mesh, self.group, self.state = dims, mesh, group, state
+        # (the process group by weak reference: one destroyed since is not kept alive here)
+        self.dims, self.mesh, self.state = dims, mesh, state
+        self._group = weakref.ref(group) if group is not None else lambda: None
+
+    @property
+    def group(self) -> Any:
+        return self._group()
 
     @staticmethod
     def of(module: torch.nn.Module, dims: ParallelDims) -> Optional["_Sharded"]:
