@@ -733,14 +733,6 @@ class TitanStrategy(ModelParallelStrategy):
         your own types, in a checkpoint you trust) relaxes only Lightning's part, meta.pt."""
         from pathlib import Path
 
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
         writer = self._checkpoint_writer
         writer.wait()
         path = Path(self.broadcast(str(checkpoint_path)))
@@ -757,15 +749,7 @@ class TitanStrategy(ModelParallelStrategy):
             print(f"[checkpoint] {path} was saved by {manifest['world_size']} ranks, this run has {self.world_size}: "
                   f"RNG states start from training.seed, the data position is derived from the global sample count",
                   flush=True)
-        strict = self.lightning_module.strict_loading
-        options = StateDictOptions(flatten_optimizer_state_dict=True, strict=strict)
-        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model, options=options)}
-        for index, optimizer in enumerate(self.optimizers):
-            state[f"optimizer_{index}"] = get_optimizer_state_dict(self.model, optimizer, options=options)
-        writer.agree(lambda: ckpt.load_sharded(path, state, group=writer.group))
-        set_model_state_dict(self.model, state["state_dict"], options=options)
-        for index, optimizer in enumerate(self.optimizers):
-            set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{index}"], options=options)
+        self._load_states(path, flatten_optimizer_state_dict=True)
         if mine is not None:
             ckpt.set_rng_states(mine["rng"])
             datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
@@ -773,10 +757,9 @@ class TitanStrategy(ModelParallelStrategy):
                 checkpoint[type(datamodule).__qualname__] = mine["datamodule"]
         return checkpoint
 
-    def _load_lightning_sharded(self, path, weights_only: bool) -> dict[str, Any]:
-        """A sharded checkpoint of Lightning's ModelParallelStrategy (DCP shards and meta.pt, no
-        manifest): the model and optimizer states in its layout (optimizer state keyed by parameter
-        name, not flattened); no RNG or data position (it saves none)."""
+    def _load_states(self, path, *, flatten_optimizer_state_dict: bool) -> None:
+        """The model's and every optimizer's state from the DCP shards in ``path`` (any layout);
+        optimizer state flattened per parameter (ours) or nested (Lightning's strategies)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -786,14 +769,22 @@ class TitanStrategy(ModelParallelStrategy):
         )
 
         writer = self._checkpoint_writer
-        options = StateDictOptions(strict=self.lightning_module.strict_loading)
-        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        options = StateDictOptions(flatten_optimizer_state_dict=flatten_optimizer_state_dict,
+                                   strict=self.lightning_module.strict_loading)
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model, options=options)}
         for index, optimizer in enumerate(self.optimizers):
-            state[f"optimizer_{index}"] = get_optimizer_state_dict(self.model, optimizer)
+            state[f"optimizer_{index}"] = get_optimizer_state_dict(self.model, optimizer, options=options)
         writer.agree(lambda: ckpt.load_sharded(path, state, group=writer.group))
         set_model_state_dict(self.model, state["state_dict"], options=options)
         for index, optimizer in enumerate(self.optimizers):
             set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{index}"], options=options)
+
+    def _load_lightning_sharded(self, path, weights_only: bool) -> dict[str, Any]:
+        """A sharded checkpoint of Lightning's ModelParallelStrategy (DCP shards and meta.pt, no
+        manifest): the model and optimizer states in its layout (optimizer state keyed by parameter
+        name, not flattened); no RNG or data position (it saves none)."""
+        writer = self._checkpoint_writer
+        self._load_states(path, flatten_optimizer_state_dict=False)
         checkpoint = writer.agree(lambda: ckpt.load_meta(path, weights_only=weights_only))
         if self.global_rank == 0:
             print(f"[checkpoint] {path} was saved by Lightning's ModelParallelStrategy: model and optimizer "
