@@ -25,6 +25,8 @@ from typing import Any, Literal, Optional, Union
 
 import lightning as L
 
+from titan_lightning.steps import ends_optimizer_step
+
 COLUMNS = ("step", "loss", "grad_norm")
 LEGACY_COLUMNS = ("step", "loss")
 _REGENERATE = 'regenerate it with GoldenNumerics(..., mode="export") (the runner\'s --export-numerics)'
@@ -234,7 +236,7 @@ class GoldenNumerics(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+        if not ends_optimizer_step(trainer, batch_idx):
             return
         step = trainer.global_step
         if "train/loss" not in trainer.callback_metrics:

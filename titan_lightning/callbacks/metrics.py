@@ -29,6 +29,8 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
+from titan_lightning.steps import ends_optimizer_step
+
 # Dense bf16 peak FLOP/s by a substring of torch.cuda.get_device_name() (first match wins; add
 # yours here or pass peak_flops=): our H200 reports "NVIDIA H200".
 PEAK_FLOPS: dict[str, float] = {
@@ -99,7 +101,7 @@ class TrainingMetrics(L.Callback):
         self._seq_len = ids.shape[-1]
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+        if not ends_optimizer_step(trainer, batch_idx):
             return
         if not self._measuring:
             self._step_start = None
@@ -147,7 +149,7 @@ class SourceTokens(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         datamodule = getattr(trainer, "datamodule", None)
-        if (batch_idx + 1) % trainer.accumulate_grad_batches or not hasattr(datamodule, "source_tokens"):
+        if not ends_optimizer_step(trainer, batch_idx) or not hasattr(datamodule, "source_tokens"):
             return
         if not getattr(datamodule.job.data, "sources", None):
             return

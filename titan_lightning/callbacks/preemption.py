@@ -18,6 +18,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 import torch.distributed as dist
 
+from titan_lightning.steps import ends_optimizer_step
+
 
 class PreemptionCheckpoint(L.Callback):
     """On SIGTERM, save ``epoch=E-step=S.ckpt`` next to the run's checkpoints and stop after this step."""
@@ -43,7 +45,7 @@ class PreemptionCheckpoint(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches or not self._anyone_received():
+        if not ends_optimizer_step(trainer, batch_idx) or not self._anyone_received():
             return
         folder = Path(trainer.checkpoint_callback.dirpath) if trainer.checkpoint_callback is not None and \
             trainer.checkpoint_callback.dirpath else Path(trainer.default_root_dir) / "checkpoints"

@@ -7,6 +7,8 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
+from titan_lightning.steps import ends_optimizer_step, starts_optimizer_step
+
 
 class ProfileSteps(L.Callback):
     """Trace steps ``trace_steps`` and record the allocations of ``memory_snapshot_steps`` into ``folder``.
@@ -28,7 +30,7 @@ class ProfileSteps(L.Callback):
         self.folder = Path(trainer.strategy.broadcast(str(self.folder)))
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        if batch_idx % trainer.accumulate_grad_batches:
+        if not starts_optimizer_step(trainer, batch_idx):
             return  # not the first microbatch of a step
         step = trainer.global_step + 1
         if step in self.trace_steps and self._profiler is None:
@@ -48,7 +50,7 @@ class ProfileSteps(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+        if not ends_optimizer_step(trainer, batch_idx):
             return
         step, rank = trainer.global_step, trainer.global_rank
         if self._profiler is not None and step in self.trace_steps:

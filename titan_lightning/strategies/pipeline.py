@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_lightning.config import ConfigError
 from titan_lightning.parallel.pipeline import PipelinePlan, stage_rank
+from titan_lightning.steps import starts_optimizer_step
 
 class _Captured(Exception):
     """Raised by the model's forward on the first stage once it has seen its input."""
@@ -243,7 +244,7 @@ class PipelineRunner:
         if new:
             self._saved_buffers = [(b, b.detach().clone()) for m in self.stage_modules for b in m.buffers()]
         if train:
-            if batch_idx % trainer.accumulate_grad_batches == 0:
+            if starts_optimizer_step(trainer, batch_idx):
                 self.clear_grads()  # a new accumulation window (Lightning zeroes only after this step)
             schedule.step(*args, target=target, return_outputs=False, **kwargs)
             self.stash_grads()

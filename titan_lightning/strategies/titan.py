@@ -61,10 +61,11 @@ from titan_lightning.strategies.pipeline import PipelineRunner, average_records,
 
 def _accumulating(trainer: L.Trainer, batch_idx: Optional[int]) -> bool:
     """Whether this batch is not the last of its optimizer step (Lightning's own rule when it has one)."""
-    should = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "_should_accumulate", None)
-    if callable(should):
-        return bool(should())
-    return batch_idx is not None and (batch_idx + 1) % trainer.accumulate_grad_batches != 0
+    from titan_lightning.steps import ends_optimizer_step  # the lead moves this import to the top (#36)
+
+    if batch_idx is None:
+        batch_idx = trainer.fit_loop.epoch_loop.batch_idx
+    return not ends_optimizer_step(trainer, batch_idx)
 
 
 # Wrappers whose attribute torch's state-dict functions leave out of a parameter's name

@@ -5,6 +5,8 @@ from typing import Any
 
 import lightning as L
 
+from titan_lightning.steps import ends_optimizer_step
+
 
 class RecordSteps(L.Callback):
     """Step, loss (``train/loss`` as logged, so synced across ranks), grad norm and wall time per
@@ -23,7 +25,7 @@ class RecordSteps(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+        if not ends_optimizer_step(trainer, batch_idx):
             return
         now = time.perf_counter()
         self.step_times.append(now - (self._last if self._last is not None else now))

@@ -250,3 +250,26 @@ def test_the_progress_bar_shows_the_previous_steps_values_from_the_host():
     for step in range(1, 4):
         assert shown[step]["loss"] == pytest.approx(record.losses[step - 1], rel=1e-6)
         assert shown[step]["grad_norm"] == pytest.approx(record.grad_norms[step - 1], rel=1e-6)
+
+
+def test_the_decoder_default_parameter_count_agrees_with_each_family_arithmetic():
+    # Decoder.count_parameters (meta-device count) is what a family without its own arithmetic gets.
+    from titan_lightning.models.common.decoder import Decoder
+    from titan_lightning.models.common.moe import MoEArgs
+    from titan_lightning.models.deepseek_v3 import deepseek_v3_args
+    from titan_lightning.models.deepseek_v3.model import Transformer as DeepSeekV3
+    from titan_lightning.models.llama3 import llama3_args
+    from titan_lightning.models.llama3.model import Transformer as Llama3
+    from titan_lightning.models.qwen3 import Qwen3Args
+    from titan_lightning.models.qwen3.model import Transformer as Qwen3
+
+    default = Decoder.count_parameters.__func__
+    qwen3 = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_hidden_dim=96, vocab_size=128)
+    moe = MoEArgs(num_experts=8, top_k=2, hidden_dim=32, num_shared_experts=1)
+    for family, args in ((Llama3, llama3_args("debugmodel")), (Qwen3, Qwen3Args(**qwen3)),
+                         (Qwen3, Qwen3Args(**qwen3, moe=moe))):
+        for active in (False, True):
+            assert default(family, args, active=active) == family.count_parameters(args, active=active)
+    ds = deepseek_v3_args("debugmodel")  # (its active count also leaves out the embedding table)
+    assert default(DeepSeekV3, ds) == DeepSeekV3.count_parameters(ds)
+    assert default(DeepSeekV3, ds, active=True) - ds.vocab_size * ds.dim == DeepSeekV3.count_parameters(ds, active=True)

@@ -77,3 +77,13 @@ def test_a_family_from_the_decoder_base_trains_on_fsdp2_tp2_as_on_one_process(tm
     for rank in launch(four, 4, out_dir=tmp_path / "four", timeout=300, env=env).ranks:
         assert rank["losses"] == pytest.approx(reference["losses"], rel=1e-5)
         assert rank["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
+
+
+def test_the_family_counts_its_parameters_and_flops_without_writing_a_count():
+    # The MFU metric asks flops_per_token -> flop_terms -> count_parameters (the Decoder default).
+    args = TinyArgs()
+    assert TinyDecoder.count_parameters(args) == sum(p.numel() for p in TinyDecoder(args).parameters())
+    module = single().module
+    head = args.dim // args.n_heads  # (TinyArgs has no head_dim: Attention's default)
+    matmul = TinyDecoder.count_parameters(args, active=True) - args.vocab_size * args.dim
+    assert module.flops_per_token(64) == 6 * matmul + 6 * args.n_layers * args.n_heads * 2 * head * 64

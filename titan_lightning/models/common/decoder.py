@@ -106,7 +106,7 @@ class Head(nn.Linear):
 
 class Decoder(nn.Module):
     """A causal decoder; see the module docstring. Subclasses set ``args_class`` and implement
-    ``build_block``, ``build_rope_cache``, ``tp_plan`` and ``count_parameters``."""
+    ``build_block`` and ``build_rope_cache``, and may override ``tp_plan`` and ``count_parameters``."""
 
     args_class: ClassVar[type] = ModelArgs
     # Parameter groups of the init, by name suffix: drawn with std 0.02, or 0.02 / sqrt(2 *
@@ -150,16 +150,26 @@ class Decoder(nn.Module):
 
     @classmethod
     def count_parameters(cls, args: ModelArgs, *, active: bool = False) -> int:
-        """Parameters of ``cls(args)`` by arithmetic; ``active``: those one token computes with."""
-        raise NotImplementedError(f"{cls.__name__} does not count its parameters")
+        """Parameters of ``cls(args)``; ``active``: those one token computes with (a routed
+        ``MoE``'s experts counted ``top_k`` times of ``num_experts``). The default builds the model
+        on the meta device (nothing allocated) and counts; the families count by arithmetic."""
+        with torch.device("meta"):
+            model = cls(args)
+        total = sum(p.numel() for p in model.parameters())
+        if active:
+            for moe in (m for m in model.modules() if isinstance(m, MoE)):
+                experts, m = sum(p.numel() for p in moe.experts.parameters()), moe.args
+                total -= experts // m.num_experts * (m.num_experts - m.top_k)
+        return total
 
     @classmethod
     def flop_terms(cls, args: ModelArgs) -> tuple[int, int]:
         """(parameters a token multiplies with, layers x heads x (d_qk + d_v)); see
         ``CausalLMModule.flops_per_token``. The default is for RoPE attention with equal q/k/v
-        head dims."""
+        head dims (``args.head_dim``, else ``Attention``'s default ``dim // n_heads``)."""
         matmul = cls.count_parameters(args, active=True) - args.vocab_size * args.dim
-        return matmul, args.n_layers * args.n_heads * 2 * args.head_dim
+        head_dim = getattr(args, "head_dim", None) or args.dim // args.n_heads
+        return matmul, args.n_layers * args.n_heads * 2 * head_dim
 
     def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, vocab_size], in the dtype of the parameters; with
