@@ -56,13 +56,12 @@ from titan_lightning.parallel.parallelize import Parallelized, parallelize
 from titan_lightning.parallel.pipeline import describe_split, stage_autocast
 from titan_lightning.parallel.tensor import FUSED, check_tp_plan
 from titan_lightning.parallel.watchdog import Watchdog, process_group_timeout, set_comm_environment
+from titan_lightning.steps import ends_optimizer_step
 from titan_lightning.strategies.pipeline import PipelineRunner, average_records, patched, record_logs, replay_records
 
 
 def _accumulating(trainer: L.Trainer, batch_idx: Optional[int]) -> bool:
     """Whether this batch is not the last of its optimizer step (Lightning's own rule when it has one)."""
-    from titan_lightning.steps import ends_optimizer_step  # the lead moves this import to the top (#36)
-
     if batch_idx is None:
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx
     return not ends_optimizer_step(trainer, batch_idx)
