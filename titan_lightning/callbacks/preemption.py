@@ -18,6 +18,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 import torch.distributed as dist
 
+from titan_lightning._compat import mark_checkpoint_saved
+
 
 class PreemptionCheckpoint(L.Callback):
     """On SIGTERM, save ``epoch=E-step=S.ckpt`` next to the run's checkpoints and stop after this step."""
@@ -79,5 +81,5 @@ def _saved_at_this_step(trainer: L.Trainer) -> None:
     too low (a checkpoint saved at validation end after the last batch). ``_last_global_step_saved``
     is the attribute ModelCheckpoint itself reads to skip a step it already saved."""
     for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint) and hasattr(callback, "_last_global_step_saved"):
-            callback._last_global_step_saved = trainer.global_step
+        if isinstance(callback, ModelCheckpoint):
+            mark_checkpoint_saved(callback, trainer.global_step)
