@@ -61,6 +61,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from titan_lightning._compat import StridedShard, compute_local_shape_and_global_offset, default_group
+from titan_lightning._compat import flatten_state_dict, set_element
+
 # Fault injection for tests: ``N`` or ``N:MOMENT`` makes the process die (exit 137) in its N-th
 # save at MOMENT: "begin" (the .partial folder made), "files" (meta.pt and the rank files written;
 # the default), "written" (the shards written, before the manifest and the rename). ``N:enospc``
@@ -649,7 +652,7 @@ def checkpoint_group() -> Any:
     Called by every rank at the same point (a new group is a collective)."""
     if not _distributed() or dist.get_backend() == "fake":
         return None
-    default = dist.distributed_c10d._get_default_group()
+    default = default_group()
     cached = _CHECKPOINT_GROUP.get("default")
     if cached is None or cached() is not default:  # (one per process group: a second fit reuses it)
         # Also for one rank: DCP's async save needs a CPU backend (not NCCL). Weak references: a
@@ -715,7 +718,6 @@ def _safe_reader(path: Path):
 def _safe_planner():
     """DCP's default load planner, its non-tensor items read with ``weights_only=True``."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element
 
     class SafeLoadPlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item, value) -> None:
@@ -739,7 +741,6 @@ def read_dcp_metadata(path: Path, what: Optional[str] = None):
 
 def check_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Fail with one message naming ``path`` and what is missing or mismatched, before reading tensors."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.tensor import DTensor
 
@@ -857,8 +858,6 @@ class Source:
 def local_block(target: Any) -> Optional[tuple[slice, ...]]:
     """The block of the global tensor this rank holds of the DTensor ``target``, or None when its
     shard is several pieces (TP's ``colwise_fused``: read the whole tensor and shard it)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     if _one_chunk_placements(target) is not None:
         return None
     shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
@@ -951,11 +950,10 @@ def _check_described(value: Any, name: str) -> None:
     rows a rank holds (training is right: FSDP gathers back what it split), so the full tensor,
     a full state dict and any checkpoint of it would hold the rows out of order."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.placement_types import _StridedShard
 
     if not isinstance(value, DTensor):
         return
-    strided = [p.dim for p in value.placements if isinstance(p, _StridedShard)]
+    strided = [p.dim for p in value.placements if isinstance(p, StridedShard)]
     if len(strided) > len(set(strided)):
         raise CheckpointError(
             f"{name} {tuple(value.shape)}: FSDP (parallelism.dp_shard > 1) over the TP style 'colwise_fused' gave "
@@ -973,16 +971,15 @@ def _one_chunk_placements(value: Any, name: str = "") -> Optional[tuple]:
     of every block: one piece only when later mesh dims split d into exactly f parts (FSDP's form
     over TP's plain shards, which DCP reads); any other use is several pieces."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
 
     if not isinstance(value, DTensor):
         return None
     _check_described(value, name)
     placements, sizes = value.placements, value.device_mesh.shape
-    splits = lambda p, dim: isinstance(p, (Shard, _StridedShard)) and p.dim == dim  # noqa: E731
+    splits = lambda p, dim: isinstance(p, (Shard, StridedShard)) and p.dim == dim  # noqa: E731
     in_pieces = set()
     for index, strided in enumerate(placements):
-        if isinstance(strided, _StridedShard):
+        if isinstance(strided, StridedShard):
             parts = 1
             for later, size in zip(placements[index + 1:], sizes[index + 1:]):
                 parts *= size if splits(later, strided.dim) else 1

@@ -70,9 +70,10 @@ import torch.distributed as dist
 from torch import fx
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from titan_lightning._compat import FAKE_TENSOR_ERRORS, FakeTensor, FakeTensorMode, TorchDispatchMode, dynamo_disable
+from titan_lightning._compat import estimate_backend_parts, list_backends, register_backend, tree_leaves
+from titan_lightning._compat import unset_fake_temporarily
 from titan_lightning.config import ConfigError, validate_job
 from titan_lightning.config.validation import validate_estimate
 from titan_lightning.optim import build_optimizer
@@ -129,8 +130,6 @@ def estimate(run: Run, world_size: int, rank: int = 0) -> MemoryEstimate:
     Validates the job against ``world_size`` first (``ConfigError`` on bad degrees). The run
     is consumed: its module ends up holding the fake-tensor model.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     job, module = run.job, run.module
     if job is None or not hasattr(module, "build_model"):
         raise ConfigError(f"estimate needs a titan_lightning model (a CausalLMModule with a job); got {type(module).__name__}")
@@ -285,21 +284,11 @@ class _PipelineStep:
 
 # -- what fake tensors cannot compute: MoE routing, the CP mask ------------------------------
 
-def _fake_errors() -> tuple:
-    from torch._subclasses import fake_tensor as ft
-
-    return (ft.DynamicOutputShapeException, ft.DataDependentOutputException, ft.UnsupportedOperatorException,
-            ft.UnsupportedFakeTensorException)
-
-
-_FAKE_ERRORS = _fake_errors()
-
-
 def _fake_cause(err: BaseException):
     """The fake-tensor error ``err`` is or wraps (torch.compile wraps them), or None."""
     seen = set()
     while err is not None and id(err) not in seen:
-        if isinstance(err, _FAKE_ERRORS):
+        if isinstance(err, FAKE_TENSOR_ERRORS):
             return err
         seen.add(id(err))
         err = err.__cause__ or err.__context__
@@ -319,20 +308,16 @@ def balanced_counts(pairs: int, num_experts: int) -> list[int]:
     return [q + (e < r) for e in range(num_experts)]
 
 
-@torch._dynamo.disable  # a graph break, as the loop's host read of the counts makes in a real run
+@dynamo_disable  # a graph break, as the loop's host read of the counts makes in a real run
 def _real_counts(counts: list[int]) -> torch.Tensor:
     """Counts as a real (not fake) int64 tensor: ``.tolist()`` reads them on the host."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     with unset_fake_temporarily():
         return torch.tensor(counts, dtype=torch.int64)
 
 
-@torch._dynamo.disable
+@dynamo_disable
 def _balanced_count_tokens(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """moe.count_tokens of a fake tensor (the router's expert ids): balanced counts."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     from titan_lightning.models.common import moe
 
     if not isinstance(_local(experts), FakeTensor):
@@ -586,18 +571,13 @@ def _graph_compiler(gm: fx.GraphModule, example_inputs) -> Any:
 
 
 def _estimate_backend(gm: fx.GraphModule, example_inputs) -> Any:
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch._inductor.compile_fx import select_decomp_table
-
+    aot_autograd, min_cut_rematerialization_partition, decompositions = estimate_backend_parts()
     backend = aot_autograd(fw_compiler=_graph_compiler, bw_compiler=_graph_compiler,
-                           partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
+                           partition_fn=min_cut_rematerialization_partition, decompositions=decompositions)
     return backend(gm, example_inputs)
 
 
 def _register_backend() -> None:
-    from torch._dynamo import list_backends, register_backend
-
     if COMPILE_BACKEND not in list_backends(exclude_tags=()):
         register_backend(name=COMPILE_BACKEND, compiler_fn=_estimate_backend)
 

@@ -29,6 +29,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
+from titan_lightning._compat import logs_this_step
 from titan_lightning.steps import ends_optimizer_step
 
 # Dense bf16 peak FLOP/s by a substring of torch.cuda.get_device_name() (first match wins; add
@@ -83,7 +84,7 @@ class TrainingMetrics(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._step_start is None:
-            self._measuring = _logs_this_step(trainer)
+            self._measuring = logs_this_step(trainer)
             if not self._measuring:
                 self._step_start = 0.0  # an optimizer step under way, not measured
                 return
@@ -120,13 +121,6 @@ class TrainingMetrics(L.Callback):
         if pl_module.device.type == "cuda":
             pl_module.log("train/memory_peak_gib", torch.cuda.max_memory_allocated(pl_module.device) / 2**30)
             pl_module.log("train/memory_reserved_gib", torch.cuda.memory_reserved(pl_module.device) / 2**30)
-
-
-def _logs_this_step(trainer: L.Trainer) -> bool:
-    """Whether the optimizer step about to run sends its metrics to the loggers (Lightning's rule)."""
-    connector = getattr(trainer, "_logger_connector", None)
-    should = getattr(connector, "should_update_logs", None)
-    return True if should is None else bool(should)
 
 
 def _data_parallel_size(trainer: L.Trainer) -> int:

@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 import torch.distributed as dist
 
+from titan_lightning._compat import mark_checkpoint_saved
 from titan_lightning.steps import ends_optimizer_step
 
 
@@ -81,5 +82,5 @@ def _saved_at_this_step(trainer: L.Trainer) -> None:
     too low (a checkpoint saved at validation end after the last batch). ``_last_global_step_saved``
     is the attribute ModelCheckpoint itself reads to skip a step it already saved."""
     for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint) and hasattr(callback, "_last_global_step_saved"):
-            callback._last_global_step_saved = trainer.global_step
+        if isinstance(callback, ModelCheckpoint):
+            mark_checkpoint_saved(callback, trainer.global_step)

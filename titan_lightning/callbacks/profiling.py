@@ -7,6 +7,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
+from titan_lightning._compat import dump_memory_snapshot, record_memory_history
 from titan_lightning.steps import ends_optimizer_step, starts_optimizer_step
 
 
@@ -45,7 +46,7 @@ class ProfileSteps(L.Callback):
                     warnings.warn("profiling.memory_snapshot_steps needs a GPU (CUDA allocator history); skipped")
                     self._warned = True
             else:
-                torch.cuda.memory._record_memory_history(max_entries=200_000)
+                record_memory_history(max_entries=200_000)
                 self._recording = True
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -62,8 +63,8 @@ class ProfileSteps(L.Callback):
             self._profiler = None
         if self._recording and step in self.memory_steps:
             self.folder.mkdir(parents=True, exist_ok=True)
-            torch.cuda.memory._dump_snapshot(str(self.folder / f"memory_step{step}_rank{rank}.pickle"))
-            torch.cuda.memory._record_memory_history(enabled=None)
+            dump_memory_snapshot(str(self.folder / f"memory_step{step}_rank{rank}.pickle"))
+            record_memory_history(enabled=None)
             self._recording = False
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

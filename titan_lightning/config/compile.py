@@ -32,6 +32,6 @@ class CompileConfig:
 def compile_backends() -> list[str]:
     """The names ``torch.compile(backend=...)`` accepts here (debug and experimental ones too, and
     those of installed packages' ``torch_dynamo_backends`` entry points)."""
-    from torch._dynamo import list_backends
+    from titan_lightning._compat import list_backends  # (start-up time: config/ imports no torch)
 
     return list_backends(exclude_tags=())

@@ -6,7 +6,8 @@ deterministic versions (parallel/fake.py) take their place.
 """
 
 import torch
-from torch.distributed import _functional_collectives as funcol
+
+from titan_lightning._compat import funcol
 
 
 def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:

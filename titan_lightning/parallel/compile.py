@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
+from titan_lightning._compat import dynamo_config
 from titan_lightning.parallel.expert import grouped_experts, moe_layers
 
 
@@ -85,7 +86,7 @@ def _count_tokens_once_under_checkpointing() -> None:
     checkpoint (the whole checkpointed block then runs eagerly, uncompiled) unless told to skip
     it in the backward's recompute. Skipping is right: eager checkpointing replays it and counts
     each token twice, which the sign-based bias update does not notice; compiled, it counts once."""
-    config = torch._dynamo.config
+    config = dynamo_config
     if hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 

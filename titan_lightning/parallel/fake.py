@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from titan_lightning._compat import fake_store, funcol, resolve_process_group
+
 
 def init_fake_process_group(rank: int, world_size: int) -> None:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if not 0 <= rank < world_size:
         raise ValueError(f"fake process group rank={rank} must be in [0, {world_size})")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
 
 
 class deterministic_collectives:
@@ -50,8 +50,6 @@ class deterministic_collectives:
     }
 
     def __enter__(self):
-        from torch.distributed import _functional_collectives as funcol
-
         self._saved = []
         for module, names in ((dist, self._DIST), (funcol, self._FUNCOL)):
             for name, wrapper in names.items():
@@ -80,7 +78,7 @@ def _process_group(group) -> dist.ProcessGroup:
     if isinstance(group, tuple) and isinstance(group[0], DeviceMesh):
         return group[0].get_group(group[1])
     if isinstance(group, str):
-        return dist.distributed_c10d._resolve_process_group(group)
+        return resolve_process_group(group)
     return group
 
 
@@ -95,8 +93,6 @@ def _wrap_dist_reduce_scatter(original):
 
 
 def _wrap_funcol_reduce_scatter(original):
-    from torch.distributed import _functional_collectives as funcol
-
     def reduce_scatter(self, reduceOp, scatter_dim, group, tag=""):
         funcol.wait_tensor(original(self, reduceOp, scatter_dim, group, tag))  # keeps its checks
         chunk, size = _own_chunk(self, _process_group(group), dim=scatter_dim)
@@ -117,8 +113,6 @@ def _wrap_dist_all_gather(original):
 
 
 def _wrap_funcol_all_gather(original):
-    from torch.distributed import _functional_collectives as funcol
-
     def all_gather(self, gather_dim, group, tag=""):
         funcol.wait_tensor(original(self, gather_dim, group, tag))  # keeps its checks
         size = dist.get_world_size(_process_group(group))
@@ -128,8 +122,6 @@ def _wrap_funcol_all_gather(original):
 
 
 def _wrap_funcol_all_to_all(original):
-    from torch.distributed import _functional_collectives as funcol
-
     def all_to_all(self, output_split_sizes, input_split_sizes, group, tag=""):
         funcol.wait_tensor(original(self, output_split_sizes, input_split_sizes, group, tag))  # keeps its checks
         rows = self.shape[0] if output_split_sizes is None else sum(output_split_sizes)

@@ -22,6 +22,7 @@ from typing import Callable
 
 from torch import nn
 
+from titan_lightning._compat import set_inductor_emulate_precision_casts
 from titan_lightning.config.quantize import Float8Config
 
 
@@ -71,11 +72,9 @@ def convert_to_float8(model: nn.Module, config: Float8Config) -> list[str]:
         raise ValueError(f"float8 converts the linears inside a model, not a bare {type(model).__name__}")
     convert_to_float8_training(model, module_filter_fn=keep, config=torchao_config(config))
     if config.recipe == "rowwise":
-        import torch._inductor.config
-
         # Inductor otherwise rounds the rowwise casts differently from eager (pytorch/pytorch#150859);
         # torchtitan sets it too.
-        torch._inductor.config.emulate_precision_casts = True
+        set_inductor_emulate_precision_casts()
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return sorted(converted, key=order.__getitem__)
 

@@ -22,9 +22,9 @@ cp * tp / ep. ``get("ep")`` and ``get("efsdp")`` read it.
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from titan_lightning._compat import clear_dtensor_caches, flatten_mesh
 from titan_lightning.config import ParallelismConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -117,14 +117,14 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, tuple(self.degree(d) for d in root_dims), mesh_dim_names=root_dims)
         views = {dim: mesh[dim] for dim in dims}
         for name, parts in LIGHTNING_NAMES.items():
-            views[name] = mesh[tuple(d for d in parts if d in root_dims)]._flatten(mesh_dim_name=name)
+            views[name] = flatten_mesh(mesh[tuple(d for d in parts if d in root_dims)], name)
         for name, parts in FLATTENED.items():
             present = tuple(d for d in parts if d in dims)
             if name == "stage" and not self.pp_enabled:
                 continue
             if len(present) > 1:
                 # Kept here: slicing a flattened dim back out of the root mesh is deprecated.
-                views[name] = mesh[present]._flatten(mesh_dim_name=name)
+                views[name] = flatten_mesh(mesh[present], name)
         if self.ep_enabled:
             # efsdp stays even at degree 1: expert FSDP and the ep-sharded weights then form
             # the 2-D (efsdp, ep) layout FSDP expects of DTensor parameters.
@@ -188,16 +188,4 @@ def release_dtensor_caches() -> None:
     lifetimes (tests, notebooks, fit then validate) calls this when a group is destroyed.
     These caches are torch internals, so each is cleared only where it exists.
     """
-    from torch.distributed.tensor import DTensor, _redistribute
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    for cached in (getattr(propagator, "propagate_op_sharding", None), getattr(propagator, "_propagate_tensor_meta_cached", None)):
-        for clear in (getattr(cached, "cache_clear", None), getattr(getattr(cached, "cache", None), "cache_clear", None)):
-            if clear is not None:
-                clear()
-    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
-    if native is not None:
-        native()
-    gen = getattr(_redistribute, "_gen_transform_infos", None)
-    if gen is not None and hasattr(gen, "cache_clear"):
-        gen.cache_clear()
+    clear_dtensor_caches()

@@ -127,7 +127,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from titan_lightning._compat import StridedShard as _StridedShard
 
 from titan_lightning.config import ConfigError
 

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch.distributed as dist
 
+from titan_lightning._compat import flight_recorders, process_group_names
 from titan_lightning.config.comm import CommConfig
 from titan_lightning.parallel.heartbeat import death_reported, output_target, run_prefix
 
@@ -62,13 +63,7 @@ def process_group_timeout(comm: CommConfig) -> timedelta:
 
 def _recorders() -> dict[str, Callable[..., bytes]]:
     """torch's flight recorders: the generic one (gloo, ...) and, in CUDA builds, NCCL's."""
-    import torch._C._distributed_c10d as c10d
-
-    found = {"fr": lambda collectives: c10d._dump_fr_trace_json(includeCollectives=collectives)}
-    if hasattr(c10d, "_dump_nccl_trace_json"):
-        found["nccl"] = lambda collectives: c10d._dump_nccl_trace_json(includeCollectives=collectives,
-                                                                       includeStackTraces=False)
-    return found
+    return flight_recorders()
 
 
 def _main_thread_at() -> str:
@@ -92,7 +87,7 @@ def _main_thread_at() -> str:
 
 def _group_ranks(name: str, world_size: int) -> list[int]:
     try:
-        for group, group_name in dist.distributed_c10d._world.pg_names.items():
+        for group, group_name in process_group_names().items():
             if group_name == name:
                 return dist.get_process_group_ranks(group)
     except Exception:  # noqa: BLE001 - torch's registry changed: every rank answers anyway

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from titan_lightning._compat import pipeline_schedule_from_csv
 from titan_lightning.config import ConfigError
 from titan_lightning.parallel.pipeline import PipelinePlan, stage_rank
 from titan_lightning.steps import starts_optimizer_step
@@ -135,11 +136,7 @@ class PipelineRunner:
         for stage in stages:
             stage.forward_one_chunk = self._first_chunk_hook(stage.forward_one_chunk)
         if self.schedule_csv is not None:
-            from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
-
-            schedule = _PipelineScheduleRuntime(stages, self.microbatches, loss_fn=self._loss_fn, scale_grads=False)
-            schedule._load_csv(self.schedule_csv)
-            return schedule
+            return pipeline_schedule_from_csv(stages, self.microbatches, self._loss_fn, self.schedule_csv)
         cls = get_schedule_class(self.schedule_name)
         if issubclass(cls, PipelineScheduleSingle):
             return cls(stages[0], self.microbatches, loss_fn=self._loss_fn, scale_grads=False)

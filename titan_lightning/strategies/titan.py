@@ -23,19 +23,20 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan_lightning import checkpoint as ckpt
+from titan_lightning._compat import ChildProcessObserver as _ChildProcessObserver
+from titan_lightning._compat import default_group
+from titan_lightning._compat import SubprocessScriptLauncher as _SubprocessScriptLauncher
+from titan_lightning._compat import distributed_is_initialized as _distributed_is_initialized
+from titan_lightning._compat import materialize_distributed_module as _materialize_distributed_module
+from titan_lightning._compat import optimizers_to_device as _optimizers_to_device
+from titan_lightning._compat import set_num_threads_if_needed as _set_num_threads_if_needed
 from titan_lightning.checkpoint import CheckpointError
 from titan_lightning.config import CommConfig, ConfigError, JobConfig, ParallelismConfig, TrainingConfig, validate_job
 from titan_lightning.config.training import DTYPES
@@ -218,7 +219,7 @@ class _Sharded:
         sharded = getattr(module, "_titan_sharded", None)
         if sharded is None:
             return None
-        group = dist.distributed_c10d._get_default_group() if _distributed_is_initialized() else None
+        group = default_group() if _distributed_is_initialized() else None
         if sharded.dims != dims or sharded.group is not group:
             now = f"for {dims.describe()}" if sharded.dims != dims else "in a new process group"
             raise ConfigError(
@@ -484,7 +485,7 @@ class TitanStrategy(ModelParallelStrategy):
                 placement=split.placement, schedule_csv=config.pp_schedule_csv,
                 stage_group=None if stage_mesh is None else stage_mesh.get_group(),
             )
-        module._titan_sharded = _Sharded(dims, self.mesh, dist.distributed_c10d._get_default_group() if
+        module._titan_sharded = _Sharded(dims, self.mesh, default_group() if
                                          _distributed_is_initialized() else None,
                                          (applied, self._sync_last_roots, self._module_is_root, self._outside_calls,
                                           self.pipeline))

@@ -21,7 +21,8 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from titan_lightning._compat import TorchDispatchMode
 
 _aten = torch.ops.aten
 FORBIDDEN_OPS = {

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from titan_lightning._compat import threaded_process_group
+
 
 def run_threaded(fn: Callable[..., Any], world_size: int, timeout: float = 120.0, **kwargs) -> list[Any]:
     """``fn(rank, world_size, **kwargs)`` on ``world_size`` thread ranks; their results in rank order.
@@ -19,16 +21,11 @@ def run_threaded(fn: Callable[..., Any], world_size: int, timeout: float = 120.0
     The first exception of any rank is raised here (the others are woken, not left waiting);
     a rank still running after ``timeout`` seconds raises ``TimeoutError``.
     """
-    import torch._C._distributed_c10d as c10d_c
-    from torch.testing._internal.distributed.multi_threaded_pg import (
-        ProcessLocalGroup,
-        _install_threaded_pg,
-        _uninstall_threaded_pg,
-    )
+    ProcessLocalGroup, set_thread_isolation_mode, _install_threaded_pg, _uninstall_threaded_pg = threaded_process_group()
 
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: must be at least 1")
-    c10d_c._set_thread_isolation_mode(True)
+    set_thread_isolation_mode(True)
     _install_threaded_pg()
     store = dist.HashStore()
     results: list[Any] = [None] * world_size
@@ -55,7 +52,7 @@ def run_threaded(fn: Callable[..., Any], world_size: int, timeout: float = 120.0
     finally:
         ProcessLocalGroup.reset()
         _uninstall_threaded_pg()
-        c10d_c._set_thread_isolation_mode(False)
+        set_thread_isolation_mode(False)
     if errors:
         rank, error = min(errors, key=lambda item: item[0])
         raise RuntimeError(f"thread rank {rank} of {world_size} failed: {error!r}") from error

@@ -155,10 +155,11 @@ def _child(request: dict) -> None:
                 sys.path.insert(0, entry)
         if request["cwd"] not in sys.path:
             sys.path.insert(0, request["cwd"])  # as `python -m` puts the working directory first
-        from lightning.fabric.utilities.rank_zero import _get_rank
         from lightning_utilities.core.rank_zero import rank_zero_only
 
-        rank_zero_only.rank = _get_rank()  # computed at import, from the server's environment
+        from titan_lightning._compat import lightning_rank  # (after sys.path is the request's)
+
+        rank_zero_only.rank = lightning_rank()  # computed at import, from the server's environment
         import random
 
         random.seed()
