@@ -649,7 +649,11 @@ class TitanStrategy(ModelParallelStrategy):
             # Also the param groups as ModelParallelStrategy saves them (a list; small values), so
             # that it resumes from this checkpoint too. Under PP each stage has groups of its own:
             # only the flattened ones (per parameter) say which is which.
-            state["param_groups"] = get_optimizer_state_dict(self.model, optimizer)["param_groups"]
+            # (built from the optimizer's groups: asking torch for the nested state would rebuild all of it)
+            names = {id(param): _clean_name(name) for name, param in self.model.named_parameters()}
+            state["param_groups"] = [{**{k: v for k, v in group.items() if k != "params"},
+                                      "params": [names[id(param)] for param in group["params"]]}
+                                     for group in optimizer.param_groups]
         return state
 
     def lightning_module_state_dict(self) -> dict[str, Any]:

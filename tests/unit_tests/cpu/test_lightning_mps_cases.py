@@ -53,8 +53,7 @@ def test_every_case_of_lightning_is_here():
 @pytest.mark.slow
 @pytest.mark.parametrize("case", cases.cases())
 def test_lightning_model_parallel_integration_case_passes_with_titan_strategy(case, results):
-    failures = [outcome for outcome in results[case] if outcome != "passed"]
-    assert not failures, failures[0]
+    _assert_passed(results, case)
 
 
 @pytest.mark.multi_process
@@ -62,5 +61,9 @@ def test_lightning_model_parallel_integration_case_passes_with_titan_strategy(ca
 @pytest.mark.parametrize("case", cases.crossing_cases())
 def test_checkpoints_cross_between_model_parallel_strategy_and_titan_strategy(case, results):
     """A sharded checkpoint of either resumes under the other and continues as under the first."""
+    _assert_passed(results, case)
+
+
+def _assert_passed(results: dict, case: str) -> None:
     failures = [outcome for outcome in results[case] if outcome != "passed"]
     assert not failures, failures[0]
