@@ -21,7 +21,7 @@ import datetime
 import importlib
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -444,20 +444,22 @@ def size_run(job_class: type, module_class: type, args, *, seq_len: int, lr: flo
 
 
 def on_layout(run: Run, **degrees) -> Run:
-    """``run`` on a parallel layout with the same global batch, so the same per-step losses.
+    """``run`` on a parallel layout with the same global batch, so the same per-step losses; the
+    run gets a derived job (the one it had is left as it was).
 
     The data-parallel degree must be explicit (``dp_shard=-1`` would depend on the launch).
     """
-    for name, value in degrees.items():
-        setattr(run.job.parallelism, name, value)
-    p = run.job.parallelism
-    run.job.training.tokens_per_microbatch_per_dp_rank //= p.dp_replicate * max(p.dp_shard, 1)
+    job = run.job
+    p = replace(job.parallelism, **degrees)
+    tokens = job.training.tokens_per_microbatch_per_dp_rank // (p.dp_replicate * max(p.dp_shard, 1))
+    run.set_job(replace(job, parallelism=p, training=replace(job.training, tokens_per_microbatch_per_dp_rank=tokens)))
     return run
 
 
 def with_cp(run: Run, attention: str = "allgather", *, cp: int, **degrees) -> Run:
-    """``run`` with a context-parallel attention over ``cp`` ranks, then ``on_layout(**degrees)``."""
-    return on_layout(apply_transforms(run, [ContextParallelTransform(attention=attention, cp=cp)]), **degrees)
+    """``run`` with a context-parallel attention over ``cp`` ranks, then ``on_layout(**degrees)``;
+    validated at launch, with the launch's world size (``apply_transforms`` validates at once)."""
+    return on_layout(transformed(run, [ContextParallelTransform(attention=attention, cp=cp)]), **degrees)
 
 
 # -- transforms: swap parts of a run's configuration tree, then validate the whole run --------
@@ -491,11 +493,20 @@ class ContextParallelTransform:
         job = run.job
         if job is None or not hasattr(job.model, "attention"):
             raise ConfigError(f"ContextParallelTransform needs a run whose model has `attention`; got {type(run.module).__name__}")
-        job.model.attention = self.attention
-        if self.cp is not None:
-            job.parallelism.cp = self.cp
+        degrees = {} if self.cp is None else {"cp": self.cp}
         if self.load_balancer is not _UNSET:
-            job.parallelism.cp_load_balancer = self.load_balancer
+            degrees["cp_load_balancer"] = self.load_balancer
+        run.set_job(replace(job, model=replace(job.model, attention=self.attention),
+                            parallelism=replace(job.parallelism, **degrees)))
+
+
+def transformed(run: Run, transforms: Sequence[Transform]) -> Run:
+    """A copy of ``run`` with ``transforms`` applied in order, not validated: a recipe's run is
+    validated at launch (``build_trainer``), once."""
+    result = copy.deepcopy(run)
+    for transform in transforms:
+        transform(result)
+    return result
 
 
 def apply_transforms(run: Run, transforms: Sequence[Transform], *, world_size: Optional[int] = None) -> Run:
@@ -503,9 +514,7 @@ def apply_transforms(run: Run, transforms: Sequence[Transform], *, world_size: O
 
     ``world_size`` defaults to the product of the degrees (``dp_shard=-1`` counted as 1).
     """
-    result = copy.deepcopy(run)
-    for transform in transforms:
-        transform(result)
+    result = transformed(run, transforms)
     job = result.job
     if job is not None:
         p = job.parallelism

@@ -4,13 +4,16 @@ Each runs once per launch: a strategy's own degrees (``validate_degrees``) when 
 built, before any process is spawned; the job (``validate_job``), the strategy against it
 (``validate_strategy``) and the module's plans (``validate_tp_plan``, ``validate_pipeline_plan``)
 in the strategy's ``check_module``, which ``build_trainer`` calls (a Trainer built by hand: at
-``setup_environment``). Every message names the fields, their values and what would be valid.
+``setup_environment``). ``validate_job`` remembers the jobs it passed: asked again about the same
+object, unchanged and for the same launch, it returns at once. Every message names the fields,
+their values and what would be valid.
 """
 
 import csv
 import os
 import re
 import warnings
+import weakref
 from typing import Optional, Sequence
 
 from titan_lightning.config.job import CP_ATTENTIONS, JobConfig
@@ -21,9 +24,27 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message is one line."""
 
 
+# id(job) -> (the job, weakly; what it passed for): the jobs validate_job has passed.
+_PASSED: dict[int, tuple[weakref.ref, tuple]] = {}
+
+
 def validate_job(job: JobConfig, *, world_size: int, max_steps: Optional[int] = None, fake_pg: bool = False,
                  device_type: Optional[str] = None) -> None:
-    # Recipes derive runs by assigning fields, which skips __post_init__: run it again.
+    """Every rule of a run's job, for a launch on ``world_size`` ranks (the schedule too given
+    ``max_steps``, the kernels given ``device_type``). Once per launch: this same object, unchanged
+    since it passed with these arguments, is not checked again."""
+    launch = (world_size, max_steps, fake_pg, device_type)
+    known = _PASSED.get(id(job))
+    if known is not None and known[0]() is job and known[1] == (*launch, repr(job)):
+        return
+    _check_job(job, world_size=world_size, max_steps=max_steps, fake_pg=fake_pg, device_type=device_type)
+    key = id(job)  # (__post_init__ may have normalized a field: the job as it passed)
+    _PASSED[key] = (weakref.ref(job, lambda _: _PASSED.pop(key, None)), (*launch, repr(job)))
+
+
+def _check_job(job: JobConfig, *, world_size: int, max_steps: Optional[int], fake_pg: bool,
+               device_type: Optional[str]) -> None:
+    # A job whose fields were assigned after construction skipped __post_init__: run it again.
     for section in (job.model, job.training, job.parallelism, job.optimizer, job.lr_schedule, job.data,
                     job.activation_checkpoint, job.checkpoint, job.compile, job.quantize, job.profiling):
         section.__post_init__()
