@@ -120,6 +120,11 @@ def validate_pipeline_degrees(p: ParallelismConfig) -> None:
             f"parallelism.pp_schedule={p.pp_schedule!r} places 2 stages per rank in a V; "
             f"parallelism.pp_stages_per_rank={spr} must be 2"
         )
+    if p.pp_stage_modules is not None and len(p.pp_stage_modules) != p.num_stages:
+        raise ConfigError(
+            f"parallelism.pp_stage_modules lists {len(p.pp_stage_modules)} stages, but pp={p.pp} x "
+            f"{spr} stages per rank = {p.num_stages}"
+        )
     if p.pp_schedule == "1F1B" and p.pp_microbatches < p.pp:
         raise ConfigError(
             f"parallelism.pp_microbatches={p.pp_microbatches} must be >= parallelism.pp={p.pp} for the 1F1B "
@@ -194,22 +199,23 @@ def validate_pipeline(job: JobConfig) -> None:
     if p.pp == 1:
         return
     n_layers = getattr(job.model, "n_layers", None)
-    if n_layers is not None and p.num_stages > n_layers:
-        raise ConfigError(
-            f"parallelism.pp={p.pp} x {p.stages_per_rank} stages per rank = {p.num_stages} stages is more than "
-            f"model.n_layers={n_layers}; use fewer stages"
-        )
-    if p.pp_stage_modules is not None and len(p.pp_stage_modules) != p.num_stages:
-        raise ConfigError(
-            f"parallelism.pp_stage_modules lists {len(p.pp_stage_modules)} stages, but pp={p.pp} x "
-            f"{p.stages_per_rank} stages per rank = {p.num_stages}"
-        )
+    if n_layers is not None:
+        validate_stage_count(p, n_layers)
     batch = job.training.microbatch_size
     if batch % p.pp_microbatches:
         raise ConfigError(
             f"parallelism.pp_microbatches={p.pp_microbatches} must divide the local batch of {batch} sequences "
             f"(training.tokens_per_microbatch_per_dp_rank={job.training.tokens_per_microbatch_per_dp_rank} / "
             f"seq_len={job.training.seq_len})"
+        )
+
+
+def validate_stage_count(p: ParallelismConfig, n_layers: int, layers: str = "model.n_layers") -> None:
+    """No more pipeline stages than the model has blocks (``layers``: what counted them)."""
+    if p.num_stages > n_layers:
+        raise ConfigError(
+            f"parallelism.pp={p.pp} x {p.stages_per_rank} stages per rank = {p.num_stages} stages is more than "
+            f"{layers}={n_layers}; use fewer stages"
         )
 
 
