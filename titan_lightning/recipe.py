@@ -38,19 +38,17 @@ from titan_lightning.callbacks.weights import ExportWeights, LoadWeights, check_
 from titan_lightning.config import ConfigError, JobConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig, validate_job
 from titan_lightning.config.job import CP_ATTENTIONS
 from titan_lightning.config.parallelism import CP_LOAD_BALANCERS
-from titan_lightning.config.validation import gradient_accumulation_steps
+from titan_lightning.config.validation import (
+    TRAINER_ARGS_SET_BY_JOB,
+    gradient_accumulation_steps,
+    precision_dtypes,
+    validate_trainer_args,
+    validate_vocab,
+)
 from titan_lightning.data.datamodule import TextDataModule
 from titan_lightning.strategies import TitanStrategy
 
 RUN_DIR_ENV = "TITAN_LIGHTNING_RUN_DIR"
-
-
-# Trainer arguments a JobConfig owns: (the field to set instead, Trainer's default).
-_SET_BY_JOB = {
-    "gradient_clip_val": ("job.training.max_grad_norm", None),
-    "deterministic": ("job.training.deterministic", None),
-    "accumulate_grad_batches": ("job.training.tokens_per_step", 1),
-}
 
 
 class RecipeError(ValueError):
@@ -179,40 +177,15 @@ def run_dir(run: Run, root: Optional[str]) -> Path:
 
 def _validate_vocab(run: Run, job: JobConfig) -> None:
     tokenizer = getattr(run.datamodule, "tokenizer", None)
-    if tokenizer is not None and tokenizer.vocab_size > job.model.vocab_size:
-        raise ConfigError(
-            f"the data's tokenizer has {tokenizer.vocab_size} tokens, more than model.vocab_size="
-            f"{job.model.vocab_size}; use a model vocab_size >= {tokenizer.vocab_size}"
-        )
-
-
-# Lightning's precision flag -> (training.dtype, training.mixed_precision_param). The strategy
-# applies it (FSDP's mixed-precision policy, or autocast on one device); Lightning's own
-# precision plugin stays at 32-true so that nothing autocasts twice.
-_PRECISION = {
-    "32-true": ("float32", "float32"), "32": ("float32", "float32"), 32: ("float32", "float32"),
-    "bf16-mixed": ("float32", "bfloat16"), "bf16-true": ("bfloat16", "bfloat16"),
-}
+    if tokenizer is not None:
+        validate_vocab(job, tokenizer.vocab_size)
 
 
 def _apply_precision(kwargs: dict[str, Any], job: JobConfig) -> None:
     """Map ``trainer.precision`` onto the job's training dtypes (fp32 reduce stays as the job says)."""
     precision = kwargs.pop("precision", None)
-    if precision is None:
-        return
-    if precision not in _PRECISION:
-        raise ConfigError(
-            f"trainer.precision={precision!r} is not supported; use one of 32-true, bf16-mixed, bf16-true "
-            f"(or set training.dtype / training.mixed_precision_param)"
-        )
-    t = job.training
-    dtype, param = _PRECISION[precision]
-    if (t.dtype, t.mixed_precision_param) not in ((dtype, param), ("float32", "float32")):
-        raise ConfigError(
-            f"trainer.precision={precision!r} disagrees with training.dtype={t.dtype!r}, "
-            f"training.mixed_precision_param={t.mixed_precision_param!r}; set the precision in one place"
-        )
-    t.dtype, t.mixed_precision_param = dtype, param
+    if precision is not None:
+        job.training.dtype, job.training.mixed_precision_param = precision_dtypes(precision, job.training)
 
 
 def checkpoint_callback(job: Optional[JobConfig], folder: Path) -> ModelCheckpoint:
@@ -362,10 +335,9 @@ def build_trainer(run: Run) -> L.Trainer:
     kwargs = dict(run.trainer)
     job = run.job
     if job is not None:
-        for key, (instead, default) in _SET_BY_JOB.items():
-            value = kwargs.pop(key, default)
-            if value != default:
-                raise ConfigError(f"trainer.{key}={value!r} is set by {instead}; set that instead")
+        validate_trainer_args(kwargs)
+        for key in TRAINER_ARGS_SET_BY_JOB:
+            kwargs.pop(key, None)
         kwargs["deterministic"] = job.training.deterministic or None
         _apply_precision(kwargs, job)
         if kwargs.get("strategy", "auto") == "auto":
@@ -492,7 +464,7 @@ class ContextParallelTransform:
     def __call__(self, run: Run) -> None:
         job = run.job
         if job is None or not hasattr(job.model, "attention"):
-            raise ConfigError(f"ContextParallelTransform needs a run whose model has `attention`; got {type(run.module).__name__}")
+            raise RecipeError(f"ContextParallelTransform needs a run whose model has `attention`; got {type(run.module).__name__}")
         degrees = {} if self.cp is None else {"cp": self.cp}
         if self.load_balancer is not _UNSET:
             degrees["cp_load_balancer"] = self.load_balancer

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 from titan_lightning.config.job import CP_ATTENTIONS, JobConfig
 from titan_lightning.config.parallelism import LOOPED_PP_SCHEDULES, V_PP_SCHEDULES, ParallelismConfig
+from titan_lightning.config.training import TrainingConfig
 
 
 class ConfigError(ValueError):
@@ -383,6 +384,58 @@ def validate_estimate(job: JobConfig, world_size: int, rank: int) -> None:
         )
     if not 0 <= rank < world_size:
         raise ConfigError(f"--rank={rank} must be in [0, --world_size={world_size})")
+
+
+# -- the Trainer's arguments and the data against the job ------------------------------------
+
+# Trainer arguments a JobConfig owns: (the field to set instead, Trainer's default).
+TRAINER_ARGS_SET_BY_JOB = {
+    "gradient_clip_val": ("job.training.max_grad_norm", None),
+    "deterministic": ("job.training.deterministic", None),
+    "accumulate_grad_batches": ("job.training.tokens_per_step", 1),
+}
+
+# Lightning's precision flag -> (training.dtype, training.mixed_precision_param). The strategy
+# applies it (FSDP's mixed-precision policy, or autocast on one device); Lightning's own
+# precision plugin stays at 32-true so that nothing autocasts twice.
+LIGHTNING_PRECISIONS = {
+    "32-true": ("float32", "float32"), "32": ("float32", "float32"), 32: ("float32", "float32"),
+    "bf16-mixed": ("float32", "bfloat16"), "bf16-true": ("bfloat16", "bfloat16"),
+}
+
+
+def validate_trainer_args(trainer: dict) -> None:
+    """A run with a job leaves the Trainer arguments the job owns at their defaults."""
+    for key, (instead, default) in TRAINER_ARGS_SET_BY_JOB.items():
+        value = trainer.get(key, default)
+        if value != default:
+            raise ConfigError(f"trainer.{key}={value!r} is set by {instead}; set that instead")
+
+
+def precision_dtypes(precision, training: TrainingConfig) -> tuple[str, str]:
+    """(training.dtype, training.mixed_precision_param) for Lightning's ``trainer.precision``;
+    refused when unsupported or when ``training`` sets other dtypes."""
+    if precision not in LIGHTNING_PRECISIONS:
+        raise ConfigError(
+            f"trainer.precision={precision!r} is not supported; use one of 32-true, bf16-mixed, bf16-true "
+            f"(or set training.dtype / training.mixed_precision_param)"
+        )
+    dtypes = LIGHTNING_PRECISIONS[precision]
+    if (training.dtype, training.mixed_precision_param) not in (dtypes, ("float32", "float32")):
+        raise ConfigError(
+            f"trainer.precision={precision!r} disagrees with training.dtype={training.dtype!r}, "
+            f"training.mixed_precision_param={training.mixed_precision_param!r}; set the precision in one place"
+        )
+    return dtypes
+
+
+def validate_vocab(job: JobConfig, tokenizer_vocab_size: int) -> None:
+    """The data's tokenizer produces only ids the model embeds."""
+    if tokenizer_vocab_size > job.model.vocab_size:
+        raise ConfigError(
+            f"the data's tokenizer has {tokenizer_vocab_size} tokens, more than model.vocab_size="
+            f"{job.model.vocab_size}; use a model vocab_size >= {tokenizer_vocab_size}"
+        )
 
 
 # -- a strategy and the module it runs --------------------------------------------------------
