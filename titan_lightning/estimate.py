@@ -91,7 +91,7 @@ COMPILE_BACKEND = "titan_estimate"
 
 class EstimateError(ValueError):
     """A run the estimator cannot model (not a titan_lightning model, or an op that needs tensor
-    values); the message is one line. Bad configurations raise ConfigError, before."""
+    values); the message is one line. A bad configuration fails validation (ConfigError) first."""
 
 
 @dataclass(kw_only=True)
