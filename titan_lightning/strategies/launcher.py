@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning as L
 
@@ -16,7 +16,8 @@ from titan_lightning._compat import ChildProcessObserver as _ChildProcessObserve
 from titan_lightning._compat import SubprocessScriptLauncher as _SubprocessScriptLauncher
 from titan_lightning._compat import set_num_threads_if_needed as _set_num_threads_if_needed
 from titan_lightning.config import CommConfig
-from titan_lightning.parallel.heartbeat import output_target
+from titan_lightning.parallel.heartbeat import Heartbeat, output_target
+from titan_lightning.parallel.watchdog import Watchdog, set_comm_environment
 
 
 class _Launcher(_SubprocessScriptLauncher):
@@ -80,11 +81,31 @@ def stop_watching(launcher: Any) -> None:
         launcher._observer.stopped = True
 
 
-def comm_settings(module: L.LightningModule) -> tuple[CommConfig, Path]:
-    """The module's ``job.comm`` (torchtitan's defaults without a job) and where a hang's traces go."""
+def set_comm(module: L.LightningModule, backend: str) -> tuple[CommConfig, Path]:
+    """Before the process group starts: the environment of the module's ``job.comm`` (torchtitan's
+    defaults without a job) for ``backend``; returns it and where a hang's traces go."""
     job = getattr(module, "job", None)
     try:
         root = Path(module.trainer.default_root_dir)
     except RuntimeError:  # not attached to a Trainer
         root = Path.cwd()
-    return (job.comm if job is not None else CommConfig()), root / "comm_traces"
+    comm, traces = (job.comm if job is not None else CommConfig()), root / "comm_traces"
+    set_comm_environment(comm, traces, backend)
+    return comm, traces
+
+
+def watch(module: L.LightningModule, comm: CommConfig, traces: Path, *, ignore: list,
+          launcher: Callable[[], Any]) -> tuple[Optional[Heartbeat], Optional[Watchdog]]:
+    """Once the process group is up: the heartbeat, which names a rank that dies
+    (parallel/heartbeat.py), and the watchdog, which names a hung rank (parallel/watchdog.py) and
+    makes every rank leave (no news for ``launcher()``'s watch); None where they cannot run."""
+    heartbeat = Heartbeat.from_env()
+    return heartbeat, Watchdog.from_env(comm, traces, steps=lambda: module.trainer.global_step, ignore=ignore,
+                                        on_hang=lambda: stop_watching(launcher()))
+
+
+def stop_watch(heartbeat: Optional[Heartbeat], watchdog: Optional[Watchdog], *, failed: bool) -> None:
+    if heartbeat is not None and not failed:
+        heartbeat.stop()  # (after a failure it beats on: the peers are told who really died)
+    if watchdog is not None:
+        watchdog.stop()

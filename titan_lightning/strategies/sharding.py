@@ -1,7 +1,8 @@
-"""What TitanStrategy does to a LightningModule between Lightning's hooks: shards it (every
-parallelism through ``parallel.parallelize``), materializes it, and keeps the result on the
-module (``Sharded``) so a later run of the same module reuses it; and what each step needs of
-that: the batch's sequences sliced for CP, the loss in ``loss_parallel``."""
+"""What TitanStrategy does to a LightningModule between Lightning's hooks: the degrees it was
+given, the device mesh, sharding (every parallelism through ``parallel.parallelize``) and
+materializing the module, kept on the module (``Sharded``) so a later run of the same module
+reuses it; and what the steps need of that: the batch's sequences sliced for CP, the loss in
+``loss_parallel``, the seeds of this rank's place in the mesh, float8's scales after a step."""
 
 import weakref
 from contextlib import contextmanager, nullcontext
@@ -20,9 +21,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 from titan_lightning._compat import default_group
 from titan_lightning._compat import distributed_is_initialized as _distributed_is_initialized
 from titan_lightning._compat import materialize_distributed_module as _materialize_distributed_module
-from titan_lightning.config import ConfigError, JobConfig
+from titan_lightning.config import ConfigError, JobConfig, ParallelismConfig, TrainingConfig
+from titan_lightning.config.training import DTYPES
 from titan_lightning.parallel.context import ContextParallel
-from titan_lightning.config import ParallelismConfig
+from titan_lightning.parallel.determinism import set_determinism
 from titan_lightning.parallel.float8 import precompute_float8_scales
 from titan_lightning.parallel.fsdp import OutsideCalls, find_repeated_blocks
 from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_caches
@@ -31,20 +33,39 @@ from titan_lightning.parallel.pipeline import describe_split
 from titan_lightning.strategies.pipeline import PipelineRunner
 
 
-def lightning_sizes(strategy: str, data_parallel_size: Any, tensor_parallel_size: Any,
-                    own_degrees: Optional[str]) -> Optional[tuple[Any, Any]]:
-    """ModelParallelStrategy's ``data_parallel_size``/``tensor_parallel_size`` (FSDP over the one,
-    TP over the other; its mesh names too) as given to the strategy, "auto" where one is left out;
-    None when neither is given. ``own_degrees``: what else was given (they exclude each other)."""
-    if data_parallel_size is None and tensor_parallel_size is None:
-        return None
-    if own_degrees is not None:
-        raise ValueError(f"{strategy} takes either ModelParallelStrategy's data_parallel_size/"
-                         f"tensor_parallel_size or its own degrees ({own_degrees}), not both")
-    for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
-        if size is not None and size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise ValueError(f"{strategy}({name}={size!r}): expected a positive int or 'auto'")
-    return (data_parallel_size or "auto", tensor_parallel_size or "auto")
+def given_degrees(strategy: str, parallelism: Optional[ParallelismConfig], degrees: dict[str, Any],
+                  data_parallel_size: Any, tensor_parallel_size: Any,
+                  mixed_precision: tuple[str, str]) -> tuple[Optional[ParallelismConfig], Optional[tuple[Any, Any]]]:
+    """What a strategy was given, checked: (its own degrees or None, ModelParallelStrategy's
+    ``(data_parallel_size, tensor_parallel_size)`` or None). Those sizes (FSDP over the one, TP over
+    the other; its mesh names too) are "auto" where one is left out, resolved at launch."""
+    if parallelism is not None and degrees:
+        raise ValueError("TitanStrategy takes either parallelism=ParallelismConfig(...) or degrees, not both")
+    sizes = None
+    if data_parallel_size is not None or tensor_parallel_size is not None:
+        if parallelism is not None or degrees:
+            raise ValueError(
+                f"{strategy} takes either ModelParallelStrategy's data_parallel_size/"
+                f"tensor_parallel_size or its own degrees ({', '.join(sorted(degrees)) or 'parallelism'}), not both"
+            )
+        for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
+            if size is not None and size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+                raise ValueError(f"{strategy}({name}={size!r}): expected a positive int or 'auto'")
+        sizes = (data_parallel_size or "auto", tensor_parallel_size or "auto")
+    for name, value in zip(("mixed_precision_param", "mixed_precision_reduce"), mixed_precision):
+        if value not in DTYPES:
+            raise ValueError(f"TitanStrategy({name}={value!r}): expected one of {', '.join(DTYPES)}")
+    return (parallelism if parallelism is not None else (ParallelismConfig(**degrees) if degrees else None)), sizes
+
+
+def job_of(module: L.LightningModule, parallelism: ParallelismConfig, mixed_precision: tuple[str, str]) -> JobConfig:
+    """The module's job; for a module without one, the strategy's degrees and precision."""
+    job = getattr(module, "job", None)
+    if job is not None:
+        return job
+    param, reduce = mixed_precision
+    return JobConfig(parallelism=parallelism,
+                     training=TrainingConfig(mixed_precision_param=param, mixed_precision_reduce=reduce))
 
 
 def parallelizes_itself(module: L.LightningModule) -> bool:
@@ -133,7 +154,7 @@ def shard(module: L.LightningModule, mesh: Mesh, job: JobConfig, device: torch.d
         dims, mesh, applied,
         # (under PP the schedule syncs gradients per stage itself)
         sync_last_roots=applied.fsdp_roots if config.fsdp_sync_last_microbatch_only and split is None else [],
-        # see TitanStrategy._call_step
+        # see step_hooks.call_step
         module_is_root=inner is None and split is None and not user_fsdp and (dims.fsdp_enabled or dims.dp_replicate_enabled))
     if inner is not None:
         module.materialize(device)
@@ -194,6 +215,20 @@ def loss_parallel_context(sharded: Optional[Sharded]):
     """Around a step and its backward: our plan's vocab-sharded logits go into the loss (a module
     that applied its own TP enters ``loss_parallel()`` itself, as with ModelParallelStrategy)."""
     return nestable_loss_parallel() if sharded is not None and sharded.applied.loss_parallel else nullcontext()
+
+
+def seed(job: JobConfig, mesh: Mesh, device_type: str) -> Any:
+    """``job.training``'s seed and determinism for this rank (each pipeline stage its own seeds);
+    the handle that restores what was there before."""
+    pp_rank, pp = mesh.rank_and_size("pp")
+    return set_determinism(job.training.seed, deterministic=job.training.deterministic, device_type=device_type,
+                           pp_rank=pp_rank, pp=pp, cpu_threads=job.training.cpu_threads)
+
+
+def loss_group(mesh: Optional[Mesh]) -> Any:
+    """The ranks a logged loss is averaged over: data-parallel x CP (TP ranks hold equal values)."""
+    loss_mesh = mesh.get("dp_cp") if mesh is not None else None
+    return None if loss_mesh is None else loss_mesh.get_group()
 
 
 def after_optimizer_step(sharded: Sharded, job: JobConfig) -> None:

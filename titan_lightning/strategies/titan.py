@@ -1,19 +1,13 @@
 """TitanStrategy: N-D parallelism (FSDP2/HSDP/DDP, TP, CP, PP, EP) as one Lightning strategy.
 
-The strategy owns the device mesh, applies the parallelisms in their fixed order
-(titan_lightning/parallel/parallelize.py), then materializes the meta-device model with its
-deterministic init. The LightningModule's code is the same on every layout; under PP the
-strategy runs the schedule (see titan_lightning/strategies/pipeline.py).
-
-Degrees come from the module's ``job.parallelism`` when it has one (every titan_lightning
-model does), else from the strategy's own arguments: ``TitanStrategy(dp_shard=2, tp=2)``.
-
-Each hook hands its work to a room of its own: launcher.py (starting and watching the ranks),
-sharding.py (mesh, parallelize, materialize), logs.py (what a step logs, averaged over its
-microbatches), checkpoint_io.py (checkpoint bodies), pipeline.py (the schedule).
+It owns the device mesh, applies the parallelisms in their fixed order (parallel/parallelize.py),
+then materializes the meta-device model with its deterministic init; the LightningModule's code is
+the same on every layout. Degrees: the module's ``job.parallelism`` (every titan_lightning model
+has one), else the strategy's own (``TitanStrategy(dp_shard=2, tp=2)``). Each hook hands its work
+to a room: launcher.py (the ranks), sharding.py (mesh, parallelize, materialize), step_hooks.py and
+logs.py (the steps), pipeline.py (the schedule under PP), checkpoint_io.py (checkpoints).
 """
 
-from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -27,10 +21,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from titan_lightning import checkpoint as ckpt
-from titan_lightning._compat import distributed_is_initialized as _distributed_is_initialized
-from titan_lightning._compat import optimizers_to_device as _optimizers_to_device
-from titan_lightning.config import JobConfig, ParallelismConfig, TrainingConfig, validate_job
-from titan_lightning.config.training import DTYPES
+from titan_lightning._compat import distributed_is_initialized, optimizers_to_device
+from titan_lightning.config import JobConfig, ParallelismConfig, validate_job
 from titan_lightning.config.validation import (
     validate_degrees,
     validate_lightning_sizes,
@@ -38,15 +30,13 @@ from titan_lightning.config.validation import (
     validate_strategy,
     validate_tp_plan,
 )
-from titan_lightning.parallel.determinism import set_determinism
 from titan_lightning.parallel.heartbeat import Heartbeat
 from titan_lightning.parallel.mesh import Mesh, ParallelDims
 from titan_lightning.parallel.tensor import FUSED, check_tp_plan
-from titan_lightning.parallel.watchdog import Watchdog, process_group_timeout, set_comm_environment
-from titan_lightning.steps import ends_optimizer_step
-from titan_lightning.strategies import checkpoint_io, sharding
-from titan_lightning.strategies.launcher import comm_settings, launcher, stop_watching
-from titan_lightning.strategies.logs import StepLogs, patched, record_logs
+from titan_lightning.parallel.watchdog import Watchdog, process_group_timeout
+from titan_lightning.strategies import checkpoint_io, sharding, step_hooks
+from titan_lightning.strategies.launcher import launcher, set_comm, stop_watch, watch
+from titan_lightning.strategies.logs import StepLogs
 from titan_lightning.strategies.pipeline import PipelineRunner, clip_across_stages
 
 
@@ -83,17 +73,9 @@ class TitanStrategy(ModelParallelStrategy):
     ) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        if parallelism is not None and degrees:
-            raise ValueError("TitanStrategy takes either parallelism=ParallelismConfig(...) or degrees, not both")
-        # ModelParallelStrategy's sizes: FSDP over data_parallel_size ranks, TP over tensor_parallel_size.
-        self._lightning_sizes = sharding.lightning_sizes(
-            type(self).__name__, data_parallel_size, tensor_parallel_size,
-            ", ".join(sorted(degrees)) or "parallelism" if parallelism is not None or degrees else None)
-        for name, value in (("mixed_precision_param", mixed_precision_param), ("mixed_precision_reduce", mixed_precision_reduce)):
-            if value not in DTYPES:
-                raise ValueError(f"TitanStrategy({name}={value!r}): expected one of {', '.join(DTYPES)}")
-        self._parallelism = parallelism if parallelism is not None else (ParallelismConfig(**degrees) if degrees else None)
         self._mixed_precision = (mixed_precision_param, mixed_precision_reduce)
+        self._parallelism, self._lightning_sizes = sharding.given_degrees(
+            type(self).__name__, parallelism, degrees, data_parallel_size, tensor_parallel_size, self._mixed_precision)
         self.dims: Optional[ParallelDims] = None
         self.mesh: Optional[Mesh] = None
         self._sharded: Optional[sharding.Sharded] = None  # what parallelize made of the module
@@ -115,13 +97,7 @@ class TitanStrategy(ModelParallelStrategy):
         return ParallelismConfig()
 
     def _job(self, module: L.LightningModule) -> JobConfig:
-        """The module's job; for a module without one, the strategy's degrees and precision."""
-        job = getattr(module, "job", None)
-        if job is not None:
-            return job
-        param, reduce = self._mixed_precision
-        return JobConfig(parallelism=self.parallelism(module),
-                         training=TrainingConfig(mixed_precision_param=param, mixed_precision_reduce=reduce))
+        return sharding.job_of(module, self.parallelism(module), self._mixed_precision)
 
     @property
     def pipeline(self) -> Optional[PipelineRunner]:
@@ -173,8 +149,7 @@ class TitanStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         module, self._failed = self.lightning_module, False  # (a strategy may run again after a fit that raised)
         self.check_module(module)  # (done already when build_trainer built the Trainer)
-        comm, traces = comm_settings(module)
-        set_comm_environment(comm, traces, self._get_process_group_backend())
+        comm, traces = set_comm(module, self._get_process_group_backend())
         if self._timeout == default_pg_timeout:  # (a timeout passed to the strategy wins)
             self._timeout = process_group_timeout(comm)
         self._setup_distributed()
@@ -182,17 +157,10 @@ class TitanStrategy(ModelParallelStrategy):
                                                    lightning_names=self._lightning_sizes is not None)
         self._device_mesh = module._device_mesh = self.mesh.device_mesh
         self._checkpoint_writer = ckpt.CheckpointWriter(ckpt.checkpoint_group())
-        self.heartbeat = Heartbeat.from_env()  # names a rank that dies (see parallel/heartbeat.py)
-        # The watchdog names a hung rank (parallel/watchdog.py) and every rank leaves: no news for the launcher.
-        self.watchdog = Watchdog.from_env(comm, traces, steps=lambda: module.trainer.global_step,
-                                          ignore=[self._checkpoint_writer.group],
-                                          on_hang=lambda: stop_watching(self._launcher))
-        job = getattr(module, "job", None)
-        if job is not None:  # (only modules that carry a job, every titan_lightning model, say how to seed)
-            pp_rank, pp = self.mesh.rank_and_size("pp")
-            self._determinism = set_determinism(
-                job.training.seed, deterministic=job.training.deterministic, device_type=self.root_device.type,
-                pp_rank=pp_rank, pp=pp, cpu_threads=job.training.cpu_threads)
+        self.heartbeat, self.watchdog = watch(module, comm, traces, ignore=[self._checkpoint_writer.group],
+                                              launcher=lambda: self._launcher)
+        if getattr(module, "job", None) is not None:  # (only modules with a job, as ours, say how to seed)
+            self._determinism = sharding.seed(module.job, self.mesh, self.root_device.type)
 
     @property
     @override
@@ -214,7 +182,7 @@ class TitanStrategy(ModelParallelStrategy):
         if self.pipeline is not None:
             clip_across_stages(self.precision_plugin, self.pipeline.pp_group)
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def parallelize(self, module: L.LightningModule) -> None:
         """parallel.parallelize (PP split, TP, CP, EP, AC, compile, FSDP/DDP), then materialize."""
@@ -238,59 +206,26 @@ class TitanStrategy(ModelParallelStrategy):
                                        tp_plan=None if user_tp else plan, user_fsdp=user_fsdp, ddp=not self.fake_pg,
                                        previous=self._sharded)
 
-    def _step(self, hook: str, args: tuple, kwargs: dict, records: Optional[list] = None) -> Any:
-        """A step hook on this rank's slice of the batch; ``records``: what it logs goes there."""
-        args = sharding.shard_sequence(self._sharded.applied.cp, args)
-        with sharding.loss_parallel_context(self._sharded):
-            if self.pipeline is not None:
-                job = getattr(self.lightning_module, "job", None)
-                return self.pipeline.step(hook, args, kwargs, precision=self.precision_plugin, records=records,
-                                          training=job.training if job is not None else None, fsdp=self.dims.fsdp_enabled)
-            with patched(self.lightning_module, "log", record_logs(records)) if records is not None else nullcontext():
-                return self._call_step(hook, args, kwargs)
-
-    def _call_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
-        """The module's step hook (no pipeline). When the LightningModule itself is FSDP's (or DDP's)
-        root, the hook runs inside the root's forward, through Lightning's own redirection (as its
-        DDP and FSDP strategies do): FSDP gathers the root's own parameters (an embedding, a head,
-        the LightningModule's own) in its pre-forward hook and DDP prepares its reduction in its
-        post-forward hook, which a step calling ``self.model(x)`` would never run."""
-        if not self._sharded.module_is_root:
-            return getattr(super(), hook)(*args, **kwargs)
-        with getattr(self.precision_plugin, _STEP_CONTEXTS[hook])():
-            return self._forward_redirection(self.model, self.lightning_module, hook, *args, **kwargs)
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The module's training_step (through the pipeline schedule under PP). With several
         microbatches per optimizer step (gradient accumulation, or PP microbatches), what the
         module logs is averaged over the step's microbatches and logged once, at its last."""
-        trainer = self.lightning_module.trainer
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
-        ends_step = ends_optimizer_step(trainer, trainer.fit_loop.epoch_loop.batch_idx if batch_idx is None else batch_idx)
-        # parallelism.fsdp_sync_last_microbatch_only: FSDP reduces gradients on a window's last microbatch only.
-        for root in self._sharded.sync_last_roots if batch_idx is not None else ():
-            root.set_requires_gradient_sync(ends_step)
-        if trainer.accumulate_grad_batches == 1 and self.pipeline is None:
-            return self._step("training_step", args, kwargs)
-        records: list = []
-        loss = self._step("training_step", args, kwargs, records=records)
-        self._step_logs.add(records, self.lightning_module, self.root_device, ends_step=ends_step)
-        return loss
+        return step_hooks.training_step(self, args, kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("validation_step", args, kwargs)
+        return step_hooks.step(self, "validation_step", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("test_step", args, kwargs)
+        return step_hooks.step(self, "test_step", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline is not None:
             raise NotImplementedError("predict under pipeline parallelism is not supported; predict with pp=1")
-        return self._call_step("predict_step", args, kwargs)
+        return step_hooks.call_step(self, "predict_step", args, kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
@@ -339,14 +274,10 @@ class TitanStrategy(ModelParallelStrategy):
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
         """Reduce over the data-parallel x CP ranks (TP ranks hold equal values) by default."""
-        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+        if not isinstance(tensor, Tensor) or not distributed_is_initialized():
             return tensor
-        if group is None:
-            loss_mesh = self.mesh.get("dp_cp") if self.mesh is not None else None
-            if loss_mesh is None:
-                return tensor
-            group = loss_mesh.get_group()
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        group = sharding.loss_group(self.mesh) if group is None else group
+        return tensor if group is None else super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -361,16 +292,8 @@ class TitanStrategy(ModelParallelStrategy):
         failed = getattr(self, "_failed", False)
         if not failed:
             self._checkpoint_writer.wait()  # an asynchronous save still being written
-        if getattr(self, "heartbeat", None) is not None and not failed:
-            self.heartbeat.stop()  # (after a failure it beats on: the peers are told who really died)
-        if getattr(self, "watchdog", None) is not None:
-            self.watchdog.stop()
+        stop_watch(getattr(self, "heartbeat", None), getattr(self, "watchdog", None), failed=failed)
         super().teardown()
         if getattr(self, "_determinism", None) is not None:
             self._determinism.restore()
             self._determinism = None
-
-
-# The precision plugin's context around each step hook (as Lightning's own strategies enter it).
-_STEP_CONTEXTS = {"training_step": "train_step_context", "validation_step": "val_step_context",
-                  "test_step": "test_step_context", "predict_step": "predict_step_context"}
