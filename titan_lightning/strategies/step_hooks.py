@@ -21,7 +21,7 @@ _CONTEXTS = {"training_step": "train_step_context", "validation_step": "val_step
 def training_step(strategy: Any, args: tuple, kwargs: dict) -> Any:
     """The module's training_step; with several microbatches per optimizer step (gradient
     accumulation, or PP microbatches), what it logs is logged once, at the step's last."""
-    trainer, sharded = strategy.lightning_module.trainer, strategy._sharded
+    trainer, sharded = strategy.lightning_module.trainer, strategy.sharded
     batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
     ends_step = ends_optimizer_step(trainer, trainer.fit_loop.epoch_loop.batch_idx if batch_idx is None else batch_idx)
     # parallelism.fsdp_sync_last_microbatch_only: FSDP reduces gradients on a window's last microbatch only.
@@ -31,13 +31,13 @@ def training_step(strategy: Any, args: tuple, kwargs: dict) -> Any:
         return step(strategy, "training_step", args, kwargs)
     records: list = []
     loss = step(strategy, "training_step", args, kwargs, records=records)
-    strategy._step_logs.add(records, strategy.lightning_module, strategy.root_device, ends_step=ends_step)
+    strategy.step_logs.add(records, strategy.lightning_module, strategy.root_device, ends_step=ends_step)
     return loss
 
 
 def step(strategy: Any, hook: str, args: tuple, kwargs: dict, records: Optional[list] = None) -> Any:
     """A step hook on this rank's slice of the batch; ``records``: what it logs goes there."""
-    sharded, module = strategy._sharded, strategy.lightning_module
+    sharded, module = strategy.sharded, strategy.lightning_module
     args = shard_sequence(sharded.applied.cp, args)
     with loss_parallel_context(sharded):
         if sharded.pipeline is not None:
@@ -63,7 +63,7 @@ def call_step(strategy: Any, hook: str, args: tuple, kwargs: dict) -> Any:
     nested call. (Sharding each submodule as a root of its own instead breaks on parameters of
     the LightningModule itself and on submodules called in any order or from several places.)
     """
-    if not strategy._sharded.module_is_root:
+    if not strategy.sharded.module_is_root:
         return getattr(ModelParallelStrategy, hook)(strategy, *args, **kwargs)
     with getattr(strategy.precision_plugin, _CONTEXTS[hook])():
         return strategy._forward_redirection(strategy.model, strategy.lightning_module, hook, *args, **kwargs)

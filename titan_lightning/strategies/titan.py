@@ -78,9 +78,9 @@ class TitanStrategy(ModelParallelStrategy):
             type(self).__name__, parallelism, degrees, data_parallel_size, tensor_parallel_size, self._mixed_precision)
         self.dims: Optional[ParallelDims] = None
         self.mesh: Optional[Mesh] = None
-        self._sharded: Optional[sharding.Sharded] = None  # what parallelize made of the module
+        self.sharded: Optional[sharding.Sharded] = None  # what parallelize made of the module
         self._checked = None  # the module check_module validated
-        self._step_logs = StepLogs()
+        self.step_logs = StepLogs()
         self._checkpoint_writer = ckpt.CheckpointWriter()
         self.heartbeat: Optional[Heartbeat] = None
         self.watchdog: Optional[Watchdog] = None
@@ -102,7 +102,7 @@ class TitanStrategy(ModelParallelStrategy):
     @property
     def pipeline(self) -> Optional[PipelineRunner]:
         """This rank's pipeline stages and their schedules (None without PP)."""
-        return self._sharded.pipeline if self._sharded is not None else None
+        return self.sharded.pipeline if self.sharded is not None else None
 
     @override
     def _configure_launcher(self) -> None:
@@ -189,7 +189,7 @@ class TitanStrategy(ModelParallelStrategy):
         dims, config = self.dims, self.parallelism(module)
         sharded = sharding.Sharded.of(module, dims)
         if sharded is not None and sharded.mesh is self.mesh:  # (sharded and materialized by an earlier run)
-            self._sharded = sharded
+            self.sharded = sharded
             return
         # What the module's own configure_model already applied (code written for Lightning's
         # ModelParallelStrategy does its TP and FSDP there) stays as the user made it.
@@ -202,9 +202,9 @@ class TitanStrategy(ModelParallelStrategy):
                 print(f"[parallelize] tensor_parallel_size={dims.tp}: {type(module).__name__}.configure_model applied "
                       f"no tensor parallelism and it declares no tp_plan; its parameters are replicated over the "
                       f"{dims.tp} tensor-parallel ranks", flush=True)
-        self._sharded = sharding.shard(module, self.mesh, self._job(module), self.root_device, rank=self.global_rank,
+        self.sharded = sharding.shard(module, self.mesh, self._job(module), self.root_device, rank=self.global_rank,
                                        tp_plan=None if user_tp else plan, user_fsdp=user_fsdp, ddp=not self.fake_pg,
-                                       previous=self._sharded)
+                                       previous=self.sharded)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -231,13 +231,13 @@ class TitanStrategy(ModelParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
         if self.pipeline is not None:  # (the schedule ran backward in training_step)
             return self.pipeline.backward(self, closure_loss)
-        with sharding.loss_parallel_context(self._sharded):  # (around backward too, not only the loss)
+        with sharding.loss_parallel_context(self.sharded):  # (around backward too, not only the loss)
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        sharding.after_optimizer_step(self._sharded, self._job(self.lightning_module))
+        sharding.after_optimizer_step(self.sharded, self._job(self.lightning_module))
         return result
 
     @override
