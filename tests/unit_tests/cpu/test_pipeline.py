@@ -24,7 +24,8 @@ from titan_lightning.parallel.pipeline import (
     stage_module_names,
     stage_rank,
 )
-from titan_lightning.strategies.pipeline import _rows, average_records
+from titan_lightning.strategies.logs import average_records
+from titan_lightning.strategies.pipeline import _rows
 
 PLAN = PipelinePlan()
 
