@@ -65,7 +65,7 @@ def test_every_lightning_name_is_checked():
 
 
 def test_lightning_internals_our_subclasses_use():
-    """Private members of Lightning classes that strategies/titan.py, strategies/fake.py and recipe.py
+    """Private members of Lightning classes that strategies/titan.py, strategies/fake.py and callbacks/progress.py
     override or read (they stay where they are; this says when one moves)."""
     from lightning.pytorch.callbacks import RichProgressBar
     from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -91,7 +91,7 @@ def test_lightning_internals_our_subclasses_use():
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     assert LightningOptimizer(sgd)._optimizer is sgd  # strategies/titan.py unwraps it
     _takes(_TrainingEpochLoop._should_accumulate)  # strategies/titan.py: _accumulating
-    _takes(RichProgressBar._get_train_description, "current_epoch")  # overridden in recipe.py
+    _takes(RichProgressBar._get_train_description, "current_epoch")  # overridden in callbacks/progress.py
 
 
 def test_trainer_and_checkpoint_internals():
