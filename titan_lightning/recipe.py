@@ -1,4 +1,5 @@
-"""What a recipe returns, how one is loaded, and how a run becomes a Trainer.
+"""What a recipe returns, how one is loaded and run, and what recipes share (how a run becomes a
+Trainer: trainer.py).
 
 A recipe is a plain function with no arguments returning a ``Run``::
 
@@ -17,38 +18,27 @@ original untouched if anything fails::
 """
 
 import copy
-import datetime
 import importlib
 import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
-from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from titan_lightning.callbacks import TrainingMetrics
-from titan_lightning.callbacks.metrics import SourceTokens
-from titan_lightning.callbacks.preemption import PreemptionCheckpoint
-from titan_lightning.callbacks.profiling import ProfileSteps
-from titan_lightning.callbacks.weights import ExportWeights, LoadWeights, check_export, check_initial_weights, model_shapes
+from titan_lightning.callbacks.progress import StepProgressBar  # noqa: F401 (re-exported: its home before)
+from titan_lightning.callbacks.weights import check_export, check_initial_weights, model_shapes
 from titan_lightning.config import ConfigError, JobConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig, validate_job
 from titan_lightning.config.job import CP_ATTENTIONS
 from titan_lightning.config.parallelism import CP_LOAD_BALANCERS
-from titan_lightning.config.validation import (
-    TRAINER_ARGS_SET_BY_JOB,
-    gradient_accumulation_steps,
-    precision_dtypes,
-    validate_trainer_args,
-    validate_vocab,
-)
 from titan_lightning.data.datamodule import TextDataModule
-from titan_lightning.strategies import TitanStrategy
-
-RUN_DIR_ENV = "TITAN_LIGHTNING_RUN_DIR"
+from titan_lightning.trainer import (  # noqa: F401 (re-exported: their home before trainer.py)
+    RUN_DIR_ENV,
+    build_trainer,
+    checkpoint_callback,
+    run_dir,
+)
 
 
 class RecipeError(ValueError):
@@ -167,39 +157,6 @@ def _exception_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
-def run_dir(run: Run, root: Optional[str]) -> Path:
-    """The folder this run writes into: ``<root>/<name>/<timestamp>``, shared by all ranks."""
-    if RUN_DIR_ENV not in os.environ:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-        os.environ[RUN_DIR_ENV] = str(Path(root or "runs") / run.name / stamp)
-    return Path(os.environ[RUN_DIR_ENV])
-
-
-def _validate_vocab(run: Run, job: JobConfig) -> None:
-    tokenizer = getattr(run.datamodule, "tokenizer", None)
-    if tokenizer is not None:
-        validate_vocab(job, tokenizer.vocab_size)
-
-
-def _apply_precision(kwargs: dict[str, Any], job: JobConfig) -> None:
-    """Map ``trainer.precision`` onto the job's training dtypes (fp32 reduce stays as the job says)."""
-    precision = kwargs.pop("precision", None)
-    if precision is not None:
-        job.training.dtype, job.training.mixed_precision_param = precision_dtypes(precision, job.training)
-
-
-def checkpoint_callback(job: Optional[JobConfig], folder: Path) -> ModelCheckpoint:
-    """Lightning's ModelCheckpoint as ``job.checkpoint`` asks: every ``interval`` steps, the newest
-    ``keep_latest_k`` kept (ranked by step), into ``<run folder>/checkpoints``."""
-    if job is None:
-        return ModelCheckpoint(dirpath=folder / "checkpoints")
-    c = job.checkpoint
-    keep = {"save_top_k": c.keep_latest_k, "monitor": "step", "mode": "max"} if c.keep_latest_k != -1 else {"save_top_k": -1}
-    if c.interval is None and c.keep_latest_k == -1:
-        keep = {}  # Lightning's default: the newest checkpoint after each validation
-    return ModelCheckpoint(dirpath=folder / "checkpoints", every_n_train_steps=c.interval, **keep)
-
-
 def resume_path(run: Run, trainer: L.Trainer) -> Optional[str]:
     """The checkpoint ``job.checkpoint.resume_from`` names, checked (one-line CheckpointError
     otherwise); None to start fresh, saying so when "latest" finds nothing yet."""
@@ -252,133 +209,6 @@ def execute(command: str, run: Run, trainer: L.Trainer) -> None:
         check_inputs(command, run, trainer)
     kwargs: dict[str, Any] = {"ckpt_path": run.ckpt_path} if command == "fit" else {}
     getattr(trainer, command)(run.module, datamodule=run.datamodule, **kwargs)
-
-
-def train_description(trainer: L.Trainer) -> str:
-    """"Epoch 2" for a run limited by epochs; a run limited by steps (max_epochs=-1, which
-    Lightning's RichProgressBar would print as "Epoch 0/-2") also counts its steps: "Epoch 0, step 3/10"."""
-    description = f"Epoch {trainer.current_epoch}"
-    if trainer.max_epochs is not None and trainer.max_epochs >= 0:
-        return f"{description}/{trainer.max_epochs - 1}"
-    if trainer.max_steps is not None and trainer.max_steps > 0:
-        return f"{description}, step {trainer.global_step}/{trainer.max_steps}"
-    return description
-
-
-def _batches_done(trainer: L.Trainer) -> int:
-    """Batches of this epoch already trained when it starts: 0, or where a resumed run continues."""
-    return trainer.fit_loop.epoch_loop.batch_progress.current.processed
-
-
-def train_total(trainer: L.Trainer) -> Union[int, float]:
-    """The training bar's total, in batches of this epoch: for a run limited by steps, the batches
-    done (a resumed run's bar continues from them) plus the rest of ``max_steps`` times the batches
-    per optimizer step. Lightning's own counts the remaining optimizer steps only, so a resumed
-    run's bar (and one accumulating gradients) ran past its total and tqdm dropped it ("33/?")."""
-    batches = trainer.num_training_batches
-    if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:
-        remaining = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
-        return min(batches, _batches_done(trainer) + remaining)
-    return batches
-
-
-class StepProgressBar(TQDMProgressBar):
-    """Lightning's progress bar, its training bar described by ``train_description``."""
-
-    @property
-    def total_train_batches(self) -> Union[int, float]:
-        return train_total(self.trainer)
-
-    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
-        super().on_train_start(trainer, *args)
-        self._start(trainer)  # a run resumed inside an epoch gets no on_train_epoch_start
-
-    def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        super().on_train_epoch_start(trainer, *args)
-        self._start(trainer)
-
-    def _start(self, trainer: L.Trainer) -> None:
-        bar = self.train_progress_bar
-        bar.total = convert_inf(self.total_train_batches)
-        bar.initial = bar.n = _batches_done(trainer)  # (its rate counts this run's batches only)
-        bar.set_description(train_description(trainer))
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if not self.train_progress_bar.disable:
-            self.train_progress_bar.set_description(train_description(trainer), refresh=False)
-        super().on_train_batch_end(trainer, *args)
-
-
-class StepRichProgressBar(RichProgressBar):
-    """Lightning's RichProgressBar, its training bar described by ``train_description``."""
-
-    @property
-    def total_train_batches(self) -> Union[int, float]:
-        return train_total(self.trainer)
-
-    def _get_train_description(self, current_epoch: int) -> str:  # Lightning's only hook for it
-        return f"{train_description(self.trainer):{len(self.validation_description)}}"
-
-
-def _progress_bar(callbacks: list) -> list:
-    """Ours unless the run brings its own; Lightning's RichProgressBar becomes ours, settings kept."""
-    for bar in callbacks:
-        if type(bar) is RichProgressBar:
-            bar.__class__ = StepRichProgressBar  # adds one method, no state
-    if any(isinstance(c, ProgressBar) for c in callbacks):
-        return callbacks
-    return [*callbacks, StepProgressBar()]
-
-
-def build_trainer(run: Run) -> L.Trainer:
-    """Validate the run and build its Trainer. Nothing is written and nothing is spawned."""
-    kwargs = dict(run.trainer)
-    job = run.job
-    if job is not None:
-        validate_trainer_args(kwargs)
-        for key in TRAINER_ARGS_SET_BY_JOB:
-            kwargs.pop(key, None)
-        kwargs["deterministic"] = job.training.deterministic or None
-        _apply_precision(kwargs, job)
-        if kwargs.get("strategy", "auto") == "auto":
-            kwargs["strategy"] = TitanStrategy()  # degrees from job.parallelism
-        L.seed_everything(job.training.seed, verbose=False)
-    folder = run_dir(run, kwargs.get("default_root_dir"))
-    kwargs["default_root_dir"] = str(folder)
-    if kwargs.get("logger") in (None, True):
-        kwargs["logger"] = [
-            TensorBoardLogger(save_dir=folder, name="tensorboard", version=""),
-            CSVLogger(save_dir=folder, name="csv", version=""),
-        ]
-    callbacks = list(kwargs.get("callbacks") or [])
-    if job is not None and not any(isinstance(c, TrainingMetrics) for c in callbacks):
-        callbacks.append(TrainingMetrics())
-    if job is not None and job.data.sources and not any(isinstance(c, SourceTokens) for c in callbacks):
-        callbacks.append(SourceTokens())
-    if job is not None and not any(isinstance(c, PreemptionCheckpoint) for c in callbacks):
-        callbacks.append(PreemptionCheckpoint())
-    if kwargs.get("enable_checkpointing", True) and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-        callbacks.append(checkpoint_callback(job, folder))
-    if job is not None and job.checkpoint.initial_load_path is not None:
-        callbacks.append(LoadWeights(job.checkpoint.initial_load_path, job.checkpoint.initial_load_format))
-    if job is not None and (job.profiling.trace_steps or job.profiling.memory_snapshot_steps):
-        callbacks.append(ProfileSteps(folder / "profile", job.profiling.trace_steps, job.profiling.memory_snapshot_steps))
-    if job is not None and job.checkpoint.export_format is not None:
-        where = folder / ("export_hf" if job.checkpoint.export_format == "hf" else "export")
-        callbacks.append(ExportWeights(where, job.checkpoint.export_format, job.checkpoint.export_dtype))
-    if kwargs.get("enable_progress_bar") is not False:
-        callbacks = _progress_bar(callbacks)
-    kwargs["callbacks"] = callbacks
-    trainer = L.Trainer(**kwargs)
-    if isinstance(trainer.strategy, TitanStrategy):  # (the job with the module, once)
-        trainer.strategy.check_module(run.module, max_steps=trainer.max_steps)
-    elif job is not None:
-        validate_job(job, world_size=trainer.world_size, max_steps=trainer.max_steps,
-                     device_type=trainer.strategy.root_device.type)
-    if job is not None:
-        _validate_vocab(run, job)
-        trainer.accumulate_grad_batches = gradient_accumulation_steps(job, trainer.world_size)
-    return trainer
 
 
 # -- what recipes share ----------------------------------------------------------------------

@@ -65,7 +65,8 @@ def test_every_lightning_name_is_checked():
 
 
 def test_lightning_internals_our_subclasses_use():
-    """Private members of Lightning classes that strategies/ (titan, launcher, step_hooks, fake) and recipe.py
+    """Private members of Lightning classes that strategies/ (titan, launcher, step_hooks, fake) and
+    callbacks/progress.py
     override or read (they stay where they are; this says when one moves)."""
     from lightning.pytorch.callbacks import RichProgressBar
     from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -89,9 +90,9 @@ def test_lightning_internals_our_subclasses_use():
     _takes(ModelParallelStrategy.setup_optimizers, "trainer")
 
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    assert LightningOptimizer(sgd)._optimizer is sgd  # TitanStrategy.optimizer_state unwraps it
+    assert LightningOptimizer(sgd)._optimizer is sgd  # strategies/checkpoint_io.py unwraps it
     _takes(_TrainingEpochLoop._should_accumulate)  # the rule titan_lightning/steps.py mirrors
-    _takes(RichProgressBar._get_train_description, "current_epoch")  # overridden in recipe.py
+    _takes(RichProgressBar._get_train_description, "current_epoch")  # overridden in callbacks/progress.py
 
 
 def test_trainer_and_checkpoint_internals():
