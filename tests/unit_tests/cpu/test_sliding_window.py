@@ -98,15 +98,17 @@ def _attention_reference(module: Attention, x, rope_cache, window, documents=Non
     return module.wo(_reference(apply_rope(q, rope), apply_rope(k, rope), v, window, documents).reshape(B, S_, -1))
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3_moe"])
-def test_alternating_layer_types_give_each_layer_its_window(family):
+@pytest.mark.parametrize("family, kernel", [("llama3", "sdpa"), ("llama3", "flex"), ("qwen3_moe", "sdpa")])
+def test_alternating_layer_types_give_each_layer_its_window(family, kernel):
     types = ["sliding_attention", "full_attention", "sliding_attention"]
-    model = _model(FAMILIES[family], n_layers=3, sliding_window=5, layer_types=types, mask="block_causal")
+    model = _model(FAMILIES[family], n_layers=3, sliding_window=5, layer_types=types, mask="block_causal",
+                   attention=kernel)
     assert [layer.attention.window for layer in model.layers.values()] == [5, None, 5]
     seen = []
     for layer in model.layers.values():
         layer.attention.register_forward_hook(lambda m, args, out: seen.append((m, args[0], out)))
-    model(torch.randint(0, VOCAB, (2, S), generator=torch.Generator().manual_seed(3)), _positions(LENGTHS))
+    with torch.no_grad():  # (flex: forward only on CPU)
+        model(torch.randint(0, VOCAB, (2, S), generator=torch.Generator().manual_seed(3)), _positions(LENGTHS))
     for (module, x, out), kind in zip(seen, types):
         window = 5 if kind == "sliding_attention" else None
         if module.q_norm is not None:  # (Qwen 3's QK-norm: the reference then norms too)
@@ -114,7 +116,8 @@ def test_alternating_layer_types_give_each_layer_its_window(family):
                                             torch.nn.Flatten(-2))
             module.wk = torch.nn.Sequential(module.wk, torch.nn.Unflatten(-1, (-1, module.head_dim)), module.k_norm,
                                             torch.nn.Flatten(-2))
-        expected = _attention_reference(module, x, model.rope_cache, window, _document_ids(LENGTHS))
+        with torch.no_grad():
+            expected = _attention_reference(module, x, model.rope_cache, window, _document_ids(LENGTHS))
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-10, msg=kind)
 
 
