@@ -1,6 +1,7 @@
 """The whole configuration of one run, minus the Trainer's own arguments."""
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from titan_lightning.config.activation_checkpoint import ActivationCheckpointConfig
 from titan_lightning.config.checkpoint import CheckpointConfig
@@ -20,6 +21,7 @@ CP_ATTENTIONS = ("allgather", "ring", "ulysses")
 ATTENTIONS = (*KERNEL_ATTENTIONS, *CP_ATTENTIONS)
 MASKS = ("causal", "block_causal")
 POSITIONS = ("global", "per_document")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face's names
 
 
 @dataclass(kw_only=True)
@@ -37,6 +39,12 @@ class ModelArgs:
     # window; "global" RoPE positions, or "per_document" ones (models/common/masking.py).
     mask: str = "causal"
     positions: str = "global"
+    # Sliding-window attention, as Hugging Face's ``sliding_window``: a query at i sees the keys j
+    # with i - sliding_window < j <= i (and, with block_causal, only those of its document).
+    # ``layer_types`` names each layer's attention, "full_attention" or "sliding_attention";
+    # None with a window: every layer slides (models/common/masking.py).
+    sliding_window: Optional[int] = None
+    layer_types: Optional[list[str]] = None
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTIONS:
@@ -45,11 +53,23 @@ class ModelArgs:
             raise ValueError(f"model.mask={self.mask!r} is not one of {', '.join(MASKS)}")
         if self.positions not in POSITIONS:
             raise ValueError(f"model.positions={self.positions!r} is not one of {', '.join(POSITIONS)}")
+        if self.sliding_window is not None:
+            self.require_positive_ints("sliding_window")
+        unknown = [t for t in self.layer_types or () if t not in LAYER_TYPES]
+        if unknown:
+            raise ValueError(f"model.layer_types has {unknown[0]!r}, which is not one of {', '.join(LAYER_TYPES)}")
         self.require_positive_ints("vocab_size", "n_heads", "n_kv_heads")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}"
             )
+
+    def attention_window(self, layer_id: int) -> Optional[int]:
+        """The sliding window of layer ``layer_id``'s attention; None: it attends to the whole window."""
+        if self.sliding_window is None or (self.layer_types is not None
+                                           and self.layer_types[layer_id] != "sliding_attention"):
+            return None
+        return self.sliding_window
 
     def require_positive_ints(self, *names: str, minimum: int = 1) -> None:
         for name in names:

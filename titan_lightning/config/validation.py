@@ -56,6 +56,7 @@ def _check_job(job: JobConfig, *, world_size: int, max_steps: Optional[int], fak
         validate_schedule(job, max_steps)
     if device_type is not None:
         validate_attention_kernel(job, device_type)
+        validate_sliding_kernel(job)
         validate_float8_device(job, device_type, fake_pg=fake_pg)
 
 
@@ -190,6 +191,7 @@ def validate_model_parallelism(job: JobConfig) -> None:
     if max_seq_len is not None and seq_len > max_seq_len:
         raise ConfigError(f"training.seq_len={seq_len} must be <= model.max_seq_len={max_seq_len}")
     validate_context_parallel(job)
+    validate_layer_types(job)
     validate_expert_parallel(job)
     validate_pipeline(job)
 
@@ -278,6 +280,35 @@ def validate_context_parallel(job: JobConfig) -> None:
             f"training.seq_len={seq_len} must be divisible by {divisor}: {cp_part} for cp={p.cp}{balancer}, "
             f"times tp={p.tp} with sequence_parallel={p.sequence_parallel}"
         )
+
+
+def validate_layer_types(job: JobConfig) -> None:
+    """``model.layer_types`` names every layer, and its sliding layers have a window."""
+    m = job.model
+    types, n_layers = getattr(m, "layer_types", None), getattr(m, "n_layers", None)
+    if types is None:
+        return
+    if n_layers is not None and len(types) != n_layers:
+        raise ConfigError(f"model.layer_types lists {len(types)} layers, but model.n_layers={n_layers}: "
+                          f"name each layer's attention ('full_attention' or 'sliding_attention')")
+    if "sliding_attention" in types and getattr(m, "sliding_window", None) is None:
+        raise ConfigError("model.layer_types has 'sliding_attention' layers but model.sliding_window=None: "
+                          "set the window (in tokens), or make every layer 'full_attention'")
+
+
+def validate_sliding_kernel(job: JobConfig) -> None:
+    """A sliding window on varlen needs ``varlen_attn``'s ``window_size`` (torch 2.13 has it)."""
+    m = job.model
+    if getattr(m, "attention", "sdpa") != "varlen" or getattr(m, "sliding_window", None) is None:
+        return
+    import inspect
+
+    import torch
+    from torch.nn.attention.varlen import varlen_attn
+
+    if "window_size" not in inspect.signature(varlen_attn).parameters:
+        raise ConfigError(f"model.sliding_window={m.sliding_window} with model.attention='varlen' needs "
+                          f"varlen_attn's window_size, which torch {torch.__version__} lacks: use 'flex' or 'sdpa'")
 
 
 def validate_attention_kernel(job: JobConfig, device_type: str) -> None:

@@ -15,6 +15,10 @@ attention for its queries with one of three backends:
 - ``ulysses``: all-to-all from sequence-sharded to head-sharded, plain causal attention over
   the whole sequence, and back; needs the local head counts divisible by ``cp``.
 
+Every backend also honours document masking (``block_causal``) and a sliding window (a query
+at i sees keys i - window < j <= i), through ``visible``: the one rule of which keys a query
+may see, which the kernels of models/common/masking.py use too.
+
 Collectives are functional collectives inside autograd Functions (torch's own
 ``context_parallel()`` does not run on CPU); under the fake process group they write
 deterministic values (parallel/fake.py patches the entry points used here).
@@ -115,31 +119,51 @@ def _shift(x: torch.Tensor, group, rank: int, size: int, step: int) -> torch.Ten
 # -- attention -----------------------------------------------------------------------------
 
 
+def visible(q_positions: torch.Tensor, k_positions: torch.Tensor, window: Optional[int] = None,
+            q_documents: Optional[torch.Tensor] = None, k_documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[..., S_q, S_k] bool, True where the query at ``q_positions`` may attend to the key at
+    ``k_positions``: the key is not later, within the sliding ``window`` (i - window < j <= i, as
+    Hugging Face's ``sliding_window``; None: any distance) and, given documents ([..., S] ids),
+    in the query's document."""
+    q, k = q_positions[..., :, None], k_positions[..., None, :]
+    mask = k <= q
+    if window is not None:
+        mask = mask & (k > q - window)
+    if q_documents is not None:
+        mask = mask & (q_documents[..., :, None] == k_documents[..., None, :])
+    return mask
+
+
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x.repeat_interleave(n_rep, dim=2) if n_rep > 1 else x
 
 
 def context_parallel_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, backend: str, documents=None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, backend: str, documents=None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Exact causal attention of this rank's queries over the whole sequence.
 
     ``q`` [B, S_local, H, D], ``k``/``v`` [B, S_local, H_kv, D] (H a multiple of H_kv, GQA),
     all already rotated. Returns [B, S_local, H, D]. ``documents`` (models/common/masking.py:
     this rank's slice of the batch's ``position_ids`` and whether attention is block-causal)
-    keeps each query inside its document (every backend honours it).
+    keeps each query inside its document; ``window`` (None: none) inside its sliding window
+    (every backend honours both).
     """
     position_ids = documents.position_ids if documents is not None and documents.block_causal else None
+    if window is not None and window >= q.shape[1] * cp.size:  # the window holds the whole sequence
+        window = None
     if backend == "allgather":
-        return _allgather_attention(q, k, v, cp, position_ids)
+        return _allgather_attention(q, k, v, cp, position_ids, window)
     if backend == "ring":
-        return _ring_attention(q, k, v, cp, position_ids)
+        return _ring_attention(q, k, v, cp, position_ids, window)
     if backend == "ulysses":
-        return _ulysses_attention(q, k, v, cp, position_ids)
+        return _ulysses_attention(q, k, v, cp, position_ids, window)
     raise ValueError(f"context-parallel attention backend {backend!r} is not one of {', '.join(CP_ATTENTIONS)}")
 
 
-def _allgather_attention(q, k, v, cp: ContextParallel, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _allgather_attention(q, k, v, cp: ContextParallel, position_ids: Optional[torch.Tensor] = None,
+                         window: Optional[int] = None) -> torch.Tensor:
     local = q.shape[1]
     order = cp.gathered_order(local, q.device)
     n_rep = q.shape[2] // k.shape[2]
@@ -153,14 +177,20 @@ def _allgather_attention(q, k, v, cp: ContextParallel, position_ids: Optional[to
         mine = documents[:, cp.positions(local, q.device)]
     outs = []
     for start, end, global_end in cp.runs(local, q.device):
-        # Queries at positions [global_end - (end - start), global_end) see keys [0, global_end).
+        # Queries at positions [global_end - (end - start), global_end) see keys [0, global_end);
+        # with a window, keys from the first query's position - window + 1 on.
+        first = global_end - (end - start)
+        keys = 0 if window is None else max(0, first - window + 1)
         mask = causal_lower_right(end - start, global_end)
-        if documents is not None:  # ... of their own document only
-            causal = torch.ones(end - start, global_end, dtype=torch.bool, device=q.device).tril(global_end - (end - start))
-            same = mine[:, start:end, None] == documents[:, None, :global_end]
-            mask = (causal & same)[:, None]
-        outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k_all[:, :, :global_end],
-                                                   v_all[:, :, :global_end], attn_mask=mask))
+        if documents is not None or window is not None:  # ... of their own document, in their window
+            q_at = torch.arange(first, global_end, device=q.device)
+            k_at = torch.arange(keys, global_end, device=q.device)
+            if documents is None:
+                mask = visible(q_at, k_at, window)
+            else:
+                mask = visible(q_at, k_at, window, mine[:, start:end], documents[:, keys:global_end])[:, None]
+        outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k_all[:, :, keys:global_end],
+                                                   v_all[:, :, keys:global_end], attn_mask=mask))
     return torch.cat(outs, dim=2).transpose(1, 2)
 
 
@@ -176,11 +206,12 @@ def _allgather_attention(q, k, v, cp: ContextParallel, position_ids: Optional[to
 # blocks, so that after cp shifts each block's gradient arrives back at its owner. Nothing
 # of size S_local x S_local is kept between forward and backward.
 #
-# Document masking (block_causal): every pair is masked by the global document ids of its
-# query and key chunks (all-gathered once per layer call, [B, S] integers) and computed by the
-# explicit math kernel, the one that takes a mask: exact, not fast. A query row with no key of
-# its document in a pair gets log-sum-exp -inf and output 0 there; its own chunk's diagonal
-# always holds the query itself, so the merged row is finite.
+# Document masking (block_causal) and sliding windows: every pair is masked by the global
+# document ids of its query and key chunks (all-gathered once per layer call, [B, S] integers)
+# and the chunks' positions (``visible``), and computed by the explicit math kernel, the one that
+# takes a mask: exact, not fast (a pair wholly outside every window is still computed). A query
+# row with no key of its document or window in a pair gets log-sum-exp -inf and output 0 there;
+# its own chunk's diagonal always holds the query itself, so the merged row is finite.
 
 
 def _chunk_ids(cp: ContextParallel, rank: int) -> list[int]:
@@ -272,10 +303,11 @@ class _RingAttention(torch.autograd.Function):
     """q [B, H, S, D], k/v [B, H_kv, S, D] (local, heads first) -> out [B, H, S, Dv]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel, documents: Optional[torch.Tensor] = None):
+    def forward(ctx, q, k, v, cp: ContextParallel, documents: Optional[torch.Tensor] = None,
+                window: Optional[int] = None):
         n_rep, n_chunks = q.shape[1] // k.shape[1], len(_chunk_ids(cp, cp.rank))
         scale = 1.0 / math.sqrt(q.shape[-1])
-        kernel = _ring_kernel(q, v) if documents is None else "math"
+        kernel = _ring_kernel(q, v) if documents is None and window is None else "math"
         chunk = q.shape[2] // n_chunks
         q_chunks = q.split(chunk, dim=2)
         outs: list = [None] * n_chunks
@@ -287,7 +319,7 @@ class _RingAttention(torch.autograd.Function):
             ks = _repeat_heads(block[0], n_rep).split(chunk, dim=2)
             vs = _repeat_heads(block[1], n_rep).split(chunk, dim=2)
             for a, b, causal in _ring_pairs(cp, source):
-                mask = _pair_mask(documents, cp, source, a, b, chunk)
+                mask = _pair_mask(documents, window, cp, source, a, b, chunk)
                 out, lse, states[step, a, b] = _pair_forward(kernel, q_chunks[a], ks[b], vs[b], causal, scale, mask)
                 acc = torch.promote_types(q.dtype, torch.float32)
                 out, lse = out.to(acc), lse.to(acc)
@@ -303,7 +335,7 @@ class _RingAttention(torch.autograd.Function):
         out = torch.cat(outs, dim=2).to(q.dtype)
         lse = torch.cat(lses, dim=2)
         ctx.cp, ctx.kernel, ctx.scale, ctx.n_rep, ctx.chunk, ctx.states = cp, kernel, scale, n_rep, chunk, states
-        ctx.documents = documents
+        ctx.documents, ctx.window = documents, window
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -324,7 +356,7 @@ class _RingAttention(torch.autograd.Function):
             vs = _repeat_heads(block[1], n_rep).split(chunk, dim=2)
             dk, dv = block[2].split(chunk, 2), block[3].split(chunk, 2)
             for a, b, causal in _ring_pairs(cp, source):
-                mask = _pair_mask(ctx.documents, cp, source, a, b, chunk)
+                mask = _pair_mask(ctx.documents, ctx.window, cp, source, a, b, chunk)
                 gq, gk, gv = _pair_backward(kernel, g_chunks[a], q_chunks[a], ks[b], vs[b], o_chunks[a],
                                             lse_chunks[a], ctx.states[step, a, b], causal, scale, mask)
                 dq_chunks[a].add_(gq.to(acc))
@@ -333,18 +365,23 @@ class _RingAttention(torch.autograd.Function):
             # K/V move on to the next rank with their gradient so far; after cp shifts the
             # gradient is back with the block's owner (K/V themselves need only cp - 1).
             block = _ring_step(block, cp, 1) if step + 1 < cp.size else [None, None, *_ring_step(block[2:], cp, 1)]
-        return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype), None, None
+        return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype), None, None, None
 
 
-def _pair_mask(documents: Optional[torch.Tensor], cp: ContextParallel, source: int, a: int, b: int,
-               chunk: int) -> Optional[torch.Tensor]:
-    """[B, 1, chunk, chunk] bool: query chunk ``a`` of this rank and key chunk ``b`` of ``source``
-    in the same document (``documents``: [B, S] global document ids), or None (no masking)."""
-    if documents is None:
+def _pair_mask(documents: Optional[torch.Tensor], window: Optional[int], cp: ContextParallel, source: int,
+               a: int, b: int, chunk: int) -> Optional[torch.Tensor]:
+    """[B or 1, 1, chunk, chunk] bool: which keys of chunk ``b`` of ``source`` the queries of chunk
+    ``a`` of this rank see (``documents``: [B, S] global document ids; ``window``: the sliding
+    window), or None (no masking but the pair's causal flag)."""
+    if documents is None and window is None:
         return None
     qa, kb = _chunk_ids(cp, cp.rank)[a], _chunk_ids(cp, source)[b]
-    mine, theirs = documents[:, qa * chunk:(qa + 1) * chunk], documents[:, kb * chunk:(kb + 1) * chunk]
-    return (mine[:, :, None] == theirs[:, None, :])[:, None]
+    device = documents.device if documents is not None else None
+    q_at = torch.arange(qa * chunk, (qa + 1) * chunk, device=device)
+    k_at = torch.arange(kb * chunk, (kb + 1) * chunk, device=device)
+    if documents is None:
+        return visible(q_at, k_at, window)[None, None]
+    return visible(q_at, k_at, window, documents[:, q_at], documents[:, k_at])[:, None]
 
 
 def _repeat_heads(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -360,12 +397,13 @@ def _sum_heads(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x.view(B, H // n_rep, n_rep, S, D).sum(dim=2)
 
 
-def _ring_attention(q, k, v, cp: ContextParallel, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _ring_attention(q, k, v, cp: ContextParallel, position_ids: Optional[torch.Tensor] = None,
+                    window: Optional[int] = None) -> torch.Tensor:
     documents = None
     if position_ids is not None:
         documents = _global_document_ids(position_ids, cp, cp.gathered_order(q.shape[1], q.device))
     out = _RingAttention.apply(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
-                               v.transpose(1, 2).contiguous(), cp, documents)
+                               v.transpose(1, 2).contiguous(), cp, documents, window)
     return out.transpose(1, 2)
 
 
@@ -394,7 +432,8 @@ def _global_document_ids(position_ids: torch.Tensor, cp: ContextParallel, order:
     return torch.cumsum(gathered == 0, dim=1)
 
 
-def _ulysses_attention(q, k, v, cp: ContextParallel, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _ulysses_attention(q, k, v, cp: ContextParallel, position_ids: Optional[torch.Tensor] = None,
+                       window: Optional[int] = None) -> torch.Tensor:
     local = q.shape[1]
     if q.shape[2] % cp.size or k.shape[2] % cp.size:
         raise ValueError(
@@ -404,11 +443,10 @@ def _ulysses_attention(q, k, v, cp: ContextParallel, position_ids: Optional[torc
     n_rep = q.shape[2] // k.shape[2]
     qh, kh, vh = (_to_heads(t, cp) for t in (q, k, v))
     mask = None
-    if position_ids is not None:  # the whole sequence is here: mask it by the global documents
-        ids = _global_document_ids(position_ids, cp, cp.gathered_order(local, q.device))
-        S = ids.shape[1]
-        causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
-        mask = (causal & (ids[:, :, None] == ids[:, None, :]))[:, None]
+    if position_ids is not None or window is not None:  # the whole sequence is here: mask it whole
+        ids = None if position_ids is None else _global_document_ids(position_ids, cp, cp.gathered_order(local, q.device))
+        at = torch.arange(qh.shape[1], device=q.device)
+        mask = visible(at, at, window) if ids is None else visible(at, at, window, ids, ids)[:, None]
     out = F.scaled_dot_product_attention(
         qh.transpose(1, 2), _repeat_kv(kh, n_rep).transpose(1, 2), _repeat_kv(vh, n_rep).transpose(1, 2),
         is_causal=mask is None, attn_mask=mask,

@@ -50,9 +50,10 @@ def document_positions(lengths: list[list[int]], device: str = "cpu") -> torch.T
 def attention_parity(rank: int, world_size: int, *, backend: str, load_balancer, n_heads: int, n_kv_heads: int,
                      seq_len: int, batch: int = 2, head_dim: int = 8, device: str = "cpu",
                      dtype: str = "float64", precomputed: Optional[dict] = None,
-                     documents: Optional[list[list[int]]] = None) -> dict:
+                     documents: Optional[list[list[int]]] = None, window: Optional[int] = None) -> dict:
     """Largest error of this rank's CP attention output and q/k/v gradients against full causal attention
-    (with ``documents``, lengths of packed documents per row: full block-causal attention).
+    (with ``documents``, lengths of packed documents per row: full block-causal attention; with a sliding
+    ``window``: full sliding-window attention).
 
     The reference is fp64. In a lower precision ``baseline_*`` is the error of unsharded
     attention in that precision, the yardstick for the CP error. ``precomputed``: the
@@ -60,21 +61,25 @@ def attention_parity(rank: int, world_size: int, *, backend: str, load_balancer,
     """
     inputs = make_inputs(n_heads=n_heads, n_kv_heads=n_kv_heads, seq_len=seq_len, batch=batch, head_dim=head_dim,
                          device=device)
-    masked = None
+    masked = mask = None
     if documents is not None:
         from titan_lightning.models.common.masking import Documents, block_causal_mask
 
         positions = document_positions(documents, device)
         masked = Documents(positions, block_causal=True, per_document=False)
-    refs = precomputed if precomputed is not None else references(
-        inputs, dtype, None if masked is None else block_causal_mask(masked.position_ids))
+        mask = block_causal_mask(positions)
+    if window is not None:
+        from titan_lightning.models.common.masking import sliding_mask
+
+        mask = sliding_mask(None if masked is None else masked.position_ids, seq_len, window, device)
+    refs = precomputed if precomputed is not None else references(inputs, dtype, mask)
     low_dtype = getattr(torch, dtype)
     q, k, v, weight = inputs
     cp = ContextParallel(group=dist.group.WORLD, rank=rank, size=world_size, load_balancer=load_balancer)
     local = [cp.shard(t.to(low_dtype)).requires_grad_() for t in (q, k, v)]
     if masked is not None:
         masked = masked._replace(position_ids=cp.shard(masked.position_ids))
-    out = context_parallel_attention(*local, cp, backend, masked)
+    out = context_parallel_attention(*local, cp, backend, masked, window)
     (out * cp.shard(weight.to(low_dtype))).sum().backward()
 
     def error(a, b):

@@ -89,6 +89,17 @@ def _documents(documents: Optional[Documents]) -> dict:
     return {} if documents is None else {"documents": documents}
 
 
+def _set_window(block: nn.Module, window: Optional[int]) -> None:
+    """Give ``block``'s attention its sliding window (``ModelArgs.sliding_window``, ``layer_types``);
+    one-line error for an attention that has none."""
+    attention = getattr(block, "attention", None)
+    if hasattr(attention, "window"):
+        attention.window = window
+    elif window is not None:
+        raise ValueError(f"model.sliding_window={window}: {type(attention).__name__} has no sliding window; "
+                         f"set model.sliding_window=None")
+
+
 class Head(nn.Linear):
     """The output projection (no bias): logits; or, given ``labels``, their mean cross entropy
     computed ``chunks`` token rows at a time, never holding the full logits
@@ -133,6 +144,8 @@ class Decoder(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.register_buffer("rope_cache", self.build_rope_cache(), persistent=False)
         self.layers = nn.ModuleDict({str(i): self.build_block(i) for i in range(args.n_layers)})
+        for i, block in self.layers.items():
+            _set_window(block, args.attention_window(int(i)))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = Head(args.dim, args.vocab_size)
 

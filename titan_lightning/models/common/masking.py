@@ -8,21 +8,28 @@ document, 0 where a document starts (titan_lightning/data/dataset.py). From them
     model.mask = "block_causal"    ... of its own document only
     model.positions = "global"     RoPE at the token's position in the window
     model.positions = "per_document"  RoPE at its position in its document
+    model.sliding_window = W       ... and, in the sliding layers (``model.layer_types``; None: every
+                                   layer), only to the keys j with i - W < j <= i (Hugging Face's
+                                   ``sliding_window``); composes with either mask
 
 Kernels (``model.attention``, the non-context-parallel ones):
 
     "sdpa"    F.scaled_dot_product_attention: ``is_causal``, or a dense [B, 1, S, S] boolean
-              mask for ``block_causal`` (any device; on GPU the mask rules out the flash kernel)
+              mask for ``block_causal`` or a window (any device; on GPU the mask rules out the
+              flash kernel)
     "flex"    torch's FlexAttention (torch.nn.attention.flex_attention, torch >= 2.5) with a
-              BlockMask built once per batch: blocks of 128 x 128 that no query of the tile may
-              see are skipped. Compiled on GPU; torch has no FlexAttention backward on CPU, so
+              BlockMask built once per batch (and one for the sliding layers): blocks of 128 x 128
+              that no query of the tile may see are skipped. Compiled on GPU; torch has no FlexAttention backward on CPU, so
               there it only runs forward (tests, evaluation)
     "varlen"  variable-length FlashAttention over the batch flattened to one stream of
-              documents (torch.nn.attention.varlen.varlen_attn, seen in torch 2.11 and 2.13; CUDA only)
+              documents (torch.nn.attention.varlen.varlen_attn, seen in torch 2.11 and 2.13; CUDA only;
+              a window through its ``window_size``)
 
 A model builds ``Documents`` once per forward (``documents_for``) and hands it to every block
-only when the mask, the positions or the kernel need it, so the causal, global, sdpa default
-runs exactly the code it ran before.
+only when the mask, the positions, the kernel or a window need it, so the causal, global, sdpa
+default runs exactly the code it ran before. Each attention module knows its own window
+(``Attention.window``, set from ``ModelArgs.attention_window``) and passes it to ``attend``; a
+window that holds the whole sequence is full attention, computed as such.
 """
 
 import functools
@@ -33,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_lightning.config.job import KERNEL_ATTENTIONS
+from titan_lightning.parallel.context import visible
 
 
 class Documents(NamedTuple):
@@ -47,6 +55,8 @@ class Documents(NamedTuple):
     block_mask: Any = None  # flex: a BlockMask (causal, or block-causal)
     cu_seqlens: Optional[torch.Tensor] = None  # varlen: [N + 1] int32 starts of the N documents, flattened
     max_len: int = 0  # varlen: the longest document
+    window: Optional[int] = None  # the sliding layers' window, when shorter than the sequence
+    sliding: Any = None  # ... their mask: sdpa [B or 1, 1, S, S] bool, flex a BlockMask
 
 
 def documents_for(args, position_ids: Optional[torch.Tensor], tokens: torch.Tensor) -> Optional[Documents]:
@@ -57,8 +67,11 @@ def documents_for(args, position_ids: Optional[torch.Tensor], tokens: torch.Tens
     block_causal = getattr(args, "mask", "causal") == "block_causal"
     per_document = getattr(args, "positions", "global") == "per_document"
     kernel = getattr(args, "attention", "sdpa")
-    kernel = kernel if kernel in KERNEL_ATTENTIONS else "sdpa"  # a context-parallel backend masks by itself
-    if not (block_causal or per_document or kernel != "sdpa"):
+    B, S = tokens.shape[:2]
+    # A context-parallel backend masks by itself (documents and windows).
+    window = _sliding_window(args, S) if kernel in KERNEL_ATTENTIONS else None
+    kernel = kernel if kernel in KERNEL_ATTENTIONS else "sdpa"
+    if not (block_causal or per_document or kernel != "sdpa" or window is not None):
         return None
     if position_ids is None and (block_causal or per_document):
         raise ValueError(f"model.mask={args.mask!r}, model.positions={args.positions!r} need the batch's "
@@ -67,15 +80,24 @@ def documents_for(args, position_ids: Optional[torch.Tensor], tokens: torch.Tens
         # Positions are < max_seq_len (validated); the clamp only keeps the RoPE lookup in bounds on the
         # uninitialized buffers a pipeline stage receives once, while torch infers the stage shapes.
         position_ids = position_ids.clamp(0, args.max_seq_len - 1)
-    B, S = tokens.shape[:2]
     boundaries = position_ids if block_causal else None  # None: one document per row (causal)
-    documents = Documents(position_ids, block_causal, per_document, kernel)
+    documents = Documents(position_ids, block_causal, per_document, kernel, window=window)
     if kernel == "flex":
-        return documents._replace(block_mask=flex_block_mask(boundaries, B, S, tokens.device))
+        sliding = None if window is None else flex_block_mask(boundaries, B, S, tokens.device, window)
+        return documents._replace(block_mask=flex_block_mask(boundaries, B, S, tokens.device), sliding=sliding)
     if kernel == "varlen":
         cu_seqlens, max_len = varlen_offsets(boundaries, B, S, tokens.device)
         return documents._replace(cu_seqlens=cu_seqlens, max_len=max_len)
-    return documents._replace(mask=block_causal_mask(position_ids)) if block_causal else documents
+    return documents._replace(mask=block_causal_mask(position_ids) if block_causal else None,
+                              sliding=None if window is None else sliding_mask(boundaries, S, window, tokens.device))
+
+
+def _sliding_window(args, seq_len: int) -> Optional[int]:
+    """The window of ``args``' sliding layers when some layer slides and it is shorter than ``seq_len``."""
+    window, types = getattr(args, "sliding_window", None), getattr(args, "layer_types", None)
+    if window is None or window >= seq_len or (types is not None and "sliding_attention" not in types):
+        return None
+    return window
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -89,9 +111,18 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
 def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """[B, 1, S, S] bool: query i may attend to key j when j <= i in the same document."""
     ids = document_ids(position_ids)
-    S = ids.shape[1]
-    causal = torch.ones(S, S, dtype=torch.bool, device=ids.device).tril()
-    return (causal & (ids[:, :, None] == ids[:, None, :]))[:, None]
+    at = torch.arange(ids.shape[1], device=ids.device)
+    return visible(at, at, None, ids, ids)[:, None]
+
+
+def sliding_mask(position_ids: Optional[torch.Tensor], S: int, window: int, device) -> torch.Tensor:
+    """Query i may attend to key j when i - window < j <= i, in the same document of
+    ``position_ids`` ([B, 1, S, S] bool), or of the whole row when None ([1, 1, S, S])."""
+    at = torch.arange(S, device=device)
+    if position_ids is None:
+        return visible(at, at, window)[None, None]
+    ids = document_ids(position_ids)
+    return visible(at, at, window, ids, ids)[:, None]
 
 
 def rope_at(rope_cache: torch.Tensor, documents: Optional[Documents], seq_len: int) -> torch.Tensor:
@@ -105,17 +136,20 @@ def rope_at(rope_cache: torch.Tensor, documents: Optional[Documents], seq_len: i
 # -- FlexAttention ---------------------------------------------------------------------------
 
 
-def flex_block_mask(position_ids: Optional[torch.Tensor], B: int, S: int, device: torch.device):
+def flex_block_mask(position_ids: Optional[torch.Tensor], B: int, S: int, device: torch.device,
+                    window: Optional[int] = None):
     """The BlockMask of a batch: block-causal over the documents of ``position_ids``, or causal
-    (the same for every row: built once per length and device) when None."""
+    (the same for every row: built once per length, window and device) when None; with a
+    ``window``, only keys i - window < j <= i."""
     if position_ids is None:
-        return _causal_block_mask(S, torch.device(device))
+        return _causal_block_mask(S, torch.device(device), window)
     from torch.nn.attention.flex_attention import create_block_mask
 
     ids = document_ids(position_ids)
 
     def block_causal(b, h, q, kv):
-        return (kv <= q) & (ids[b, q] == ids[b, kv])
+        mask = (kv <= q) & (ids[b, q] == ids[b, kv])
+        return mask if window is None else mask & (q - kv < window)
 
     if ids.is_cuda:  # a compiled kernel builds it from the [B, S] ids, never as [B, S, S]
         return _compiled_create_block_mask()(block_causal, B, None, S, S, device=device)
@@ -130,10 +164,12 @@ def _compiled_create_block_mask():
 
 
 @functools.lru_cache(maxsize=8)
-def _causal_block_mask(S: int, device: torch.device):
+def _causal_block_mask(S: int, device: torch.device, window: Optional[int] = None):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return create_block_mask(lambda b, h, q, kv: kv <= q, None, None, S, S, device=device)
+    if window is None:
+        return create_block_mask(lambda b, h, q, kv: kv <= q, None, None, S, S, device=device)
+    return create_block_mask(lambda b, h, q, kv: (kv <= q) & (q - kv < window), None, None, S, S, device=device)
 
 
 def skipped_block_share(block_mask) -> float:
@@ -186,9 +222,10 @@ def varlen_offsets(position_ids: Optional[torch.Tensor], B: int, S: int, device)
     return offsets, int(lengths.max())
 
 
-def _varlen(q, k, v, documents: Documents, scale):
+def _varlen(q, k, v, documents: Documents, scale, window: Optional[int] = None):
     """varlen FlashAttention over [B, S, H, D] (k, v may have fewer heads: GQA); a value head
-    narrower than the query's (MLA) is zero-padded to it and the output cut back."""
+    narrower than the query's (MLA) is zero-padded to it and the output cut back. ``window``:
+    keys i - window < j <= i (the kernel's window_size counts the keys left of the query)."""
     from torch.nn.attention.varlen import varlen_attn
 
     B, S, H, Dv = v.shape[0], v.shape[1], q.shape[2], v.shape[3]
@@ -198,7 +235,8 @@ def _varlen(q, k, v, documents: Documents, scale):
         v = F.pad(v, (0, q.shape[-1] - Dv))
     flat = lambda t: t.reshape(B * S, H, t.shape[-1])  # noqa: E731
     cu, n = documents.cu_seqlens, documents.max_len
-    y = varlen_attn(flat(q), flat(k), flat(v), cu, cu, n, n, scale=scale, window_size=(-1, 0))
+    left = -1 if window is None else window - 1
+    y = varlen_attn(flat(q), flat(k), flat(v), cu, cu, n, n, scale=scale, window_size=(left, 0))
     return y[..., :Dv].reshape(B, S, H, Dv)
 
 
@@ -206,22 +244,39 @@ def _varlen(q, k, v, documents: Documents, scale):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Optional[Documents],
-           scale: Optional[float] = None) -> torch.Tensor:
+           scale: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor:
     """Causal or document-masked attention over [B, S, H, D] (keys and values may have fewer
     heads than the queries: each serves consecutive query heads) -> [B, S, H, D_v], with the
-    kernel ``documents`` names (sdpa when None)."""
+    kernel ``documents`` names (sdpa when None); with a sliding ``window``, query i sees only
+    keys i - window < j <= i."""
+    B, S = q.shape[:2]
+    window = None if window is None or window >= S else window  # (a window over everything: full)
     kernel = "sdpa" if documents is None else documents.kernel
     if kernel == "varlen":
-        return _varlen(q, k, v, documents, scale)
+        return _varlen(q, k, v, documents, scale, window)
     if kernel == "flex":
-        return _flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents.block_mask,
-                     scale).transpose(1, 2)
+        block_mask = documents.block_mask if window is None else _window_mask(documents, window, B, S, q.device)
+        return _flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask, scale).transpose(1, 2)
     if k.shape[2] != q.shape[2]:
         n_rep = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if documents is None or not documents.block_causal:
+    if window is not None:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=_window_mask(documents, window, B, S, q.device),
+                                           scale=scale)
+    elif documents is None or not documents.block_causal:
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=documents.mask, scale=scale)
     return y.transpose(1, 2)
+
+
+def _window_mask(documents: Optional[Documents], window: int, B: int, S: int, device):
+    """The sliding mask of ``documents``' kernel (sdpa: dense, flex: a BlockMask): the one built
+    for the batch, or (a window other than the model's) built here."""
+    if documents is not None and documents.window == window:
+        return documents.sliding
+    boundaries = documents.position_ids if documents is not None and documents.block_causal else None
+    if documents is not None and documents.kernel == "flex":
+        return flex_block_mask(boundaries, B, S, device, window)
+    return sliding_mask(boundaries, S, window, device)
