@@ -1,0 +1,65 @@
+"""Loss-masked training (``data.sft``): the loss is the sum over supervised tokens divided by the
+supervised tokens of the whole optimizer step, on every layout. The batches (sft_loss_cases.py)
+give the ranks and microbatches very different numbers of supervised tokens (3, 59, 0 and 11 of
+64), so a mean per microbatch or per rank would not match one process. Masked targets change
+nothing; supervised ones do."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+import sft_loss_cases as cases
+
+HERE = Path(__file__).parent
+ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+TIMEOUT = 300
+RTOL = 2e-5
+
+
+def _assert_same(got: dict, want: dict, rtol: float = RTOL) -> None:
+    """Losses and the gradients of the parameters ``got``'s rank holds (a pipeline stage's only)."""
+    assert len(got["steps"]) == len(want["steps"])
+    for g, w in zip(got["steps"], want["steps"]):
+        assert abs(g["loss"] - w["loss"]) <= rtol * abs(w["loss"]), (g["loss"], w["loss"])
+        assert g["grads"] and set(g["grads"]) <= set(w["grads"])
+        for name, values in ((n, w["grads"][n]) for n in g["grads"]):
+            for a, b in zip(g["grads"][name], values):
+                assert abs(a - b) <= rtol * max(abs(b), 1e-3), (name, g["grads"][name], values)
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return cases.sft_run()
+
+
+def test_gradient_accumulation_weighs_microbatches_by_their_supervised_tokens(one_process):
+    _assert_same(cases.sft_run(accumulate=2), one_process)
+    _assert_same(cases.sft_run(accumulate=4), one_process)
+
+
+def test_a_masked_target_changes_nothing_and_a_supervised_one_does(one_process):
+    # The last token of a row is a target only (never an input): rows 0, 2 and 3 mask it, row 1
+    # supervises it.
+    assert cases.sft_run(change_last=(0, 2, 3)) == one_process  # bit-identical: losses and gradients
+    changed = cases.sft_run(change_last=(1,))
+    for got, want in zip(changed["steps"], one_process["steps"]):
+        assert got["loss"] != want["loss"]
+        assert got["grads"]["output.weight"] != want["grads"]["output.weight"]
+
+
+@pytest.mark.multi_process
+@pytest.mark.parametrize("degrees,accumulate", [
+    ({"dp_shard": 2}, 2),
+    ({"tp": 2}, 1),
+    ({"cp": 2}, 1),
+    ({"pp": 2}, 1),
+], ids=["fsdp2_accumulate2", "tp2", "cp2_allgather", "pp2"])
+def test_every_layout_matches_one_process(degrees, accumulate, one_process, tmp_path):
+    from titan_lightning.testing.spawn import run_function
+
+    ranks = run_function("sft_loss_cases:sft_run", 2, out_dir=tmp_path, timeout=TIMEOUT, env=ENV,
+                         init_process_group=False, degrees=degrees, accumulate=accumulate)
+    for rank in ranks:
+        _assert_same(rank, one_process)
+    assert set().union(*(rank["steps"][0]["grads"] for rank in ranks)) == set(one_process["steps"][0]["grads"])
