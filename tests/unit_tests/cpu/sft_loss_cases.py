@@ -51,7 +51,8 @@ def _fingerprint(module: torch.nn.Module) -> dict[str, list[float]]:
 
 
 def sft_run(rank: int = 0, world_size: int = 1, *, degrees: Optional[dict] = None, accumulate: int = 1,
-            steps: int = 2, spans=None, change_last: tuple[int, ...] = (), pp_microbatches: int = 2) -> dict:
+            steps: int = 2, spans=None, change_last: tuple[int, ...] = (), pp_microbatches: int = 2,
+            loss_chunks: Optional[int] = None) -> dict:
     """Train ``steps`` steps on ``degrees`` (TitanStrategy keywords); the loss and gradient
     fingerprints of each step."""
     degrees = dict(degrees or {})
@@ -62,6 +63,7 @@ def sft_run(rank: int = 0, world_size: int = 1, *, degrees: Optional[dict] = Non
         run = on_layout(run, **degrees)
     job = run.job
     job.training.max_grad_norm = None
+    job.training.loss_chunks = loss_chunks
     if degrees.get("pp", 1) > 1:
         job.parallelism.pp_microbatches = pp_microbatches
     spans = [tuple(s) for s in spans] if spans is not None else SPANS

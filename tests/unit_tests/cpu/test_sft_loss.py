@@ -38,6 +38,10 @@ def test_gradient_accumulation_weighs_microbatches_by_their_supervised_tokens(on
     _assert_same(cases.sft_run(accumulate=4), one_process)
 
 
+def test_the_chunked_loss_sums_the_same_tokens(one_process):
+    _assert_same(cases.sft_run(accumulate=2, loss_chunks=3), one_process)
+
+
 def test_a_masked_target_changes_nothing_and_a_supervised_one_does(one_process):
     # The last token of a row is a target only (never an input): rows 0, 2 and 3 mask it, row 1
     # supervises it.
@@ -54,7 +58,7 @@ def test_a_masked_target_changes_nothing_and_a_supervised_one_does(one_process):
     ({"tp": 2}, 1),
     ({"cp": 2}, 1),
     ({"pp": 2}, 1),
-], ids=["fsdp2_accumulate2", "tp2", "cp2_allgather", "pp2"])
+], ids=["fsdp2_accumulate2", "tp2_loss_parallel", "cp2_allgather", "pp2"])
 def test_every_layout_matches_one_process(degrees, accumulate, one_process, tmp_path):
     from titan_lightning.testing.spawn import run_function
 
@@ -63,3 +67,11 @@ def test_every_layout_matches_one_process(degrees, accumulate, one_process, tmp_
     for rank in ranks:
         _assert_same(rank, one_process)
     assert set().union(*(rank["steps"][0]["grads"] for rank in ranks)) == set(one_process["steps"][0]["grads"])
+
+
+def test_a_step_without_supervised_tokens_stops_the_run_naming_it():
+    """Decided: fail. A whole optimizer step whose every label is masked has nothing to learn from;
+    its update is empty (gradients zero, not NaN), and the run stops at the next check (the next
+    step, a checkpoint, the end of training) before any checkpoint of it, saying why."""
+    with pytest.raises(ValueError, match="step 1 had no supervised token on any rank"):
+        cases.sft_run(spans=[(0, 0)] * cases.ROWS)
