@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from recipes.tests import features
+from titan_lightning.config import DataSource
 from titan_lightning.data.datamodule import TextDataModule
 from titan_lightning.data.sft import ConversationWindows, TrimPadding, pack, sequence_multiple, split_long
 from titan_lightning.data.shards import ShardSet
@@ -183,6 +184,13 @@ def test_the_data_module_serves_packed_and_padded_batches(sft_set):
     for batch in itertools.islice(padded.train_dataloader(), 5):
         width = batch["input_ids"].shape[1]
         assert width % 8 == 0 and width <= 64 and batch["labels"].shape == batch["position_ids"].shape
+    job = _job(sft_set)
+    job.data.dataset_path, job.data.sources = None, [DataSource(path=str(sft_set), name="a"),
+                                                     DataSource(path=str(sft_set), name="b", weight=2)]
+    mixture = TextDataModule(job)
+    mixture.setup("fit")
+    assert next(iter(mixture.train_dataloader()))["input_ids"].shape == (4, 64)
+    assert len(mixture._val) == 2 * len(packed._val)  # every source's conversations are validated
 
 
 def _samples(datamodule, n):
