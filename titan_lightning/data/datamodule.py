@@ -109,7 +109,6 @@ class TextDataModule(L.LightningDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         if self._train is not None:
             return
-        seq_len = self.job.training.seq_len
         streams = self._read()
         if "sources" in streams:
             self._setup_sources(streams["sources"], stage)
