@@ -10,6 +10,10 @@ A shard set is a folder::
                         uint32), documents back to back, each ending with the tokenizer's EOS
                         (and starting with its BOS when its tokenizer_config.json says so)
     <name>.docs         little-endian int64: each document's end offset in its shard
+    <name>.mask         (sets with ``"loss_mask": true`` in the index: SFT data) uint8, one byte per
+                        token, 1 where the token is a supervised target (docs/the SFT shard contract:
+                        the assistant's words and its end-of-turn token), else 0; every document is
+                        one conversation
 
 A reader holds the index and, per shard, a memory map it opens on first use: its memory and
 start-up time do not grow with the corpus. ``index.json`` is written last, so a folder without
@@ -149,7 +153,12 @@ class ShardSet:
             if not os.access(file, os.R_OK):
                 raise ValueError(f"{where}: {file.name} cannot be read (permission denied); make the shard files "
                                  f"readable by this user")
-        self._maps: dict[int, np.memmap] = {}
+            mask = self.folder / f"{name}.mask"
+            if self.has_mask and (not mask.is_file() or mask.stat().st_size != count):
+                size = mask.stat().st_size if mask.is_file() else None
+                raise ValueError(f"{where}: {mask.name} holds {size} bytes, the index says {count} tokens (one "
+                                 f"mask byte each; a truncated or missing file: prepare the set again)")
+        self._maps: dict[tuple[str, int], np.ndarray] = {}
 
     def __len__(self) -> int:
         return self.offsets[-1]
@@ -158,29 +167,59 @@ class ShardSet:
     def tokens(self) -> TokenSpan:
         return TokenSpan(self, 0, len(self))
 
-    def _map(self, k: int) -> np.ndarray:
-        if k not in self._maps:
-            count = self.offsets[k + 1] - self.offsets[k]
-            self._maps[k] = np.memmap(self.folder / f"{self.names[k]}.tokens", dtype=self.dtype, mode="r",
-                                      shape=(count,)) if count else np.empty(0, self.dtype)
-        return self._maps[k]
+    @property
+    def has_mask(self) -> bool:
+        """Whether the set carries a per-token loss mask (``"loss_mask": true``: SFT data)."""
+        return bool(self.index.get("loss_mask", False))
+
+    def _map(self, k: int, kind: str = "tokens") -> np.ndarray:
+        """Shard ``k``'s ``.tokens``, ``.mask`` or ``.docs`` file, memory-mapped on first use."""
+        if (kind, k) not in self._maps:
+            dtype = {"tokens": self.dtype, "mask": np.dtype("u1"), "docs": np.dtype("<i8")}[kind]
+            file = self.folder / f"{self.names[k]}.{kind}"
+            count = (self.offsets[k + 1] - self.offsets[k]) if kind != "docs" else file.stat().st_size // 8
+            self._maps[(kind, k)] = np.memmap(file, dtype=dtype, mode="r", shape=(count,)) if count else \
+                np.empty(0, dtype)
+        return self._maps[(kind, k)]
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Global tokens ``start``..``stop`` (across shard borders) as int64."""
-        out = np.empty(stop - start, dtype=np.int64)
+        return self._read(start, stop, "tokens", np.int64)
+
+    def read_mask(self, start: int, stop: int) -> np.ndarray:
+        """The loss mask of global tokens ``start``..``stop`` as uint8 (a set with ``has_mask``)."""
+        if not self.has_mask:
+            raise ValueError(f"{self.folder} has no loss mask (its index has no \"loss_mask\": true)")
+        return self._read(start, stop, "mask", np.uint8)
+
+    def _read(self, start: int, stop: int, kind: str, dtype) -> np.ndarray:
+        out = np.empty(stop - start, dtype=dtype)
         k, filled = bisect_right(self.offsets, start) - 1, 0
         while filled < len(out):
             lo = start + filled - self.offsets[k]
             take = min(self.offsets[k + 1] - self.offsets[k] - lo, len(out) - filled)
-            out[filled:filled + take] = self._map(k)[lo:lo + take]
+            out[filled:filled + take] = self._map(k, kind)[lo:lo + take]
             filled, k = filled + take, k + 1
         return out
+
+    def document_ends(self, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
+        """The global end offsets of the documents that end in ``(start, stop]`` (default: all),
+        ascending int64, from the ``.docs`` files (never from scanning for EOS)."""
+        stop = len(self) if stop is None else stop
+        first = min(max(bisect_right(self.offsets, start) - 1, 0), len(self.names) - 1)
+        parts = []
+        for k in range(first, len(self.names)):
+            if self.offsets[k] >= stop:
+                break
+            ends = self.offsets[k] + np.asarray(self._map(k, "docs"), dtype=np.int64)
+            parts.append(ends[(ends > start) & (ends <= stop)])
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
     def document_end_before(self, position: int) -> int:
         """The last document end at or before global token ``position`` (0 if none)."""
         k = min(max(bisect_right(self.offsets, position) - 1, 0), len(self.names) - 1)
         while k >= 0:
-            ends = np.fromfile(self.folder / f"{self.names[k]}.docs", dtype="<i8")
+            ends = self._map(k, "docs")
             local = position - self.offsets[k]
             i = int(np.searchsorted(ends, local, side="right"))
             if i:

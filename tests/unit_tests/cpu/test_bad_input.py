@@ -429,6 +429,12 @@ _ROOT_READS_ALL = {"dataset unreadable"} if hasattr(os, "geteuid") and os.geteui
     pytest.param(*case, marks=pytest.mark.skipif(case[0] in _ROOT_READS_ALL, reason="root reads a file of mode 000"))
     for case in CASES], ids=[c[0].replace(" ", "_") for c in CASES])
 def test_bad_input_is_one_line_exit_2_nothing_written(name, argv, message, inputs, capfd, monkeypatch):
+    assert_refused(name, argv, message, inputs, capfd, monkeypatch)
+
+
+def assert_refused(name, argv, message, inputs: Path, capfd, monkeypatch) -> None:
+    """``titan-lightning <argv>`` run in ``inputs`` exits 2 with one line on stderr holding ``message``,
+    no traceback, nothing written, within 10 s (other modules' bad-input cases call it too)."""
     monkeypatch.chdir(inputs)
     monkeypatch.syspath_prepend(str(inputs))
     monkeypatch.delenv(RUN_DIR_ENV, raising=False)
