@@ -376,3 +376,45 @@ def llama3_fsdp2_tp2_chunked_loss() -> Run:
 def llama3_pp2_chunked_loss() -> Run:
     """PP2: the last stage returns hidden states; its loss applies the head chunk by chunk."""
     return _chunked_loss(llama3_pp2())
+
+
+# Supervised fine-tuning (data.sft): conversations packed whole with document masking, the loss over
+# the assistant's tokens divided by the supervised tokens of the whole step. The data
+# (titan_lightning/testing/sft_shards.py) gives windows and ranks very different numbers of
+# supervised tokens; each layout must reproduce the one-process run.
+def _sft(run: Run) -> Run:
+    from titan_lightning.testing.sft_shards import cached_synthetic_set
+
+    run.job.data.dataset_path = str(cached_synthetic_set())
+    run.job.data.sft = True
+    return _block_causal(run)
+
+
+def llama3_sft() -> Run:
+    """One process: the seed of the SFT layouts."""
+    return _sft(llama3_debugmodel())
+
+
+def llama3_sft_accumulation() -> Run:
+    """The same global batch in two microbatches per step."""
+    run = llama3_sft()
+    t = run.job.training
+    t.tokens_per_step, t.tokens_per_microbatch_per_dp_rank = t.tokens_per_microbatch_per_dp_rank, \
+        t.tokens_per_microbatch_per_dp_rank // 2
+    return run
+
+
+def llama3_sft_fsdp2() -> Run:
+    return _sft(llama3_fsdp2())
+
+
+def llama3_sft_fsdp2_tp2() -> Run:
+    return _sft(llama3_fsdp2_tp2())
+
+
+def llama3_sft_pp2() -> Run:
+    return _sft(llama3_pp2())
+
+
+def llama3_sft_cp2() -> Run:
+    return _sft(llama3_cp2())

@@ -76,3 +76,30 @@ def synthetic_conversations(n: int, *, seed: int = 0, vocab_size: int = 2048, eo
         tokens[-1] = eos_id
         out.append((tokens, mask))
     return out
+
+
+def cached_synthetic_set(n: int = 200, *, seed: int = 0, mean_turn: int = 12, max_turns: int = 2) -> Path:
+    """A shard set of ``synthetic_conversations(n)`` for the shipped tokenizer (its ids and EOS), in
+    the system's temporary folder, named by its settings: written once, by whichever process of a
+    launch gets there first (written aside, then renamed into place), read by the others. The SFT
+    entries of the integration suites train on it."""
+    import os
+    import shutil
+    import tempfile
+
+    from titan_lightning.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    name = f"titan-lightning-sft-v1-{n}-{seed}-{mean_turn}-{max_turns}-{tokenizer.vocab_size}-{tokenizer.eot_id}"
+    folder = Path(tempfile.gettempdir()) / name
+    if (folder / INDEX).is_file():
+        return folder
+    staging = folder.with_name(f"{name}.partial-{os.getpid()}")
+    conversations = synthetic_conversations(n, seed=seed, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eot_id,
+                                            mean_turn=mean_turn, max_turns=max_turns)
+    write_sft_shards(staging, conversations)
+    try:
+        os.rename(staging, folder)
+    except OSError:  # another process renamed its copy first: the same bytes
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
