@@ -8,6 +8,7 @@ import os, shutil, sys, time, zlib
 from pathlib import Path
 import torch, torch.distributed.checkpoint as dcp
 from titan_lightning import checkpoint as ckpt
+from titan_lightning.checkpoint.writer import _ChecksummingWriter
 
 root = Path(sys.argv[1]); shutil.rmtree(root, ignore_errors=True); root.mkdir(parents=True)
 gib = int(float(os.environ.get("GIB", "1")) * (1 << 30))
@@ -15,8 +16,8 @@ state = {"state_dict": {f"w{i}": torch.randn(gib // 4 // 16 // 4096, 4096) for i
 def save(path, writer):
     t = time.perf_counter(); dcp.save(state, checkpoint_id=str(path), storage_writer=writer); return time.perf_counter() - t
 plain = min(save(root / f"plain{i}", dcp.FileSystemWriter(str(root / f"plain{i}"))) for i in range(2))
-counted = min(save(root / f"crc{i}", ckpt._ChecksummingWriter(root / f"crc{i}", {})) for i in range(2))
-w = ckpt._ChecksummingWriter(root / "m", {}); save(root / "m", w)
+counted = min(save(root / f"crc{i}", _ChecksummingWriter(root / f"crc{i}", {})) for i in range(2))
+w = _ChecksummingWriter(root / "m", {}); save(root / "m", w)
 manifest = {"files": w.checksums}
 size = sum(v[0] for v in w.checksums.values())
 os.system(f"cat {root}/m/* > /dev/null")  # page cache warm: the disk's speed is not what is measured

@@ -1,8 +1,10 @@
 """Llama 3 runs: the CPU debug model and the published sizes."""
 
+from dataclasses import replace
+
 from titan_lightning.models.llama3 import Llama3Job, Llama3Module, llama3_args
 from titan_lightning.recipe import (
-    ContextParallelTransform, Run, apply_transforms, debug_run, family_run, on_layout, size_run, with_cp,
+    ContextParallelTransform, Run, debug_run, family_run, on_layout, size_run, transformed, with_cp,
 )
 
 
@@ -134,13 +136,16 @@ def llama3_8b_fsdp8_cp8() -> Run:
     Each CP rank holds 16,384 tokens of every sequence (headtail), all-gather K/V attention.
     Dry run in one process: ``--trainer.strategy FakePGStrategy --trainer.strategy.world_size 64``.
     """
-    run = llama3_8b()
-    run.job.training.seq_len = run.job.training.tokens_per_microbatch_per_dp_rank = 131072
-    run = apply_transforms(run, [ContextParallelTransform(attention="allgather", cp=8)], world_size=64)
-    run.job.parallelism.dp_shard = 8
-    # 16,384 tokens x 32 blocks of activations do not fit one GPU without recomputation.
-    run.job.activation_checkpoint.mode = "full"
-    # The shipped corpus (128k tokens) is shorter than one sequence: repeat it; no val split.
-    run.job.data.repeat_to_fit = True
+    run = transformed(llama3_8b(), [ContextParallelTransform(attention="allgather", cp=8)])
+    job = run.job
+    run.set_job(replace(
+        job,
+        training=replace(job.training, seq_len=131072, tokens_per_microbatch_per_dp_rank=131072),
+        parallelism=replace(job.parallelism, dp_shard=8),
+        # 16,384 tokens x 32 blocks of activations do not fit one GPU without recomputation.
+        activation_checkpoint=replace(job.activation_checkpoint, mode="full"),
+        # The shipped corpus (128k tokens) is shorter than one sequence: repeat it; no val split.
+        data=replace(job.data, repeat_to_fit=True),
+    ))
     run.trainer.update(limit_val_batches=0, num_sanity_val_steps=0)
     return run

@@ -1,5 +1,7 @@
 """Qwen 3 runs: the CPU debug models (dense and MoE) and the published sizes."""
 
+from dataclasses import replace
+
 from titan_lightning.models.qwen3 import Qwen3Job, Qwen3Module, qwen3_args
 from titan_lightning.recipe import Run, debug_run, family_run, on_layout, size_run, with_cp
 
@@ -75,6 +77,8 @@ def fsdp2_tp2_cp2_ep8() -> Run:
 def moe_235b_a22b_layout() -> Run:
     """A 235B-A22B-scale layout on the debug-sized MoE, for a FakePG dry run at world size 256:
     FSDP64 x TP4 in the dense region, one of the 64 experts per rank over EP64 (efsdp 4)."""
-    run = on_layout(debugmodel_moe(), dp_shard=64, tp=4, ep=64)
-    run.job.training.tokens_per_microbatch_per_dp_rank = run.job.training.seq_len
+    run = debugmodel_moe()
+    job = run.job
+    run.set_job(replace(job, parallelism=replace(job.parallelism, dp_shard=64, tp=4, ep=64),
+                        training=replace(job.training, tokens_per_microbatch_per_dp_rank=job.training.seq_len)))
     return run

@@ -17,7 +17,7 @@ private attributes that titan_lightning's subclasses of Lightning classes inheri
 (``Strategy._forward_redirection``, ``_configure_launcher`` / ``_launcher``,
 ``_ChildProcessObserver._child_processes`` / ``_termination_signal``, ``LightningOptimizer._optimizer``,
 ``_TrainingEpochLoop._should_accumulate``, ``RichProgressBar._get_train_description`` overridden in
-recipe.py), ``nn.Module``'s hook dicts read in parallel/fsdp.py, and torch's private operators
+callbacks/progress.py), ``nn.Module``'s hook dicts read in parallel/fsdp.py, and torch's private operators
 (``torch._grouped_mm``, ``torch._foreach_mul_``, ``aten._scaled_dot_product_flash_attention*``).
 """
 

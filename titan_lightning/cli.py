@@ -55,7 +55,8 @@ import lightning as L
 from titan_lightning.checkpoint import CheckpointError
 from titan_lightning.config import ConfigError, JobConfig
 from titan_lightning.pretrained import check_initial_hf_weights
-from titan_lightning.recipe import RECIPE_PARAMETERS, Run, RecipeError, build_run, build_trainer, check_inputs, execute
+from titan_lightning.recipe import RECIPE_PARAMETERS, Run, RecipeError, build_run, check_inputs, execute
+from titan_lightning.trainer import build_trainer
 
 SUBCOMMANDS = ("fit", "validate", "test", "estimate", "prepare")
 OPTIONS = ("--recipe", "--config", "--print_config", "--job", "--trainer")

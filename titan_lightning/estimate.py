@@ -74,7 +74,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from titan_lightning._compat import FAKE_TENSOR_ERRORS, FakeTensor, FakeTensorMode, TorchDispatchMode, dynamo_disable
 from titan_lightning._compat import estimate_backend_parts, list_backends, register_backend, tree_leaves
 from titan_lightning._compat import unset_fake_temporarily
-from titan_lightning.config import ConfigError, validate_job
+from titan_lightning.config import validate_job
 from titan_lightning.config.validation import validate_estimate
 from titan_lightning.optim import build_optimizer
 from titan_lightning.parallel.fake import init_fake_process_group, memory_report
@@ -87,6 +87,11 @@ GiB = 2**30
 CPU = torch.device("cpu")  # where the fake tensors live
 # The torch.compile backend the estimate compiles with, in place of the job's (see below).
 COMPILE_BACKEND = "titan_estimate"
+
+
+class EstimateError(ValueError):
+    """A run the estimator cannot model (not a titan_lightning model, or an op that needs tensor
+    values); the message is one line. A bad configuration fails validation (ConfigError) first."""
 
 
 @dataclass(kw_only=True)
@@ -132,7 +137,7 @@ def estimate(run: Run, world_size: int, rank: int = 0) -> MemoryEstimate:
     """
     job, module = run.job, run.module
     if job is None or not hasattr(module, "build_model"):
-        raise ConfigError(f"estimate needs a titan_lightning model (a CausalLMModule with a job); got {type(module).__name__}")
+        raise EstimateError(f"estimate needs a titan_lightning model (a CausalLMModule with a job); got {type(module).__name__}")
     validate_job(job, world_size=world_size, max_steps=run.trainer.get("max_steps"))
     validate_estimate(job, world_size, rank)
     if dist.is_initialized():
@@ -148,7 +153,7 @@ def estimate(run: Run, world_size: int, rank: int = 0) -> MemoryEstimate:
         cause = _fake_cause(err)
         if cause is None:
             raise
-        raise ConfigError(_unsupported(type(getattr(module, "model", module)).__name__, cause)) from None
+        raise EstimateError(_unsupported(type(getattr(module, "model", module)).__name__, cause)) from None
     finally:
         job.compile.backend, job.quantize.float8.enable = backend, float8
         if dist.is_initialized():

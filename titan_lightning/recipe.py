@@ -1,4 +1,5 @@
-"""What a recipe returns, how one is loaded, and how a run becomes a Trainer.
+"""What a recipe returns, how one is loaded and run, and what recipes share (how a run becomes a
+Trainer: trainer.py).
 
 A recipe is a plain function with no arguments returning a ``Run``::
 
@@ -17,40 +18,27 @@ original untouched if anything fails::
 """
 
 import copy
-import datetime
 import importlib
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
-from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from titan_lightning.callbacks import TrainingMetrics
-from titan_lightning.callbacks.metrics import SourceTokens
-from titan_lightning.callbacks.preemption import PreemptionCheckpoint
-from titan_lightning.callbacks.profiling import ProfileSteps
-from titan_lightning.callbacks.weights import ExportWeights, LoadWeights, check_export, check_initial_weights, model_shapes
+from titan_lightning.callbacks.progress import StepProgressBar  # noqa: F401 (re-exported: its home before)
+from titan_lightning.callbacks.weights import check_export, check_initial_weights, model_shapes
 from titan_lightning.config import ConfigError, JobConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig, validate_job
 from titan_lightning.config.job import CP_ATTENTIONS
 from titan_lightning.config.parallelism import CP_LOAD_BALANCERS
-from titan_lightning.config.validation import gradient_accumulation_steps
 from titan_lightning.data.datamodule import TextDataModule
-from titan_lightning.strategies import TitanStrategy
-
-RUN_DIR_ENV = "TITAN_LIGHTNING_RUN_DIR"
-
-
-# Trainer arguments a JobConfig owns: (the field to set instead, Trainer's default).
-_SET_BY_JOB = {
-    "gradient_clip_val": ("job.training.max_grad_norm", None),
-    "deterministic": ("job.training.deterministic", None),
-    "accumulate_grad_batches": ("job.training.tokens_per_step", 1),
-}
+from titan_lightning.trainer import (  # noqa: F401 (re-exported: their home before trainer.py)
+    RUN_DIR_ENV,
+    build_trainer,
+    checkpoint_callback,
+    run_dir,
+)
 
 
 class RecipeError(ValueError):
@@ -171,64 +159,6 @@ def _exception_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
-def run_dir(run: Run, root: Optional[str]) -> Path:
-    """The folder this run writes into: ``<root>/<name>/<timestamp>``, shared by all ranks."""
-    if RUN_DIR_ENV not in os.environ:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-        os.environ[RUN_DIR_ENV] = str(Path(root or "runs") / run.name / stamp)
-    return Path(os.environ[RUN_DIR_ENV])
-
-
-def _validate_vocab(run: Run, job: JobConfig) -> None:
-    tokenizer = getattr(run.datamodule, "tokenizer", None)
-    if tokenizer is not None and tokenizer.vocab_size > job.model.vocab_size:
-        raise ConfigError(
-            f"the data's tokenizer has {tokenizer.vocab_size} tokens, more than model.vocab_size="
-            f"{job.model.vocab_size}; use a model vocab_size >= {tokenizer.vocab_size}"
-        )
-
-
-# Lightning's precision flag -> (training.dtype, training.mixed_precision_param). The strategy
-# applies it (FSDP's mixed-precision policy, or autocast on one device); Lightning's own
-# precision plugin stays at 32-true so that nothing autocasts twice.
-_PRECISION = {
-    "32-true": ("float32", "float32"), "32": ("float32", "float32"), 32: ("float32", "float32"),
-    "bf16-mixed": ("float32", "bfloat16"), "bf16-true": ("bfloat16", "bfloat16"),
-}
-
-
-def _apply_precision(kwargs: dict[str, Any], job: JobConfig) -> None:
-    """Map ``trainer.precision`` onto the job's training dtypes (fp32 reduce stays as the job says)."""
-    precision = kwargs.pop("precision", None)
-    if precision is None:
-        return
-    if precision not in _PRECISION:
-        raise ConfigError(
-            f"trainer.precision={precision!r} is not supported; use one of 32-true, bf16-mixed, bf16-true "
-            f"(or set training.dtype / training.mixed_precision_param)"
-        )
-    t = job.training
-    dtype, param = _PRECISION[precision]
-    if (t.dtype, t.mixed_precision_param) not in ((dtype, param), ("float32", "float32")):
-        raise ConfigError(
-            f"trainer.precision={precision!r} disagrees with training.dtype={t.dtype!r}, "
-            f"training.mixed_precision_param={t.mixed_precision_param!r}; set the precision in one place"
-        )
-    t.dtype, t.mixed_precision_param = dtype, param
-
-
-def checkpoint_callback(job: Optional[JobConfig], folder: Path) -> ModelCheckpoint:
-    """Lightning's ModelCheckpoint as ``job.checkpoint`` asks: every ``interval`` steps, the newest
-    ``keep_latest_k`` kept (ranked by step), into ``<run folder>/checkpoints``."""
-    if job is None:
-        return ModelCheckpoint(dirpath=folder / "checkpoints")
-    c = job.checkpoint
-    keep = {"save_top_k": c.keep_latest_k, "monitor": "step", "mode": "max"} if c.keep_latest_k != -1 else {"save_top_k": -1}
-    if c.interval is None and c.keep_latest_k == -1:
-        keep = {}  # Lightning's default: the newest checkpoint after each validation
-    return ModelCheckpoint(dirpath=folder / "checkpoints", every_n_train_steps=c.interval, **keep)
-
-
 def resume_path(run: Run, trainer: L.Trainer) -> Optional[str]:
     """The checkpoint ``job.checkpoint.resume_from`` names, checked (one-line CheckpointError
     otherwise); None to start fresh, saying so when "latest" finds nothing yet."""
@@ -283,134 +213,6 @@ def execute(command: str, run: Run, trainer: L.Trainer) -> None:
     getattr(trainer, command)(run.module, datamodule=run.datamodule, **kwargs)
 
 
-def train_description(trainer: L.Trainer) -> str:
-    """"Epoch 2" for a run limited by epochs; a run limited by steps (max_epochs=-1, which
-    Lightning's RichProgressBar would print as "Epoch 0/-2") also counts its steps: "Epoch 0, step 3/10"."""
-    description = f"Epoch {trainer.current_epoch}"
-    if trainer.max_epochs is not None and trainer.max_epochs >= 0:
-        return f"{description}/{trainer.max_epochs - 1}"
-    if trainer.max_steps is not None and trainer.max_steps > 0:
-        return f"{description}, step {trainer.global_step}/{trainer.max_steps}"
-    return description
-
-
-def _batches_done(trainer: L.Trainer) -> int:
-    """Batches of this epoch already trained when it starts: 0, or where a resumed run continues."""
-    return trainer.fit_loop.epoch_loop.batch_progress.current.processed
-
-
-def train_total(trainer: L.Trainer) -> Union[int, float]:
-    """The training bar's total, in batches of this epoch: for a run limited by steps, the batches
-    done (a resumed run's bar continues from them) plus the rest of ``max_steps`` times the batches
-    per optimizer step. Lightning's own counts the remaining optimizer steps only, so a resumed
-    run's bar (and one accumulating gradients) ran past its total and tqdm dropped it ("33/?")."""
-    batches = trainer.num_training_batches
-    if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:
-        remaining = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
-        return min(batches, _batches_done(trainer) + remaining)
-    return batches
-
-
-class StepProgressBar(TQDMProgressBar):
-    """Lightning's progress bar, its training bar described by ``train_description``."""
-
-    @property
-    def total_train_batches(self) -> Union[int, float]:
-        return train_total(self.trainer)
-
-    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
-        super().on_train_start(trainer, *args)
-        self._start(trainer)  # a run resumed inside an epoch gets no on_train_epoch_start
-
-    def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        super().on_train_epoch_start(trainer, *args)
-        self._start(trainer)
-
-    def _start(self, trainer: L.Trainer) -> None:
-        bar = self.train_progress_bar
-        bar.total = convert_inf(self.total_train_batches)
-        bar.initial = bar.n = _batches_done(trainer)  # (its rate counts this run's batches only)
-        bar.set_description(train_description(trainer))
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if not self.train_progress_bar.disable:
-            self.train_progress_bar.set_description(train_description(trainer), refresh=False)
-        super().on_train_batch_end(trainer, *args)
-
-
-class StepRichProgressBar(RichProgressBar):
-    """Lightning's RichProgressBar, its training bar described by ``train_description``."""
-
-    @property
-    def total_train_batches(self) -> Union[int, float]:
-        return train_total(self.trainer)
-
-    def _get_train_description(self, current_epoch: int) -> str:  # Lightning's only hook for it
-        return f"{train_description(self.trainer):{len(self.validation_description)}}"
-
-
-def _progress_bar(callbacks: list) -> list:
-    """Ours unless the run brings its own; Lightning's RichProgressBar becomes ours, settings kept."""
-    for bar in callbacks:
-        if type(bar) is RichProgressBar:
-            bar.__class__ = StepRichProgressBar  # adds one method, no state
-    if any(isinstance(c, ProgressBar) for c in callbacks):
-        return callbacks
-    return [*callbacks, StepProgressBar()]
-
-
-def build_trainer(run: Run) -> L.Trainer:
-    """Validate the run and build its Trainer. Nothing is written and nothing is spawned."""
-    kwargs = dict(run.trainer)
-    job = run.job
-    if job is not None:
-        for key, (instead, default) in _SET_BY_JOB.items():
-            value = kwargs.pop(key, default)
-            if value != default:
-                raise ConfigError(f"trainer.{key}={value!r} is set by {instead}; set that instead")
-        kwargs["deterministic"] = job.training.deterministic or None
-        _apply_precision(kwargs, job)
-        if kwargs.get("strategy", "auto") == "auto":
-            kwargs["strategy"] = TitanStrategy()  # degrees from job.parallelism
-        L.seed_everything(job.training.seed, verbose=False)
-    folder = run_dir(run, kwargs.get("default_root_dir"))
-    kwargs["default_root_dir"] = str(folder)
-    if kwargs.get("logger") in (None, True):
-        kwargs["logger"] = [
-            TensorBoardLogger(save_dir=folder, name="tensorboard", version=""),
-            CSVLogger(save_dir=folder, name="csv", version=""),
-        ]
-    callbacks = list(kwargs.get("callbacks") or [])
-    if job is not None and not any(isinstance(c, TrainingMetrics) for c in callbacks):
-        callbacks.append(TrainingMetrics())
-    if job is not None and job.data.sources and not any(isinstance(c, SourceTokens) for c in callbacks):
-        callbacks.append(SourceTokens())
-    if job is not None and not any(isinstance(c, PreemptionCheckpoint) for c in callbacks):
-        callbacks.append(PreemptionCheckpoint())
-    if kwargs.get("enable_checkpointing", True) and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-        callbacks.append(checkpoint_callback(job, folder))
-    if job is not None and job.checkpoint.initial_load_path is not None:
-        callbacks.append(LoadWeights(job.checkpoint.initial_load_path, job.checkpoint.initial_load_format))
-    if job is not None and (job.profiling.trace_steps or job.profiling.memory_snapshot_steps):
-        callbacks.append(ProfileSteps(folder / "profile", job.profiling.trace_steps, job.profiling.memory_snapshot_steps))
-    if job is not None and job.checkpoint.export_format is not None:
-        where = folder / ("export_hf" if job.checkpoint.export_format == "hf" else "export")
-        callbacks.append(ExportWeights(where, job.checkpoint.export_format, job.checkpoint.export_dtype))
-    if kwargs.get("enable_progress_bar") is not False:
-        callbacks = _progress_bar(callbacks)
-    kwargs["callbacks"] = callbacks
-    trainer = L.Trainer(**kwargs)
-    if isinstance(trainer.strategy, TitanStrategy):  # (the job with the module, once)
-        trainer.strategy.check_module(run.module, max_steps=trainer.max_steps)
-    elif job is not None:
-        validate_job(job, world_size=trainer.world_size, max_steps=trainer.max_steps,
-                     device_type=trainer.strategy.root_device.type)
-    if job is not None:
-        _validate_vocab(run, job)
-        trainer.accumulate_grad_batches = gradient_accumulation_steps(job, trainer.world_size)
-    return trainer
-
-
 # -- what recipes share ----------------------------------------------------------------------
 
 
@@ -446,20 +248,22 @@ def size_run(job_class: type, module_class: type, args, *, seq_len: int, lr: flo
 
 
 def on_layout(run: Run, **degrees) -> Run:
-    """``run`` on a parallel layout with the same global batch, so the same per-step losses.
+    """``run`` on a parallel layout with the same global batch, so the same per-step losses; the
+    run gets a derived job (the one it had is left as it was).
 
     The data-parallel degree must be explicit (``dp_shard=-1`` would depend on the launch).
     """
-    for name, value in degrees.items():
-        setattr(run.job.parallelism, name, value)
-    p = run.job.parallelism
-    run.job.training.tokens_per_microbatch_per_dp_rank //= p.dp_replicate * max(p.dp_shard, 1)
+    job = run.job
+    p = replace(job.parallelism, **degrees)
+    tokens = job.training.tokens_per_microbatch_per_dp_rank // (p.dp_replicate * max(p.dp_shard, 1))
+    run.set_job(replace(job, parallelism=p, training=replace(job.training, tokens_per_microbatch_per_dp_rank=tokens)))
     return run
 
 
 def with_cp(run: Run, attention: str = "allgather", *, cp: int, **degrees) -> Run:
-    """``run`` with a context-parallel attention over ``cp`` ranks, then ``on_layout(**degrees)``."""
-    return on_layout(apply_transforms(run, [ContextParallelTransform(attention=attention, cp=cp)]), **degrees)
+    """``run`` with a context-parallel attention over ``cp`` ranks, then ``on_layout(**degrees)``;
+    validated at launch, with the launch's world size (``apply_transforms`` validates at once)."""
+    return on_layout(transformed(run, [ContextParallelTransform(attention=attention, cp=cp)]), **degrees)
 
 
 # -- transforms: swap parts of a run's configuration tree, then validate the whole run --------
@@ -492,12 +296,21 @@ class ContextParallelTransform:
     def __call__(self, run: Run) -> None:
         job = run.job
         if job is None or not hasattr(job.model, "attention"):
-            raise ConfigError(f"ContextParallelTransform needs a run whose model has `attention`; got {type(run.module).__name__}")
-        job.model.attention = self.attention
-        if self.cp is not None:
-            job.parallelism.cp = self.cp
+            raise RecipeError(f"ContextParallelTransform needs a run whose model has `attention`; got {type(run.module).__name__}")
+        degrees = {} if self.cp is None else {"cp": self.cp}
         if self.load_balancer is not _UNSET:
-            job.parallelism.cp_load_balancer = self.load_balancer
+            degrees["cp_load_balancer"] = self.load_balancer
+        run.set_job(replace(job, model=replace(job.model, attention=self.attention),
+                            parallelism=replace(job.parallelism, **degrees)))
+
+
+def transformed(run: Run, transforms: Sequence[Transform]) -> Run:
+    """A copy of ``run`` with ``transforms`` applied in order, not validated: a recipe's run is
+    validated at launch (``build_trainer``), once."""
+    result = copy.deepcopy(run)
+    for transform in transforms:
+        transform(result)
+    return result
 
 
 def apply_transforms(run: Run, transforms: Sequence[Transform], *, world_size: Optional[int] = None) -> Run:
@@ -505,9 +318,7 @@ def apply_transforms(run: Run, transforms: Sequence[Transform], *, world_size: O
 
     ``world_size`` defaults to the product of the degrees (``dp_shard=-1`` counted as 1).
     """
-    result = copy.deepcopy(run)
-    for transform in transforms:
-        transform(result)
+    result = transformed(run, transforms)
     job = result.job
     if job is not None:
         p = job.parallelism

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from titan_lightning.checkpoint import FAULT_ENV
+from titan_lightning.testing.faults import FAULT_ENV
 from titan_lightning.data.prepare import prepare
 from titan_lightning.data.tokenizer import reference_documents
 from titan_lightning.recipe import RUN_DIR_ENV

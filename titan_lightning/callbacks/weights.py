@@ -73,7 +73,7 @@ def check_initial_weights(path: str, fmt: str, module: Optional[L.LightningModul
     ``module``'s model args describe that model; a folder of ours holds ``module``'s tensors with
     their shapes, its files whole (``checksums``: their crc32 too); one-line CheckpointError /
     ConfigError otherwise."""
-    from titan_lightning.models.common.hf_checkpoint import INDEX_FILE, SINGLE_FILE
+    from titan_lightning.models.common.safetensors_io import INDEX_FILE, SINGLE_FILE
 
     field = f"checkpoint.initial_load_path={path!r}"
     folder = Path(path)
@@ -246,7 +246,7 @@ def write_hf_shards(share: dict[str, torch.Tensor], folder: Path, max_shard_byte
     """Every rank's ``share`` into numbered safetensors files of ``folder`` (at most
     ``max_shard_bytes`` each, numbered across ranks) and the index; one file, ``model.safetensors``,
     when everything fits in one."""
-    from titan_lightning.models.common.hf_checkpoint import split_shards, write_index, write_shards
+    from titan_lightning.models.common.safetensors_io import split_shards, write_index, write_shards
 
     rank, world = _world()
     shards = split_shards(share, max_shard_bytes)

@@ -4,26 +4,48 @@ Each runs once per launch: a strategy's own degrees (``validate_degrees``) when 
 built, before any process is spawned; the job (``validate_job``), the strategy against it
 (``validate_strategy``) and the module's plans (``validate_tp_plan``, ``validate_pipeline_plan``)
 in the strategy's ``check_module``, which ``build_trainer`` calls (a Trainer built by hand: at
-``setup_environment``). Every message names the fields, their values and what would be valid.
+``setup_environment``). ``validate_job`` remembers the jobs it passed: asked again about the same
+object, unchanged and for the same launch, it returns at once. Every message names the fields,
+their values and what would be valid.
 """
 
 import csv
 import os
 import re
 import warnings
+import weakref
 from typing import Optional, Sequence
 
 from titan_lightning.config.job import CP_ATTENTIONS, JobConfig
 from titan_lightning.config.parallelism import LOOPED_PP_SCHEDULES, V_PP_SCHEDULES, ParallelismConfig
+from titan_lightning.config.training import TrainingConfig
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message is one line."""
 
 
+# id(job) -> (the job, weakly; what it passed for): the jobs validate_job has passed.
+_PASSED: dict[int, tuple[weakref.ref, tuple]] = {}
+
+
 def validate_job(job: JobConfig, *, world_size: int, max_steps: Optional[int] = None, fake_pg: bool = False,
                  device_type: Optional[str] = None) -> None:
-    # Recipes derive runs by assigning fields, which skips __post_init__: run it again.
+    """Every rule of a run's job, for a launch on ``world_size`` ranks (the schedule too given
+    ``max_steps``, the kernels given ``device_type``). Once per launch: this same object, unchanged
+    since it passed with these arguments, is not checked again."""
+    launch = (world_size, max_steps, fake_pg, device_type)
+    known = _PASSED.get(id(job))
+    if known is not None and known[0]() is job and known[1] == (*launch, repr(job)):
+        return
+    _check_job(job, world_size=world_size, max_steps=max_steps, fake_pg=fake_pg, device_type=device_type)
+    key = id(job)  # (__post_init__ may have normalized a field: the job as it passed)
+    _PASSED[key] = (weakref.ref(job, lambda _: _PASSED.pop(key, None)), (*launch, repr(job)))
+
+
+def _check_job(job: JobConfig, *, world_size: int, max_steps: Optional[int], fake_pg: bool,
+               device_type: Optional[str]) -> None:
+    # A job whose fields were assigned after construction skipped __post_init__: run it again.
     for section in (job.model, job.training, job.parallelism, job.optimizer, job.lr_schedule, job.data,
                     job.activation_checkpoint, job.checkpoint, job.compile, job.quantize, job.profiling):
         section.__post_init__()
@@ -100,6 +122,11 @@ def validate_pipeline_degrees(p: ParallelismConfig) -> None:
             f"parallelism.pp_schedule={p.pp_schedule!r} places 2 stages per rank in a V; "
             f"parallelism.pp_stages_per_rank={spr} must be 2"
         )
+    if p.pp_stage_modules is not None and len(p.pp_stage_modules) != p.num_stages:
+        raise ConfigError(
+            f"parallelism.pp_stage_modules lists {len(p.pp_stage_modules)} stages, but pp={p.pp} x "
+            f"{spr} stages per rank = {p.num_stages}"
+        )
     if p.pp_schedule == "1F1B" and p.pp_microbatches < p.pp:
         raise ConfigError(
             f"parallelism.pp_microbatches={p.pp_microbatches} must be >= parallelism.pp={p.pp} for the 1F1B "
@@ -174,22 +201,23 @@ def validate_pipeline(job: JobConfig) -> None:
     if p.pp == 1:
         return
     n_layers = getattr(job.model, "n_layers", None)
-    if n_layers is not None and p.num_stages > n_layers:
-        raise ConfigError(
-            f"parallelism.pp={p.pp} x {p.stages_per_rank} stages per rank = {p.num_stages} stages is more than "
-            f"model.n_layers={n_layers}; use fewer stages"
-        )
-    if p.pp_stage_modules is not None and len(p.pp_stage_modules) != p.num_stages:
-        raise ConfigError(
-            f"parallelism.pp_stage_modules lists {len(p.pp_stage_modules)} stages, but pp={p.pp} x "
-            f"{p.stages_per_rank} stages per rank = {p.num_stages}"
-        )
+    if n_layers is not None:
+        validate_stage_count(p, n_layers)
     batch = job.training.microbatch_size
     if batch % p.pp_microbatches:
         raise ConfigError(
             f"parallelism.pp_microbatches={p.pp_microbatches} must divide the local batch of {batch} sequences "
             f"(training.tokens_per_microbatch_per_dp_rank={job.training.tokens_per_microbatch_per_dp_rank} / "
             f"seq_len={job.training.seq_len})"
+        )
+
+
+def validate_stage_count(p: ParallelismConfig, n_layers: int, layers: str = "model.n_layers") -> None:
+    """No more pipeline stages than the model has blocks (``layers``: what counted them)."""
+    if p.num_stages > n_layers:
+        raise ConfigError(
+            f"parallelism.pp={p.pp} x {p.stages_per_rank} stages per rank = {p.num_stages} stages is more than "
+            f"{layers}={n_layers}; use fewer stages"
         )
 
 
@@ -374,6 +402,58 @@ def validate_estimate(job: JobConfig, world_size: int, rank: int) -> None:
         )
     if not 0 <= rank < world_size:
         raise ConfigError(f"--rank={rank} must be in [0, --world_size={world_size})")
+
+
+# -- the Trainer's arguments and the data against the job ------------------------------------
+
+# Trainer arguments a JobConfig owns: (the field to set instead, Trainer's default).
+TRAINER_ARGS_SET_BY_JOB = {
+    "gradient_clip_val": ("job.training.max_grad_norm", None),
+    "deterministic": ("job.training.deterministic", None),
+    "accumulate_grad_batches": ("job.training.tokens_per_step", 1),
+}
+
+# Lightning's precision flag -> (training.dtype, training.mixed_precision_param). The strategy
+# applies it (FSDP's mixed-precision policy, or autocast on one device); Lightning's own
+# precision plugin stays at 32-true so that nothing autocasts twice.
+LIGHTNING_PRECISIONS = {
+    "32-true": ("float32", "float32"), "32": ("float32", "float32"), 32: ("float32", "float32"),
+    "bf16-mixed": ("float32", "bfloat16"), "bf16-true": ("bfloat16", "bfloat16"),
+}
+
+
+def validate_trainer_args(trainer: dict) -> None:
+    """A run with a job leaves the Trainer arguments the job owns at their defaults."""
+    for key, (instead, default) in TRAINER_ARGS_SET_BY_JOB.items():
+        value = trainer.get(key, default)
+        if value != default:
+            raise ConfigError(f"trainer.{key}={value!r} is set by {instead}; set that instead")
+
+
+def precision_dtypes(precision, training: TrainingConfig) -> tuple[str, str]:
+    """(training.dtype, training.mixed_precision_param) for Lightning's ``trainer.precision``;
+    refused when unsupported or when ``training`` sets other dtypes."""
+    if precision not in LIGHTNING_PRECISIONS:
+        raise ConfigError(
+            f"trainer.precision={precision!r} is not supported; use one of 32-true, bf16-mixed, bf16-true "
+            f"(or set training.dtype / training.mixed_precision_param)"
+        )
+    dtypes = LIGHTNING_PRECISIONS[precision]
+    if (training.dtype, training.mixed_precision_param) not in (dtypes, ("float32", "float32")):
+        raise ConfigError(
+            f"trainer.precision={precision!r} disagrees with training.dtype={training.dtype!r}, "
+            f"training.mixed_precision_param={training.mixed_precision_param!r}; set the precision in one place"
+        )
+    return dtypes
+
+
+def validate_vocab(job: JobConfig, tokenizer_vocab_size: int) -> None:
+    """The data's tokenizer produces only ids the model embeds."""
+    if tokenizer_vocab_size > job.model.vocab_size:
+        raise ConfigError(
+            f"the data's tokenizer has {tokenizer_vocab_size} tokens, more than model.vocab_size="
+            f"{job.model.vocab_size}; use a model vocab_size >= {tokenizer_vocab_size}"
+        )
 
 
 # -- a strategy and the module it runs --------------------------------------------------------

@@ -23,6 +23,7 @@ from torch import nn
 
 from titan_lightning.config import ConfigError, ParallelismConfig, TrainingConfig
 from titan_lightning.config.parallelism import V_PP_SCHEDULES
+from titan_lightning.config.validation import validate_stage_count
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,8 @@ def split_layers(
     includes its ``first_weight`` units, the last stage's its ``last_weight``. A stage may end
     up with no block (it then runs only the head, say); never more stages than layers.
     """
-    if num_stages < 1:
-        raise ConfigError(f"pipeline stages = {num_stages} must be >= 1")
-    if num_stages > n_layers:
-        raise ConfigError(
-            f"{num_stages} pipeline stages (parallelism.pp * stages per rank) is more than the model's "
-            f"{n_layers} layers; use fewer stages or stages_per_rank"
-        )
+    if not 1 <= num_stages <= n_layers:  # (a run's stages are checked by config.validation.validate_stage_count)
+        raise ValueError(f"split_layers: num_stages={num_stages} must be in [1, n_layers={n_layers}]")
     units = n_layers + first_weight + last_weight
     base, extra = divmod(units, num_stages)
     shares = [base + (1 if s < extra else 0) for s in range(num_stages)]
@@ -97,11 +93,8 @@ def stage_module_names(plan: PipelinePlan, layer_keys: Sequence[str], layers_per
 
 
 def check_stage_modules(plan: PipelinePlan, layer_keys: Sequence[str], stages: list[list[str]], num_stages: int) -> None:
-    """Explicit stage module lists must cover the model once, in forward order."""
-    if len(stages) != num_stages:
-        raise ConfigError(
-            f"parallelism.pp_stage_modules has {len(stages)} stages, but pp * stages per rank = {num_stages}"
-        )
+    """Explicit stage module lists (as many as stages: config.validation) must cover the model
+    once, in forward order."""
     expected = list(plan.first) + [f"{plan.layers}.{k}" for k in layer_keys] + list(plan.last)
     given = [name for stage in stages for name in stage]
     if given != expected:
@@ -128,8 +121,8 @@ def stage_ids(pp_rank: int, pp: int, per_rank: int, placement: str) -> list[int]
     if placement == "loop":
         return [pp_rank + k * pp for k in range(per_rank)]
     if placement == "v":
-        if per_rank != 2:
-            raise ConfigError(f"V-shaped stage placement needs 2 stages per rank, got {per_rank}")
+        if per_rank != 2:  # (a run's V schedules are checked by config.validation.validate_pipeline_degrees)
+            raise ValueError(f"V-shaped stage placement needs 2 stages per rank, got {per_rank}")
         return [pp_rank, 2 * pp - 1 - pp_rank]
     raise ValueError(f"placement={placement!r} is not 'loop' or 'v'")
 
@@ -209,6 +202,7 @@ def split_pipeline(module: nn.Module, plan: PipelinePlan, p: ParallelismConfig, 
     if model is None:
         raise ConfigError(f"pipeline plan: {type(module).__name__}.{plan.model} is None; build the model first")
     keys = list(_layers(model, plan).keys())
+    validate_stage_count(p, len(keys), f"len({type(model).__name__}.{plan.layers})")  # (a module without a job)
     if p.pp_stage_modules is not None:
         names = [list(stage) for stage in p.pp_stage_modules]
         check_stage_modules(plan, keys, names, p.num_stages)

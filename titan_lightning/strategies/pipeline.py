@@ -11,8 +11,8 @@ How the LightningModule's own ``training_step`` stays unchanged:
   each microbatch's rows of the batch with the model's forward answering the stage output;
 - ``self.log`` calls made there are recorded, averaged over the microbatches and replayed
   on every rank after the step (values sent from the last stage), so the progress bar,
-  loggers, checkpoint monitors and golden numerics see the same numbers everywhere (the
-  same helpers average what gradient accumulation logs without PP);
+  loggers, checkpoint monitors and golden numerics see the same numbers everywhere
+  (strategies/logs.py, which also averages what gradient accumulation logs without PP);
 - the strategy returns the mean microbatch loss, detached: the schedule already ran
   backward, so Lightning's own backward is skipped. Lightning zeroes the gradients after
   ``training_step`` and before backward; the schedule's gradients are therefore set aside
@@ -24,7 +24,7 @@ Validation and test run a forward-only schedule the same way.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import nullcontext
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -32,12 +32,14 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from titan_lightning._compat import pipeline_schedule_from_csv
 from titan_lightning.config import ConfigError
-from titan_lightning.parallel.pipeline import PipelinePlan, stage_rank
+from titan_lightning.parallel.grad_norm import clip_grad_norm_
+from titan_lightning.parallel.pipeline import PipelinePlan, stage_autocast, stage_rank
 from titan_lightning.steps import starts_optimizer_step
+from titan_lightning.strategies.logs import average_records, local, mean, patched, record_logs, replay_records, to_device
+
 
 class _Captured(Exception):
     """Raised by the model's forward on the first stage once it has seen its input."""
@@ -45,24 +47,6 @@ class _Captured(Exception):
     def __init__(self, args: tuple, kwargs: dict) -> None:
         super().__init__("pipeline input captured")
         self.args, self.kwargs = args, kwargs
-
-
-@contextmanager
-def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
-    had = name in obj.__dict__
-    old = obj.__dict__.get(name)
-    object.__setattr__(obj, name, value)
-    try:
-        yield
-    finally:
-        if had:
-            object.__setattr__(obj, name, old)
-        else:
-            delattr(obj, name)
-
-
-def _local(value: Any) -> Any:
-    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def _rows(batch: Any, index: Tensor, batch_size: int) -> Any:
@@ -187,7 +171,7 @@ class PipelineRunner:
             return _zero_loss(output)
         loss = result.get("loss") if isinstance(result, dict) else result
         if self._mode != "training_step":
-            self._outputs.append(None if loss is None else _local(loss).detach())
+            self._outputs.append(None if loss is None else local(loss).detach())
             return _zero_loss(output) if loss is None else loss
         if not isinstance(loss, Tensor):
             self._error = TypeError(
@@ -195,7 +179,7 @@ class PipelineRunner:
                 f"under pipeline parallelism; got {type(result).__name__}"
             )
             return _zero_loss(output)
-        self._outputs.append(_local(loss).detach())
+        self._outputs.append(local(loss).detach())
         return loss * self._loss_scale
 
     # -- a step ----------------------------------------------------------------------------
@@ -215,6 +199,16 @@ class PipelineRunner:
             f"{type(self.module).__name__}.{mode} never called its `{self.plan.model}`: pipeline parallelism "
             f"feeds the first stage with what {mode} passes to self.{self.plan.model}(...)"
         )
+
+    def step(self, hook: str, args: tuple, kwargs: dict, *, precision: Any, training: Any, fsdp: bool,
+             records: Optional[list] = None) -> Any:
+        """The strategy's step hook ``hook`` under PP: ``run`` in the precision plugin's training
+        context (for training_step) and each stage's autocast (``training``: the job's, or None)."""
+        if kwargs:
+            raise TypeError(f"pipeline parallelism passes the batch positionally to {hook}; got {sorted(kwargs)}")
+        context = precision.train_step_context() if hook == "training_step" else nullcontext()
+        with context, stage_autocast(training, fsdp, self.device.type):
+            return self.run(hook, *args, records=records)
 
     def run(self, mode: str, batch: Any, batch_idx: Any, *extra: Any, records: Optional[list] = None) -> Any:
         """Run ``mode`` ("training_step", "validation_step", "test_step") of the module on one batch.
@@ -258,7 +252,7 @@ class PipelineRunner:
             payload = {
                 "error": None if self._error is None else (type(self._error), str(self._error)),
                 "records": average_records(self._records),
-                "loss": _mean(self._outputs),
+                "loss": mean(self._outputs),
             }
         payload = self._broadcast(payload)
         if payload["error"] is not None:
@@ -277,7 +271,7 @@ class PipelineRunner:
         loss = payload["loss"]
         if loss is None:
             return None
-        return _to_device(loss, self.device)
+        return to_device(loss, self.device)
 
     def _broadcast(self, payload: Any) -> Any:
         objects = [payload]
@@ -303,6 +297,17 @@ class PipelineRunner:
                 continue
             p.grad = grad if p.grad is None else p.grad + grad
         self._stash = []
+
+    def backward(self, strategy: Any, closure_loss: Tensor) -> Tensor:
+        """The strategy's backward: the schedule ran backward inside training_step; its gradients
+        go back (Lightning zeroed in between) and the strategy's and precision plugin's hooks
+        run, but no second backward."""
+        self.restore_grads()
+        strategy.pre_backward(closure_loss)
+        closure_loss = strategy.precision_plugin.pre_backward(closure_loss, strategy.lightning_module)
+        closure_loss = strategy.precision_plugin.post_backward(closure_loss, strategy.lightning_module)
+        strategy.post_backward(closure_loss)
+        return closure_loss
 
     def parameters(self) -> Iterator[nn.Parameter]:
         seen = set()
@@ -334,51 +339,12 @@ def _batch_size(batch: Any) -> int:
     return max(sizes)
 
 
-def _mean(values: list) -> Optional[Tensor]:
-    values = [v for v in values if v is not None]
-    if not values:
-        return None
-    stacked = torch.stack([v.to(torch.float64) for v in values])
-    return stacked.mean().to(values[0].dtype).cpu()
+def clip_across_stages(plugin: Any, pp_group: dist.ProcessGroup) -> None:
+    """Lightning's ``gradient_clip_val`` clips by the norm of this rank's gradients only; under
+    PP the norm must cover every stage (and every DTensor shard): the precision plugin clips by
+    the global norm."""
 
+    def clip_grad_by_norm(optimizer, clip_val) -> None:
+        clip_grad_norm_(plugin.main_params(optimizer), clip_val, pp_group=pp_group)
 
-def average_records(records: list[tuple[str, Any, dict]]) -> list[tuple[str, Any, dict]]:
-    """One (name, value, options) per logged name: the mean over the microbatches that logged it."""
-    from torchmetrics import Metric
-
-    grouped: dict[str, tuple[list, dict]] = {}
-    for name, value, kwargs in records:
-        if isinstance(value, Metric):
-            raise TypeError(
-                f"self.log({name!r}, <{type(value).__name__}>) under pipeline parallelism: the metric lives on the "
-                f"last stage only; log its computed value instead"
-            )
-        grouped.setdefault(name, ([], kwargs))[0].append(value)
-    out = []
-    for name, (values, kwargs) in grouped.items():
-        if isinstance(values[0], (Tensor, float, int)) and not isinstance(values[0], bool):
-            tensors = [_local(v).detach() if isinstance(v, Tensor) else torch.tensor(float(v)) for v in values]
-            out.append((name, _mean(tensors), kwargs))
-        else:
-            out.append((name, values[-1], kwargs))
-    return out
-
-
-def replay_records(module: Any, records: list[tuple[str, Any, dict]], device: torch.device) -> None:
-    for name, value, kwargs in records:
-        module.log(name, _to_device(value, device), **kwargs)
-
-
-def record_logs(records: list):
-    """A stand-in for ``LightningModule.log`` that appends (name, value, options) to ``records``."""
-
-    def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if args:
-            raise TypeError("pass self.log options as keywords when steps are averaged (PP or accumulation)")
-        records.append((name, value, kwargs))
-
-    return record
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    return value.to(device) if isinstance(value, Tensor) else value
+    plugin.clip_grad_by_norm = clip_grad_by_norm

@@ -7,7 +7,8 @@ optimizer step, and writes ``DIR/rank{r}.json``::
 
 Options (before ``--``): ``--golden PATH --golden-mode compare|export --golden-config NAME``
 add a GoldenNumerics callback; ``--seed-checkpoint PATH`` loads a full-model seed
-checkpoint into the parallelized model before the first step.
+checkpoint into the parallelized model before the first step. ``TITAN_LIGHTNING_FAULT_IN_SAVE``
+in the environment injects a fault into a checkpoint save (``titan_lightning.testing.faults``).
 
 Or, when anything raises, ``DIR/rank{r}.error`` with the traceback (exit status 1). The
 process ends with ``os._exit`` after a barrier and ``destroy_process_group``: gloo workers
@@ -33,6 +34,7 @@ import torch.distributed as dist  # noqa: E402
 
 from titan_lightning.cli import prepare  # noqa: E402
 from titan_lightning.recipe import RUN_DIR_ENV, execute  # noqa: E402
+from titan_lightning.testing.faults import install_from_env  # noqa: E402
 from titan_lightning.testing.launch import THREADS_ENV  # noqa: E402
 from titan_lightning.testing.record import RecordSteps  # noqa: E402
 
@@ -49,6 +51,7 @@ def main(argv: list[str]) -> None:
     os.environ.setdefault(RUN_DIR_ENV, str(out / "run"))
     rank = int(os.environ.get("RANK", "0"))
     try:
+        install_from_env()
         report = run_command(command_argv, callbacks=callbacks(options))
         _write(out / f"rank{report['rank']}.json", json.dumps(report))
         if dist.is_available() and dist.is_initialized():

@@ -321,3 +321,49 @@ def test_sigterm_saves_one_checkpoint_and_the_resumed_run_logs_and_shows_its_ste
     bar = BarTotals()
     assert run("resumed", bar, resume="latest") == [3, 4]
     assert bar.seen == [(3, 5), (4, 5), (5, 5)]  # before steps 4 and 5, at the end (was "3/?" ... "5/?")
+
+
+# -- the save's instrumentation point (faults are injected through it, from testing/) -------
+
+
+@pytest.fixture
+def save_hook():
+    from titan_lightning.checkpoint import hooks
+
+    yield hooks.install
+    hooks.install(None)
+
+
+def _save(tmp_path, name):
+    from titan_lightning.checkpoint import CheckpointWriter
+
+    writer = CheckpointWriter()
+    for step in (1, 2):
+        writer.save({"state_dict": {"w": torch.ones(4)}, "global_step": step}, tmp_path / f"{name}{step}.ckpt",
+                    rank=0, rank_state={"rng": rng_states()})
+
+
+def test_a_save_calls_its_hook_at_each_moment_and_the_product_installs_none(tmp_path, save_hook):
+    from titan_lightning.checkpoint import hooks
+
+    assert hooks._hook is None  # (nothing in titan_lightning installs one)
+    seen = []
+    save_hook(lambda moment, *, save, storage=None: seen.append((moment, save, type(storage).__name__)))
+    _save(tmp_path, "step")
+    assert seen == [(moment, save, "_ChecksummingWriter" if moment == "files" else "NoneType")
+                    for save in (1, 2) for moment in ("begin", "files", "written")]
+    assert verify(tmp_path / "step2.ckpt")["global_step"] == 2
+
+
+def test_an_injected_full_disk_fails_the_named_save_in_one_line_and_leaves_no_partial(tmp_path, save_hook):
+    from titan_lightning.testing.faults import FAULT_ENV, install_from_env
+
+    install_from_env({FAULT_ENV: "2:enospc"})
+    with pytest.raises(CheckpointError) as failed:
+        _save(tmp_path, "step")
+    message = str(failed.value)
+    assert message.startswith(f"saving checkpoint {tmp_path / 'step2.ckpt'} failed: [Errno 28] No space left on device")
+    assert "\n" not in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step1.ckpt"] and verify(tmp_path / "step1.ckpt")
+    with pytest.raises(ValueError, match="moment 'later' is not one of begin, files, written, enospc"):
+        install_from_env({FAULT_ENV: "1:later"})

@@ -93,6 +93,42 @@ def test_whole_numbers_stay_batch_counts_not_fractions(workdir):
     assert trainer.limit_train_batches == 0.5
 
 
+def _count_validations(monkeypatch) -> tuple[list, list]:
+    """(calls of validate_job from anywhere, runs of its rules) from now on."""
+    from titan_lightning.config import validation
+
+    calls, runs = [], []
+    call, check = validation.validate_job, validation._check_job
+    for module in list(sys.modules.values()):  # every module that imported it by name
+        if vars(module).get("validate_job") is call:
+            monkeypatch.setattr(module, "validate_job", lambda job, **launch: (calls.append(launch), call(job, **launch)))
+    monkeypatch.setattr(validation, "_check_job", lambda job, **launch: (runs.append(launch), check(job, **launch)))
+    return calls, runs
+
+
+def test_one_launch_validates_the_job_once(workdir, monkeypatch):
+    """fit through the command line's own path, in process: build_trainer validates the job,
+    and nothing after it (the strategy's setup, the fit) validates it again."""
+    calls, runs = _count_validations(monkeypatch)
+    assert cli.main(["fit", "--recipe", "recipes.llama3:debugmodel", "--trainer.max_steps", "2",
+                     "--trainer.limit_val_batches", "0", "--trainer.enable_checkpointing", "false",
+                     "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+                     "--job.model.dim", "64", "--job.model.n_layers", "2", "--job.training.seq_len", "64",
+                     "--job.training.tokens_per_microbatch_per_dp_rank", "128"]) == 0
+    assert len(calls) == 1 and len(runs) == 1
+    assert calls[0]["world_size"] == 1 and calls[0]["max_steps"] == 2 and calls[0]["device_type"] == "cpu"
+
+
+def test_a_derived_recipe_is_validated_at_launch_only(workdir, monkeypatch):
+    """A recipe that derives its run (with_cp, on_layout) leaves the validation to the launch,
+    which knows the world size: once per process, before anything is spawned."""
+    calls, runs = _count_validations(monkeypatch)
+    _, run, trainer = cli.prepare(["fit", "--recipe", "recipes.llama3:fsdp2_cp2", "--trainer.devices", "4",
+                                   "--trainer.accelerator", "cpu"])
+    assert (run.job.parallelism.cp, run.job.model.attention) == (2, "allgather")
+    assert len(calls) == 1 and len(runs) == 1 and calls[0]["world_size"] == 4
+
+
 # Bad input (one line, exit 2, nothing written): tests/unit_tests/cpu/test_bad_input.py.
 
 

@@ -40,7 +40,7 @@ def _takes(fn, *names: str) -> None:
 # -- what _compat binds, and the parameters titan_lightning calls each with -----------------------
 
 LIGHTNING_CALLS = {
-    "ChildProcessObserver": ("main_pid", "child_processes", "sleep_period"),  # strategies/titan.py
+    "ChildProcessObserver": ("main_pid", "child_processes", "sleep_period"),  # strategies/launcher.py
     "SubprocessScriptLauncher": ("cluster_environment", "num_processes", "num_nodes"),
     "set_num_threads_if_needed": ("num_processes",),
     "distributed_is_initialized": (),
@@ -65,7 +65,8 @@ def test_every_lightning_name_is_checked():
 
 
 def test_lightning_internals_our_subclasses_use():
-    """Private members of Lightning classes that strategies/titan.py, strategies/fake.py and recipe.py
+    """Private members of Lightning classes that strategies/ (titan, launcher, step_hooks, fake) and
+    callbacks/progress.py
     override or read (they stay where they are; this says when one moves)."""
     from lightning.pytorch.callbacks import RichProgressBar
     from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -89,9 +90,9 @@ def test_lightning_internals_our_subclasses_use():
     _takes(ModelParallelStrategy.setup_optimizers, "trainer")
 
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    assert LightningOptimizer(sgd)._optimizer is sgd  # strategies/titan.py unwraps it
-    _takes(_TrainingEpochLoop._should_accumulate)  # strategies/titan.py: _accumulating
-    _takes(RichProgressBar._get_train_description, "current_epoch")  # overridden in recipe.py
+    assert LightningOptimizer(sgd)._optimizer is sgd  # strategies/checkpoint_io.py unwraps it
+    _takes(_TrainingEpochLoop._should_accumulate)  # the rule titan_lightning/steps.py mirrors
+    _takes(RichProgressBar._get_train_description, "current_epoch")  # overridden in callbacks/progress.py
 
 
 def test_trainer_and_checkpoint_internals():

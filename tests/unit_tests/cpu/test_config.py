@@ -142,6 +142,25 @@ def test_fields_changed_after_construction_are_checked_again():
         validate_job(job, world_size=1)
 
 
+def test_a_job_passes_once_per_launch_and_is_checked_again_once_changed(monkeypatch):
+    from titan_lightning.config import validation
+
+    runs = []
+    check = validation._check_job
+    monkeypatch.setattr(validation, "_check_job", lambda job, **launch: (runs.append(launch), check(job, **launch)))
+    job = _job(dp_shard=2)
+    validate_job(job, world_size=2, max_steps=10)
+    validate_job(job, world_size=2, max_steps=10)  # (the strategy's setup after build_trainer's check)
+    assert len(runs) == 1
+    validate_job(job, world_size=2, max_steps=20)  # another launch
+    assert len(runs) == 2
+    job.parallelism.tp = 32  # changed since it passed
+    with pytest.raises(ConfigError, match=r"must equal the world size 2"):
+        validate_job(job, world_size=2, max_steps=20)
+    validate_job(_job(dp_shard=2), world_size=2, max_steps=10)  # an equal job, but another object
+    assert len(runs) == 4
+
+
 def test_compile_settings_are_validated_by_name():
     from titan_lightning.config import CompileConfig
 

@@ -19,11 +19,13 @@ from titan_lightning.parallel.pipeline import (
     describe_split,
     split_layers,
     split_model,
+    split_pipeline,
     stage_ids,
     stage_module_names,
     stage_rank,
 )
-from titan_lightning.strategies.pipeline import _rows, average_records
+from titan_lightning.strategies.logs import average_records
+from titan_lightning.strategies.pipeline import _rows
 
 PLAN = PipelinePlan()
 
@@ -49,9 +51,16 @@ def test_split_layers_balances_layers_with_weighted_ends(n_layers, stages, weigh
     assert [i for stage in got for i in stage] == list(range(n_layers))
 
 
-def test_split_layers_refuses_more_stages_than_layers():
-    with pytest.raises(ConfigError, match=r"4 pipeline stages .* more than the model's 3 layers"):
-        split_layers(3, 4)
+def test_more_stages_than_layers_are_refused_by_the_one_rule():
+    """config.validation's rule: before launch for a job's model (test_bad_pipeline_settings_...),
+    when the model is split for a module without a job."""
+    module = torch.nn.Module()
+    module.model = _model(n_layers=3)
+    p = ParallelismConfig(pp=2, pp_schedule="Interleaved1F1B", pp_microbatches=2)
+    with pytest.raises(ConfigError, match=r"pp=2 x 2 stages per rank = 4 stages is more than len\(Transformer.layers\)=3"):
+        split_pipeline(module, PLAN, p, pp_rank=0)
+    with pytest.raises(ValueError, match=r"num_stages=4 must be in \[1, n_layers=3\]"):
+        split_layers(3, 4)  # (the function's own precondition)
 
 
 def test_stage_module_names_put_embedding_first_and_head_last():
@@ -75,7 +84,6 @@ def test_stage_placement_and_its_inverse(pp, per_rank, placement, expected):
 
 
 @pytest.mark.parametrize("stages, message", [
-    ([["tok_embeddings", "layers.0", "layers.1", "layers.2", "norm", "output"]], r"has 1 stages, but .* = 2"),
     ([["tok_embeddings", "layers.0"], ["layers.2", "norm", "output"]], r"missing \['layers.1'\]"),
     ([["tok_embeddings", "layers.1"], ["layers.0", "layers.2", "norm", "output"]], r"the order differs"),
     ([["tok_embeddings", "layers.0", "layers.1", "layers.2", "norm"], ["output"]], r"\['norm'\]: .* to the last"),

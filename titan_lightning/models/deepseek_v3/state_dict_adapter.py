@@ -28,9 +28,10 @@ from torch import Tensor
 
 from titan_lightning.checkpoint import Source
 from titan_lightning.config import ConfigError
-from titan_lightning.models.common.hf_checkpoint import BLOCK_KEYS, EXPERT_KEYS, HFTensors, StateDictAdapter
+from titan_lightning.models.common.hf_checkpoint import BLOCK_KEYS, EXPERT_KEYS, StateDictAdapter
 from titan_lightning.models.common.hf_config import HFConfig, scaling_fields
 from titan_lightning.models.common.moe import MoEArgs
+from titan_lightning.models.common.safetensors_io import HFTensors
 from titan_lightning.models.deepseek_v3.model import DeepSeekV3Args
 
 HF_LATENT_NORM_EPS = 1e-6
