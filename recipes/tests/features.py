@@ -4,6 +4,8 @@ Small, deterministic and quick on 2 CPU cores: 5 steps of the Llama 3 debug mode
 under test, not the length: 5 steps exercise warmup, decay, and the optimizer state of every step).
 """
 
+from dataclasses import replace
+
 from recipes.llama3 import llama3
 from titan_lightning.config import LRScheduleConfig, TrainingConfig
 from titan_lightning.recipe import Run, on_layout, with_cp
@@ -383,11 +385,12 @@ def llama3_pp2_chunked_loss() -> Run:
 # (titan_lightning/testing/sft_shards.py) gives windows and ranks very different numbers of
 # supervised tokens; each layout must reproduce the one-process run.
 def _sft(run: Run) -> Run:
-    from titan_lightning.testing.sft_shards import cached_synthetic_set
+    from titan_lightning.testing.sft_shards import cached_synthetic_set  # (writes the set once, when asked)
 
-    run.job.data.dataset_path = str(cached_synthetic_set())
-    run.job.data.sft = True
-    return _block_causal(run)
+    job = run.job
+    run.set_job(replace(job, data=replace(job.data, dataset_path=str(cached_synthetic_set()), sft=True),
+                        model=replace(job.model, mask="block_causal", positions="per_document")))
+    return run
 
 
 def llama3_sft() -> Run:
@@ -399,8 +402,8 @@ def llama3_sft_accumulation() -> Run:
     """The same global batch in two microbatches per step."""
     run = llama3_sft()
     t = run.job.training
-    t.tokens_per_step, t.tokens_per_microbatch_per_dp_rank = t.tokens_per_microbatch_per_dp_rank, \
-        t.tokens_per_microbatch_per_dp_rank // 2
+    run.set_job(replace(run.job, training=replace(t, tokens_per_step=t.tokens_per_microbatch_per_dp_rank,
+                                                  tokens_per_microbatch_per_dp_rank=t.tokens_per_microbatch_per_dp_rank // 2)))
     return run
 
 
