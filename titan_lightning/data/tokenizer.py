@@ -71,6 +71,14 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
 
+    def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Each text's ids (nothing added) and each id's character span ``(start, end)`` in the text."""
+        return [(e.ids, e.offsets) for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def special_tokens(self) -> list[str]:
+        """The text of the tokenizer's special added tokens (``<|eot_id|>``, ``<|im_end|>``, ...)."""
+        return [t.content for t in self._tokenizer.get_added_tokens_decoder().values() if t.special]
+
     def encode_documents(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Each text as one document: [BOS when ``add_bos``] + its ids + EOS, int64."""
         head = [self.bos_id] if self.add_bos else []
@@ -109,12 +117,12 @@ def load_tokenizer(path: Optional[str] = None) -> Tokenizer:
         reason = " ".join(str(err).split())[:200]
         raise ValueError(f"{field} is not a `tokenizers` JSON file (tokenizer.json) ({reason})") from None
     try:
-        return Tokenizer(tokenizer, _tokenizer_config(file.parent / "tokenizer_config.json", field))
+        return Tokenizer(tokenizer, read_tokenizer_config(file.parent / "tokenizer_config.json", field))
     except ValueError as err:
         raise ValueError(f"{field}: {err}") from None
 
 
-def _tokenizer_config(path: Path, field: str) -> dict[str, Any]:
+def read_tokenizer_config(path: Path, field: str) -> dict[str, Any]:
     """The Hugging Face tokenizer_config.json next to a tokenizer.json, or {} without one."""
     if not path.is_file():
         return {}
