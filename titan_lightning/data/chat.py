@@ -328,8 +328,11 @@ class ChatRenderer:
             origin = len(before)
         content = messages[i]["content"]
         content_end = None
+        # The content's first occurrence after the generation prompt; without one (the search then
+        # starts at the turn's header), its last one in the turn.
+        search = text.find if start is not None or end == len(text) else text.rfind
         for needle in dict.fromkeys((content, content.strip())):  # templates may trim the content
-            found = text.rfind(needle, origin, end) if needle.strip() else -1
+            found = search(needle, origin, end) if needle.strip() else -1
             if found >= 0:
                 content_end = found + len(needle)
                 start = found if start is None else start
