@@ -217,6 +217,33 @@ def _template_line(err: BaseException) -> Optional[int]:
     return lines[-1] if lines else getattr(err, "lineno", None)
 
 
+def token_mask(encoding, spans: Sequence[Span]) -> np.ndarray:
+    """1 on each token with a character in one of ``spans``: found from each span's first and last
+    character (``char_to_token``), not from every token's offsets."""
+    n = len(encoding.ids)
+    mask = np.zeros(n, dtype=np.uint8)
+    for a, b in spans:
+        if b <= a:
+            continue
+        first, last = encoding.char_to_token(a), encoding.char_to_token(b - 1)
+        if first is None or last is None:  # a character no token covers (trimmed offsets): every token's
+            return offsets_mask(encoding.offsets, spans)
+        while last + 1 < n and encoding.token_to_chars(last + 1)[0] < b:  # tokens that start inside
+            last += 1
+        mask[first:last + 1] = 1
+    return mask
+
+
+def offsets_mask(offsets: Sequence[Span], spans: Sequence[Span]) -> np.ndarray:
+    """1 on each token whose characters ``offsets`` meet one of ``spans`` (an empty one: by its start)."""
+    of = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    starts, ends = of[:, 0], np.maximum(of[:, 1], of[:, 0] + 1)
+    mask = np.zeros(len(of), dtype=np.uint8)
+    for a, b in spans:
+        mask[(starts < b) & (ends > a)] = 1
+    return mask
+
+
 class ChatRenderer:
     """Records to (text, supervised character spans) to (ids, mask), for one ChatSpec and tokenizer."""
 
@@ -227,11 +254,28 @@ class ChatRenderer:
         if self.template is not None:
             self._spans = next(e for e in self.template.environment.extensions.values()
                                if isinstance(e, GenerationSpans))
-        specials = sorted(tokenizer.special_tokens(), key=len, reverse=True)
-        self._end_of_turn = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._variables = {k: v for k, v in (("bos_token", tokenizer.bos_token), ("eos_token", tokenizer.eot_token))
                            if v is not None}
-        self._generation_prompt: Optional[bool] = None  # does the template add one? (seen on the first turn)
+        specials = sorted(tokenizer.special_tokens(), key=len, reverse=True)
+        self._special = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._generation_prompt, self._end_of_turn = self._probe() if self.template is not None else (False, None)
+
+    def _probe(self) -> tuple[Optional[bool], Optional["re.Pattern"]]:
+        """What the template does, seen once on a two-turn conversation: does it add a generation
+        prompt, and which special tokens end an assistant turn (those after its content)? Without
+        an answer (the template fails on the probe, or ends a turn with no special token), each
+        turn is also bounded by rendering the conversation up to it, and its prompt checked."""
+        probe = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+        try:
+            text, prompt = self._render(probe), self._render(probe[:1], generation_prompt=True)
+            adds_prompt = prompt != self._render(probe[:1])
+        except TemplateFailure:
+            return None, None
+        at = text.find("Hello.", len(prompt) if adds_prompt and text.startswith(prompt) else 0)
+        ends = self._special.findall(text, at + len("Hello.")) if self._special is not None and at >= 0 else []
+        eos = self.tokenizer.eot_token
+        tokens = sorted({ends[0], *([eos] if eos in ends else [])}, key=len, reverse=True) if ends else []
+        return adds_prompt, re.compile("|".join(map(re.escape, tokens))) if tokens else None
 
     def messages(self, record: Any) -> list[dict[str, Any]]:
         """The conversation a record holds; BadRecord when it holds none to train on."""
@@ -286,7 +330,10 @@ class ChatRenderer:
                 raise BadRecord("the chat template marks no text of it with {% generation %}")
         else:
             text = self._render(messages)
-            spans = [self._turn(messages, i, text) for i, m in enumerate(messages) if m["role"] == "assistant"]
+            turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+            if self.options.train_on == "last_assistant":
+                turns = turns[-1:]
+            spans = [self._turn(messages, i, text) for i in turns]
         return text, spans[-1:] if self.options.train_on == "last_assistant" else spans
 
     def _render(self, messages: list, generation_prompt: bool = False, spans: Optional[list[Span]] = None) -> str:
@@ -309,15 +356,18 @@ class ChatRenderer:
                                   f"{f' at line {line}' if line else ''}: {message}") from None
 
     def _turn(self, messages: list, i: int, text: str) -> Span:
-        """The supervised span of assistant turn ``i`` in ``text`` (a template without markers)."""
-        upto = self._render(messages[:i + 1])
-        end = len(upto) if text.startswith(upto) else len(text)
-        start = None
+        """The supervised span of assistant turn ``i`` in ``text`` (a template without markers):
+        from the end of its generation prompt (else from its content) through the end-of-turn token
+        after its content. One render per turn for a template the probe understood; two or three
+        otherwise."""
+        end, start = len(text), None
+        if self._end_of_turn is None:  # bound the turn by rendering the conversation up to it
+            upto = self._render(messages[:i + 1])
+            end = len(upto) if text.startswith(upto) else end
         if self._generation_prompt is not False:
             prompt = self._render(messages[:i], generation_prompt=True)
-            if self._generation_prompt is None:
-                self._generation_prompt = prompt != self._render(messages[:i])
-            if self._generation_prompt and text.startswith(prompt) and len(prompt) <= end:
+            adds = self._generation_prompt or prompt != self._render(messages[:i])  # None: the probe failed
+            if adds and text.startswith(prompt) and len(prompt) <= end:
                 start = len(prompt)
         origin = start
         if origin is None:
@@ -342,7 +392,8 @@ class ChatRenderer:
                 raise BadRecord(f"message {i}: the chat template does not render the assistant's content as it is, "
                                 f"nor has a generation prompt; mark what to train on with {{% generation %}}")
             content_end = start
-        match = self._end_of_turn.search(text, content_end, end) if self._end_of_turn else None
+        ends = self._end_of_turn or self._special
+        match = ends.search(text, content_end, end) if ends is not None else None
         return start, match.end() if match else end
 
     def encode(self, rendered: Sequence[tuple[str, list[Span]]]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -352,12 +403,9 @@ class ChatRenderer:
         tokenizer, plain = self.tokenizer, self.template is None
         head = [tokenizer.bos_id] if plain and tokenizer.add_bos else []
         out = []
-        for (_, spans), (ids, offsets) in zip(rendered, tokenizer.encode_with_offsets([t for t, _ in rendered])):
-            spans_of = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-            starts, ends = spans_of[:, 0], np.maximum(spans_of[:, 1], spans_of[:, 0] + 1)  # empty: by its start
-            mask = np.zeros(len(ids), dtype=np.uint8)
-            for a, b in spans:
-                mask[(starts < b) & (ends > a)] = 1
+        for (_, spans), encoding in zip(rendered, tokenizer.encode_encodings([t for t, _ in rendered])):
+            ids = encoding.ids
+            mask = token_mask(encoding, spans)
             tail: list[int] = [] if ids and ids[-1] == tokenizer.eot_id and not plain else [tokenizer.eot_id]
             all_ = self.options.train_on == "all"
             out.append((np.array([*head, *ids, *tail], dtype=np.int64),

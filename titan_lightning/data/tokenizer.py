@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
+from tokenizers import Encoding
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -71,9 +72,10 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
 
-    def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
-        """Each text's ids (nothing added) and each id's character span ``(start, end)`` in the text."""
-        return [(e.ids, e.offsets) for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+    def encode_encodings(self, texts: Sequence[str]) -> list[Encoding]:
+        """Each text's `tokenizers` Encoding (nothing added): its ids and where each is in the text
+        (``offsets``, ``char_to_token``, ``token_to_chars``)."""
+        return self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
 
     def special_tokens(self) -> list[str]:
         """The text of the tokenizer's special added tokens (``<|eot_id|>``, ``<|im_end|>``, ...)."""

@@ -125,6 +125,41 @@ def test_a_template_with_generation_markers_gives_the_mask_of_the_same_template_
                  train_on == "assistant" else ["It is sunny.<|im_end|>"] if conversation == MULTI_TURN else [])
 
 
+def test_the_mask_from_span_ends_equals_the_rule_on_every_token(folders):
+    """token_mask (char_to_token at each span's ends) is the every-token rule: a token is
+    supervised when any of its characters is; also where a span starts or ends inside a token."""
+    from titan_lightning.data.chat import offsets_mask, token_mask
+
+    tokenizer = load_tokenizer(str(folders["qwen"]))
+    for name in ("llama", "qwen"):
+        renderer = _renderer(folders[name])
+        text, spans = renderer.render(MULTI_TURN)
+        encoding, = tokenizer.encode_encodings([text])
+        cut = [(a + 1, b - 2) for a, b in spans] + [(3, 4), (len(text) - 1, len(text))]  # inside tokens
+        for case in (spans, cut):
+            assert token_mask(encoding, case).tolist() == offsets_mask(encoding.offsets, case).tolist()
+
+
+def test_templates_the_probe_does_not_understand_are_bounded_by_prefix_renders(folders):
+    """No special token ends a turn (plain "role: content" lines): the turn ends where the next
+    begins. A template that fails on the probe (it wants a system message first) still gives the
+    mask of the same template without that demand."""
+    plain = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+             "{% if add_generation_prompt %}assistant: {% endif %}")
+    renderer = _renderer(folders["qwen"], plain)
+    assert renderer._end_of_turn is None
+    assert _runs(renderer, [USER, ANSWER, {"role": "user", "content": "More?"}, {"role": "assistant",
+                                                                             "content": "No."}]) == [
+        (0, "user: What is 2+2?\nassistant:"), (1, " 4.\n"), (0, "user: More?\nassistant:"), (1, " No.\n"),
+        (0, "<|im_end|>")]  # " 4" is one token, and has a supervised character: supervised
+    chatml = (TEMPLATES / "chatml_generation.jinja").read_text().replace("{% generation %}", "").replace(
+        "{% endgeneration %}", "")
+    demanding = "{% if messages[0].role != 'system' %}{{ raise_exception('a system message first') }}{% endif %}"
+    picky = _renderer(folders["qwen"], demanding + chatml)
+    assert picky._generation_prompt is None and picky._end_of_turn is None
+    assert _runs(picky, MULTI_TURN) == _runs(_renderer(folders["qwen"], chatml), MULTI_TURN)
+
+
 def _jsonl(path: Path, records) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
