@@ -1,7 +1,7 @@
 """``titan-lightning prepare --chat`` throughput: conversations/s and tokens/s, next to the
 tokenizers library alone encoding the same rendered text.
 
-    python -m benchmarks.prepare_chat --conversations 200000 --workers 1,2 --template qwen3
+    python -m benchmarks.prepare_chat --conversations 200000 --workers 1,2 --template qwen3 --repeat 1
 
 Synthetic conversations of a realistic length mix (the shipped corpus's words): a system prompt
 in half of them, 1-4 user/assistant exchanges, short turns (5-60 words) and, one time in five, a
@@ -12,13 +12,16 @@ turn; chatml_generation: one render per conversation; llama3.2).
 
 The baseline renders every conversation once (untimed) and times ``Tokenizer.encode_batch`` on
 that text in batches of 256 (as prepare batches), on all cores: what prepare costs above it is
-reading the JSONL, rendering, the masks and writing the shards.
+reading the JSONL, rendering, the masks and writing the shards. Wall time and CPU time (this
+process and its worker processes) are both shown: on a shared machine the CPU time is the steadier.
 """
 
 import argparse
 import json
+import os
 import random
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -65,6 +68,15 @@ def conversations(n: int, seed: int = 0):
         yield {"messages": messages}
 
 
+def timed(function):
+    """(its result, wall seconds, CPU seconds of this process and its finished children)."""
+    before, start = os.times(), time.perf_counter()
+    result = function()
+    wall, after = time.perf_counter() - start, os.times()
+    cpu = sum(after[:4]) - sum(before[:4])
+    return result, wall, cpu
+
+
 def main() -> None:
     from titan_lightning.data.chat import ChatOptions, ChatRenderer, resolve
     from titan_lightning.data.prepare import prepare
@@ -74,6 +86,7 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=200_000)
     parser.add_argument("--workers", default="1,2")
     parser.add_argument("--template", default="qwen3", choices=sorted(SPECIALS))
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of every row, interleaved; medians shown")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -86,32 +99,39 @@ def main() -> None:
         tokenizer = load_tokenizer(str(folder))
         renderer = ChatRenderer(resolve(options, str(folder)), tokenizer)
         records = [json.loads(line) for line in data.open()]
-        start = time.perf_counter()
-        rendered = [renderer.render(r["messages"]) for r in records]
-        render_s = time.perf_counter() - start
+        rendered, render_s, _ = timed(lambda: [renderer.render(r["messages"]) for r in records])
         texts = [t for t, _ in rendered]
-        start = time.perf_counter()
-        tokens = 0
-        for k in range(0, len(texts), 256):
-            tokens += sum(len(ids) for ids in tokenizer.encode_batch(texts[k:k + 256]))
-        alone_s = time.perf_counter() - start
-        print(f"{args.conversations:,} conversations ({data.stat().st_size / 2**20:.0f} MiB of JSONL), "
-              f"{tokens:,} tokens, template {args.template}; rendering alone (one core): "
-              f"{len(records) / render_s:,.0f} conversations/s")
-        print("| what | seconds | conversations/s | tokens/s | vs tokenizers alone |")
-        print("|---|---|---|---|---|")
-        print(f"| tokenizers alone (encode_batch, all cores) | {alone_s:.1f} | {len(texts) / alone_s:,.0f} | "
-              f"{tokens / alone_s:,.0f} | 1.00x |")
-        for workers in map(int, args.workers.split(",")):
+        del rendered, records
+
+        def alone() -> int:
+            return sum(len(ids) for k in range(0, len(texts), 256) for ids in tokenizer.encode_batch(texts[k:k + 256]))
+
+        def prepared(workers: int) -> int:
             out = root / f"out{workers}"
-            start = time.perf_counter()
             summary = prepare([str(data)], str(out), tokenizer_path=str(folder), workers=workers, progress=False,
                               chat=options)
-            seconds = time.perf_counter() - start
-            rate = summary["tokens"] / seconds
-            print(f"| prepare --chat, {workers} worker(s) | {seconds:.1f} | "
-                  f"{summary['documents'] / seconds:,.0f} | {rate:,.0f} | {rate / (tokens / alone_s):.2f}x |")
             shutil.rmtree(out)
+            return summary["tokens"]
+
+        rows = {"tokenizers alone (encode_batch, all cores)": alone,
+                **{f"prepare --chat, {w} worker(s)": (lambda w=w: prepared(w)) for w in map(int, args.workers.split(","))}}
+        times: dict[str, list] = {name: [] for name in rows}
+        tokens = {}
+        for _ in range(args.repeat):
+            for name, run in rows.items():
+                tokens[name], wall, cpu = timed(run)
+                times[name].append((wall, cpu))
+        print(f"{args.conversations:,} conversations ({data.stat().st_size / 2**20:.0f} MiB of JSONL), "
+              f"{tokens[next(iter(rows))]:,} tokens, template {args.template}; rendering alone (one core): "
+              f"{args.conversations / render_s:,.0f} conversations/s; medians of {args.repeat}")
+        print("| what | wall s | CPU s | conversations/s | tokens/s | tokens per CPU-s | vs alone (wall) | "
+              "vs alone (CPU) |")
+        print("|---|---|---|---|---|---|---|---|")
+        base_wall, base_cpu = (statistics.median(x) for x in zip(*times[next(iter(rows))]))
+        for name in rows:
+            wall, cpu = (statistics.median(x) for x in zip(*times[name]))
+            print(f"| {name} | {wall:.1f} | {cpu:.1f} | {args.conversations / wall:,.0f} | {tokens[name] / wall:,.0f} | "
+                  f"{tokens[name] / cpu:,.0f} | {base_wall / wall:.2f}x | {base_cpu / cpu:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -297,7 +297,9 @@ class ChatRenderer:
                                 f"{type(message.get('content')).__name__}, not a string")
         if not any(m["role"] == "assistant" for m in messages):
             raise BadRecord("no assistant turn")
-        return messages
+        # A key set to null is a key not given: Parquet gives every message each key any message
+        # has, and templates test keys by their presence ('tool_calls' in message).
+        return [{k: v for k, v in m.items() if v is not None} for m in messages]
 
     def _pair(self, record: dict) -> list[dict[str, Any]]:
         o = self.options

@@ -205,18 +205,54 @@ def test_prepare_writes_masks_next_to_tokens_and_counts_what_is_too_long(folders
         assert sft["chat_template_sha256"] == renderer.spec.template_sha256
 
 
-def test_the_output_does_not_depend_on_workers(folders, tmp_path, monkeypatch):
+def _on_day(monkeypatch, day: str) -> None:
+    """Runs of prepare started from now on render ``day`` as today's date (Llama 3.2 writes it)."""
+    from datetime import datetime
+
+    from titan_lightning.data import chat as chat_module
+
+    class Clock(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.fromisoformat(day)
+
+    monkeypatch.setattr(chat_module, "datetime", Clock)
+
+
+def test_the_output_does_not_depend_on_workers_and_a_resume_renders_the_first_run_s_date(folders, tmp_path,
+                                                                                          monkeypatch):
     monkeypatch.setattr(prepare_module, "PART_BYTES", 1_500)
     records = [{"messages": [USER, {"role": "assistant", "content": f"answer {i} " * (i % 7 + 1)}]} for i in range(60)]
     path = _jsonl(tmp_path / "chats.jsonl", records)
     assert len(prepare_module.plan_parts([path])) > 3
+    options = ChatOptions(messages_field="messages")
+    _on_day(monkeypatch, "2024-07-26T23:59:59")
     for workers in (1, 2):
-        prepare([str(path)], str(tmp_path / f"w{workers}"), tokenizer_path=str(folders["qwen"]), workers=workers,
-                progress=False, chat=ChatOptions(messages_field="messages"))
+        prepare([str(path)], str(tmp_path / f"w{workers}"), tokenizer_path=str(folders["llama"]), workers=workers,
+                progress=False, chat=options)
     names = sorted(p.name for p in (tmp_path / "w1").iterdir())
     assert any(n.endswith(".mask") for n in names) and names == sorted(p.name for p in (tmp_path / "w2").iterdir())
     for name in names:
         assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "w2" / name).read_bytes(), name
+
+    real, calls = prepare_module._run_part, []
+
+    def dies_on_the_third(job):
+        calls.append(job[0])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(job)
+
+    monkeypatch.setattr(prepare_module, "_run_part", dies_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([str(path)], str(tmp_path / "resumed"), tokenizer_path=str(folders["llama"]), workers=1,
+                progress=False, chat=options)
+    monkeypatch.setattr(prepare_module, "_run_part", real)
+    _on_day(monkeypatch, "2024-07-27T00:00:01")  # resumed after midnight: still the first run's date
+    prepare([str(path)], str(tmp_path / "resumed"), tokenizer_path=str(folders["llama"]), workers=1,
+            progress=False, chat=options)
+    for name in names:
+        assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes(), name
 
 
 def test_prompt_response_pairs_through_the_template_or_as_plain_text(folders, tmp_path):
@@ -323,18 +359,28 @@ def test_the_sandbox_keeps_templates_from_python_objects(folders, source, unsafe
     assert harmless.render([USER, ANSWER])[0] == ""  # attributes of Python objects are undefined
 
 
-def test_the_cli_prints_the_summary_and_reads_parquet_conversations(folders, tmp_path, capsys):
+def test_the_cli_prints_the_summary_and_reads_parquet_conversations(folders, tmp_path, capsys, monkeypatch):
     pa = pytest.importorskip("pyarrow", reason="Parquet support is the optional [parquet] extra")
     import pyarrow.parquet as pq
+    _on_day(monkeypatch, NOW)  # the run renders the date the expected conversations below have
 
-    pq.write_table(pa.table({"turns": [[USER, ANSWER], [USER, {"role": "assistant", "content": "four " * 30}]]}),
-                   tmp_path / "c.parquet")
+    # Parquet gives every message of the column a "tool_calls" (null), which Llama's template tests by presence.
+    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": {"x": 2}}}]}
+    with_tool = [USER, call, {"role": "tool", "content": "4"}, ANSWER]
+    pq.write_table(pa.table({"turns": [[USER, ANSWER], [USER, {"role": "assistant", "content": "four " * 100}],
+                                       with_tool]}), tmp_path / "c.parquet")
     assert main(["--chat", "--messages-field", "turns", "--input", str(tmp_path / "c.parquet"), "--output",
-                 str(tmp_path / "out"), "--tokenizer", str(folders["llama"]), "--max-tokens", "80", "--too-long",
+                 str(tmp_path / "out"), "--tokenizer", str(folders["llama"]), "--max-tokens", "150", "--too-long",
                  "truncate", "--workers", "1", "--no-progress"]) == 0
     ids, masks, index = _read(tmp_path / "out")
     line = capsys.readouterr().out.strip()
     assert line == (f"{tmp_path / 'out'}: {sum(map(len, ids)):,} tokens ({index['sft']['supervised_tokens']:,} "
-                    f"supervised, --train-on assistant), 2 conversations in 1 shard(s); 1 truncated, 0 dropped "
-                    f"(over --max-tokens 80)")
-    assert len(ids[1]) == 80 and masks[1][-1] == 1
+                    f"supervised, --train-on assistant), 3 conversations in 1 shard(s); 1 truncated, 0 dropped "
+                    f"(over --max-tokens 150)")
+    assert len(ids[1]) == 150 and masks[1][-1] == 1
+    renderer = _renderer(folders["llama"])
+    for k, conversation in enumerate([[USER, ANSWER], with_tool]):
+        expected_ids, expected_mask = renderer.encode([renderer.render(conversation)])[0]
+        assert ids[2 * k].tolist() == expected_ids.tolist() and masks[2 * k].tolist() == expected_mask.tolist()
+    assert [text for bit, text in _runs(renderer, with_tool) if bit] == [
+        '{"name": "add", "parameters": {"x": 2}}<|eot_id|>', "4.<|eot_id|>"]  # the call is the assistant's words
