@@ -384,3 +384,12 @@ def test_the_cli_prints_the_summary_and_reads_parquet_conversations(folders, tmp
         assert ids[2 * k].tolist() == expected_ids.tolist() and masks[2 * k].tolist() == expected_mask.tolist()
     assert [text for bit, text in _runs(renderer, with_tool) if bit] == [
         '{"name": "add", "parameters": {"x": 2}}<|eot_id|>', "4.<|eot_id|>"]  # the call is the assistant's words
+
+
+def test_a_text_file_is_not_chat_data(folders, tmp_path):
+    (tmp_path / "a.txt").write_text("some prose")
+    with pytest.raises(PrepareError, match=r"a.txt: a text file holds documents, not conversations; give JSONL or "
+                                           r"Parquet records for --messages-field$"):
+        prepare([str(tmp_path / "a.txt")], str(tmp_path / "out"), tokenizer_path=str(folders["qwen"]), workers=1,
+                progress=False, chat=ChatOptions(messages_field="messages"))
+    assert not (tmp_path / "out").exists()
