@@ -30,13 +30,18 @@ LLAMA_HEAD = ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCu
               "What is 2+2?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
-def _tokenizer_folder(folder: Path, specials: list[str], config: dict) -> Path:
-    """The shipped byte-level BPE with a checkpoint's special tokens added, and its config."""
-    from tokenizers import AddedToken, Tokenizer
+def _tokenizer_folder(folder: Path, specials: list[str], config: dict, bos_first: bool = False) -> Path:
+    """The shipped byte-level BPE with a checkpoint's special tokens added, and its config;
+    ``bos_first``: its post-processor puts the first special token first (as Llama 3's does)."""
+    from tokenizers import AddedToken, Tokenizer, processors
 
     folder.mkdir(parents=True)
     tokenizer = Tokenizer.from_file(str(TOKENIZER_PATH))
     tokenizer.add_special_tokens([AddedToken(token, special=True) for token in specials])
+    if bos_first:
+        bos = specials[0]
+        tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
+                                                                 special_tokens=[(bos, tokenizer.token_to_id(bos))])
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
@@ -48,7 +53,7 @@ def folders(tmp_path_factory):
     llama = _tokenizer_folder(root / "llama", ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                                                "<|eot_id|>"],
                               {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
-                               "chat_template": (TEMPLATES / "llama3.2.jinja").read_text()})
+                               "chat_template": (TEMPLATES / "llama3.2.jinja").read_text()}, bos_first=True)
     qwen = _tokenizer_folder(root / "qwen", ["<|im_start|>", "<|im_end|>"], {"eos_token": "<|im_end|>"})
     shutil.copy(TEMPLATES / "qwen3.jinja", qwen / "chat_template.jinja")  # as newer HF folders keep it
     plain = _tokenizer_folder(root / "plain", ["<|im_start|>", "<|im_end|>"], {"eos_token": "<|endoftext|>"})
@@ -79,6 +84,7 @@ def test_llama3_system_user_assistant_supervises_the_answer_and_its_eot(folders)
     assert _runs(renderer, [SYSTEM, USER, ANSWER]) == [(0, LLAMA_HEAD), (1, "4.<|eot_id|>")]
     (ids, _), = renderer.encode([renderer.render([SYSTEM, USER, ANSWER])])
     tokenizer = renderer.tokenizer
+    assert tokenizer.add_bos  # its post-processor adds BOS to plain text; the template has its own
     assert ids[0] == tokenizer.bos_id and (ids == tokenizer.bos_id).sum() == 1  # the template's BOS, not a second
     assert ids[-1] == tokenizer.eot_id and (ids == tokenizer.eot_id).sum() == 3  # ends with EOS: none appended
 
