@@ -1,6 +1,6 @@
 """SFT shard sets made by hand for tests and benchmarks: tokens, loss mask, document ends and an
-index as ``titan-lightning prepare --chat`` writes them (data/shards.py), without a tokenizer or
-a chat template.
+index as ``titan-lightning prepare --chat`` writes them (data/shards.py's writer), without a
+tokenizer or a chat template.
 
 ``write_sft_shards(folder, conversations)`` writes ``(tokens, mask)`` pairs, one conversation per
 document; ``synthetic_conversations(n)`` makes conversations of a realistic length mix (a short
@@ -39,22 +39,10 @@ def write_sft_shards(folder: Path, conversations: Sequence[tuple[Sequence[int], 
     for tokens, mask in conversations:
         if len(tokens) != len(mask):
             raise ValueError(f"a conversation of {len(tokens)} tokens with a mask of {len(mask)}")
-        writer.add(np.asarray(tokens))
-    shards = writer.close()
-    if loss_mask:
-        masks = np.concatenate([np.asarray(m, dtype=np.uint8) for _, m in conversations])
-        start = 0
-        for shard in shards:
-            masks[start:start + shard["tokens"]].tofile(folder / f"{shard['name']}.mask")
-            start += shard["tokens"]
-    write_index(folder, dtype, tokenizer, shards)
-    if loss_mask:
-        index = json.loads((folder / INDEX).read_text())
-        index["loss_mask"] = True
-        index["sft"] = {"train_on": "assistant", "max_tokens": None, "too_long": "truncate",
-                        "conversations": len(conversations), "truncated": 0, "dropped": 0,
-                        "chat_template_sha256": None}
-        (folder / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+        writer.add(np.asarray(tokens), np.asarray(mask, dtype=np.uint8) if loss_mask else None)
+    sft = {"train_on": "assistant", "max_tokens": None, "too_long": "truncate", "conversations": len(conversations),
+           "truncated": 0, "dropped": 0, "chat_template_sha256": None} if loss_mask else None
+    write_index(folder, dtype, tokenizer, writer.close(), sft=sft)
     return folder
 
 
