@@ -144,6 +144,27 @@ WORKLOADS: dict[str, Workload] = {
                          overrides=("--job.model.dim", "64", "--job.model.n_layers", "1", "--job.model.n_heads", "2",
                                     "--job.model.n_kv_heads", "1")),
 }
+# Supervised fine-tuning (data.sft) on benchmarks/sft_data.py's synthetic chat set (write it first:
+# python -m benchmarks.sft_data): conversations packed whole into 8192-token windows with varlen
+# attention per conversation, or one per row padded (4096-token rows, 2 per step, cut to the
+# longest); titan only (the loss normalization and the data path are ours). Next to the pretraining
+# row of the same shape: python -m benchmarks.throughput --contenders titan --workload
+#   llama3_1b,llama3_1b_sft_packed,llama3_1b_sft_padded
+def _sft_overrides(packing: str) -> tuple[str, ...]:
+    from benchmarks.sft_data import DEFAULT, SFT_BENCH_ENV
+
+    return ("--job.data.dataset_path", os.environ.get(SFT_BENCH_ENV, DEFAULT), "--job.data.sft", "true",
+            "--job.data.sft_packing", packing, "--job.data.repeat_to_fit", "false", "--job.model.mask",
+            "block_causal", "--job.model.positions", "per_document", "--job.model.attention", "varlen")
+
+
+for _name, _flavor, _layers in (("llama3_1b", "llama3_1b", None), ("llama3_8b_shape", "llama3_8b", 8)):
+    WORKLOADS[f"{_name}_sft_packed"] = Workload(recipe=f"recipes.llama3:{_flavor}", layers=_layers,
+                                                contenders=("titan",), overrides=_sft_overrides("packed"))
+    WORKLOADS[f"{_name}_sft_padded"] = Workload(recipe=f"recipes.llama3:{_flavor}", layers=_layers, seq_len=4096,
+                                                contenders=("titan",), overrides=_sft_overrides("padded") + (
+                                                    "--job.training.tokens_per_microbatch_per_dp_rank", "8192"))
+
 # The float8 path of the harness on CPU (torchao's emulation): titan and bare must agree.
 WORKLOADS["overhead_float8"] = dataclasses.replace(
     WORKLOADS["overhead"], overrides=WORKLOADS["overhead"].overrides + float8_overrides("tensorwise", emulate=True),

@@ -13,6 +13,11 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConfi
     implementation = config.implementation
     if implementation is None:
         implementation = "fused" if device.type in ("cuda", "cpu") else "foreach"
+    if not config.decay_norms_and_biases:
+        params = list(params)
+        groups = [[p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]]
+        params = [{"params": group, **({"weight_decay": 0.0} if k else {})}
+                  for k, group in enumerate(groups) if group]
     return torch.optim.AdamW(
         params,
         lr=config.lr,

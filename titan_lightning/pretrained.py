@@ -14,6 +14,7 @@ is: config.json (``hf_config`` of the family, the export dtype, untied embedding
 unties them), generation_config.json, the tokenizer files, the safetensors.
 """
 
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -136,6 +137,31 @@ def pretrained_run(folder: Any) -> Run:
     )
 
 
+def sft_run(folder: Any, dataset_path: str) -> Run:
+    """Supervised fine-tuning of the model in ``folder`` on the chat or instruction shard set
+    ``dataset_path`` (``titan-lightning prepare --chat`` with the folder's tokenizer): the loss on
+    what the assistant says only, conversations packed whole into windows of min(2048,
+    max_position_embeddings) tokens, each attending only to itself (``block_causal``, RoPE positions
+    per conversation); lr 2e-5 after 20 warmup steps, cosine decay to 10%; weight decay 0.01, none on
+    norms and biases; 1000 steps; an hf export at the end, with the folder's chat template and
+    generation settings."""
+    model = read_hf_model(folder)
+    folder = model.folder
+    seq_len = min(2048, model.args.max_seq_len)
+    args = dataclasses.replace(model.args, mask="block_causal", positions="per_document")
+    if not (folder / "tokenizer.json").is_file():
+        raise ConfigError(f"{folder}: no tokenizer.json; SFT data is tokenized with the model's own tokenizer (pass "
+                          f"--job.data.tokenizer_path DIR, the folder prepare used)")
+    return family_run(
+        model.job_class, model.module_class, args,
+        training=TrainingConfig(seq_len=seq_len, tokens_per_microbatch_per_dp_rank=seq_len),
+        optimizer=OptimizerConfig(lr=2e-5, weight_decay=0.01, decay_norms_and_biases=False),
+        lr_schedule=LRScheduleConfig(warmup_steps=20, decay_type="cosine", min_lr_factor=0.1),
+        data=DataConfig(dataset_path=dataset_path, tokenizer_path=str(folder), sft=True),
+        checkpoint=CheckpointConfig(initial_load_path=str(folder), initial_load_format="hf", export_format="hf"),
+    )
+
+
 def tokenizer_folder(tokenizer_path: Optional[str]) -> Path:
     """The folder whose tokenizer files an export copies (the shipped tokenizer's for None)."""
     from titan_lightning.data.tokenizer import tokenizer_file
@@ -143,15 +169,26 @@ def tokenizer_folder(tokenizer_path: Optional[str]) -> Path:
     return tokenizer_file(tokenizer_path).parent
 
 
-def write_hf_metadata(folder: Path, adapter: Any, dtype: str, tokenizer_path: Optional[str]) -> None:
-    """config.json, generation_config.json and the tokenizer files of an export in ``folder``."""
+def write_hf_metadata(folder: Path, adapter: Any, dtype: str, tokenizer_path: Optional[str],
+                      model_folder: Optional[str] = None) -> None:
+    """config.json, generation_config.json and the tokenizer files of an export in ``folder``.
+    ``model_folder``: the Hugging Face folder the run started from; its generation_config.json's
+    settings (sampling, temperature, top_p, its list of end-of-turn ids...) carry over."""
     from titan_lightning.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_path)
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eot_id}
     config = {**adapter.hf_config(adapter.args), **ids, "torch_dtype": dtype, "tie_word_embeddings": False}
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    (folder / GENERATION_FILE).write_text(json.dumps({k: v for k, v in ids.items() if v is not None}, indent=2) + "\n")
+    generation = {k: v for k, v in ids.items() if v is not None}
+    if model_folder is not None and (Path(model_folder) / GENERATION_FILE).is_file():
+        try:
+            theirs = json.loads((Path(model_folder) / GENERATION_FILE).read_text())
+        except (OSError, ValueError):
+            theirs = None  # unreadable: the export writes its own, as for a folder without one
+        if isinstance(theirs, dict):
+            generation = {**generation, **{k: v for k, v in theirs.items() if k != "transformers_version"}}
+    (folder / GENERATION_FILE).write_text(json.dumps(generation, indent=2) + "\n")
     source = tokenizer_folder(tokenizer_path)
     for name in TOKENIZER_FILES:
         if (source / name).is_file():

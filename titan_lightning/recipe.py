@@ -110,7 +110,7 @@ def _find_modules_in_cwd() -> None:
 
 # Recipe parameters the command line fills before it parses the rest (the run's options depend
 # on them): parameter name -> the option that carries it.
-RECIPE_PARAMETERS = {"initial_load_path": "job.checkpoint.initial_load_path"}
+RECIPE_PARAMETERS = {"initial_load_path": "job.checkpoint.initial_load_path", "dataset_path": "job.data.dataset_path"}
 
 
 def _recipe_arguments(spec: str, function: Callable, values: dict[str, Optional[str]]) -> dict[str, str]:
@@ -126,7 +126,9 @@ def _recipe_arguments(spec: str, function: Callable, values: dict[str, Optional[
         if values.get(name) is not None:
             arguments[name] = values[name]
         elif parameter.default is inspect.Parameter.empty:
-            raise RecipeError(f"--recipe={spec!r} needs --{RECIPE_PARAMETERS[name]} (e.g. a Hugging Face model folder)")
+            example = {"initial_load_path": "a Hugging Face model folder",
+                       "dataset_path": "a shard set of titan-lightning prepare"}[name]
+            raise RecipeError(f"--recipe={spec!r} needs --{RECIPE_PARAMETERS[name]} ({example})")
     return arguments
 
 

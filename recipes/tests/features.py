@@ -4,6 +4,8 @@ Small, deterministic and quick on 2 CPU cores: 5 steps of the Llama 3 debug mode
 under test, not the length: 5 steps exercise warmup, decay, and the optimizer state of every step).
 """
 
+from dataclasses import replace
+
 from recipes.llama3 import llama3
 from titan_lightning.config import LRScheduleConfig, TrainingConfig
 from titan_lightning.recipe import Run, on_layout, with_cp
@@ -376,3 +378,46 @@ def llama3_fsdp2_tp2_chunked_loss() -> Run:
 def llama3_pp2_chunked_loss() -> Run:
     """PP2: the last stage returns hidden states; its loss applies the head chunk by chunk."""
     return _chunked_loss(llama3_pp2())
+
+
+# Supervised fine-tuning (data.sft): conversations packed whole with document masking, the loss over
+# the assistant's tokens divided by the supervised tokens of the whole step. The data
+# (titan_lightning/testing/sft_shards.py) gives windows and ranks very different numbers of
+# supervised tokens; each layout must reproduce the one-process run.
+def _sft(run: Run) -> Run:
+    from titan_lightning.testing.sft_shards import cached_synthetic_set  # (writes the set once, when asked)
+
+    job = run.job
+    run.set_job(replace(job, data=replace(job.data, dataset_path=str(cached_synthetic_set()), sft=True),
+                        model=replace(job.model, mask="block_causal", positions="per_document")))
+    return run
+
+
+def llama3_sft() -> Run:
+    """One process: the seed of the SFT layouts."""
+    return _sft(llama3_debugmodel())
+
+
+def llama3_sft_accumulation() -> Run:
+    """The same global batch in two microbatches per step."""
+    run = llama3_sft()
+    t = run.job.training
+    run.set_job(replace(run.job, training=replace(t, tokens_per_step=t.tokens_per_microbatch_per_dp_rank,
+                                                  tokens_per_microbatch_per_dp_rank=t.tokens_per_microbatch_per_dp_rank // 2)))
+    return run
+
+
+def llama3_sft_fsdp2() -> Run:
+    return _sft(llama3_fsdp2())
+
+
+def llama3_sft_fsdp2_tp2() -> Run:
+    return _sft(llama3_fsdp2_tp2())
+
+
+def llama3_sft_pp2() -> Run:
+    return _sft(llama3_pp2())
+
+
+def llama3_sft_cp2() -> Run:
+    return _sft(llama3_cp2())

@@ -123,3 +123,14 @@ def qwen3_moe_pp2_fsdp2_ep2() -> Run:
 def deepseek_v3_pp2_ep2() -> Run:
     """DeepSeek V3 on 2 stages (the dense first layer in stage 0), experts over EP2 within each (4 ranks)."""
     return on_layout(deepseek_v3_debugmodel(), pp=2, dp_shard=2, ep=2, pp_microbatches=2)
+
+
+# Supervised fine-tuning of the MoE (data.sft): tokens routed to experts of other ranks, the loss over
+# the step's supervised tokens (recipes/tests/features.py's SFT entries hold the dense layouts).
+def qwen3_moe_sft() -> Run:
+    """One process: the seed of the MoE SFT layouts."""
+    return features._sft(qwen3_moe_debugmodel())
+
+
+def qwen3_moe_sft_fsdp2_ep2() -> Run:
+    return features._sft(qwen3_moe_fsdp2_ep2())

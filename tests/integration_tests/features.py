@@ -81,4 +81,13 @@ ENTRIES = [
            use_real_pg=True),
     _entry("llama3_fsdp2_tp2_compile", "FSDP2 x TP2, each block's children compiled (TP hooks outside)", 4,
            use_real_pg=True),
+    # Supervised fine-tuning (data.sft): loss-masked, packed conversations; every layout reproduces the
+    # one-process run, whose windows and ranks hold very different numbers of supervised tokens.
+    # (The one-process seeds, llama3_sft and models' qwen3_moe_sft, run as the entries' seed runs.)
+    TestEntry(recipes=(f"{_R}:llama3_sft_accumulation",), name="llama3_sft_accumulation",
+              description="SFT: the same global batch in 2 microbatches", seed_recipe=f"{_R}:llama3_sft"),
+    _entry("llama3_sft_fsdp2", "SFT: FSDP2", 2, golden=True, seed=f"{_R}:llama3_sft"),
+    _entry("llama3_sft_fsdp2_tp2", "SFT: FSDP2 x TP2 (loss parallel)", 4, seed=f"{_R}:llama3_sft"),
+    _entry("llama3_sft_cp2", "SFT: CP2, all-gather K/V", 2, golden=True, seed=f"{_R}:llama3_sft"),
+    _entry("llama3_sft_pp2", "SFT: PP2, the last stage's loss", 2, seed=f"{_R}:llama3_sft", use_real_pg=True),
 ]

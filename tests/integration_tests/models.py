@@ -39,4 +39,5 @@ ENTRIES = [
     _entry("deepseek_v3_hsdp2_fsdp2_ep2", "DeepSeek V3: HSDP 2x2, experts over EP2", 4, "deepseek_v3_debugmodel"),
     _entry("qwen3_moe_pp2_fsdp2_ep2", "Qwen 3 MoE: PP2 x FSDP2, experts over EP2 in each stage", 4,
            "qwen3_moe_debugmodel", golden=True, use_real_pg=True),
+    _entry("qwen3_moe_sft_fsdp2_ep2", "Qwen 3 MoE SFT: FSDP2, experts over EP2", 2, "qwen3_moe_sft"),
 ]

@@ -7,6 +7,8 @@ callback adds, after every optimizer step:
     train/tokens_per_s         tokens the job trains per second, per device: the global batch
                                (local batch x data-parallel replicas) over the world size, so
                                TP, CP and PP ranks, which share their tokens, are divided out
+    train/supervised_tokens_per_s  the same for the tokens the loss trains on (loss-masked
+                               fine-tuning, ``data.sft``: modules with ``loss_over_step_tokens``)
     train/mfu                  model FLOPs utilization in percent: tokens/s per device x the
                                module's ``flops_per_token(seq_len)`` / the device's dense bf16
                                peak (GPUs in ``PEAK_FLOPS`` only)
@@ -30,6 +32,7 @@ import lightning as L
 import torch
 
 from titan_lightning._compat import logs_this_step
+from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.steps import ends_optimizer_step
 
 # Dense bf16 peak FLOP/s by a substring of torch.cuda.get_device_name() (first match wins; add
@@ -70,6 +73,7 @@ class TrainingMetrics(L.Callback):
         self._peak_override = peak_flops
         self._step_start: Optional[float] = None
         self._tokens = 0
+        self._supervised: Optional[torch.Tensor] = None
         self._seq_len = 0
         self._lr = 0.0
         self._peak: Optional[float] = None
@@ -93,6 +97,7 @@ class TrainingMetrics(L.Callback):
                 torch.cuda.reset_peak_memory_stats(pl_module.device)
             self._step_start = time.perf_counter()
             self._tokens = 0
+            self._supervised = None
             # The scheduler steps before on_train_batch_end; read the LR this step used now.
             self._lr = trainer.optimizers[0].param_groups[0]["lr"]
         if not self._measuring:
@@ -100,6 +105,9 @@ class TrainingMetrics(L.Callback):
         ids = batch["input_ids"]
         self._tokens += ids.numel()
         self._seq_len = ids.shape[-1]
+        if getattr(pl_module, "loss_over_step_tokens", False) and "labels" in batch:
+            supervised = (batch["labels"] != IGNORE_INDEX).sum()  # on the device: read after the step
+            self._supervised = supervised if self._supervised is None else self._supervised + supervised
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not ends_optimizer_step(trainer, batch_idx):
@@ -114,6 +122,9 @@ class TrainingMetrics(L.Callback):
         # Progress-bar values as CPU tensors: Lightning reads them on the host after every step
         # (a number would become a tensor on the GPU, and each read would wait for the device).
         pl_module.log("train/tokens_per_s", torch.tensor(per_device), prog_bar=True)
+        if self._supervised is not None:
+            supervised = int(self._supervised) * _data_parallel_size(trainer) / trainer.world_size / elapsed
+            pl_module.log("train/supervised_tokens_per_s", torch.tensor(supervised))
         pl_module.log("train/lr", self._lr)
         flops = getattr(pl_module, "flops_per_token", None)
         if self._peak is not None and flops is not None:

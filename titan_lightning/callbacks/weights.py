@@ -206,7 +206,9 @@ class ExportWeights(L.Callback):
             if job is not None:
                 from titan_lightning.pretrained import write_hf_metadata
 
-                write_hf_metadata(staging, adapter, str(self.dtype).removeprefix("torch."), job.data.tokenizer_path)
+                c = job.checkpoint
+                write_hf_metadata(staging, adapter, str(self.dtype).removeprefix("torch."), job.data.tokenizer_path,
+                                  model_folder=c.initial_load_path if c.initial_load_format == "hf" else None)
             shutil.rmtree(self.folder, ignore_errors=True)
             staging.rename(self.folder)
         trainer.strategy.barrier()

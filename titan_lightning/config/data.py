@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from typing import Optional
 
+SFT_PACKINGS = ("packed", "padded")
+
 
 @dataclass(kw_only=True)
 class DataSource:
@@ -30,10 +32,19 @@ class DataConfig:
     # A weighted mixture instead of dataset_path (titan_lightning/data/mixture.py), e.g.
     # --job.data.sources '[{"path": "web/", "weight": 3}, {"path": "code/", "weight": 1}]'.
     sources: list[DataSource] = field(default_factory=list)
+    # Train on the loss mask of an SFT shard set (`titan-lightning prepare --chat`,
+    # titan_lightning/data/sft.py): only the supervised tokens (the assistant's) are targets.
+    sft: bool = False
+    # "packed": whole conversations packed into each window (needs model.mask="block_causal",
+    # model.positions="per_document"); "padded": one conversation per sample, the batch cut to its
+    # longest conversation.
+    sft_packing: str = "packed"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
+        if self.sft_packing not in SFT_PACKINGS:
+            raise ValueError(f"data.sft_packing={self.sft_packing!r} is not one of {', '.join(SFT_PACKINGS)}")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers={self.num_workers} must be >= 0")
         for i, source in enumerate(self.sources):

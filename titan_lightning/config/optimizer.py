@@ -12,6 +12,9 @@ class OptimizerConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
+    # False: no weight decay on the 1-D parameters (norm weights, biases), the usual fine-tuning
+    # setting (recipes.hf:sft); they form a second parameter group.
+    decay_norms_and_biases: bool = True
     # None picks fused where the device supports it, else foreach.
     implementation: Optional[Literal["fused", "foreach", "for-loop"]] = None
 

@@ -103,6 +103,13 @@ class ParallelismConfig:
         """Product of every degree but dp_shard (and ep, which borrows ranks)."""
         return self.dp_replicate * self.tp * self.pp * self.cp
 
+    @property
+    def seq_len_divisor(self) -> int:
+        """What every sequence length must be a multiple of: cp (2*cp with the headtail load
+        balancer), times tp under sequence parallelism."""
+        cp_part = 2 * self.cp if self.cp > 1 and self.cp_load_balancer == "headtail" else self.cp
+        return cp_part * (self.tp if self.sequence_parallel and self.tp > 1 else 1)
+
     def resolved_dp_shard(self, world_size: int) -> int:
         """dp_shard with -1 replaced by the ranks left over; no checks (see validation.py)."""
         if self.dp_shard != -1:

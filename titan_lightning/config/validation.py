@@ -52,6 +52,7 @@ def _check_job(job: JobConfig, *, world_size: int, max_steps: Optional[int], fak
     validate_degrees(job.parallelism, world_size, fake_pg=fake_pg)
     validate_model_parallelism(job)
     validate_batch(job, world_size)
+    validate_sft(job)
     if max_steps is not None:
         validate_schedule(job, max_steps)
     if device_type is not None:
@@ -272,9 +273,9 @@ def validate_context_parallel(job: JobConfig) -> None:
                     f"model.attention='ulysses' shards heads over tp*cp: model.{name}={heads} must be divisible "
                     f"by parallelism.tp*cp = {p.tp}*{p.cp} = {p.tp * p.cp}; use allgather or ring attention instead"
                 )
-    cp_part = 2 * p.cp if p.cp > 1 and p.cp_load_balancer == "headtail" else p.cp
-    divisor = cp_part * (p.tp if p.sequence_parallel and p.tp > 1 else 1)
+    divisor = p.seq_len_divisor
     if seq_len % divisor:
+        cp_part = divisor // (p.tp if p.sequence_parallel and p.tp > 1 else 1)
         balancer = " (2*cp with the headtail load balancer)" if cp_part == 2 * p.cp and p.cp > 1 else ""
         raise ConfigError(
             f"training.seq_len={seq_len} must be divisible by {divisor}: {cp_part} for cp={p.cp}{balancer}, "
@@ -309,6 +310,23 @@ def validate_sliding_kernel(job: JobConfig) -> None:
     if "window_size" not in inspect.signature(varlen_attn).parameters:
         raise ConfigError(f"model.sliding_window={m.sliding_window} with model.attention='varlen' needs "
                           f"varlen_attn's window_size, which torch {torch.__version__} lacks: use 'flex' or 'sdpa'")
+
+
+def validate_sft(job: JobConfig) -> None:
+    """SFT data packed several conversations to a window: attention and positions must keep them apart."""
+    data, m = job.data, job.model
+    if not data.sft:
+        return
+    mask, positions = getattr(m, "mask", "causal"), getattr(m, "positions", "global")
+    if data.sft_packing == "packed" and (mask != "block_causal" or positions != "per_document"):
+        raise ConfigError(
+            f"data.sft=True packs several conversations into each window, which needs document masking: "
+            f"model.mask={mask!r} and model.positions={positions!r} must be 'block_causal' and 'per_document' "
+            f"(--job.model.mask block_causal --job.model.positions per_document), or set data.sft_packing='padded'"
+        )
+    if data.repeat_to_fit:
+        raise ConfigError("data.repeat_to_fit=True with data.sft=True: SFT windows hold whole conversations and "
+                          "are never repeated to fill one; set data.repeat_to_fit false")
 
 
 def validate_attention_kernel(job: JobConfig, device_type: str) -> None:

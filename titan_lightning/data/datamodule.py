@@ -18,6 +18,7 @@ from titan_lightning.data.dataset import (
     tokenize_documents,
 )
 from titan_lightning.data.mixture import ConcatWindows, MixtureSchedule, MixtureStream
+from titan_lightning.data.sft import ConversationWindows, TrimPadding, check_loss_mask, sequence_multiple
 from titan_lightning.data.shards import ShardSet, TokenSpan, is_shard_set, tokenizer_identity
 from titan_lightning.data.tokenizer import CORPUS_PATH, Tokenizer, load_tokenizer, shipped_asset, tokenizer_file
 
@@ -31,6 +32,10 @@ class TextDataModule(L.LightningDataModule):
     ``distributed_sampler_kwargs`` (``(1, 0)`` without a Trainer or outside a parallel
     strategy). ``state_dict`` records how many samples this rank has trained on, so a run
     restored from a checkpoint continues at exactly the next sample.
+
+    With ``data.sft`` the corpus is a shard set with loss masks, its samples whole conversations
+    (ConversationWindows: labels IGNORE_INDEX on what is not supervised), packed or padded
+    (``data.sft_packing``); shuffling, sharding and resuming are the same.
     """
 
     def __init__(self, job: JobConfig) -> None:
@@ -85,13 +90,14 @@ class TextDataModule(L.LightningDataModule):
             raise FileNotFoundError(f"{field}={str(path)!r}: no such file or folder")
         if is_shard_set(path):
             streams = shard_splits(path, data.tokenizer_path, data.val_fraction, self.tokenizer, field,
-                                   vocab_size=self.job.model.vocab_size)
+                                   vocab_size=self.job.model.vocab_size, sft=data.sft)
         else:
+            check_loss_mask(False, data.sft, field, str(path), text=True)
             streams = tokenized_splits(path, data.tokenizer_path, data.val_fraction, lambda: self.tokenizer)
         if data.repeat_to_fit and 0 < len(streams["train"]) < seq_len + 1:
             train = streams["train"][0:len(streams["train"])]
             streams["train"] = np.tile(train, -(-(seq_len + 1) // len(train)))
-        if len(streams["train"]) < seq_len + 1:
+        if not self._fills_window(streams["train"]):
             raise ValueError(self._too_short("train", len(streams["train"]), path, field))
         return streams
 
@@ -103,28 +109,25 @@ class TextDataModule(L.LightningDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         if self._train is not None:
             return
-        seq_len = self.job.training.seq_len
         streams = self._read()
         if "sources" in streams:
             self._setup_sources(streams["sources"], stage)
             return
-        if len(streams["val"]) < seq_len + 1:
+        if not self._fills_window(streams["val"]):
             path = CORPUS_PATH if self.job.data.dataset_path is None else Path(self.job.data.dataset_path)
             self._short_split = self._too_short("val", len(streams["val"]), path)
             if self._will_validate(stage):
                 raise ValueError(self._short_split)
-        eot = self.tokenizer.eot_id
-        self._train = TokenWindows(streams["train"], seq_len, eot)
-        self._val = None if self._short_split else TokenWindows(streams["val"], seq_len, eot)
+        self._train = self._windows(streams["train"])
+        self._val = None if self._short_split else self._windows(streams["val"])
         if self._will_validate(stage):
             self._check_val_covers_dp()
 
     def _setup_sources(self, sources: list[dict[str, Any]], stage: Optional[str]) -> None:
         seq_len = self.job.training.seq_len
-        eot = self.tokenizer.eot_id
-        self._sources = [TokenWindows(s["train"], seq_len, eot) for s in sources]
+        self._sources = [self._windows(s["train"]) for s in sources]
         self._train = self._sources[0]
-        vals = [TokenWindows(s["val"], seq_len, eot) for s in sources if len(s["val"]) >= seq_len + 1]
+        vals = [self._windows(s["val"]) for s in sources if self._fills_window(s["val"])]
         if not vals:
             self._short_split = (f"no source's val split (data.val_fraction={self.job.data.val_fraction}) fills one "
                                  f"window of training.seq_len + 1 = {seq_len + 1} tokens")
@@ -133,6 +136,16 @@ class TextDataModule(L.LightningDataModule):
         self._val = ConcatWindows(vals) if vals else None
         if self._will_validate(stage):
             self._check_val_covers_dp()
+
+    def _windows(self, tokens) -> TokenWindows | ConversationWindows:
+        seq_len, eot, data = self.job.training.seq_len, self.tokenizer.eot_id, self.job.data
+        if data.sft:
+            return ConversationWindows(tokens, seq_len, eot, data.sft_packing)
+        return TokenWindows(tokens, seq_len, eot)
+
+    def _fills_window(self, tokens) -> bool:
+        # A split of SFT data holds at least one conversation (shard_splits), and one fills a window.
+        return self.job.data.sft or len(tokens) >= self.job.training.seq_len + 1
 
     def schedule(self) -> MixtureSchedule:
         """The mixture of ``data.sources`` (from the resumed base, after a resume that changed weights)."""
@@ -247,7 +260,12 @@ class TextDataModule(L.LightningDataModule):
         return 1, 0
 
     def _loader(self, dataset: TrainStream | ValWindows) -> DataLoader:
-        return DataLoader(dataset, batch_size=self.job.training.microbatch_size, num_workers=self.job.data.num_workers)
+        data, p = self.job.data, self.job.parallelism
+        collate = None
+        if data.sft and data.sft_packing == "padded":
+            collate = TrimPadding(sequence_multiple(self.job.training.seq_len, p.seq_len_divisor, p.pp))
+        return DataLoader(dataset, batch_size=self.job.training.microbatch_size, num_workers=data.num_workers,
+                          collate_fn=collate)
 
     @staticmethod
     def _require_setup(windows: Optional[TokenWindows]) -> TokenWindows:
@@ -290,11 +308,14 @@ def tokenized_splits(path: Path, tokenizer_path: Optional[str], val_fraction: fl
 
 def shard_splits(path: Path, tokenizer_path: Optional[str], val_fraction: float,
                  tokenizer: Tokenizer, field: str = "data.dataset_path", *,
-                 vocab_size: Optional[int] = None) -> dict[str, Any]:
+                 vocab_size: Optional[int] = None, sft: Optional[bool] = None) -> dict[str, Any]:
     """The ``train`` and ``val`` spans of the token shard set ``path``: val is the tail from the
     last document end before ``1 - val_fraction`` of the tokens. Refuses shards of another tokenizer,
-    and shards with token ids past ``vocab_size`` (the model's)."""
+    shards with token ids past ``vocab_size`` (the model's), and, given ``sft`` (data.sft), a set
+    whose loss masks do not match it."""
     shards = ShardSet(path, field)
+    if sft is not None:
+        check_loss_mask(shards.has_mask, sft, field, str(path))
     bos = tokenizer.bos_id if tokenizer.add_bos else None
     shards.check_tokenizer(tokenizer_identity(tokenizer_file(tokenizer_path), tokenizer.vocab_size,
                                               tokenizer.eot_id, bos))

@@ -18,8 +18,14 @@ arguments resumes with the parts not yet done. ``index.json`` is written last.
 
 A bad record (a JSONL line that is not JSON, or has no text in the field): ``--bad-records
 skip`` counts it (the summary names the first), ``stop`` ends the run on it, naming file and line.
+
+Chat and instruction data (``--chat``: a ``messages`` list per record; ``--prompt-field`` and
+``--response-field``: prompt/response pairs) are rendered with the tokenizer's chat template and
+written with a loss mask per token (data/chat.py); a conversation with no assistant turn, an
+unknown role, a content that is not a string, or on which the template fails is a bad record.
 """
 
+import dataclasses
 import glob
 import json
 import os
@@ -31,6 +37,8 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 
+from titan_lightning.data.chat import (TOO_LONG, TRAIN_ON, BadRecord, ChatOptions, ChatRenderer, ChatSpec,
+                                      TemplateFailure, resolve)
 from titan_lightning.data.text import EOT
 from titan_lightning.data.shards import INDEX, ShardWriter, token_dtype, tokenizer_identity, write_index
 
@@ -38,6 +46,7 @@ KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "text", ".parquet": "parqu
 PART_BYTES = 64 * 2**20
 PROGRESS = "progress.json"
 BATCH = 256  # documents per tokenizer call
+Field = tuple[str, str, type]  # a record field read: its name, the option that names it, its value's type
 
 
 class PrepareError(ValueError):
@@ -75,9 +84,9 @@ def find_inputs(inputs: list[str]) -> list[Path]:
     return sorted(dict.fromkeys(files))
 
 
-def check_input(path: Path, text_field: str) -> None:
-    """Before any work: the file is non-empty text (or Parquet with the column), its first JSONL
-    record has ``text_field``."""
+def check_input(path: Path, fields: list[Field]) -> None:
+    """Before any work: the file is non-empty text (or Parquet with the columns), its first JSONL
+    record has each of ``fields``."""
     kind = KINDS[path.suffix]
     if path.stat().st_size == 0:
         raise PrepareError(f"{path}: empty file")
@@ -90,8 +99,9 @@ def check_input(path: Path, text_field: str) -> None:
             schema = pq.ParquetFile(path).schema_arrow
         except Exception as err:  # noqa: BLE001 - pyarrow raises its own error types for bad files
             raise PrepareError(f"{path}: not a Parquet file ({' '.join(str(err).split())[:200]})") from None
-        if text_field not in schema.names:
-            raise PrepareError(f"{path}: no column {text_field!r} (--text-field); columns: {', '.join(schema.names)}")
+        for name, option, _ in fields:
+            if name not in schema.names:
+                raise PrepareError(f"{path}: no column {name!r} ({option}); columns: {', '.join(schema.names)}")
         return
     head = path.open("rb").read(1 << 16)
     if b"\x00" in head:
@@ -107,9 +117,14 @@ def check_input(path: Path, text_field: str) -> None:
             record = json.loads(first)
         except ValueError:
             raise PrepareError(f"{path}:1: not a JSON line") from None
-        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-            keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-            raise PrepareError(f"{path}:1: no text field {text_field!r} (--text-field); the record has: {keys}")
+        for name, option, kind_of in fields:
+            if not isinstance(record, dict) or not isinstance(record.get(name), kind_of):
+                keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+                what = "text" if kind_of is str else "list"
+                raise PrepareError(f"{path}:1: no {what} field {name!r} ({option}); the record has: {keys}")
+    elif kind == "text" and fields[0][1] != "--text-field":
+        raise PrepareError(f"{path}: a text file holds documents, not conversations; give JSONL or Parquet "
+                           f"records for {fields[0][1]}")
 
 
 def plan_parts(files: list[Path]) -> list[Part]:
@@ -136,21 +151,29 @@ def plan_parts(files: list[Path]) -> list[Part]:
 
 
 def _documents(part: Part, text_field: str, bad_records: str, bad: list) -> Iterator[str]:
+    if part.kind == "text":
+        text = Path(part.path).read_bytes().decode("utf-8", errors="strict")
+        yield from (doc.strip() for doc in text.split(EOT) if doc.strip())
+        return
+    for where, record in _records(part, [text_field], bad_records, bad):
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if isinstance(text, str) and text.strip():
+            yield text
+        else:
+            _bad(bad, bad_records, f"{where}: no text in {text_field!r}")
+
+
+def _records(part: Part, fields: list[str], bad_records: str, bad: list) -> Iterator[tuple[str, Any]]:
+    """(where, record) for each record of a JSONL or Parquet part: ``file:line`` and the parsed
+    line, or ``file: row group g row r`` and the row's ``fields``."""
     if part.kind == "parquet":
         import pyarrow.parquet as pq
 
-        column = pq.ParquetFile(part.path).read_row_group(part.start, columns=[text_field]).column(0)
-        for row, value in enumerate(column.to_pylist()):
-            if isinstance(value, str) and value.strip():
-                yield value
-            else:
-                _bad(bad, bad_records, f"{part.path}: row group {part.start} row {row}: no text in {text_field!r}")
+        rows = pq.ParquetFile(part.path).read_row_group(part.start, columns=fields).to_pylist()
+        for row, record in enumerate(rows):
+            yield f"{part.path}: row group {part.start} row {row}", record
         return
     with open(part.path, "rb") as f:
-        if part.kind == "text":
-            text = f.read().decode("utf-8", errors="strict")
-            yield from (doc.strip() for doc in text.split(EOT) if doc.strip())
-            return
         line_number = _line_number(f, part.start)
         f.seek(part.start)
         while f.tell() < part.stop:
@@ -163,11 +186,7 @@ def _documents(part: Part, text_field: str, bad_records: str, bad: list) -> Iter
             except ValueError:
                 _bad(bad, bad_records, f"{part.path}:{line_number}: not a JSON line")
                 continue
-            text = record.get(text_field) if isinstance(record, dict) else None
-            if isinstance(text, str) and text.strip():
-                yield text
-            else:
-                _bad(bad, bad_records, f"{part.path}:{line_number}: no text in {text_field!r}")
+            yield f"{part.path}:{line_number}", record
 
 
 def _line_number(f, offset: int) -> int:
@@ -198,32 +217,69 @@ def _load_worker(tokenizer_path: Optional[str]) -> None:
 
 def _run_part(job: tuple) -> dict[str, Any]:
     """Tokenize one part into its shards (in a worker process); what it wrote and skipped."""
-    index, part, output, text_field, bad_records, shard_tokens = job
+    index, part, output, text_field, bad_records, shard_tokens, chat = job
     tokenizer = _WORKER["tokenizer"]
     writer = ShardWriter(Path(output), f"part-{index:05d}", token_dtype(tokenizer.vocab_size), shard_tokens)
     bad: list[str] = []
-    batch: list[str] = []
+    counts = {"kept": 0, "truncated": 0, "dropped": 0}
     try:
-        for document in _documents(part, text_field, bad_records, bad):
-            batch.append(document)
-            if len(batch) == BATCH:
-                for ids in tokenizer.encode_documents(batch):
-                    writer.add(ids)
-                batch = []
-        for ids in tokenizer.encode_documents(batch):
-            writer.add(ids)
+        if chat is None:
+            batch: list[str] = []
+            for document in _documents(part, text_field, bad_records, bad):
+                batch.append(document)
+                if len(batch) == BATCH:
+                    for ids in tokenizer.encode_documents(batch):
+                        writer.add(ids)
+                    batch = []
+            for ids in tokenizer.encode_documents(batch):
+                writer.add(ids)
+        else:
+            _write_conversations(part, chat, bad_records, bad, writer, counts)
     except PrepareError as err:
         return {"index": index, "error": str(err)}
     shards = writer.close()
-    return {"index": index, "shards": shards, "bad": len(bad), "first_bad": bad[0] if bad else None,
-            "tokens": sum(s["tokens"] for s in shards), "bytes": part.stop - part.start if part.kind != "parquet" else 0}
+    result = {"index": index, "shards": shards, "bad": len(bad), "first_bad": bad[0] if bad else None,
+              "tokens": sum(s["tokens"] for s in shards), "bytes": part.stop - part.start if part.kind != "parquet" else 0}
+    if chat is not None:
+        result.update(truncated=counts["truncated"], dropped=counts["dropped"],
+                      supervised=sum(s["supervised"] for s in shards))
+    return result
+
+
+def _write_conversations(part: Part, chat: ChatSpec, bad_records: str, bad: list, writer: ShardWriter,
+                         counts: dict[str, int]) -> None:
+    """Each record of ``part`` as a conversation: rendered, tokenized with its mask, fitted to
+    ``max_tokens``, written (``counts``: how many were kept, truncated, dropped)."""
+    if _WORKER.get("chat") is not chat:
+        _WORKER["chat"], _WORKER["renderer"] = chat, ChatRenderer(chat, _WORKER["tokenizer"])
+    renderer: ChatRenderer = _WORKER["renderer"]
+
+    def flush(batch: list) -> None:
+        for ids, mask in renderer.encode(batch):
+            fitted, outcome = renderer.fit(ids, mask)
+            counts[outcome] += 1
+            if fitted is not None:
+                writer.add(*fitted)
+
+    batch: list = []
+    for where, record in _records(part, chat.options.fields, bad_records, bad):
+        try:
+            batch.append(renderer.render(renderer.messages(record)))
+        except BadRecord as err:
+            _bad(bad, bad_records, f"{where}: {err}")
+            continue
+        if len(batch) == BATCH:
+            flush(batch)
+            batch = []
+    flush(batch)
 
 
 def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = None, text_field: str = "text",
             workers: Optional[int] = None, bad_records: str = "skip", shard_tokens: int = 2**28,
-            progress: bool = True) -> dict[str, Any]:
+            progress: bool = True, chat: Optional[ChatOptions] = None) -> dict[str, Any]:
     """Tokenize ``inputs`` into the shard set ``output``; a summary dict. PrepareError on bad input
-    (before any work), or on a bad record under ``bad_records="stop"``."""
+    (before any work), or on a bad record under ``bad_records="stop"``. ``chat``: the records are
+    conversations, written with a loss mask (data/chat.py)."""
     from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
 
     if bad_records not in ("skip", "stop"):
@@ -232,11 +288,19 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = N
         raise PrepareError(f"--workers={workers}: expected >= 1")
     files = find_inputs(inputs)
     for path in files:
-        check_input(path, text_field)
+        check_input(path, chat.field_options if chat else [(text_field, "--text-field", str)])
     try:
         tokenizer = load_tokenizer(tokenizer_path)
     except (OSError, ValueError) as err:
         raise PrepareError(str(err).replace("data.tokenizer_path", "--tokenizer")) from None
+    spec = None
+    if chat is not None:
+        try:
+            spec = resolve(chat, tokenizer_path)
+        except ValueError as err:
+            raise PrepareError(str(err)) from None
+        for path in files:
+            _check_first_record(path, spec, tokenizer)
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise PrepareError(f"--output {output!r} is a file; give a folder for the shards (a new or an empty one)")
@@ -252,6 +316,9 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = N
     parts = plan_parts(files)
     settings = {"inputs": [str(p.resolve()) for p in files], "sizes": [p.stat().st_size for p in files],
                 "text_field": text_field, "tokenizer": identity, "shard_tokens": shard_tokens}
+    if spec is not None:
+        spec = _clock_of_interrupted_run(out, spec)
+        settings["chat"] = spec.settings()
     resumed = (out / PROGRESS).is_file()
     try:
         done = _resume(out, settings)
@@ -259,7 +326,8 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = N
         if created:
             shutil.rmtree(out)
         raise
-    todo = [(i, part, str(out), text_field, bad_records, shard_tokens) for i, part in enumerate(parts) if i not in done]
+    todo = [(i, part, str(out), text_field, bad_records, shard_tokens, spec)
+            for i, part in enumerate(parts) if i not in done]
     total_bytes = sum(p.stop - p.start for p in parts if p.kind != "parquet")
     bar = _Progress(len(parts), total_bytes, len(done), sum(r["bytes"] for r in done.values()), progress)
     results = _map(_run_part, todo, tokenizer_path, workers or min(len(todo), os.cpu_count() or 1))
@@ -270,7 +338,7 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = N
             done[result["index"]] = result
             _save_progress(out, settings, done)
             bar.update(result)
-        _check_every_file_has_documents(files, parts, done, text_field)
+        _check_every_file_has_documents(files, parts, done, text_field, chat)
     except PrepareError:
         # Bad input: the error alone on the terminal, and nothing of this run left behind (a folder
         # an earlier interrupted run left keeps what that run finished).
@@ -281,12 +349,59 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = N
     bar.close()
     shards = [shard for i in sorted(done) for shard in done[i]["shards"]]
     dtype = token_dtype(tokenizer.vocab_size)
-    write_index(out, dtype, identity, shards, settings["inputs"])
+    sft = None
+    if spec is not None:
+        sft = {"train_on": chat.train_on, "max_tokens": chat.max_tokens, "too_long": chat.too_long,
+               "conversations": sum(s["documents"] for s in shards),
+               "truncated": sum(r["truncated"] for r in done.values()),
+               "dropped": sum(r["dropped"] for r in done.values()),
+               "chat_template_sha256": spec.template_sha256,
+               "supervised_tokens": sum(s["supervised"] for s in shards)}
+    write_index(out, dtype, identity, shards, settings["inputs"], sft=sft)
     (out / PROGRESS).unlink(missing_ok=True)
     bad = [done[i] for i in sorted(done) if done[i]["bad"]]
     return {"tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
             "shards": len(shards), "bad_records": sum(r["bad"] for r in bad),
-            "first_bad": bad[0]["first_bad"] if bad else None}
+            "first_bad": bad[0]["first_bad"] if bad else None, **({"sft": sft} if sft else {})}
+
+
+def _check_first_record(path: Path, spec: ChatSpec, tokenizer) -> None:
+    """Before any work: the chat template renders the first record of ``path`` (a record that is
+    bad in itself is left to ``--bad-records``)."""
+    if KINDS[path.suffix] == "parquet":
+        import pyarrow.parquet as pq
+
+        batch = next(pq.ParquetFile(path).iter_batches(batch_size=1, columns=spec.options.fields), None)
+        if batch is None or not batch.num_rows:
+            return
+        where, record = f"{path}: row group 0 row 0", batch.to_pylist()[0]
+    else:
+        with path.open("rb") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    break
+        where, record = f"{path}:{number}", json.loads(line)
+    renderer = ChatRenderer(spec, tokenizer)
+    try:
+        messages = renderer.messages(record)
+    except BadRecord:
+        return
+    try:
+        renderer.render(messages)
+    except TemplateFailure as err:
+        raise PrepareError(f"{where}: {err}") from None
+    except BadRecord:
+        return
+
+
+def _clock_of_interrupted_run(out: Path, spec: ChatSpec) -> ChatSpec:
+    """``spec`` with the time an interrupted run rendered (``strftime_now`` in a template), so that
+    its resume writes the same date into the parts it has left."""
+    try:
+        now = json.loads((out / PROGRESS).read_text())["settings"]["chat"]["now"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return spec
+    return dataclasses.replace(spec, now=now)
 
 
 def _resume(out: Path, settings: dict) -> dict[int, dict]:
@@ -320,27 +435,38 @@ def _undo(out: Path, created: bool, resumed: Optional[dict[int, dict]]) -> None:
 
 def _remove_unrecorded(out: Path, done: dict[int, dict]) -> None:
     """Remove the shard files of parts that ``done`` does not record (an unfinished part's)."""
-    kept = {f"{s['name']}.{ext}" for r in done.values() for s in r["shards"] for ext in ("tokens", "docs")}
+    kept = {f"{s['name']}.{ext}" for r in done.values() for s in r["shards"] for ext in ("tokens", "docs", "mask")}
     for path in out.glob("part-*"):
         if path.name not in kept:
             path.unlink()
 
 
 def _check_every_file_has_documents(files: list[Path], parts: list[Part], done: dict[int, dict],
-                                    text_field: str) -> None:
+                                    text_field: str, chat: Optional[ChatOptions] = None) -> None:
     """A file of which no record gave a document (a Parquet column of nulls, ...) is an error, not
     an empty contribution: the field or column is most likely the wrong one."""
     documents = {str(path): 0 for path in files}
     bad = dict.fromkeys(documents, 0)
+    dropped = dict.fromkeys(documents, 0)
     first_bad: dict[str, Optional[str]] = {}
     for i, result in sorted(done.items()):
         documents[parts[i].path] += sum(s["documents"] for s in result["shards"])
         bad[parts[i].path] += result["bad"]
+        dropped[parts[i].path] += result.get("dropped", 0)
         if result["first_bad"] is not None:
             first_bad.setdefault(parts[i].path, result["first_bad"])
     for path in files:
         if documents[str(path)]:
             continue
+        if chat is not None and dropped[str(path)]:
+            raise PrepareError(f"{path}: all its {dropped[str(path)]} conversations that are not bad records are "
+                               f"longer than --max-tokens {chat.max_tokens} (--too-long drop); raise --max-tokens "
+                               f"or use --too-long truncate")
+        if chat is not None:
+            options = "--messages-field" if chat.messages_field else "--prompt-field and --response-field"
+            raise PrepareError(f"{path}: none of its {bad[str(path)]} records is a conversation to train on (the "
+                               f"first: {first_bad.get(str(path))}); check the records, or name the fields with "
+                               f"{options}")
         if KINDS[path.suffix] == "parquet":
             import pyarrow.parquet as pq
 
@@ -407,24 +533,100 @@ def main(argv: list[str]) -> int:
         def error(self, message: str):  # one line, exit 2 through the CLI, instead of usage + exit
             raise PrepareError(f"prepare: {message}")
 
-    parser = Parser(prog="titan-lightning prepare", description=__doc__.split("\n\n")[0], exit_on_error=False)
+    parser = Parser(prog="titan-lightning prepare", description=__doc__.split("\n\n")[0], exit_on_error=False,
+                    epilog=CHAT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", action="append", required=True, help="file, folder or glob (repeatable)")
     parser.add_argument("--output", required=True, help="the shard folder to write")
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json or its folder (default: the shipped one)")
-    parser.add_argument("--text-field", default="text", help="the JSONL field / Parquet column with the text")
+    parser.add_argument("--text-field", default=None, help="the JSONL field / Parquet column with the text (default: "
+                                                           "text)")
     parser.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
     parser.add_argument("--bad-records", default="skip", choices=("skip", "stop"))
     parser.add_argument("--shard-tokens", type=int, default=2**28, help="tokens per shard file at most (about)")
     parser.add_argument("--no-progress", action="store_true")
+    chat = parser.add_argument_group("chat and instruction data (written with a loss mask; see below)")
+    chat.add_argument("--chat", action="store_true", help="records hold conversations: a list of {role, content} "
+                      "messages (roles system, user, assistant, tool)")
+    chat.add_argument("--messages-field", default=None, help="with --chat: the field / column of the messages "
+                      "(default: messages)")
+    chat.add_argument("--prompt-field", default=None, help="records are prompt/response pairs: the prompt's field; "
+                      "several, comma-separated, are joined by a blank line (Alpaca: instruction,input)")
+    chat.add_argument("--response-field", default=None, help="the response's field (Alpaca: output)")
+    chat.add_argument("--chat-template", default=None, metavar="FILE",
+                      help="a Jinja chat template instead of the tokenizer's")
+    chat.add_argument("--train-on", default=None, choices=TRAIN_ON,
+                      help="what the mask supervises: every assistant turn (default), the last one, or all tokens")
+    chat.add_argument("--max-tokens", type=int, default=None, help="tokens per conversation at most")
+    chat.add_argument("--too-long", default=None, choices=TOO_LONG,
+                      help="a conversation over --max-tokens: drop it (default) or keep its first --max-tokens")
     try:
         options = parser.parse_args(argv)
     except argparse.ArgumentError as err:
         raise PrepareError(f"prepare: {err}") from None
-    summary = prepare(options.input, options.output, tokenizer_path=options.tokenizer, text_field=options.text_field,
-                      workers=options.workers, bad_records=options.bad_records, shard_tokens=options.shard_tokens,
-                      progress=not options.no_progress)
+    chat_options = _chat_options(options)
+    summary = prepare(options.input, options.output, tokenizer_path=options.tokenizer,
+                      text_field=options.text_field or "text", workers=options.workers,
+                      bad_records=options.bad_records, shard_tokens=options.shard_tokens,
+                      progress=not options.no_progress, chat=chat_options)
     skipped = (f"; {summary['bad_records']} bad record(s) skipped, the first: {summary['first_bad']}"
                if summary["bad_records"] else "")
-    print(f"{options.output}: {summary['tokens']:,} tokens, {summary['documents']:,} documents in "
-          f"{summary['shards']} shard(s){skipped}")
+    if chat_options is None:
+        print(f"{options.output}: {summary['tokens']:,} tokens, {summary['documents']:,} documents in "
+              f"{summary['shards']} shard(s){skipped}")
+        return 0
+    sft = summary["sft"]
+    limit = f" (over --max-tokens {sft['max_tokens']})" if sft["max_tokens"] is not None else ""
+    print(f"{options.output}: {summary['tokens']:,} tokens ({sft['supervised_tokens']:,} supervised, "
+          f"--train-on {sft['train_on']}), {sft['conversations']:,} conversations in {summary['shards']} shard(s); "
+          f"{sft['truncated']:,} truncated, {sft['dropped']:,} dropped{limit}{skipped}")
     return 0
+
+
+CHAT_HELP = """\
+chat and instruction data:
+  --chat reads a list of {role, content} messages per record (--messages-field); --prompt-field
+  and --response-field read prompt/response pairs, as a user turn and an assistant turn. Each
+  conversation is rendered with the tokenizer folder's chat template (chat_template.jinja, or
+  chat_template in tokenizer_config.json; --chat-template FILE overrides) and written with a
+  loss mask: 1 on what the assistant says, its end-of-turn token included; 0 on system, user
+  and tool turns and on the template's headers. A template with {% generation %} markers says
+  itself what is supervised. Prompt/response pairs with a tokenizer that has no chat template
+  are plain text: the prompt, a blank line, the response and EOS, the mask on the response and
+  EOS. --max-tokens with --too-long drop|truncate; the summary counts what was truncated and
+  dropped. A record without an assistant turn, with an unknown role, a content that is not a
+  string, or on which the template fails is a bad record (--bad-records).
+
+  titan-lightning prepare --chat --input chats.jsonl --tokenizer path/to/hf-folder \\
+      --output sft-shards/ --max-tokens 4096
+  titan-lightning prepare --input alpaca.jsonl --prompt-field instruction,input \\
+      --response-field output --tokenizer path/to/hf-folder --output sft-shards/
+"""
+
+
+def _chat_options(options) -> Optional[ChatOptions]:
+    """The chat options given on the command line (None: plain text); one line for a combination
+    that does not go together."""
+    pairs = options.prompt_field is not None or options.response_field is not None
+    if options.messages_field is not None and not options.chat:
+        raise PrepareError(f"--messages-field {options.messages_field!r} applies to conversations; add --chat")
+    if not options.chat and not pairs:
+        given = [name for name in ("chat_template", "train_on", "max_tokens", "too_long")
+                 if getattr(options, name) is not None]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise PrepareError(f"{flag} applies to chat and instruction data; add --chat (messages) or "
+                               f"--prompt-field and --response-field (pairs)")
+        return None
+    if options.text_field is not None:
+        raise PrepareError("--text-field names plain text; conversations are read from --messages-field "
+                           "(--chat) or --prompt-field/--response-field")
+    if options.too_long is not None and options.max_tokens is None:
+        raise PrepareError(f"--too-long {options.too_long} needs --max-tokens N (the limit it applies to)")
+    try:
+        return ChatOptions(messages_field=(options.messages_field or "messages") if options.chat else None,
+                           prompt_fields=tuple(f.strip() for f in (options.prompt_field or "").split(",") if f.strip()),
+                           response_field=options.response_field, template=options.chat_template,
+                           train_on=options.train_on or "assistant", max_tokens=options.max_tokens,
+                           too_long=options.too_long or "drop")
+    except ValueError as err:
+        raise PrepareError(str(err)) from None

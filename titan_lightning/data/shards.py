@@ -10,6 +10,9 @@ A shard set is a folder::
                         uint32), documents back to back, each ending with the tokenizer's EOS
                         (and starting with its BOS when its tokenizer_config.json says so)
     <name>.docs         little-endian int64: each document's end offset in its shard
+    <name>.mask         (chat and instruction data only) uint8, one byte per token: 1 where the token
+                        is a supervised target; the index then has ``"loss_mask": true`` and an
+                        ``"sft"`` object (what was trained on, conversations truncated and dropped)
 
 A reader holds the index and, per shard, a memory map it opens on first use: its memory and
 start-up time do not grow with the corpus. ``index.json`` is written last, so a folder without
@@ -52,24 +55,40 @@ def is_shard_set(path: PathLike) -> bool:
 
 
 class ShardWriter:
-    """Writes the documents of one part of a corpus as one or more shards named ``<part>-NNNNN``."""
+    """Writes the documents of one part of a corpus as one or more shards named ``<part>-NNNNN``;
+    with a loss mask per document (chat data), each shard's ``.mask`` next to its ``.tokens``."""
 
     def __init__(self, folder: Path, part: str, dtype: np.dtype, shard_tokens: int = 2**28) -> None:
         self.folder, self.part, self.dtype, self.shard_tokens = folder, part, dtype, shard_tokens
         self.shards: list[dict[str, Any]] = []
         self._file = None
+        self._mask_file = None
+        self._masked: Optional[bool] = None  # set by the first document: all of a writer's have a mask or none
         self._ends: list[int] = []
         self._tokens = 0
+        self._supervised = 0
         self._max_id = -1
 
-    def add(self, ids: np.ndarray) -> None:
-        """One document's token ids (EOS, and BOS, already in place)."""
+    def add(self, ids: np.ndarray, mask: Optional[np.ndarray] = None) -> None:
+        """One document's token ids (EOS, and BOS, already in place); ``mask``: 1 per supervised
+        target token, 0 elsewhere, as long as ``ids``."""
+        if self._masked is None:
+            self._masked = mask is not None
+        if self._masked != (mask is not None) or (mask is not None and len(mask) != len(ids)):
+            raise ValueError(f"ShardWriter.add: a mask of {None if mask is None else len(mask)} for {len(ids)} "
+                             f"tokens; every document of a shard set has a mask as long as its ids, or none has")
         if self._file is None or self._tokens >= self.shard_tokens:
             self._close_shard()
             name = f"{self.part}-{len(self.shards):05d}"
             self.shards.append({"name": name, "tokens": 0, "documents": 0})
             self._file = open(self.folder / f"{name}.tokens", "wb")
+            if self._masked:
+                self._mask_file = open(self.folder / f"{name}.mask", "wb")
         self._file.write(np.asarray(ids, dtype=self.dtype).tobytes())
+        if mask is not None:
+            mask = np.asarray(mask, dtype=np.uint8)
+            self._mask_file.write(mask.tobytes())
+            self._supervised += int(np.count_nonzero(mask))
         self._tokens += len(ids)
         if len(ids):
             self._max_id = max(self._max_id, int(np.max(ids)))
@@ -79,10 +98,15 @@ class ShardWriter:
         if self._file is None:
             return
         self._file.close()
+        if self._mask_file is not None:
+            self._mask_file.close()
         shard = self.shards[-1]
         np.asarray(self._ends, dtype="<i8").tofile(self.folder / f"{shard['name']}.docs")
         shard["tokens"], shard["documents"], shard["max_id"] = self._tokens, len(self._ends), self._max_id
-        self._file, self._ends, self._tokens, self._max_id = None, [], 0, -1
+        if self._masked:
+            shard["supervised"] = self._supervised  # tokens whose mask is 1
+        self._file, self._mask_file, self._ends, self._tokens, self._max_id = None, None, [], 0, -1
+        self._supervised = 0
 
     def close(self) -> list[dict[str, Any]]:
         self._close_shard()
@@ -90,10 +114,14 @@ class ShardWriter:
 
 
 def write_index(folder: Path, dtype: np.dtype, tokenizer: dict[str, Any], shards: list[dict[str, Any]],
-                sources: Optional[list[str]] = None) -> None:
+                sources: Optional[list[str]] = None, sft: Optional[dict[str, Any]] = None) -> None:
+    """``index.json``, last; ``sft`` (chat data, its shards written with masks): what prepare trained
+    on and counted (``"loss_mask": true`` marks the set)."""
     index = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "tokenizer": tokenizer,
              "total_tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
              "shards": shards, "sources": sources or []}
+    if sft is not None:
+        index["loss_mask"], index["sft"] = True, sft
     if all("max_id" in s for s in shards):
         index["max_id"] = max((s["max_id"] for s in shards), default=-1)
     partial = folder / (INDEX + ".partial")
@@ -149,7 +177,12 @@ class ShardSet:
             if not os.access(file, os.R_OK):
                 raise ValueError(f"{where}: {file.name} cannot be read (permission denied); make the shard files "
                                  f"readable by this user")
-        self._maps: dict[int, np.memmap] = {}
+            mask = self.folder / f"{name}.mask"
+            if self.has_mask and (not mask.is_file() or mask.stat().st_size != count):
+                size = mask.stat().st_size if mask.is_file() else None
+                raise ValueError(f"{where}: {mask.name} holds {size} bytes, the index says {count} tokens (one "
+                                 f"mask byte each; a truncated or missing file: prepare the set again)")
+        self._maps: dict[tuple[str, int], np.ndarray] = {}
 
     def __len__(self) -> int:
         return self.offsets[-1]
@@ -158,29 +191,59 @@ class ShardSet:
     def tokens(self) -> TokenSpan:
         return TokenSpan(self, 0, len(self))
 
-    def _map(self, k: int) -> np.ndarray:
-        if k not in self._maps:
-            count = self.offsets[k + 1] - self.offsets[k]
-            self._maps[k] = np.memmap(self.folder / f"{self.names[k]}.tokens", dtype=self.dtype, mode="r",
-                                      shape=(count,)) if count else np.empty(0, self.dtype)
-        return self._maps[k]
+    @property
+    def has_mask(self) -> bool:
+        """Whether the set carries a per-token loss mask (``"loss_mask": true``: SFT data)."""
+        return bool(self.index.get("loss_mask", False))
+
+    def _map(self, k: int, kind: str = "tokens") -> np.ndarray:
+        """Shard ``k``'s ``.tokens``, ``.mask`` or ``.docs`` file, memory-mapped on first use."""
+        if (kind, k) not in self._maps:
+            dtype = {"tokens": self.dtype, "mask": np.dtype("u1"), "docs": np.dtype("<i8")}[kind]
+            file = self.folder / f"{self.names[k]}.{kind}"
+            count = (self.offsets[k + 1] - self.offsets[k]) if kind != "docs" else file.stat().st_size // 8
+            self._maps[(kind, k)] = np.memmap(file, dtype=dtype, mode="r", shape=(count,)) if count else \
+                np.empty(0, dtype)
+        return self._maps[(kind, k)]
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Global tokens ``start``..``stop`` (across shard borders) as int64."""
-        out = np.empty(stop - start, dtype=np.int64)
+        return self._read(start, stop, "tokens", np.int64)
+
+    def read_mask(self, start: int, stop: int) -> np.ndarray:
+        """The loss mask of global tokens ``start``..``stop`` as uint8 (a set with ``has_mask``)."""
+        if not self.has_mask:
+            raise ValueError(f"{self.folder} has no loss mask (its index has no \"loss_mask\": true)")
+        return self._read(start, stop, "mask", np.uint8)
+
+    def _read(self, start: int, stop: int, kind: str, dtype) -> np.ndarray:
+        out = np.empty(stop - start, dtype=dtype)
         k, filled = bisect_right(self.offsets, start) - 1, 0
         while filled < len(out):
             lo = start + filled - self.offsets[k]
             take = min(self.offsets[k + 1] - self.offsets[k] - lo, len(out) - filled)
-            out[filled:filled + take] = self._map(k)[lo:lo + take]
+            out[filled:filled + take] = self._map(k, kind)[lo:lo + take]
             filled, k = filled + take, k + 1
         return out
+
+    def document_ends(self, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
+        """The global end offsets of the documents that end in ``(start, stop]`` (default: all),
+        ascending int64, from the ``.docs`` files (never from scanning for EOS)."""
+        stop = len(self) if stop is None else stop
+        first = min(max(bisect_right(self.offsets, start) - 1, 0), len(self.names) - 1)
+        parts = []
+        for k in range(first, len(self.names)):
+            if self.offsets[k] >= stop:
+                break
+            ends = self.offsets[k] + np.asarray(self._map(k, "docs"), dtype=np.int64)
+            parts.append(ends[(ends > start) & (ends <= stop)])
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
     def document_end_before(self, position: int) -> int:
         """The last document end at or before global token ``position`` (0 if none)."""
         k = min(max(bisect_right(self.offsets, position) - 1, 0), len(self.names) - 1)
         while k >= 0:
-            ends = np.fromfile(self.folder / f"{self.names[k]}.docs", dtype="<i8")
+            ends = self._map(k, "docs")
             local = position - self.offsets[k]
             i = int(np.searchsorted(ends, local, side="right"))
             if i:

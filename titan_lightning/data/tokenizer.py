@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
+from tokenizers import Encoding
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -71,6 +72,15 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
 
+    def encode_encodings(self, texts: Sequence[str]) -> list[Encoding]:
+        """Each text's `tokenizers` Encoding (nothing added): its ids and where each is in the text
+        (``offsets``, ``char_to_token``, ``token_to_chars``)."""
+        return self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+
+    def special_tokens(self) -> list[str]:
+        """The text of the tokenizer's special added tokens (``<|eot_id|>``, ``<|im_end|>``, ...)."""
+        return [t.content for t in self._tokenizer.get_added_tokens_decoder().values() if t.special]
+
     def encode_documents(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Each text as one document: [BOS when ``add_bos``] + its ids + EOS, int64."""
         head = [self.bos_id] if self.add_bos else []
@@ -109,12 +119,12 @@ def load_tokenizer(path: Optional[str] = None) -> Tokenizer:
         reason = " ".join(str(err).split())[:200]
         raise ValueError(f"{field} is not a `tokenizers` JSON file (tokenizer.json) ({reason})") from None
     try:
-        return Tokenizer(tokenizer, _tokenizer_config(file.parent / "tokenizer_config.json", field))
+        return Tokenizer(tokenizer, read_tokenizer_config(file.parent / "tokenizer_config.json", field))
     except ValueError as err:
         raise ValueError(f"{field}: {err}") from None
 
 
-def _tokenizer_config(path: Path, field: str) -> dict[str, Any]:
+def read_tokenizer_config(path: Path, field: str) -> dict[str, Any]:
     """The Hugging Face tokenizer_config.json next to a tokenizer.json, or {} without one."""
     if not path.is_file():
         return {}

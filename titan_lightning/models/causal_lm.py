@@ -1,5 +1,6 @@
 """The LightningModule every model family shares: next-token loss, optimizer, schedule."""
 
+import functools
 import math
 from contextlib import nullcontext
 from typing import Any, ClassVar, Optional
@@ -28,6 +29,14 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     """
     return F.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="mean"
+    )
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The sum of the cross entropies over the tokens whose label is not IGNORE_INDEX, in fp32 (what
+    loss-masked training divides by the supervised tokens of the whole optimizer step)."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
 
 
@@ -60,6 +69,16 @@ class CausalLMModule(L.LightningModule):
         self._step_losses: list[torch.Tensor] = []
         # The last clipped step's losses and norm, not yet read on the host (check_finite).
         self._unchecked: Optional[_Unchecked] = None
+        # With ``data.sft``: this step's microbatch (loss sum, supervised tokens), fp64.
+        self._step_sums: list[torch.Tensor] = []
+
+    @property
+    def loss_over_step_tokens(self) -> bool:
+        """True when the loss is the sum over supervised tokens divided by the supervised tokens of
+        the whole optimizer step (all microbatches, data-parallel and context-parallel ranks):
+        loss-masked fine-tuning (``data.sft``), where microbatches hold different numbers of
+        supervised tokens and a mean per microbatch or per rank would weigh them wrongly."""
+        return bool(getattr(self.job.data, "sft", False))
 
     @property
     def decoder_class(self) -> Optional[type[Decoder]]:
@@ -155,27 +174,39 @@ class CausalLMModule(L.LightningModule):
         ``compile.enable`` and "loss" in ``compile.components``; with ``training.loss_chunks``, the
         head's own chunked loss on the hidden states (eager: it holds no full logits to fuse away)."""
         if getattr(self, "_loss_fn", None) is None:
-            c = self.job.compile
-            if self.job.training.loss_chunks is not None:
-                self._loss_fn = self._head_loss
-            elif c.enable and "loss" in c.components:
-                from titan_lightning.parallel.compile import compile_loss
-
-                self._loss_fn = compile_loss(cross_entropy_loss, backend=c.backend)
-            else:
-                self._loss_fn = cross_entropy_loss
+            self._loss_fn = self._build_loss_fn("mean")
         return self._loss_fn
 
-    def _head_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    @property
+    def sum_loss_fn(self):
+        """As ``loss_fn``, the sum over the supervised tokens instead of their mean."""
+        if getattr(self, "_sum_loss_fn", None) is None:
+            self._sum_loss_fn = self._build_loss_fn("sum")
+        return self._sum_loss_fn
+
+    def _build_loss_fn(self, reduction: str):
+        c = self.job.compile
+        if self.job.training.loss_chunks is not None:
+            return functools.partial(self._head_loss, reduction=reduction)
+        plain = cross_entropy_loss if reduction == "mean" else cross_entropy_sum
+        if c.enable and "loss" in c.components:
+            from titan_lightning.parallel.compile import compile_loss  # compile's imports only when compiling
+
+            return compile_loss(plain, backend=c.backend)
+        return plain
+
+    def _head_loss(self, h: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """The head and the cross entropy over ``training.loss_chunks`` chunks of the tokens, in the
         forward's precision; one call of the head, standalone after the model's forward (FSDP2
         completes the head's unit then; under PP this runs in the last stage's loss)."""
         with self._autocast(h.device.type):
-            return self.model.output(h, labels=labels, chunks=self.job.training.loss_chunks)
+            return self.model.output(h, labels=labels, chunks=self.job.training.loss_chunks, reduction=reduction)
 
     # -- steps ---------------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.loss_over_step_tokens:
+            return self._summed_step(batch)
         loss = self.loss_fn(self.loss_input(batch["input_ids"], batch.get("position_ids")), batch["labels"])
         value = _local(loss).detach()
         # Checked for finiteness with the grad norm, one step later (configure_gradient_clipping): a
@@ -183,6 +214,46 @@ class CausalLMModule(L.LightningModule):
         self._step_losses.append(value)
         self.log("train/loss", value, sync_dist=True)
         return loss
+
+    def _summed_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss summed over this microbatch's supervised tokens; ``_normalize_step`` divides the
+        step's gradients by the supervised tokens of the whole step once every microbatch ran."""
+        labels = batch["labels"]
+        loss = self.sum_loss_fn(self.loss_input(batch["input_ids"], batch.get("position_ids")), labels)
+        supervised = (labels != IGNORE_INDEX).sum()
+        self._step_sums.append(torch.stack([_local(loss).detach().double(), supervised.double()]))
+        return loss
+
+    def _normalize_step(self, grads: list[torch.Tensor]) -> None:
+        """Make the step's gradients those of (sum of the per-token losses over the step's supervised
+        tokens) / (their number), on every layout.
+
+        Each microbatch's backward ran on its loss sum, weighted as the strategy weighs any loss: 1 /
+        (microbatches on the rank) by gradient accumulation and pipeline microbatches, then averaged
+        over the data-parallel (and context-parallel) ranks by the gradient reduction. So the
+        gradients hold sum / K, K = the microbatch losses of the step over all those ranks, and
+        multiplying them by K / N (N = supervised tokens of the step) gives sum / N. K, N and the
+        loss sum come from one all-reduce over every rank: ranks that hold the same tokens (TP,
+        pipeline stages other than the last, which contribute nothing) scale K and N alike.
+        """
+        sums, self._step_sums = self._step_sums, []
+        device = grads[0].device if grads else self.device
+        local = torch.zeros(3, dtype=torch.float64, device=device)
+        if sums:
+            local[0] = len(sums)
+            local[1:] = torch.stack(sums).sum(0).flip(0).to(device)  # [tokens, loss sum]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(local)
+        microbatches, tokens, loss_sum = local.unbind()
+        factor = microbatches / tokens.clamp(min=1.0)
+        for grad in grads:
+            local_grad = grad.to_local() if isinstance(grad, DTensor) else grad
+            local_grad.mul_(factor.to(local_grad.dtype))
+        loss = (loss_sum / tokens.clamp(min=1.0)).float()
+        self._step_losses = [loss]
+        self._step_tokens = tokens
+        self.log("train/loss", loss)
+        self.log("train/supervised_tokens", tokens.float())
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss = _local(self.loss_fn(self.loss_input(batch["input_ids"], batch.get("position_ids")), batch["labels"]))
@@ -242,6 +313,8 @@ class CausalLMModule(L.LightningModule):
         """
         max_norm = self.job.training.max_grad_norm
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.loss_over_step_tokens:
+            self._normalize_step(grads)
         pipeline = self._pipeline()
         norm = global_grad_norm(grads, pp_group=pipeline.pp_group if pipeline is not None else None)
         step = self.trainer.global_step + 1
@@ -249,7 +322,7 @@ class CausalLMModule(L.LightningModule):
         losses, self._step_losses = self._step_losses, []
         # The grad norm is reduced over every rank above: under PP a NaN loss on the last stage
         # makes every stage's norm NaN, so all ranks stop together, at the same step.
-        self._unchecked = _Unchecked(step, losses, norm)
+        self._unchecked = _Unchecked(step, losses, norm, getattr(self, "_step_tokens", None))
         if max_norm is not None:
             clip_grads_(grads, max_norm, norm)
         self.last_grad_norm = norm.detach()
@@ -292,9 +365,11 @@ class _Unchecked:
     """A step's microbatch losses and grad norm, copied to the host without waiting: read one step
     later, when the device has long computed them (on CUDA an event marks the copy)."""
 
-    def __init__(self, step: int, losses: list[torch.Tensor], norm: torch.Tensor) -> None:
-        self.step, self.losses = step, len(losses)
-        values = torch.stack([v.to(norm).reshape(()) for v in losses] + [norm.detach()])
+    def __init__(self, step: int, losses: list[torch.Tensor], norm: torch.Tensor,
+                 tokens: Optional[torch.Tensor] = None) -> None:
+        self.step, self.losses, self.counts_tokens = step, len(losses), tokens is not None
+        extra = [tokens.to(norm).reshape(())] if tokens is not None else []
+        values = torch.stack([v.to(norm).reshape(()) for v in losses] + [norm.detach()] + extra)
         self.event = None
         if values.device.type == "cuda":
             self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -308,6 +383,14 @@ class _Unchecked:
         if self.event is not None:
             self.event.synchronize()  # waits for this step's copy only, not for the work queued since
         *losses, norm = self.values.tolist()
+        if self.counts_tokens:
+            norm, tokens = losses.pop(), norm
+            if tokens == 0:
+                raise ValueError(
+                    f"step {self.step} had no supervised token on any rank (data.sft: every label of its batches is "
+                    f"masked), so it had no loss to learn from; stopping {where}. Check the loss masks of the data "
+                    f"(titan-lightning prepare --train-on, --max-tokens)"
+                )
         for value in losses:
             if not math.isfinite(value):
                 raise FloatingPointError(f"non-finite training loss {value} at step {self.step}; stopping {where}")

@@ -76,6 +76,8 @@ def _files(root: Path) -> None:
     (root / "bad.csv").write_text("0F0,0X1\n1F0,1F1\n")
     (root / "rows.csv").write_text("0F0,0B0\n")
     (root / "nofield.jsonl").write_text('{"content": "a document"}\n')
+    (root / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "Hi"}, '
+                                     '{"role": "assistant", "content": "Hello"}]}\n')
     (root / "other_shards").mkdir()
     import numpy as np
 
@@ -225,6 +227,14 @@ CASES = [
                                        "stop"], "bad_middle.jsonl:201: not a JSON line (--bad-records stop)"),
     ("prepare output is a file", ["prepare", "--input", "one_doc.txt", "--output", "a_file.txt"],
      "--output 'a_file.txt' is a file; give a folder for the shards"),
+    ("prepare --chat without a chat template", ["prepare", "--chat", "--input", "chat.jsonl", "--output", "out"],
+     "--chat: the shipped tokenizer has no chat template (no chat_template.jinja, no chat_template in "
+     "tokenizer_config.json); give one with --chat-template FILE, or read prompt/response pairs with "
+     "--prompt-field and --response-field"),
+    ("prepare --max-tokens without chat data", ["prepare", "--input", "one_doc.txt", "--output", "out",
+                                                "--max-tokens", "512"],
+     "--max-tokens applies to chat and instruction data; add --chat (messages) or --prompt-field and "
+     "--response-field (pairs)"),
     ("shards of another tokenizer", [*D, "--job.data.dataset_path", "other_shards"],
      "the shards in other_shards were written by another tokenizer"),
     ("shards of an unknown dtype", [*D, "--job.data.dataset_path", "uint13_shards"],
@@ -429,6 +439,12 @@ _ROOT_READS_ALL = {"dataset unreadable"} if hasattr(os, "geteuid") and os.geteui
     pytest.param(*case, marks=pytest.mark.skipif(case[0] in _ROOT_READS_ALL, reason="root reads a file of mode 000"))
     for case in CASES], ids=[c[0].replace(" ", "_") for c in CASES])
 def test_bad_input_is_one_line_exit_2_nothing_written(name, argv, message, inputs, capfd, monkeypatch):
+    assert_refused(name, argv, message, inputs, capfd, monkeypatch)
+
+
+def assert_refused(name, argv, message, inputs: Path, capfd, monkeypatch) -> None:
+    """``titan-lightning <argv>`` run in ``inputs`` exits 2 with one line on stderr holding ``message``,
+    no traceback, nothing written, within 10 s (other modules' bad-input cases call it too)."""
     monkeypatch.chdir(inputs)
     monkeypatch.syspath_prepend(str(inputs))
     monkeypatch.delenv(RUN_DIR_ENV, raising=False)

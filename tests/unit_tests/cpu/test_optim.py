@@ -67,3 +67,17 @@ def test_warmup_longer_than_the_run_is_shortened_with_a_warning():
     with pytest.warns(UserWarning, match=r"warming up for 3 steps"):
         f = wsd_lambda(LRScheduleConfig(warmup_steps=10), max_steps=3)
     assert [f(s) for s in range(3)] == pytest.approx([0.25, 0.5, 0.75])
+
+
+def test_norms_and_biases_can_skip_weight_decay():
+    from titan_lightning.config import OptimizerConfig
+    from titan_lightning.optim import build_optimizer
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2, bias=False))
+    plain = build_optimizer(model.parameters(), OptimizerConfig(weight_decay=0.1), torch.device("cpu"))
+    assert [(len(g["params"]), g["weight_decay"]) for g in plain.param_groups] == [(5, 0.1)]
+    split = build_optimizer(model.parameters(), OptimizerConfig(weight_decay=0.1, decay_norms_and_biases=False),
+                            torch.device("cpu"))
+    decayed, kept = split.param_groups
+    assert {id(p) for p in decayed["params"]} == {id(model[0].weight), id(model[2].weight)}
+    assert decayed["weight_decay"] == 0.1 and kept["weight_decay"] == 0.0 and len(kept["params"]) == 3

@@ -109,10 +109,11 @@ class Head(nn.Linear):
     def __init__(self, dim: int, vocab_size: int) -> None:
         super().__init__(dim, vocab_size, bias=False)
 
-    def forward(self, h: torch.Tensor, labels: Optional[torch.Tensor] = None, chunks: int = 1) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, labels: Optional[torch.Tensor] = None, chunks: int = 1,
+                reduction: str = "mean") -> torch.Tensor:
         if labels is None:
             return super().forward(h)
-        return linear_cross_entropy(h, self.weight, labels, chunks=chunks)
+        return linear_cross_entropy(h, self.weight, labels, chunks=chunks, reduction=reduction)
 
 
 class Decoder(nn.Module):

@@ -1,7 +1,8 @@
 """The LM head and its cross entropy in one pass over chunks of tokens: full logits never exist.
 
 ``linear_cross_entropy(h, weight, labels, chunks=n)`` equals ``F.cross_entropy((h @ weight.T).float(),
-labels, ignore_index=IGNORE_INDEX)`` (the mean over the labelled tokens) and its gradients, but holds one
+labels, ignore_index=IGNORE_INDEX)`` (the mean over the labelled tokens; with ``reduction="sum"`` their sum, what
+loss-masked fine-tuning divides by the supervised tokens of a whole step) and its gradients, but holds one
 chunk of ``N / n`` token rows' logits at a time. The forward computes each chunk's logits in the
 compute dtype, their fp32 log-sum-exp and the chunk's loss, and keeps only the log-sum-exp (4 bytes
 a token) besides ``h`` and ``weight`` (alive anyway); the backward computes each chunk's logits
@@ -34,10 +35,16 @@ from titan_lightning.parallel.collectives import all_gather
 IGNORE_INDEX = -100  # a label the loss skips (padding, a document's last token)
 
 
+REDUCTIONS = ("mean", "sum")
+
+
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunks: int,
-                         ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Mean cross entropy of ``h @ weight.T`` [..., V] against ``labels`` [...] over the tokens whose
-    label is not ``ignore_index``, computed ``chunks`` token rows at a time; fp32, 0-d."""
+                         ignore_index: int = IGNORE_INDEX, reduction: str = "mean") -> torch.Tensor:
+    """Cross entropy of ``h @ weight.T`` [..., V] against ``labels`` [...] over the tokens whose label is
+    not ``ignore_index`` (their mean, or with ``reduction="sum"`` their sum), computed ``chunks`` token
+    rows at a time; fp32, 0-d."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"linear_cross_entropy: reduction={reduction!r} is not one of {', '.join(REDUCTIONS)}")
     group, vocab_start = None, 0
     if isinstance(weight, DTensor):
         mesh, placements = weight.device_mesh, tuple(weight.placements)
@@ -61,7 +68,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     else:
         dtype = torch.promote_types(h.dtype, weight.dtype)
     return _LinearCrossEntropy.apply(h.flatten(0, -2), weight, labels.flatten(), chunks, dtype, group,
-                                     vocab_start, ignore_index)
+                                     vocab_start, ignore_index, reduction == "sum")
 
 
 def _chunk_bounds(n_tokens: int, chunks: int) -> list[tuple[int, int]]:
@@ -74,7 +81,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     each chunk's logits again, then (softmax - one-hot) / labelled tokens into both gradients."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, chunks, dtype, group, vocab_start, ignore_index):
+    def forward(ctx, h, weight, labels, chunks, dtype, group, vocab_start, ignore_index, summed):
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(dtype), weight.to(dtype)
             valid = labels != ignore_index
@@ -90,7 +97,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 loss = loss + torch.where(valid[first:last], lse - target, 0.0).sum()
         ctx.save_for_backward(h, weight, labels, lse_all)
         ctx.chunks, ctx.dtype, ctx.vocab_start, ctx.ignore_index = chunks, dtype, vocab_start, ignore_index
-        return loss / valid.sum()
+        ctx.summed = summed
+        return loss if summed else loss / valid.sum()
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -98,7 +106,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dtype = ctx.dtype
         hc, wc = h.to(dtype), weight.to(dtype)
         valid = labels != ctx.ignore_index
-        scale = grad_loss / valid.sum()
+        scale = grad_loss if ctx.summed else grad_loss / valid.sum()
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None
@@ -115,7 +123,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_weight[v0:v1].add_(grad[:, v0:v1].T @ x)
         if grad_weight is not None and grad_weight.dtype != weight.dtype:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_h, grad_weight, *(None,) * 6
+        return grad_h, grad_weight, *(None,) * 7
 
 
 # The weight's gradient is summed in fp32 over the token chunks, a quarter of the vocab at a time

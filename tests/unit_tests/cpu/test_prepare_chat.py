@@ -1,0 +1,401 @@
+"""`titan-lightning prepare` on chat and instruction data: conversations rendered with real chat
+templates (Llama 3.2, Qwen 3, a ChatML one with {% generation %} markers), their loss masks token by
+token, --train-on, --max-tokens/--too-long, bad records, bad input, the sandbox, and the shards'
+mask files and index."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from titan_lightning.data import prepare as prepare_module
+from titan_lightning.data.chat import ChatOptions, ChatRenderer, ChatSpec, TemplateFailure, read_chat_template
+from titan_lightning.data.prepare import PrepareError, main, prepare
+from titan_lightning.data.shards import ShardSet
+from titan_lightning.data.tokenizer import TOKENIZER_PATH, load_tokenizer
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "assets" / "chat_templates"
+NOW = "2024-07-26T12:00:00"  # what strftime_now renders in these tests (Llama 3.2 writes today's date)
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+USER = {"role": "user", "content": "What is 2+2?"}
+ANSWER = {"role": "assistant", "content": "4."}
+MULTI_TURN = [SYSTEM, USER, ANSWER, {"role": "user", "content": "Weather?"},
+              {"role": "assistant", "content": "Let me check."}, {"role": "tool", "content": "sunny"},
+              {"role": "assistant", "content": "It is sunny."}]
+LLAMA_HEAD = ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+              "Today Date: 26 Jul 2024\n\nYou are terse.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"
+              "What is 2+2?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def _tokenizer_folder(folder: Path, specials: list[str], config: dict, bos_first: bool = False) -> Path:
+    """The shipped byte-level BPE with a checkpoint's special tokens added, and its config;
+    ``bos_first``: its post-processor puts the first special token first (as Llama 3's does)."""
+    from tokenizers import AddedToken, Tokenizer, processors
+
+    folder.mkdir(parents=True)
+    tokenizer = Tokenizer.from_file(str(TOKENIZER_PATH))
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in specials])
+    if bos_first:
+        bos = specials[0]
+        tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
+                                                                 special_tokens=[(bos, tokenizer.token_to_id(bos))])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tokenizers")
+    llama = _tokenizer_folder(root / "llama", ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                                               "<|eot_id|>"],
+                              {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+                               "chat_template": (TEMPLATES / "llama3.2.jinja").read_text()}, bos_first=True)
+    qwen = _tokenizer_folder(root / "qwen", ["<|im_start|>", "<|im_end|>"], {"eos_token": "<|im_end|>"})
+    shutil.copy(TEMPLATES / "qwen3.jinja", qwen / "chat_template.jinja")  # as newer HF folders keep it
+    plain = _tokenizer_folder(root / "plain", ["<|im_start|>", "<|im_end|>"], {"eos_token": "<|endoftext|>"})
+    return {"llama": llama, "qwen": qwen, "plain": plain}
+
+
+def _renderer(folder: Path, template: str = None, **options) -> ChatRenderer:
+    options.setdefault("messages_field", "messages")
+    source, origin = (template, "test") if template is not None else read_chat_template(str(folder), None)
+    return ChatRenderer(ChatSpec(ChatOptions(**options), source, origin, NOW), load_tokenizer(str(folder)))
+
+
+def _runs(renderer: ChatRenderer, messages: list) -> list[tuple[int, str]]:
+    """The conversation as runs of (mask, decoded text): every token's mask, in order."""
+    (ids, mask), = renderer.encode([renderer.render(messages)])
+    runs: list[list] = []
+    for token, bit in zip(ids.tolist(), mask.tolist()):
+        piece = renderer.tokenizer.decode([token])
+        if runs and runs[-1][0] == bit:
+            runs[-1][1] += piece
+        else:
+            runs.append([bit, piece])
+    return [tuple(run) for run in runs]
+
+
+def test_llama3_system_user_assistant_supervises_the_answer_and_its_eot(folders):
+    renderer = _renderer(folders["llama"])
+    assert _runs(renderer, [SYSTEM, USER, ANSWER]) == [(0, LLAMA_HEAD), (1, "4.<|eot_id|>")]
+    (ids, _), = renderer.encode([renderer.render([SYSTEM, USER, ANSWER])])
+    tokenizer = renderer.tokenizer
+    assert tokenizer.add_bos  # its post-processor adds BOS to plain text; the template has its own
+    assert ids[0] == tokenizer.bos_id and (ids == tokenizer.bos_id).sum() == 1  # the template's BOS, not a second
+    assert ids[-1] == tokenizer.eot_id and (ids == tokenizer.eot_id).sum() == 3  # ends with EOS: none appended
+
+
+def test_multi_turn_with_a_tool_turn_supervises_each_assistant_turn_only(folders):
+    assert _runs(_renderer(folders["llama"]), MULTI_TURN) == [
+        (0, LLAMA_HEAD), (1, "4.<|eot_id|>"),
+        (0, "<|start_header_id|>user<|end_header_id|>\n\nWeather?<|eot_id|><|start_header_id|>assistant"
+            "<|end_header_id|>\n\n"), (1, "Let me check.<|eot_id|>"),
+        (0, '<|start_header_id|>ipython<|end_header_id|>\n\n"sunny"<|eot_id|><|start_header_id|>assistant'
+            '<|end_header_id|>\n\n'), (1, "It is sunny.<|eot_id|>")]
+    # Qwen 3 renders the last turn with an (empty) think block the model must write, and the turns
+    # before it differently as the last of a prefix: the spans still come from the whole rendering.
+    # Its EOS <|im_end|> is not the last token ("\n" is): one is appended, not supervised.
+    assert _runs(_renderer(folders["qwen"]), MULTI_TURN) == [
+        (0, "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+            "<|im_start|>assistant\n"), (1, "4.<|im_end|>"),
+        (0, "\n<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n"), (1, "Let me check.<|im_end|>"),
+        (0, "\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"),
+        (1, "<think>\n\n</think>\n\nIt is sunny.<|im_end|>"), (0, "\n<|im_end|>")]
+
+
+def test_train_on_last_assistant_and_all(folders):
+    last = _runs(_renderer(folders["llama"], train_on="last_assistant"), MULTI_TURN)
+    assert [bit for bit, _ in last] == [0, 1] and last[1][1] == "It is sunny.<|eot_id|>"
+    everything = _runs(_renderer(folders["qwen"], train_on="all"), MULTI_TURN)
+    assert [bit for bit, _ in everything] == [1, 0] and everything[1][1] == "<|im_end|>"  # but the appended EOS
+
+
+def test_a_template_with_generation_markers_gives_the_mask_of_the_same_template_without(folders):
+    marked = (TEMPLATES / "chatml_generation.jinja").read_text()
+    unmarked = marked.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    assert "generation %}" not in unmarked
+    for conversation in ([USER, ANSWER], MULTI_TURN):
+        for train_on in ("assistant", "last_assistant"):
+            with_markers = _renderer(folders["qwen"], marked, train_on=train_on)
+            without = _renderer(folders["qwen"], unmarked, train_on=train_on)
+            assert with_markers.markers and not without.markers
+            runs = _runs(with_markers, conversation)
+            assert runs == _runs(without, conversation)
+            assert [text for bit, text in runs if bit] == (
+                ["4.<|im_end|>"] if conversation == [USER, ANSWER] or train_on == "assistant" else []
+            ) + (["Let me check.<|im_end|>", "It is sunny.<|im_end|>"] if conversation == MULTI_TURN and
+                 train_on == "assistant" else ["It is sunny.<|im_end|>"] if conversation == MULTI_TURN else [])
+
+
+def test_the_mask_from_span_ends_equals_the_rule_on_every_token(folders):
+    """token_mask (char_to_token at each span's ends) is the every-token rule: a token is
+    supervised when any of its characters is; also where a span starts or ends inside a token."""
+    from titan_lightning.data.chat import offsets_mask, token_mask
+
+    tokenizer = load_tokenizer(str(folders["qwen"]))
+    for name in ("llama", "qwen"):
+        renderer = _renderer(folders[name])
+        text, spans = renderer.render(MULTI_TURN)
+        encoding, = tokenizer.encode_encodings([text])
+        cut = [(a + 1, b - 2) for a, b in spans] + [(3, 4), (len(text) - 1, len(text))]  # inside tokens
+        for case in (spans, cut):
+            assert token_mask(encoding, case).tolist() == offsets_mask(encoding.offsets, case).tolist()
+
+
+def test_templates_the_probe_does_not_understand_are_bounded_by_prefix_renders(folders):
+    """No special token ends a turn (plain "role: content" lines): the turn ends where the next
+    begins. A template that fails on the probe (it wants a system message first) still gives the
+    mask of the same template without that demand."""
+    plain = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+             "{% if add_generation_prompt %}assistant: {% endif %}")
+    renderer = _renderer(folders["qwen"], plain)
+    assert renderer._end_of_turn is None
+    assert _runs(renderer, [USER, ANSWER, {"role": "user", "content": "More?"}, {"role": "assistant",
+                                                                             "content": "No."}]) == [
+        (0, "user: What is 2+2?\nassistant:"), (1, " 4.\n"), (0, "user: More?\nassistant:"), (1, " No.\n"),
+        (0, "<|im_end|>")]  # " 4" is one token, and has a supervised character: supervised
+    chatml = (TEMPLATES / "chatml_generation.jinja").read_text().replace("{% generation %}", "").replace(
+        "{% endgeneration %}", "")
+    demanding = "{% if messages[0].role != 'system' %}{{ raise_exception('a system message first') }}{% endif %}"
+    picky = _renderer(folders["qwen"], demanding + chatml)
+    assert picky._generation_prompt is None and picky._end_of_turn is None
+    assert _runs(picky, MULTI_TURN) == _runs(_renderer(folders["qwen"], chatml), MULTI_TURN)
+
+
+def _jsonl(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _read(folder: Path) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
+    """Each document's ids and mask (from .tokens, .mask and .docs), and the index."""
+    index = json.loads((folder / "index.json").read_text())
+    ids, masks = [], []
+    for shard in index["shards"]:
+        tokens = ShardSet(folder).dtype
+        t = np.fromfile(folder / f"{shard['name']}.tokens", dtype=tokens)
+        m = np.fromfile(folder / f"{shard['name']}.mask", dtype=np.uint8)
+        ends = np.fromfile(folder / f"{shard['name']}.docs", dtype="<i8")
+        assert len(m) == len(t) == shard["tokens"] and int(m.sum()) == shard["supervised"]
+        for a, b in zip([0, *ends[:-1]], ends):
+            ids.append(t[a:b].astype(np.int64))
+            masks.append(m[a:b])
+    return ids, masks, index
+
+
+def test_prepare_writes_masks_next_to_tokens_and_counts_what_is_too_long(folders, tmp_path):
+    records = [{"messages": [USER, {"role": "assistant", "content": " ".join(["word"] * n)}]} for n in (2, 40, 3)]
+    path = _jsonl(tmp_path / "chats.jsonl", records)
+    renderer = _renderer(folders["qwen"])
+    whole = renderer.encode([renderer.render(r["messages"]) for r in records])
+    limit = len(whole[1][0]) - 5
+    assert len(whole[0][0]) < limit and len(whole[2][0]) < limit
+    for too_long in ("drop", "truncate"):
+        out = tmp_path / too_long
+        summary = prepare([str(path)], str(out), tokenizer_path=str(folders["qwen"]), workers=1, progress=False,
+                          chat=ChatOptions(messages_field="messages", max_tokens=limit, too_long=too_long))
+        ids, masks, index = _read(out)
+        kept = [whole[0], whole[2]] if too_long == "drop" else [whole[0], (w[:limit] for w in whole[1]), whole[2]]
+        kept = [tuple(k) for k in kept]
+        assert [i.tolist() for i in ids] == [k[0].tolist() for k in kept]
+        assert [m.tolist() for m in masks] == [k[1].tolist() for k in kept]
+        sft = index["sft"]
+        assert index["loss_mask"] is True and sft == summary["sft"]
+        assert (sft["truncated"], sft["dropped"]) == ((0, 1) if too_long == "drop" else (1, 0))
+        assert sft["conversations"] == len(ids) and sft["supervised_tokens"] == sum(int(m.sum()) for m in masks)
+        assert sft["train_on"] == "assistant" and sft["max_tokens"] == limit and sft["too_long"] == too_long
+        assert sft["chat_template_sha256"] == renderer.spec.template_sha256
+
+
+def _on_day(monkeypatch, day: str) -> None:
+    """Runs of prepare started from now on render ``day`` as today's date (Llama 3.2 writes it)."""
+    from datetime import datetime
+
+    from titan_lightning.data import chat as chat_module
+
+    class Clock(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.fromisoformat(day)
+
+    monkeypatch.setattr(chat_module, "datetime", Clock)
+
+
+def test_the_output_does_not_depend_on_workers_and_a_resume_renders_the_first_run_s_date(folders, tmp_path,
+                                                                                          monkeypatch):
+    monkeypatch.setattr(prepare_module, "PART_BYTES", 1_500)
+    records = [{"messages": [USER, {"role": "assistant", "content": f"answer {i} " * (i % 7 + 1)}]} for i in range(60)]
+    path = _jsonl(tmp_path / "chats.jsonl", records)
+    assert len(prepare_module.plan_parts([path])) > 3
+    options = ChatOptions(messages_field="messages")
+    _on_day(monkeypatch, "2024-07-26T23:59:59")
+    for workers in (1, 2):
+        prepare([str(path)], str(tmp_path / f"w{workers}"), tokenizer_path=str(folders["llama"]), workers=workers,
+                progress=False, chat=options)
+    names = sorted(p.name for p in (tmp_path / "w1").iterdir())
+    assert any(n.endswith(".mask") for n in names) and names == sorted(p.name for p in (tmp_path / "w2").iterdir())
+    for name in names:
+        assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "w2" / name).read_bytes(), name
+
+    real, calls = prepare_module._run_part, []
+
+    def dies_on_the_third(job):
+        calls.append(job[0])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(job)
+
+    monkeypatch.setattr(prepare_module, "_run_part", dies_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([str(path)], str(tmp_path / "resumed"), tokenizer_path=str(folders["llama"]), workers=1,
+                progress=False, chat=options)
+    monkeypatch.setattr(prepare_module, "_run_part", real)
+    _on_day(monkeypatch, "2024-07-27T00:00:01")  # resumed after midnight: still the first run's date
+    prepare([str(path)], str(tmp_path / "resumed"), tokenizer_path=str(folders["llama"]), workers=1,
+            progress=False, chat=options)
+    for name in names:
+        assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes(), name
+
+
+def test_prompt_response_pairs_through_the_template_or_as_plain_text(folders, tmp_path):
+    alpaca = [{"instruction": "Add the numbers.", "input": "2 and 2", "output": "4"},
+              {"instruction": "Say hi.", "input": "", "output": "hi"}]
+    path = _jsonl(tmp_path / "alpaca.jsonl", alpaca)
+    options = ChatOptions(prompt_fields=("instruction", "input"), response_field="output")
+    prepare([str(path)], str(tmp_path / "chat"), tokenizer_path=str(folders["qwen"]), workers=1, progress=False,
+            chat=options)
+    renderer = _renderer(folders["qwen"])
+    ids, masks, _ = _read(tmp_path / "chat")
+    expected = renderer.encode([renderer.render([{"role": "user", "content": "Add the numbers.\n\n2 and 2"},
+                                                 {"role": "assistant", "content": "4"}])])[0]
+    assert ids[0].tolist() == expected[0].tolist() and masks[0].tolist() == expected[1].tolist()
+    # No chat template: prompt, a blank line, response, EOS; the mask on the response and EOS.
+    prepare([str(path)], str(tmp_path / "plain"), tokenizer_path=str(folders["plain"]), workers=1, progress=False,
+            chat=options)
+    tokenizer = load_tokenizer(str(folders["plain"]))
+    ids, masks, index = _read(tmp_path / "plain")
+    assert index["sft"]["chat_template_sha256"] is None
+    decoded = [[(int(b), tokenizer.decode([t])) for t, b in zip(i.tolist(), m.tolist())] for i, m in zip(ids, masks)]
+    assert "".join(p for _, p in decoded[1]) == "Say hi.\n\nhi<|endoftext|>"  # the empty input left out
+    assert "".join(p for b, p in decoded[0] if b) == "4<|endoftext|>"
+    assert "".join(p for b, p in decoded[0] if not b) == "Add the numbers.\n\n2 and 2\n\n"
+
+
+def test_bad_records_are_skipped_and_counted_or_stop_the_run(folders, tmp_path):
+    raise_on_bot = "{% for m in messages %}{% if m.content == 'boom' %}{{ raise_exception('no booms') }}{% endif %}" \
+                   "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(raise_on_bot)
+    records = [{"messages": [USER, ANSWER]}, {"messages": [USER]}, {"messages": [{"role": "bot", "content": "x"},
+               ANSWER]}, {"messages": [USER, {"role": "assistant", "content": ["4."]}]},
+               {"messages": [USER, {"role": "assistant", "content": "boom"}]}, {"messages": "hi"}]
+    path = _jsonl(tmp_path / "chats.jsonl", records)
+    options = ChatOptions(messages_field="messages", template=str(tmp_path / "t.jinja"))
+    summary = prepare([str(path)], str(tmp_path / "out"), tokenizer_path=str(folders["qwen"]), workers=1,
+                      progress=False, chat=options)
+    assert summary["bad_records"] == 5 and summary["sft"]["conversations"] == 1
+    assert summary["first_bad"] == f"{path}:2: no assistant turn"
+    messages = {2: "no assistant turn", 3: "message 0: unknown role 'bot'; roles: system, user, assistant, tool",
+                4: "message 1 (assistant): content is list, not a string",
+                5: f"the chat template (--chat-template {tmp_path}/t.jinja) fails at line 1: no booms",
+                6: "no conversation in 'messages' (a list of {role, content} messages)"}
+    for line, message in messages.items():
+        lines = [json.dumps(records[0])] * (line - 1) + [json.dumps(records[line - 1])]
+        one = _jsonl(tmp_path / f"bad{line}.jsonl", map(json.loads, lines))
+        with pytest.raises(PrepareError) as err:
+            prepare([str(one)], str(tmp_path / f"stop{line}"), tokenizer_path=str(folders["qwen"]), workers=1,
+                    progress=False, bad_records="stop", chat=options)
+        assert str(err.value) == f"{one}:{line}: {message} (--bad-records stop)"
+        assert not (tmp_path / f"stop{line}").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--chat", "--tokenizer", "{plain}"], "--chat: --tokenizer '{plain}' has no chat template (no "
+     "chat_template.jinja, no chat_template in tokenizer_config.json); give one with --chat-template FILE, or read "
+     "prompt/response pairs with --prompt-field and --response-field"),
+    (["--chat"], "--chat: the shipped tokenizer has no chat template"),
+    (["--chat", "--tokenizer", "{qwen}", "--chat-template", "{d}/syntax.jinja"],
+     "--chat-template {d}/syntax.jinja: line 2: Encountered unknown tag 'endfor'"),
+    (["--chat", "--tokenizer", "{qwen}", "--chat-template", "{d}/undefined.jinja"],
+     "{d}/c.jsonl:1: the chat template (--chat-template {d}/undefined.jinja) fails at line 3: 'dict object' has "
+     "no attribute 'name'"),
+    (["--chat", "--tokenizer", "{qwen}", "--chat-template", "{d}/escape.jinja"],
+     "{d}/c.jsonl:1: the chat template (--chat-template {d}/escape.jinja) fails at line 1: no loader for this "
+     "environment specified"),
+    (["--chat", "--tokenizer", "{qwen}", "--chat-template", "{d}/missing.jinja"],
+     "--chat-template '{d}/missing.jinja': no such file"),
+    (["--chat", "--prompt-field", "p", "--response-field", "r"], "--chat reads a messages field; "
+     "--prompt-field/--response-field read prompt/response pairs: give one or the other"),
+    (["--prompt-field", "instruction"], "prompt/response pairs need both --prompt-field and --response-field"),
+    (["--messages-field", "turns"], "--messages-field 'turns' applies to conversations; add --chat"),
+    (["--max-tokens", "9"], "--max-tokens applies to chat and instruction data; add --chat"),
+    (["--chat", "--too-long", "truncate"], "--too-long truncate needs --max-tokens N"),
+    (["--chat", "--text-field", "text"], "--text-field names plain text"),
+    (["--chat", "--max-tokens", "1"], "--max-tokens=1: expected >= 2"),
+    (["--chat", "--train-on", "user"], "prepare: argument --train-on: invalid choice: 'user'"),
+    (["--chat", "--messages-field", "turns", "--tokenizer", "{qwen}"],
+     "{d}/c.jsonl:1: no list field 'turns' (--messages-field); the record has: messages"),
+])
+def test_bad_input_is_one_line_before_any_work(folders, tmp_path, args, message):
+    d = tmp_path
+    (d / "syntax.jinja").write_text("{% for m in messages %}\n{% endfor %}{% endfor %}")
+    (d / "undefined.jinja").write_text("{% for m in messages %}\n{{ m.content }}\n{{ m.name.first }}{% endfor %}")
+    (d / "escape.jinja").write_text("{% include '/etc/passwd' %}{{ messages.__class__.__mro__ }}")
+    _jsonl(d / "c.jsonl", [{"messages": [USER, ANSWER]}])
+    names = {"d": d, "qwen": folders["qwen"], "plain": folders["plain"]}
+    argv = ["--input", str(d / "c.jsonl"), "--output", str(d / "out"), "--workers", "1", "--no-progress"]
+    with pytest.raises(PrepareError) as err:
+        main(argv + [a.format(**names) for a in args])
+    assert str(err.value).startswith(message.format(**names)) and "\n" not in str(err.value)
+    assert not (d / "out").exists()
+
+
+@pytest.mark.parametrize("source, unsafe", [
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "attribute '__class__' of 'str'"),
+    ("{{ strftime_now.__globals__['os'] }}", "attribute '__globals__' of 'function'"),
+    ("{{ messages.append(1) }}", "attribute 'append' of 'list'"),  # immutable: the data cannot be changed
+])
+def test_the_sandbox_keeps_templates_from_python_objects(folders, source, unsafe):
+    with pytest.raises(TemplateFailure, match=f"fails at line 1: access to {unsafe} object is unsafe"):
+        _renderer(folders["qwen"], source).render([USER, ANSWER])
+    harmless = _renderer(folders["qwen"], "{{ messages.__class__ }}{{ lipsum.__globals__ }}", train_on="all")
+    assert harmless.render([USER, ANSWER])[0] == ""  # attributes of Python objects are undefined
+
+
+def test_the_cli_prints_the_summary_and_reads_parquet_conversations(folders, tmp_path, capsys, monkeypatch):
+    pa = pytest.importorskip("pyarrow", reason="Parquet support is the optional [parquet] extra")
+    import pyarrow.parquet as pq
+    _on_day(monkeypatch, NOW)  # the run renders the date the expected conversations below have
+
+    # Parquet gives every message of the column a "tool_calls" (null), which Llama's template tests by presence.
+    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": {"x": 2}}}]}
+    with_tool = [USER, call, {"role": "tool", "content": "4"}, ANSWER]
+    pq.write_table(pa.table({"turns": [[USER, ANSWER], [USER, {"role": "assistant", "content": "four " * 100}],
+                                       with_tool]}), tmp_path / "c.parquet")
+    assert main(["--chat", "--messages-field", "turns", "--input", str(tmp_path / "c.parquet"), "--output",
+                 str(tmp_path / "out"), "--tokenizer", str(folders["llama"]), "--max-tokens", "150", "--too-long",
+                 "truncate", "--workers", "1", "--no-progress"]) == 0
+    ids, masks, index = _read(tmp_path / "out")
+    line = capsys.readouterr().out.strip()
+    assert line == (f"{tmp_path / 'out'}: {sum(map(len, ids)):,} tokens ({index['sft']['supervised_tokens']:,} "
+                    f"supervised, --train-on assistant), 3 conversations in 1 shard(s); 1 truncated, 0 dropped "
+                    f"(over --max-tokens 150)")
+    assert len(ids[1]) == 150 and masks[1][-1] == 1
+    renderer = _renderer(folders["llama"])
+    for k, conversation in enumerate([[USER, ANSWER], with_tool]):
+        expected_ids, expected_mask = renderer.encode([renderer.render(conversation)])[0]
+        assert ids[2 * k].tolist() == expected_ids.tolist() and masks[2 * k].tolist() == expected_mask.tolist()
+    assert [text for bit, text in _runs(renderer, with_tool) if bit] == [
+        '{"name": "add", "parameters": {"x": 2}}<|eot_id|>', "4.<|eot_id|>"]  # the call is the assistant's words
+
+
+def test_a_text_file_is_not_chat_data(folders, tmp_path):
+    (tmp_path / "a.txt").write_text("some prose")
+    with pytest.raises(PrepareError, match=r"a.txt: a text file holds documents, not conversations; give JSONL or "
+                                           r"Parquet records for --messages-field$"):
+        prepare([str(tmp_path / "a.txt")], str(tmp_path / "out"), tokenizer_path=str(folders["qwen"]), workers=1,
+                progress=False, chat=ChatOptions(messages_field="messages"))
+    assert not (tmp_path / "out").exists()
