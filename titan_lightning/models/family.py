@@ -18,9 +18,14 @@ def define_family(name: str, args: type[ModelArgs], adapter: Optional[type] = No
                   doc: Optional[str] = None) -> tuple[type[JobConfig], type[CausalLMModule]]:
     """``(<name>Job, <name>Module)``: a ``JobConfig`` whose ``model`` is an ``args`` (the CLI's
     types come from it) and a ``CausalLMModule`` whose ``hf_adapter`` is ``adapter``, both living
-    in the Python module named ``module`` (pass ``__name__``: pickle and the CLI find them there)."""
+    in the Python module named ``module`` (pass ``__name__``: pickle and the CLI find them there).
+    The job's ``check_family`` (``validate_job`` calls it) runs the module's ``check_config``."""
+
+    def check_family(job: JobConfig) -> None:
+        module_class.check_config(job)
+
     job_class = make_dataclass(f"{name}Job", [("model", args, field(default_factory=args))], bases=(JobConfig,),
-                               kw_only=True)
+                               namespace={"check_family": check_family}, kw_only=True)
     job_class.__module__ = module
     job_class.__doc__ = f"A {name} run's job: ``model`` is a ``{args.__name__}``."
     module_class = type(f"{name}Module", (CausalLMModule,), {
