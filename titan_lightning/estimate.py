@@ -59,6 +59,7 @@ lengths; the tensors torch keeps for its send/receive buffers are not counted.
 """
 
 import json
+import logging
 import weakref
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
@@ -83,6 +84,7 @@ from titan_lightning.parallel.parallelize import parallelize
 from titan_lightning.parallel.pipeline import PipelineSplit, describe_split, stage_autocast
 from titan_lightning.recipe import Run
 
+log = logging.getLogger(__name__)
 GiB = 2**30
 CPU = torch.device("cpu")  # where the fake tensors live
 # The torch.compile backend the estimate compiles with, in place of the job's (see below).
@@ -173,8 +175,7 @@ def _estimate(run: Run, world_size: int, rank: int, fake_mode) -> MemoryEstimate
     applied = parallelize(module, mesh, job, model=module.model, tp_plan=module.tp_plan,
                           pipeline_plan=module.pipeline_plan, ddp=False)
     if applied.pipeline is not None and rank == 0:
-        print(f"[pipeline] {describe_split(applied.pipeline.names, job.parallelism, applied.pipeline.placement)}",
-              flush=True)
+        log.info(f"[pipeline] {describe_split(applied.pipeline.names, job.parallelism, applied.pipeline.placement)}")
     with fake_mode:  # as the module materializes: cast, then allocate on the device
         module.model.to(getattr(torch, t.dtype))
         module.model.to_empty(device=CPU)

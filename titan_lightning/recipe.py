@@ -19,6 +19,7 @@ original untouched if anything fails::
 
 import copy
 import importlib
+import logging
 import os
 import sys
 from dataclasses import dataclass, field, replace
@@ -39,6 +40,8 @@ from titan_lightning.trainer import (  # noqa: F401 (re-exported: their home bef
     checkpoint_callback,
     run_dir,
 )
+
+log = logging.getLogger(__name__)
 
 
 class RecipeError(ValueError):
@@ -182,8 +185,8 @@ def resume_path(run: Run, trainer: L.Trainer) -> Optional[str]:
         ignored = unfinished_checkpoints(root)
         note = (f" ({len(ignored)} folder(s) without a completion manifest ignored, e.g. {ignored[-1]}: "
                 f"unfinished saves)" if ignored else "")
-        print(f"titan-lightning: checkpoint.resume_from='latest': no complete checkpoint under {root} yet; "
-              f"starting from step 0{note}", file=sys.stderr, flush=True)
+        log.warning(f"titan-lightning: checkpoint.resume_from='latest': no complete checkpoint under {root} yet; "
+                    f"starting from step 0{note}")
     return path
 
 

@@ -8,6 +8,7 @@ on a gloo group of its own), so all ranks stop after the same step. Lightning's 
 handler (which stops without a checkpoint) is replaced while training runs.
 """
 
+import logging
 import signal
 import threading
 from pathlib import Path
@@ -20,6 +21,8 @@ import torch.distributed as dist
 
 from titan_lightning._compat import mark_checkpoint_saved
 from titan_lightning.steps import ends_optimizer_step
+
+log = logging.getLogger(__name__)
 
 
 class PreemptionCheckpoint(L.Callback):
@@ -56,8 +59,8 @@ class PreemptionCheckpoint(L.Callback):
         _saved_at_this_step(trainer)
         trainer.should_stop = True
         if trainer.is_global_zero:
-            print(f"titan-lightning: SIGTERM: stopped after step {trainer.global_step}, checkpoint {path}; rerun "
-                  f"with --job.checkpoint.resume_from latest to continue", flush=True)
+            log.info(f"titan-lightning: SIGTERM: stopped after step {trainer.global_step}, checkpoint {path}; rerun "
+                     f"with --job.checkpoint.resume_from latest to continue")
 
     def _anyone_received(self) -> bool:
         if not self._collective:

@@ -102,3 +102,7 @@ class JobConfig:
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+
+    def check_family(self) -> None:
+        """The model family's own rules (its Hugging Face export, ...), run by ``validate_job``; a
+        family's job class (``models/family.py``: ``define_family``) runs its module's ``check_config``."""

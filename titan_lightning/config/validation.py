@@ -4,7 +4,8 @@ Each runs once per launch: a strategy's own degrees (``validate_degrees``) when 
 built, before any process is spawned; the job (``validate_job``), the strategy against it
 (``validate_strategy``) and the module's plans (``validate_tp_plan``, ``validate_pipeline_plan``)
 in the strategy's ``check_module``, which ``build_trainer`` calls (a Trainer built by hand: at
-``setup_environment``). ``validate_job`` remembers the jobs it passed: asked again about the same
+``setup_environment``). A model family's own rules stay with the family: ``validate_job`` calls
+them through the job's declared hook, ``JobConfig.check_family``. ``validate_job`` remembers the jobs it passed: asked again about the same
 object, unchanged and for the same launch, it returns at once. Every message names the fields,
 their values and what would be valid.
 """
@@ -59,6 +60,7 @@ def _check_job(job: JobConfig, *, world_size: int, max_steps: Optional[int], fak
         validate_attention_kernel(job, device_type)
         validate_sliding_kernel(job)
         validate_float8_device(job, device_type, fake_pg=fake_pg)
+    job.check_family()
 
 
 def validate_degrees(p: ParallelismConfig, world_size: int, *, fake_pg: bool = False) -> None:

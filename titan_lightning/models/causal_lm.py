@@ -85,6 +85,13 @@ class CausalLMModule(L.LightningModule):
         """The family's decoder for ``job.model``'s args class; None if no Decoder declares it."""
         return decoder_class(type(self.job.model))
 
+    @classmethod
+    def check_config(cls, job: JobConfig) -> None:
+        """The family's own rules for ``job`` (its Hugging Face adapter's), before launch: a family's
+        job runs them from ``validate_job`` (``JobConfig.check_family``)."""
+        if cls.hf_adapter is not None:
+            cls.hf_adapter.check_config(job)
+
     def build_model(self) -> torch.nn.Module:
         if self.decoder_class is None:
             raise NotImplementedError(

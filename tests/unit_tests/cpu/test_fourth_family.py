@@ -2,18 +2,18 @@
 parallel-residual block, on fsdp2_tp2 over 4 gloo ranks vs one process (the ranks import this file)."""
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from titan_lightning.config.job import JobConfig, ModelArgs
-from titan_lightning.models.causal_lm import CausalLMModule
+from titan_lightning.config.job import ModelArgs
 from titan_lightning.models.common.attention import ATTENTION_TP_PLAN, Attention
 from titan_lightning.models.common.feedforward import FeedForward
 from titan_lightning.models.common.decoder import Block, Decoder, decoder_tp_plan
 from titan_lightning.models.common.rope import precompute_rope_cache
+from titan_lightning.models.family import define_family
 from titan_lightning.recipe import Run, debug_run, on_layout
 from titan_lightning.testing.launch import launch, run_single
 
@@ -50,13 +50,11 @@ class TinyDecoder(Decoder):
         return decoder_tp_plan(ATTENTION_TP_PLAN)
 
 
-@dataclass(kw_only=True)
-class TinyJob(JobConfig):
-    model: TinyArgs = field(default_factory=TinyArgs)
+TinyJob, TinyModule = define_family("Tiny", TinyArgs, module=__name__)  # (no Hugging Face adapter)
 
 
 def single() -> Run:
-    run = debug_run(TinyJob, CausalLMModule, TinyArgs())
+    run = debug_run(TinyJob, TinyModule, TinyArgs())
     t = run.job.training
     t.seq_len, t.tokens_per_microbatch_per_dp_rank, t.deterministic = 64, 256, True
     run.trainer.update(max_steps=4, limit_val_batches=0, num_sanity_val_steps=0, enable_checkpointing=False)

@@ -106,15 +106,21 @@ class StateDictAdapter:
     def __init__(self, args: Any, *, tie_word_embeddings: bool = False):
         self.args, self.tie_word_embeddings = args, tie_word_embeddings
 
-    def check_exportable(self) -> None:
-        """A model that trains a routing bias Hugging Face's family has no place for is refused."""
-        moe = getattr(self.args, "moe", None)
-        if moe is not None and moe.load_balance_coeff is not None and EXPERT_BIAS not in self.layer_keys:
+    @classmethod
+    def check_config(cls, job: Any) -> None:
+        """The family's rules for a run's job (``JobConfig.check_family``, from ``validate_job``): an
+        ``export_format=hf`` run trains only what Hugging Face's family holds (no routing bias it has
+        no place for) and has args config.json can express (``check_expressible``)."""
+        if job.checkpoint.export_format != "hf":
+            return
+        moe = getattr(job.model, "moe", None)
+        if moe is not None and moe.load_balance_coeff is not None and EXPERT_BIAS not in cls.layer_keys:
             raise ConfigError(
-                f"checkpoint.export_format=hf: Hugging Face {self.family}-MoE has no routing bias, and "
+                f"checkpoint.export_format=hf: Hugging Face {cls.family}-MoE has no routing bias, and "
                 f"model.moe.load_balance_coeff={moe.load_balance_coeff} trains one, so the export would route "
                 f"differently from the trained model; set model.moe.load_balance_coeff=null (as a run from a "
                 f"Hugging Face folder does) or export_format=dcp")
+        cls.check_expressible(job.model)
 
     # -- config.json (models/common/hf_config.py) --------------------------------------------------
 
@@ -127,9 +133,13 @@ class StateDictAdapter:
 
     @classmethod
     def hf_config(cls, args: Any) -> dict[str, Any]:
-        """The config.json fields (model_type, architectures, shapes ...) that describe ``args``;
-        a one-line ConfigError where transformers cannot express them."""
+        """The config.json fields (model_type, architectures, shapes ...) that describe ``args``,
+        which ``check_expressible`` passed (a family's ``hf_config`` calls it first)."""
         raise NotImplementedError(f"{cls.__name__} does not write config.json")
+
+    @classmethod
+    def check_expressible(cls, args: Any) -> None:
+        """A one-line ConfigError for args that transformers' family cannot express (by default all can)."""
 
     def hf_key(self, ours: str) -> Optional[str]:
         """The Hugging Face name of our key (``*`` for the experts of a stacked one), or None."""

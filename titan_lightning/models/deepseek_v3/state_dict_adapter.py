@@ -116,7 +116,7 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
         )  # fmt: skip
 
     @classmethod
-    def hf_config(cls, args: DeepSeekV3Args) -> dict[str, Any]:
+    def check_expressible(cls, args: DeepSeekV3Args) -> None:
         m = args.moe
         if m.score_func != "sigmoid":
             raise ConfigError(f"model.moe.score_func={m.score_func!r}: Hugging Face DeepSeek V3 scores experts with "
@@ -128,11 +128,15 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
             raise ConfigError(f"model.latent_norm_eps={args.latent_norm_eps} (latent norms at eps {args.latent_eps}): "
                               f"Hugging Face DeepSeek V3 uses {HF_LATENT_NORM_EPS} there; export needs "
                               f"model.latent_norm_eps={HF_LATENT_NORM_EPS}")
-        rope_scaling, positions = None, args.max_seq_len
+        if args.uses_yarn and not args.rope_factor > 1:
+            raise ConfigError(f"model.rope_factor={args.rope_factor}: Hugging Face YaRN stretches RoPE by a "
+                              f"factor > 1")
+
+    @classmethod
+    def hf_config(cls, args: DeepSeekV3Args) -> dict[str, Any]:
+        cls.check_expressible(args)
+        m, rope_scaling, positions = args.moe, None, args.max_seq_len
         if args.uses_yarn:
-            if not args.rope_factor > 1:
-                raise ConfigError(f"model.rope_factor={args.rope_factor}: Hugging Face YaRN stretches RoPE by a "
-                                  f"factor > 1")
             positions = max(args.max_seq_len, round(args.rope_factor * args.original_seq_len))
             rope_scaling = {
                 "rope_type": "yarn", "factor": args.rope_factor,

@@ -70,9 +70,18 @@ class Qwen3StateDictAdapter(StateDictAdapter):
         )
 
     @classmethod
-    def hf_config(cls, args: Qwen3Args) -> dict[str, Any]:
+    def check_expressible(cls, args: Qwen3Args) -> None:
         if not args.qk_norm:
             raise ConfigError("model.qk_norm=False: Hugging Face Qwen3 always normalizes q and k; export needs True")
+        m = args.moe
+        if m is not None and (m.score_func != "softmax" or m.route_scale != 1.0 or m.score_before_experts
+                              or m.num_shared_experts):
+            raise ConfigError(f"model.moe={m}: Hugging Face Qwen3-MoE routes by softmax top-k, scale 1, scores "
+                              f"after the experts, no shared experts")
+
+    @classmethod
+    def hf_config(cls, args: Qwen3Args) -> dict[str, Any]:
+        cls.check_expressible(args)
         config = dict(
             architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=args.vocab_size, hidden_size=args.dim,
             intermediate_size=args.ffn_hidden_dim, num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
@@ -83,9 +92,6 @@ class Qwen3StateDictAdapter(StateDictAdapter):
         m = args.moe
         if m is None:
             return config
-        if m.score_func != "softmax" or m.route_scale != 1.0 or m.score_before_experts or m.num_shared_experts:
-            raise ConfigError(f"model.moe={m}: Hugging Face Qwen3-MoE routes by softmax top-k, scale 1, scores "
-                              f"after the experts, no shared experts")
         return {**config, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
                 "num_experts": m.num_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.hidden_dim,
                 "norm_topk_prob": m.route_norm, **MOE_FIXED_FIELDS}
