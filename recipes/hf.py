@@ -6,11 +6,23 @@ trains the model in DIR (Llama, Qwen 3, Qwen 3 MoE, DeepSeek V3) from its weight
 tokenizer, and exports a folder ``from_pretrained`` loads (runs/hf_pretrained/<time>/export).
 """
 
-from titan_lightning.pretrained import pretrained_run
-from titan_lightning.recipe import Run
+from titan_lightning.config import CheckpointConfig, DataConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig
+from titan_lightning.pretrained import read_hf_model
+from titan_lightning.recipe import Run, family_run
 
 
 def pretrained(initial_load_path: str) -> Run:
     """The model of the Hugging Face folder ``initial_load_path``, fine-tuned on the shipped corpus
-    (override as usual: --job.data.dataset_path, --trainer.max_steps ...)."""
-    return pretrained_run(initial_load_path)
+    (override as usual: --job.data.dataset_path, --trainer.max_steps ...): its args, its tokenizer
+    (when it has tokenizer.json), its weights; sequences of min(2048, max_position_embeddings)
+    tokens, lr 2e-5 after 10 warmup steps, 1000 steps; an hf export at the end."""
+    model = read_hf_model(initial_load_path)
+    folder = model.folder
+    seq_len = min(2048, model.args.max_seq_len)
+    return family_run(
+        model.job_class, model.module_class, model.args,
+        training=TrainingConfig(seq_len=seq_len, tokens_per_microbatch_per_dp_rank=seq_len),
+        optimizer=OptimizerConfig(lr=2e-5), lr_schedule=LRScheduleConfig(warmup_steps=10),
+        data=DataConfig(tokenizer_path=str(folder) if (folder / "tokenizer.json").is_file() else None),
+        checkpoint=CheckpointConfig(initial_load_path=str(folder), initial_load_format="hf", export_format="hf"),
+    )

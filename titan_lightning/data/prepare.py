@@ -33,6 +33,7 @@ from typing import Any, Iterator, Optional
 
 from titan_lightning.data.text import EOT
 from titan_lightning.data.shards import INDEX, ShardWriter, token_dtype, tokenizer_identity, write_index
+from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
 
 KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "text", ".parquet": "parquet"}
 PART_BYTES = 64 * 2**20
@@ -191,8 +192,6 @@ _WORKER: dict[str, Any] = {}
 
 
 def _load_worker(tokenizer_path: Optional[str]) -> None:
-    from titan_lightning.data.tokenizer import load_tokenizer
-
     _WORKER["tokenizer"] = load_tokenizer(tokenizer_path)
 
 
@@ -224,8 +223,6 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = N
             progress: bool = True) -> dict[str, Any]:
     """Tokenize ``inputs`` into the shard set ``output``; a summary dict. PrepareError on bad input
     (before any work), or on a bad record under ``bad_records="stop"``."""
-    from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
-
     if bad_records not in ("skip", "stop"):
         raise PrepareError(f"--bad-records={bad_records!r}: expected skip or stop")
     if workers is not None and workers < 1:

@@ -16,6 +16,7 @@ from titan_lightning.models.common.decoder import Decoder, decoder_class
 from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.models.common.moe import update_expert_bias
 from titan_lightning.optim import build_lr_scheduler, build_optimizer
+from titan_lightning.parallel.compile import compile_loss
 from titan_lightning.parallel.grad_norm import clip_grads_, global_grad_norm
 from titan_lightning.parallel.pipeline import PipelinePlan
 
@@ -159,8 +160,6 @@ class CausalLMModule(L.LightningModule):
             if self.job.training.loss_chunks is not None:
                 self._loss_fn = self._head_loss
             elif c.enable and "loss" in c.components:
-                from titan_lightning.parallel.compile import compile_loss
-
                 self._loss_fn = compile_loss(cross_entropy_loss, backend=c.backend)
             else:
                 self._loss_fn = cross_entropy_loss

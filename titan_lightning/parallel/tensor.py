@@ -131,6 +131,7 @@ from torch.distributed.tensor.parallel import (
 from titan_lightning._compat import StridedShard as _StridedShard
 
 from titan_lightning.config import ConfigError
+from titan_lightning.parallel.float8 import float8_tp_styles, is_float8_linear
 
 # (module, sequence_parallel, loss_parallel) -> the style to apply, or None for nothing.
 StyleFactory = Callable[[nn.Module, bool, bool], Optional[ParallelStyle]]
@@ -337,8 +338,6 @@ def _float8_factories(resolved: list[tuple[str, nn.Module, str]]) -> dict[str, S
     a colwise or rowwise float8 linear, and a ``prepare_block_input`` block whose linear children
     are all such (its gathered input then meets float8 matmuls only: torchao casts it once, before
     the all-gather). Anything else, such as the high-precision head, keeps torch's style."""
-    from titan_lightning.parallel.float8 import float8_tp_styles, is_float8_linear
-
     colwise, rowwise, prepare = float8_tp_styles()
     factories: dict[str, StyleFactory] = {
         "colwise": lambda module, sp, loss_parallel: colwise(),
