@@ -28,7 +28,8 @@ from titan_lightning.checkpoint import (
     say,
 )
 from titan_lightning.models.common.hf_config import CONFIG_FILE, read_config_json
-from titan_lightning.models.common.safetensors_io import INDEX_FILE, SINGLE_FILE, split_shards, write_index, write_shards
+from titan_lightning.models.common.safetensors_io import (INDEX_FILE, SINGLE_FILE, split_shards, write_index,
+                                                         write_shards)
 from titan_lightning.pretrained import check_folder_matches, write_hf_metadata
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
