@@ -11,18 +11,49 @@ tokenizer, and exports a folder ``from_pretrained`` loads (runs/hf_pretrained/<t
 fine-tunes it on chat or instruction data (README "Fine-tuning").
 """
 
-from titan_lightning.pretrained import pretrained_run, sft_run
-from titan_lightning.recipe import Run
+from dataclasses import replace
+
+from titan_lightning.config import CheckpointConfig, ConfigError, DataConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig
+from titan_lightning.pretrained import read_hf_model
+from titan_lightning.recipe import Run, family_run
 
 
 def pretrained(initial_load_path: str) -> Run:
     """The model of the Hugging Face folder ``initial_load_path``, fine-tuned on the shipped corpus
-    (override as usual: --job.data.dataset_path, --trainer.max_steps ...)."""
-    return pretrained_run(initial_load_path)
+    (override as usual: --job.data.dataset_path, --trainer.max_steps ...): its args, its tokenizer
+    (when it has tokenizer.json), its weights; sequences of min(2048, max_position_embeddings)
+    tokens, lr 2e-5 after 10 warmup steps, 1000 steps; an hf export at the end."""
+    model = read_hf_model(initial_load_path)
+    folder = model.folder
+    seq_len = min(2048, model.args.max_seq_len)
+    return family_run(
+        model.job_class, model.module_class, model.args,
+        training=TrainingConfig(seq_len=seq_len, tokens_per_microbatch_per_dp_rank=seq_len),
+        optimizer=OptimizerConfig(lr=2e-5), lr_schedule=LRScheduleConfig(warmup_steps=10),
+        data=DataConfig(tokenizer_path=str(folder) if (folder / "tokenizer.json").is_file() else None),
+        checkpoint=CheckpointConfig(initial_load_path=str(folder), initial_load_format="hf", export_format="hf"),
+    )
 
 
 def sft(initial_load_path: str, dataset_path: str) -> Run:
-    """Supervised fine-tuning of the model in ``initial_load_path`` on the SFT shard set
-    ``dataset_path`` (``titan-lightning prepare --chat``): loss on the assistant's turns only,
-    conversations packed with document masking, fine-tuning defaults (titan_lightning.pretrained.sft_run)."""
-    return sft_run(initial_load_path, dataset_path)
+    """Supervised fine-tuning of the model in ``initial_load_path`` on the chat or instruction shard
+    set ``dataset_path`` (``titan-lightning prepare --chat`` with the folder's tokenizer): the loss on
+    what the assistant says only, conversations packed whole into windows of min(2048,
+    max_position_embeddings) tokens, each attending only to itself (``block_causal``, RoPE positions
+    per conversation); lr 2e-5 after 20 warmup steps, cosine decay to 10%; weight decay 0.01, none on
+    norms and biases; 1000 steps; an hf export at the end, with the folder's chat template and
+    generation settings (README "Fine-tuning")."""
+    model = read_hf_model(initial_load_path)
+    folder = model.folder
+    seq_len = min(2048, model.args.max_seq_len)
+    if not (folder / "tokenizer.json").is_file():
+        raise ConfigError(f"{folder}: no tokenizer.json; SFT data is tokenized with the model's own tokenizer (pass "
+                          f"--job.data.tokenizer_path DIR, the folder prepare used)")
+    return family_run(
+        model.job_class, model.module_class, replace(model.args, mask="block_causal", positions="per_document"),
+        training=TrainingConfig(seq_len=seq_len, tokens_per_microbatch_per_dp_rank=seq_len),
+        optimizer=OptimizerConfig(lr=2e-5, weight_decay=0.01, decay_norms_and_biases=False),
+        lr_schedule=LRScheduleConfig(warmup_steps=20, decay_type="cosine", min_lr_factor=0.1),
+        data=DataConfig(dataset_path=dataset_path, tokenizer_path=str(folder), sft=True),
+        checkpoint=CheckpointConfig(initial_load_path=str(folder), initial_load_format="hf", export_format="hf"),
+    )

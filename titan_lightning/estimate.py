@@ -77,7 +77,9 @@ from titan_lightning._compat import estimate_backend_parts, list_backends, regis
 from titan_lightning._compat import unset_fake_temporarily
 from titan_lightning.config import validate_job
 from titan_lightning.config.validation import validate_estimate
+from titan_lightning.models.common import moe
 from titan_lightning.optim import build_optimizer
+from titan_lightning.parallel import context, expert
 from titan_lightning.parallel.fake import init_fake_process_group, memory_report
 from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_caches
 from titan_lightning.parallel.parallelize import parallelize
@@ -324,8 +326,6 @@ def _real_counts(counts: list[int]) -> torch.Tensor:
 @dynamo_disable
 def _balanced_count_tokens(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """moe.count_tokens of a fake tensor (the router's expert ids): balanced counts."""
-    from titan_lightning.models.common import moe
-
     if not isinstance(_local(experts), FakeTensor):
         return moe.count_tokens(experts, num_experts)
     return _real_counts(balanced_counts(experts.numel(), num_experts))
@@ -357,9 +357,6 @@ def _value_free_model():
     """While active, the pieces of the model that read tensor values compute them on the host
     under the estimate's assumptions (module docstring): balanced MoE routing, the GPU's
     grouped GEMM, no CP attention mask."""
-    from titan_lightning.models.common import moe
-    from titan_lightning.parallel import context, expert
-
     with ExitStack() as patches:
         for owner, name, value in ((moe, "count_tokens", _balanced_count_tokens),
                                    (moe, "grouped_mm_available", _grouped_mm_on_gpu),

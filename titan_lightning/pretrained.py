@@ -1,4 +1,6 @@
-"""Hugging Face model folders as runs: config.json in, complete folders out.
+"""Hugging Face model folders: config.json in, complete folders out.
+
+A folder is a run through ``recipes.hf:pretrained``:
 
     titan-lightning fit --recipe recipes.hf:pretrained --job.checkpoint.initial_load_path DIR
 
@@ -14,18 +16,25 @@ is: config.json (``hf_config`` of the family, the export dtype, untied embedding
 unties them), generation_config.json, the tokenizer files, the safetensors.
 """
 
-import dataclasses
+from __future__ import annotations
+
 import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from titan_lightning.config import (
-    CheckpointConfig, ConfigError, DataConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig,
-)
+import torch
+
+from titan_lightning.config import ConfigError
+from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
 from titan_lightning.models.common.hf_config import CONFIG_FILE, HFConfig, read_config_json
-from titan_lightning.recipe import Run, family_run
+from titan_lightning.models.deepseek_v3 import DeepSeekV3Job, DeepSeekV3Module
+from titan_lightning.models.llama3 import Llama3Job, Llama3Module
+from titan_lightning.models.qwen3 import Qwen3Job, Qwen3Module
+
+if TYPE_CHECKING:  # a Run's type only: recipe.py imports this module (through callbacks/weights.py)
+    from titan_lightning.recipe import Run
 
 # Tokenizer files copied into an export next to the weights, when the tokenizer's folder has them.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -34,10 +43,6 @@ GENERATION_FILE = "generation_config.json"
 
 def hf_families() -> dict[str, tuple[type, type]]:
     """config.json ``model_type`` -> (the family's JobConfig, its LightningModule)."""
-    from titan_lightning.models.deepseek_v3 import DeepSeekV3Job, DeepSeekV3Module
-    from titan_lightning.models.llama3 import Llama3Job, Llama3Module
-    from titan_lightning.models.qwen3 import Qwen3Job, Qwen3Module
-
     families = {}
     for job_class, module_class in ((Llama3Job, Llama3Module), (Qwen3Job, Qwen3Module),
                                     (DeepSeekV3Job, DeepSeekV3Module)):
@@ -109,8 +114,6 @@ def check_initial_hf_weights(command: str, run: Run) -> None:
         return  # a module of its own kind: its loader checks what it loads
     if (Path(folder) / CONFIG_FILE).is_file() and read_config_json(Path(folder)).get("tie_word_embeddings", False):
         adapter = type(adapter)(adapter.args, tie_word_embeddings=True)
-    import torch
-
     with torch.device("meta"):
         model = module.build_model()
     try:
@@ -121,51 +124,8 @@ def check_initial_hf_weights(command: str, run: Run) -> None:
         raise ConfigError(f"checkpoint.initial_load_path={folder!r}: {' '.join(str(err).split())}") from None
 
 
-def pretrained_run(folder: Any) -> Run:
-    """Fine-tuning the model in ``folder`` on the shipped corpus: its args, its tokenizer (when it
-    has tokenizer.json), its weights; sequences of min(2048, max_position_embeddings) tokens, lr
-    2e-5 after 10 warmup steps, 1000 steps; an hf export at the end."""
-    model = read_hf_model(folder)
-    folder = model.folder
-    seq_len = min(2048, model.args.max_seq_len)
-    return family_run(
-        model.job_class, model.module_class, model.args,
-        training=TrainingConfig(seq_len=seq_len, tokens_per_microbatch_per_dp_rank=seq_len),
-        optimizer=OptimizerConfig(lr=2e-5), lr_schedule=LRScheduleConfig(warmup_steps=10),
-        data=DataConfig(tokenizer_path=str(folder) if (folder / "tokenizer.json").is_file() else None),
-        checkpoint=CheckpointConfig(initial_load_path=str(folder), initial_load_format="hf", export_format="hf"),
-    )
-
-
-def sft_run(folder: Any, dataset_path: str) -> Run:
-    """Supervised fine-tuning of the model in ``folder`` on the chat or instruction shard set
-    ``dataset_path`` (``titan-lightning prepare --chat`` with the folder's tokenizer): the loss on
-    what the assistant says only, conversations packed whole into windows of min(2048,
-    max_position_embeddings) tokens, each attending only to itself (``block_causal``, RoPE positions
-    per conversation); lr 2e-5 after 20 warmup steps, cosine decay to 10%; weight decay 0.01, none on
-    norms and biases; 1000 steps; an hf export at the end, with the folder's chat template and
-    generation settings."""
-    model = read_hf_model(folder)
-    folder = model.folder
-    seq_len = min(2048, model.args.max_seq_len)
-    args = dataclasses.replace(model.args, mask="block_causal", positions="per_document")
-    if not (folder / "tokenizer.json").is_file():
-        raise ConfigError(f"{folder}: no tokenizer.json; SFT data is tokenized with the model's own tokenizer (pass "
-                          f"--job.data.tokenizer_path DIR, the folder prepare used)")
-    return family_run(
-        model.job_class, model.module_class, args,
-        training=TrainingConfig(seq_len=seq_len, tokens_per_microbatch_per_dp_rank=seq_len),
-        optimizer=OptimizerConfig(lr=2e-5, weight_decay=0.01, decay_norms_and_biases=False),
-        lr_schedule=LRScheduleConfig(warmup_steps=20, decay_type="cosine", min_lr_factor=0.1),
-        data=DataConfig(dataset_path=dataset_path, tokenizer_path=str(folder), sft=True),
-        checkpoint=CheckpointConfig(initial_load_path=str(folder), initial_load_format="hf", export_format="hf"),
-    )
-
-
 def tokenizer_folder(tokenizer_path: Optional[str]) -> Path:
     """The folder whose tokenizer files an export copies (the shipped tokenizer's for None)."""
-    from titan_lightning.data.tokenizer import tokenizer_file
-
     return tokenizer_file(tokenizer_path).parent
 
 
@@ -174,8 +134,6 @@ def write_hf_metadata(folder: Path, adapter: Any, dtype: str, tokenizer_path: Op
     """config.json, generation_config.json and the tokenizer files of an export in ``folder``.
     ``model_folder``: the Hugging Face folder the run started from; its generation_config.json's
     settings (sampling, temperature, top_p, its list of end-of-turn ids...) carry over."""
-    from titan_lightning.data.tokenizer import load_tokenizer
-
     tokenizer = load_tokenizer(tokenizer_path)
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eot_id}
     config = {**adapter.hf_config(adapter.args), **ids, "torch_dtype": dtype, "tie_word_embeddings": False}

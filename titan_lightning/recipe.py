@@ -30,6 +30,7 @@ import lightning as L
 
 from titan_lightning.callbacks.progress import StepProgressBar  # noqa: F401 (re-exported: its home before)
 from titan_lightning.callbacks.weights import check_export, check_initial_weights, model_shapes
+from titan_lightning.checkpoint import check_model_shapes, resolve_resume, unfinished_checkpoints
 from titan_lightning.config import ConfigError, JobConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig, validate_job
 from titan_lightning.config.job import CP_ATTENTIONS
 from titan_lightning.config.parallelism import CP_LOAD_BALANCERS
@@ -170,7 +171,6 @@ def resume_path(run: Run, trainer: L.Trainer) -> Optional[str]:
         return run.ckpt_path  # a user's module: the recipe's own Run(ckpt_path=...)
     if job.checkpoint.resume_from is None:
         return None
-    from titan_lightning.checkpoint import check_model_shapes, resolve_resume, unfinished_checkpoints
 
     # "latest" searches every run of this recipe: <root>/<name>/<timestamp>/checkpoints.
     root = Path(trainer.default_root_dir).parent

@@ -19,7 +19,7 @@ from titan_lightning.callbacks.preemption import PreemptionCheckpoint
 from titan_lightning.callbacks.profiling import ProfileSteps
 from titan_lightning.callbacks.progress import StepProgressBar, StepRichProgressBar
 from titan_lightning.callbacks.weights import ExportWeights, LoadWeights
-from titan_lightning.config import ConfigError, JobConfig, validate_job
+from titan_lightning.config import JobConfig, validate_job
 from titan_lightning.config.validation import (
     TRAINER_ARGS_SET_BY_JOB,
     gradient_accumulation_steps,

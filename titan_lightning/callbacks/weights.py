@@ -21,11 +21,16 @@ from titan_lightning.checkpoint import (
     CheckpointError,
     check_files,
     check_model_shapes,
+    check_placements,
     dcp_saveable,
     load_sharded,
     read_manifest,
     say,
 )
+from titan_lightning.models.common.hf_config import CONFIG_FILE, read_config_json
+from titan_lightning.models.common.safetensors_io import (INDEX_FILE, SINGLE_FILE, split_shards, write_index,
+                                                         write_shards)
+from titan_lightning.pretrained import check_folder_matches, write_hf_metadata
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -42,15 +47,11 @@ def _pipeline(trainer: L.Trainer):
 
 
 def _hf_config_path(folder: Path) -> Optional[Path]:
-    from titan_lightning.models.common.hf_config import CONFIG_FILE
-
     return folder / CONFIG_FILE if (folder / CONFIG_FILE).is_file() else None
 
 
 def _tied(folder: Path) -> bool:
     """The folder's config.json ties the output to the embeddings (no lm_head.weight saved)."""
-    from titan_lightning.models.common.hf_config import read_config_json
-
     return _hf_config_path(folder) is not None and bool(read_config_json(folder).get("tie_word_embeddings", False))
 
 
@@ -73,8 +74,6 @@ def check_initial_weights(path: str, fmt: str, module: Optional[L.LightningModul
     ``module``'s model args describe that model; a folder of ours holds ``module``'s tensors with
     their shapes, its files whole (``checksums``: their crc32 too); one-line CheckpointError /
     ConfigError otherwise."""
-    from titan_lightning.models.common.safetensors_io import INDEX_FILE, SINGLE_FILE
-
     field = f"checkpoint.initial_load_path={path!r}"
     folder = Path(path)
     if not folder.exists():
@@ -88,8 +87,6 @@ def check_initial_weights(path: str, fmt: str, module: Optional[L.LightningModul
             raise CheckpointError(f"{field} holds no {SINGLE_FILE} or {INDEX_FILE} (initial_load_format=hf){hint}")
         adapter = getattr(module, "hf_adapter", None)
         if _hf_config_path(folder) is not None and adapter is not None and hasattr(module, "job"):
-            from titan_lightning.pretrained import check_folder_matches
-
             check_folder_matches(module.job.model, adapter, folder)
         return
     if not (folder / DCP_METADATA).is_file():
@@ -184,8 +181,6 @@ class ExportWeights(L.Callback):
         """Every rank writes safetensors files of its share of the tensors (each full tensor
         gathered, one at a time, by the ranks that hold it), rank 0 the index and the metadata:
         no rank ever holds the whole model."""
-        from titan_lightning.checkpoint import check_placements
-
         adapter = _adapter(pl_module)
         own = pl_module.model.state_dict()
         check_placements(own.items())
@@ -200,8 +195,6 @@ class ExportWeights(L.Callback):
         if trainer.is_global_zero:
             job = getattr(pl_module, "job", None)
             if job is not None:
-                from titan_lightning.pretrained import write_hf_metadata
-
                 c = job.checkpoint
                 write_hf_metadata(staging, adapter, str(self.dtype).removeprefix("torch."), job.data.tokenizer_path,
                                   model_folder=c.initial_load_path if c.initial_load_format == "hf" else None)
@@ -242,8 +235,6 @@ def write_hf_shards(share: dict[str, torch.Tensor], folder: Path, max_shard_byte
     """Every rank's ``share`` into numbered safetensors files of ``folder`` (at most
     ``max_shard_bytes`` each, numbered across ranks) and the index; one file, ``model.safetensors``,
     when everything fits in one."""
-    from titan_lightning.models.common.safetensors_io import split_shards, write_index, write_shards
-
     rank, world = _world()
     shards = split_shards(share, max_shard_bytes)
     counts: list[Any] = [len(shards)]

@@ -2,10 +2,11 @@
 
 Each runs once per launch: a strategy's own degrees (``validate_degrees``) when the Trainer is
 built, before any process is spawned; the job (``validate_job``), the strategy against it
-(``validate_strategy``) and the module's plans (``validate_tp_plan``, ``validate_pipeline_plan``)
-in the strategy's ``check_module``, which ``build_trainer`` calls (a Trainer built by hand: at
-``setup_environment``). A model family's own rules stay with the family: ``validate_job`` calls
-them through the job's declared hook, ``JobConfig.check_family``. ``validate_job`` remembers the jobs it passed: asked again about the same
+(``validate_strategy``) and the module's tensor-parallel plan (``validate_tp_plan``) in the
+strategy's ``check_module``, which ``build_trainer`` calls (a Trainer built by hand: at
+``setup_environment``); what the module itself must declare is parallel/contracts.py's. A model
+family's own rules stay with the family: ``validate_job`` calls them through the job's declared
+hook, ``JobConfig.check_family``. ``validate_job`` remembers the jobs it passed: asked again about the same
 object, unchanged and for the same launch, it returns at once. Every message names the fields,
 their values and what would be valid.
 """
@@ -539,10 +540,3 @@ def validate_tp_plan(module: str, p: ParallelismConfig, world_size: int, plan: O
         )
 
 
-def validate_pipeline_plan(module: str, p: ParallelismConfig, plan) -> None:
-    if p.pp > 1 and plan is None:
-        raise ConfigError(
-            f"parallelism.pp={p.pp} needs a pipeline plan, and {module} declares none: give it a "
-            f"`pipeline_plan = PipelinePlan(model=..., layers=..., first=..., last=...)` attribute "
-            f"(see titan_lightning/parallel/pipeline.py)"
-        )

@@ -37,6 +37,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from titan_lightning.data.tokenizer import read_tokenizer_config, tokenizer_file
+
 ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("assistant", "last_assistant", "all")
 TOO_LONG = ("truncate", "drop")
@@ -123,8 +125,6 @@ class ChatSpec:
 
 def read_chat_template(tokenizer_path: Optional[str], override: Optional[str]) -> tuple[Optional[str], str]:
     """(the chat template's text, where it came from); (None, "") when there is none."""
-    from titan_lightning.data.tokenizer import read_tokenizer_config, tokenizer_file
-
     if override is not None:
         file = Path(override)
         if not file.is_file():

@@ -41,6 +41,7 @@ from titan_lightning.data.chat import (TOO_LONG, TRAIN_ON, BadRecord, ChatOption
                                       TemplateFailure, resolve)
 from titan_lightning.data.text import EOT
 from titan_lightning.data.shards import INDEX, ShardWriter, token_dtype, tokenizer_identity, write_index
+from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
 
 KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "text", ".parquet": "parquet"}
 PART_BYTES = 64 * 2**20
@@ -210,8 +211,6 @@ _WORKER: dict[str, Any] = {}
 
 
 def _load_worker(tokenizer_path: Optional[str]) -> None:
-    from titan_lightning.data.tokenizer import load_tokenizer
-
     _WORKER["tokenizer"] = load_tokenizer(tokenizer_path)
 
 
@@ -280,8 +279,6 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = N
     """Tokenize ``inputs`` into the shard set ``output``; a summary dict. PrepareError on bad input
     (before any work), or on a bad record under ``bad_records="stop"``. ``chat``: the records are
     conversations, written with a loss mask (data/chat.py)."""
-    from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
-
     if bad_records not in ("skip", "stop"):
         raise PrepareError(f"--bad-records={bad_records!r}: expected skip or stop")
     if workers is not None and workers < 1:

@@ -17,6 +17,7 @@ from titan_lightning.models.common.decoder import Decoder, decoder_class
 from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.models.common.moe import update_expert_bias
 from titan_lightning.optim import build_lr_scheduler, build_optimizer
+from titan_lightning.parallel.compile import compile_loss
 from titan_lightning.parallel.grad_norm import clip_grads_, global_grad_norm
 from titan_lightning.parallel.pipeline import PipelinePlan
 
@@ -197,8 +198,6 @@ class CausalLMModule(L.LightningModule):
             return functools.partial(self._head_loss, reduction=reduction)
         plain = cross_entropy_loss if reduction == "mean" else cross_entropy_sum
         if c.enable and "loss" in c.components:
-            from titan_lightning.parallel.compile import compile_loss  # compile's imports only when compiling
-
             return compile_loss(plain, backend=c.backend)
         return plain
 

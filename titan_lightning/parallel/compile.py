@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from titan_lightning._compat import dynamo_config
-from titan_lightning.parallel.expert import grouped_experts, moe_layers
+from titan_lightning.parallel.contracts import grouped_experts, moe_layers
 
 
 def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor", fullgraph: bool = True,

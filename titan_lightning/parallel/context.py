@@ -33,9 +33,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from titan_lightning.config import ConfigError
 from titan_lightning.config.job import CP_ATTENTIONS
 from titan_lightning.parallel.collectives import all_gather_autograd, all_to_all, all_to_all_autograd
+from titan_lightning.parallel.contracts import attention_modules
 
 
 # -- which tokens a rank holds -------------------------------------------------------------
@@ -457,22 +457,11 @@ def _ulysses_attention(q, k, v, cp: ContextParallel, position_ids: Optional[torc
 def apply_context_parallel(model: torch.nn.Module, mesh, load_balancer: Optional[str]) -> ContextParallel:
     """Give every attention module of ``model`` the CP group; refuse models that cannot do CP.
 
-    Attention modules are those with ``backend`` and ``cp`` attributes (models/common/attention.py).
+    Attention modules are those with ``backend`` and ``cp`` attributes (contracts.CPAttention).
     All must use one context-parallel backend.
     """
-    modules = [m for m in model.modules() if hasattr(m, "backend") and hasattr(m, "cp")]
     size = mesh.size()
-    if not modules:
-        raise ConfigError(f"parallelism.cp={size}: {type(model).__name__} has no attention module that can do CP")
-    backends = sorted({m.backend for m in modules})
-    non_cp = [b for b in backends if b not in CP_ATTENTIONS]
-    if non_cp:
-        raise ConfigError(
-            f"parallelism.cp={size} but the model has attention {non_cp[0]!r}, which cannot do CP; "
-            f"apply ContextParallelTransform(attention=...) with one of {', '.join(CP_ATTENTIONS)}"
-        )
-    if len(backends) > 1:
-        raise ConfigError(f"one model mixes the context-parallel attentions {backends}; use one backend")
+    modules = attention_modules(model, size)
     context = ContextParallel(group=mesh.get_group(), rank=mesh.get_local_rank(), size=size,
                               load_balancer=load_balancer)
     for module in modules:

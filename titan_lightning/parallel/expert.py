@@ -51,6 +51,7 @@ from titan_lightning.config import ConfigError
 from titan_lightning.config.parallelism import EP_DISPATCHES
 from titan_lightning.parallel.collectives import (all_gather, all_gather_autograd, all_to_all, all_to_all_autograd,
                                                   reduce_scatter_autograd)
+from titan_lightning.parallel.contracts import ContractError, expert_modules, moe_layers
 
 
 @dataclass
@@ -123,25 +124,11 @@ def _expert_major_order(matrix: list[list[int]], device: torch.device) -> torch.
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
 
 
-def grouped_experts(model: nn.Module) -> list[nn.Module]:
-    """Every module of ``model`` that declares ``routed_experts`` (stacked expert weights ``w1``,
-    ``w2``, ``w3`` [num_experts, ...] and an ``ep`` slot; models/common/moe.py GroupedExperts)."""
-    return [m for m in model.modules() if getattr(m, "routed_experts", False)]
-
-
-def moe_layers(model: nn.Module) -> list[nn.Module]:
-    """Every module of ``model`` that declares ``moe_layer`` (its ``experts`` and an ``etp`` slot;
-    models/common/moe.py MoE)."""
-    return [m for m in model.modules() if getattr(m, "moe_layer", False)]
-
-
 def apply_expert_parallel(model: nn.Module, ep_mesh, dispatch: str = "splits") -> ExpertParallel:
     """Shard every MoE layer's routed experts over ``ep_mesh`` (dim 0) and route through it,
     the tokens' all-to-alls sized as ``dispatch`` says (``EP_DISPATCHES``)."""
-    modules = grouped_experts(model)
     size = ep_mesh.size()
-    if not modules:
-        raise ConfigError(f"parallelism.ep={size}: {type(model).__name__} has no MoE layer to shard")
+    modules = expert_modules(model, size)
     for module in modules:
         if module.num_experts % size:
             raise ConfigError(
@@ -179,7 +166,7 @@ def apply_expert_tensor_parallel(model: nn.Module, tp_mesh) -> ExpertTensorParal
     """Split every MoE layer's routed experts over ``tp_mesh`` along their hidden dim."""
     layers, size = moe_layers(model), tp_mesh.size()
     if not layers:
-        raise ConfigError(f"expert tensor parallelism over tp={size}: {type(model).__name__} has no MoE layer")
+        raise ContractError(f"expert tensor parallelism over tp={size}: {type(model).__name__} has no MoE layer")
     context = ExpertTensorParallel(group=tp_mesh.get_group(), size=size)
     for layer in layers:
         experts = layer.experts

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from titan_lightning.config.parallelism import FSDP_RESHARD_POLICIES
-from titan_lightning.parallel.expert import grouped_experts
+from titan_lightning.parallel.contracts import grouped_experts
 
 
 def apply_fsdp(

@@ -23,8 +23,8 @@ from titan_lightning.config import JobConfig
 from titan_lightning.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_lightning.parallel.compile import compile_blocks, moe_stays_eager
 from titan_lightning.parallel.context import ContextParallel, apply_context_parallel
-from titan_lightning.parallel.expert import (apply_expert_parallel, apply_expert_tensor_parallel, grouped_experts,
-                                             moe_layers)
+from titan_lightning.parallel.contracts import grouped_experts, moe_layers
+from titan_lightning.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel
 from titan_lightning.parallel.float8 import convert_to_float8
 from titan_lightning.parallel.fsdp import apply_ddp, apply_fsdp, model_blocks
 from titan_lightning.parallel.mesh import Mesh

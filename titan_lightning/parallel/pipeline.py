@@ -24,6 +24,7 @@ from torch import nn
 from titan_lightning.config import ConfigError, ParallelismConfig, TrainingConfig
 from titan_lightning.config.parallelism import V_PP_SCHEDULES
 from titan_lightning.config.validation import validate_stage_count
+from titan_lightning.parallel.contracts import pipeline_layers, pipeline_model
 
 
 @dataclass(frozen=True)
@@ -136,16 +137,6 @@ def stage_rank(stage: int, pp: int, placement: str) -> int:
 # -- splitting a model -------------------------------------------------------------------
 
 
-def _layers(model: nn.Module, plan: PipelinePlan) -> nn.ModuleDict:
-    layers = getattr(model, plan.layers, None)
-    if not isinstance(layers, nn.ModuleDict):
-        raise ConfigError(
-            f"pipeline parallelism needs {type(model).__name__}.{plan.layers} to be an nn.ModuleDict of blocks "
-            f"(found {type(layers).__name__}); see PipelinePlan"
-        )
-    return layers
-
-
 def _view(model: nn.Module, plan: PipelinePlan, keep: set[str]) -> nn.Module:
     """A module of ``model``'s class that shares its submodules but holds only ``keep``.
 
@@ -158,7 +149,7 @@ def _view(model: nn.Module, plan: PipelinePlan, keep: set[str]) -> nn.Module:
             continue
         if isinstance(value, (dict, set)):
             view.__dict__[name] = copy.copy(value)
-    layers = _layers(model, plan)
+    layers = pipeline_layers(model, plan)
     view._modules[plan.layers] = nn.ModuleDict(
         {k: m for k, m in layers.items() if f"{plan.layers}.{k}" in keep}
     )
@@ -170,10 +161,7 @@ def _view(model: nn.Module, plan: PipelinePlan, keep: set[str]) -> nn.Module:
 
 def split_model(model: nn.Module, plan: PipelinePlan, all_stages: list[list[str]], local: list[int]) -> list[nn.Module]:
     """Trim ``model`` (in place) to this rank's stages and return one view per local stage."""
-    layers = _layers(model, plan)
-    for name in (*plan.first, *plan.last):
-        if not hasattr(model, name):
-            raise ConfigError(f"pipeline plan names {type(model).__name__}.{name}, which does not exist")
+    layers = pipeline_layers(model, plan)
     mine = {name for s in local for name in all_stages[s]}
     for key in list(layers.keys()):
         if f"{plan.layers}.{key}" not in mine:
@@ -198,10 +186,8 @@ class PipelineSplit:
 def split_pipeline(module: nn.Module, plan: PipelinePlan, p: ParallelismConfig, pp_rank: int) -> PipelineSplit:
     """Cut ``module``'s model into ``p.num_stages`` stages (``p.pp_stage_modules``, else balanced
     by layers) and keep pipeline rank ``pp_rank``'s (see ``split_model``)."""
-    model = getattr(module, plan.model, None)
-    if model is None:
-        raise ConfigError(f"pipeline plan: {type(module).__name__}.{plan.model} is None; build the model first")
-    keys = list(_layers(model, plan).keys())
+    model = pipeline_model(module, plan)
+    keys = list(pipeline_layers(model, plan).keys())
     validate_stage_count(p, len(keys), f"len({type(model).__name__}.{plan.layers})")  # (a module without a job)
     if p.pp_stage_modules is not None:
         names = [list(stage) for stage in p.pp_stage_modules]

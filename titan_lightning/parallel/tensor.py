@@ -131,6 +131,8 @@ from torch.distributed.tensor.parallel import (
 from titan_lightning._compat import StridedShard as _StridedShard
 
 from titan_lightning.config import ConfigError
+from titan_lightning.parallel.contracts import ContractError
+from titan_lightning.parallel.float8 import float8_tp_styles, is_float8_linear
 
 # (module, sequence_parallel, loss_parallel) -> the style to apply, or None for nothing.
 StyleFactory = Callable[[nn.Module, bool, bool], Optional[ParallelStyle]]
@@ -337,8 +339,6 @@ def _float8_factories(resolved: list[tuple[str, nn.Module, str]]) -> dict[str, S
     a colwise or rowwise float8 linear, and a ``prepare_block_input`` block whose linear children
     are all such (its gathered input then meets float8 matmuls only: torchao casts it once, before
     the all-gather). Anything else, such as the high-precision head, keeps torch's style."""
-    from titan_lightning.parallel.float8 import float8_tp_styles, is_float8_linear
-
     colwise, rowwise, prepare = float8_tp_styles()
     factories: dict[str, StyleFactory] = {
         "colwise": lambda module, sp, loss_parallel: colwise(),
@@ -502,8 +502,8 @@ def _head_counts(model: nn.Module, plan: dict[str, str], resolved: list, tp: int
         try:
             setattr(count.owner, count.attr, count.value)  # the same value: can it be set at all?
         except AttributeError as error:
-            raise ConfigError(f"{count.label} counts heads and must become {count.value // tp} under "
-                              f"parallelism.tp={tp}, but it cannot be set: {error}") from error
+            raise ContractError(f"{count.label} counts heads and must become {count.value // tp} under "
+                                f"parallelism.tp={tp}, but it cannot be set: {error}") from error
     return list(found.values())
 
 
@@ -523,7 +523,7 @@ def _check_shared(model: nn.Module, count: _HeadCount, owners: dict[str, nn.Modu
              if fqn not in owners and _reads(module, count.attr)]
     if whole:
         more = f" and {len(whole) - 3} more" if len(whole) > 3 else ""
-        raise ConfigError(
+        raise ContractError(
             f"{count.label} counts heads and the tp_plan shards heads of modules that read it, but the same "
             f"{type(count.owner).__name__} object is read by {', '.join(whole[:3])}{more}, which the plan does not "
             f"shard: made per-rank, it would be wrong there; shard the projections of every module that reads it, or "
@@ -579,7 +579,7 @@ def _check_fused_qkv(model: nn.Module, pattern: str, fqn: str, module: nn.Module
         fix = (f"under grouped-query attention its blocks are of unequal size (q {heads * head_size} rows, k and v "
                f"{groups * head_size} each), which '{FUSED}' (equal blocks) cannot split: leave "
                f"{owner_fqn or 'the attention'}'s projections out of tp_plan and shard the MLP only")
-    raise ConfigError(
+    raise ContractError(
         f"tp_plan entry {pattern!r}: style {style!r} on {where} would give each rank the wrong rows where they are "
         f"stacked [all q; all k; all v] (LitGPT's qkv, nanoGPT's c_attn): {fix}; rows grouped per query group "
         f"([q; k; v] of group 0, then of group 1, ...: GPT-NeoX, Falcon) are sharded right by 'colwise_grouped'"

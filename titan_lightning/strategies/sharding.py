@@ -74,6 +74,12 @@ def parallelizes_itself(module: L.LightningModule) -> bool:
     return is_overridden("configure_model", module, parent=L.LightningModule)
 
 
+def network_built(module: L.LightningModule) -> bool:
+    """Whether the module's network exists before setup: neither built on the meta device at setup
+    (``materialize``) nor by a ``configure_model`` of its own."""
+    return not hasattr(module, "materialize") and not parallelizes_itself(module)
+
+
 def applied_by_user(module: torch.nn.Module) -> tuple[bool, bool]:
     """(FSDP, TP) the module's own configure_model already applied: any ``fully_shard`` module;
     DTensor parameters on a tensor-parallel mesh dim (or any DTensor parameter without FSDP)."""

@@ -26,10 +26,10 @@ from titan_lightning.config import JobConfig, ParallelismConfig, validate_job
 from titan_lightning.config.validation import (
     validate_degrees,
     validate_lightning_sizes,
-    validate_pipeline_plan,
     validate_strategy,
     validate_tp_plan,
 )
+from titan_lightning.parallel.contracts import check_contracts
 from titan_lightning.parallel.heartbeat import Heartbeat
 from titan_lightning.parallel.mesh import Mesh, ParallelDims
 from titan_lightning.parallel.tensor import FUSED, check_tp_plan
@@ -142,7 +142,7 @@ class TitanStrategy(ModelParallelStrategy):
             validate_tp_plan(name, config, self.world_size, plan, FUSED)
             if not hasattr(module, "materialize"):  # a user's module: its network exists already
                 check_tp_plan(module, plan, config.tp, sequence_parallel=config.sequence_parallel)
-        validate_pipeline_plan(name, config, getattr(module, "pipeline_plan", None))
+        check_contracts(module, config, built=sharding.network_built(module))
         self._checked = module
 
     @override

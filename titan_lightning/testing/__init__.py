@@ -33,7 +33,7 @@ __all__ = [
 def __getattr__(name: str):
     # Lazy: importing the launcher must not import torch (tests/conftest.py relies on it).
     if name in ("hash_model", "hash_gradient"):
-        from titan_lightning.testing import hashing
+        from titan_lightning.testing import hashing  # (start-up time: hashing imports torch)
 
         return getattr(hashing, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,6 +18,8 @@ from typing import Optional
 
 from titan_lightning.callbacks.golden import check_header, comparable, hardware_class, read_golden
 from titan_lightning.data.tokenizer import ASSETS_DIR
+from titan_lightning.parallel.mesh import ParallelDims
+from titan_lightning.recipe import RUN_DIR_ENV
 from titan_lightning.testing.entries import EXECUTION_MODES, TestEntry, validate_fake_pg_compatibility
 from titan_lightning.testing.launch import launch
 
@@ -27,8 +29,6 @@ ACCELERATORS = {"cpu": "cpu", "cuda": "gpu", "rocm": "gpu"}  # --gpu_arch_type -
 
 def entry_parallelism(entry: TestEntry) -> str:
     """The ``# parallelism:`` line a golden file of ``entry`` must carry, from its recipe's degrees."""
-    from titan_lightning.parallel.mesh import ParallelDims
-
     job = entry.runs()[-1].job
     if job is None:
         return "single device"
@@ -131,8 +131,7 @@ def run_entry(
 def _run_in_process(argv: list[str], out_dir: Path, golden_options: list[str]) -> dict:
     import torch.distributed as dist
 
-    from titan_lightning.recipe import RUN_DIR_ENV
-    from titan_lightning.testing import worker
+    from titan_lightning.testing import worker  # (its import registers a SIGUSR1 handler: only in-process runs take it)
 
     options, _ = worker._parse(["--out", str(out_dir), *golden_options, "--", *argv])
     out_dir.mkdir(parents=True, exist_ok=True)

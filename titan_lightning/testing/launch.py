@@ -244,7 +244,7 @@ def launch_nodes(
     (torchrun starts each rank in a session of its own: the ranks are found by a variable only this
     launch's processes carry, even a rank whose launcher died first).
     """
-    from titan_lightning.recipe import RUN_DIR_ENV
+    from titan_lightning.recipe import RUN_DIR_ENV  # here: importing the launcher costs no torch/lightning
 
     if nnodes < 1 or nproc_per_node < 1:
         raise ValueError(f"nnodes={nnodes} and nproc_per_node={nproc_per_node} must be >= 1")

@@ -136,7 +136,7 @@ def _check_safetensors(path: Path) -> None:
 
 def _check_recipe(flag: str, spec: str) -> None:
     """Load the recipe and call it, as the run will (a failing import or recipe is a RecipeError)."""
-    from titan_lightning.recipe import RecipeError, build_run
+    from titan_lightning.recipe import RecipeError, build_run  # (start-up time: --help and --import need no torch)
 
     try:
         build_run(spec)

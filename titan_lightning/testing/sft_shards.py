@@ -7,19 +7,21 @@ document; ``synthetic_conversations(n)`` makes conversations of a realistic leng
 system turn, then user and assistant turns of a long-tailed length, the assistant's supervised).
 """
 
-import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from titan_lightning.data.shards import INDEX, ShardWriter, token_dtype, tokenizer_identity, write_index
+from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
 
 
 def shipped_tokenizer_identity() -> dict[str, Any]:
     """The identity (data/shards.py) of the shipped tokenizer, which a run without
     ``data.tokenizer_path`` checks a shard set against."""
-    from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
 
     tokenizer = load_tokenizer()
     return tokenizer_identity(tokenizer_file(None), tokenizer.vocab_size, tokenizer.eot_id, None)
@@ -71,12 +73,6 @@ def cached_synthetic_set(n: int = 200, *, seed: int = 0, mean_turn: int = 12, ma
     the system's temporary folder, named by its settings: written once, by whichever process of a
     launch gets there first (written aside, then renamed into place), read by the others. The SFT
     entries of the integration suites train on it."""
-    import os
-    import shutil
-    import tempfile
-
-    from titan_lightning.data.tokenizer import load_tokenizer
-
     tokenizer = load_tokenizer()
     name = f"titan-lightning-sft-v1-{n}-{seed}-{mean_turn}-{max_turns}-{tokenizer.vocab_size}-{tokenizer.eot_id}"
     folder = Path(tempfile.gettempdir()) / name

@@ -33,10 +33,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from titan_lightning.cli import prepare  # noqa: E402
+from titan_lightning.callbacks.golden import GoldenNumerics  # noqa: E402
 from titan_lightning.recipe import RUN_DIR_ENV, execute  # noqa: E402
 from titan_lightning.testing.faults import install_from_env  # noqa: E402
 from titan_lightning.testing.launch import THREADS_ENV  # noqa: E402
 from titan_lightning.testing.record import RecordSteps  # noqa: E402
+from titan_lightning.testing.seed_checkpoint import LoadSeedCheckpoint  # noqa: E402
 
 USAGE = (
     "usage: python -m titan_lightning.testing.worker --out DIR [--golden PATH --golden-mode compare|export "
@@ -69,12 +71,8 @@ def callbacks(options: argparse.Namespace) -> list[L.Callback]:
     """The callbacks the worker's options ask for."""
     extra: list[L.Callback] = []
     if options.seed_checkpoint:
-        from titan_lightning.testing.seed_checkpoint import LoadSeedCheckpoint
-
         extra.append(LoadSeedCheckpoint(options.seed_checkpoint))
     if options.golden:
-        from titan_lightning.callbacks.golden import GoldenNumerics
-
         extra.append(GoldenNumerics(options.golden, mode=options.golden_mode, config_name=options.golden_config))
     return extra
 

@@ -35,6 +35,10 @@ import socket
 import sys
 import traceback
 
+from titan_lightning.config import DataConfig
+from titan_lightning.data.datamodule import tokenized_splits
+from titan_lightning.data.tokenizer import CORPUS_PATH, load_tokenizer
+
 PRELOAD = ("torch", "torch.distributed", "lightning", "titan_lightning.cli", "titan_lightning.testing.worker",
            "titan_lightning.testing.spawn")
 
@@ -99,10 +103,6 @@ def _tokenize_shipped_corpus() -> None:
     """Most test runs train on the shipped corpus: tokenized here once, each forked rank finds it in
     ``tokenized_splits``'s memo. Sequentially (``TOKENIZERS_PARALLELISM=false``): a thread pool of
     the tokenizers library started here would be unusable after the fork."""
-    from titan_lightning.config import DataConfig
-    from titan_lightning.data.datamodule import tokenized_splits
-    from titan_lightning.data.tokenizer import CORPUS_PATH, load_tokenizer
-
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:

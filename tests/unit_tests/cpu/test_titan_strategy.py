@@ -2,11 +2,17 @@
 
 import lightning as L
 import pytest
+import torch
 import torch.distributed as dist
 
 from recipes.tests import features
 from titan_lightning import cli
-from titan_lightning.config import ConfigError
+from titan_lightning.config import ConfigError, ParallelismConfig
+from titan_lightning.models.qwen3 import Qwen3Job, Qwen3Module, qwen3_args
+from titan_lightning.parallel.contracts import (Blocks, ContractError, CPAttention, GroupedExperts, MoELayer,
+                                                PipelineModel, TitanModule, TitanStrategyView,
+                                                check_contracts, expert_modules, moe_layers)
+from titan_lightning.parallel.pipeline import PipelinePlan
 from titan_lightning.recipe import RUN_DIR_ENV, build_trainer
 from titan_lightning.strategies import FakePGStrategy, FSDP2Strategy, TensorParallelStrategy, TitanStrategy
 from user_module import UserModule
@@ -104,3 +110,44 @@ def test_module_sees_the_named_mesh_and_its_data_parallel_rank():
     assert seen["dims"] == ("dp_replicate", "dp_shard", "tp")
     # rank 5 = (replicate 1, shard 0, tp 1): data-parallel rank 2 of 4; TP ranks share it.
     assert seen["sampler"] == {"num_replicas": 4, "rank": 2}
+
+
+def test_a_user_module_without_what_cp_or_ep_shard_fails_where_the_strategy_first_sees_it():
+    # check_module runs before any process group or mesh: the one line names the missing part.
+    for degrees, message in (({"dp_shard": 1, "cp": 2}, r"parallelism.cp=2: UserModule has no attention module that can do CP"),
+                             ({"dp_shard": 2, "ep": 2}, r"parallelism.ep=2: UserModule has no MoE layer to shard")):
+        strategy = FakePGStrategy(world_size=2, **degrees)
+        _trainer(strategy, max_steps=1)
+        with pytest.raises(ContractError, match=message):
+            strategy.check_module(UserModule(batch_size=4))
+        assert not dist.is_initialized()
+
+
+def test_a_pipeline_plan_is_checked_against_a_built_network_before_launch():
+    module = UserModule(batch_size=4)
+    module.net = module  # (the plan's model: the module itself; its blocks are an nn.ModuleList)
+    module.pipeline_plan = PipelinePlan(model="net", layers="blocks", first=("embed",), last=("head",))
+    with pytest.raises(ContractError, match=r"needs UserModule.blocks to be an nn.ModuleDict of blocks \(found ModuleList\)"):
+        check_contracts(module, ParallelismConfig(pp=2, dp_shard=1), built=True)
+    module.blocks = torch.nn.ModuleDict({str(i): block for i, block in enumerate(module.blocks)})
+    module.pipeline_plan = PipelinePlan(model="net", layers="blocks", first=("embed",), last=("norm", "head"))
+    with pytest.raises(ContractError, match=r"pipeline plan names UserModule.norm, which does not exist"):
+        check_contracts(module, ParallelismConfig(pp=2, dp_shard=1), built=True)
+    check_contracts(module, ParallelismConfig(pp=2, dp_shard=1), built=False)  # (built at setup: checked there)
+    del module.pipeline_plan
+    with pytest.raises(ContractError, match=r"parallelism.pp=2 needs a pipeline plan, and UserModule declares none"):
+        check_contracts(module, ParallelismConfig(pp=2, dp_shard=1), built=False)
+
+
+def test_our_decoders_meet_the_declared_contracts():
+    with torch.device("meta"):
+        dense = features.llama3_small().module.build_model()
+        moe = Qwen3Module(Qwen3Job(model=qwen3_args("debugmodel_moe"))).build_model()
+    for model in (dense, moe):
+        assert isinstance(model, Blocks) and isinstance(model, PipelineModel)
+        assert len([m for m in model.modules() if isinstance(m, CPAttention)]) == len(model.layers)
+        assert all(hasattr(model, name) for name in (*PipelinePlan().first, *PipelinePlan().last))
+    assert moe_layers(moe) and all(isinstance(m, MoELayer) for m in moe_layers(moe))
+    assert all(isinstance(m, GroupedExperts) for m in expert_modules(moe, 2))
+    assert isinstance(TitanStrategy(), TitanStrategyView)
+    assert isinstance(features.llama3_small().module, TitanModule)
