@@ -1,0 +1,64 @@
+"""A Hugging Face Qwen2 folder (tiny, random fp32 weights, q/k/v biases), read through config.json
+and our adapter, gives the logits transformers computes from it (tied and untied embeddings); our
+export loads in transformers with our logits; a config.json that slides its attention is refused."""
+
+import json
+
+import pytest
+import torch
+
+from titan_lightning.config import ConfigError
+from titan_lightning.models.qwen2 import Qwen2StateDictAdapter
+from titan_lightning.pretrained import read_hf_model
+
+from tests.hf_folders import VOCAB, export_to_transformers, load_ours, save_hf_model
+
+TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_logits_match_transformers(tmp_path, tie):
+    pytest.importorskip("transformers", reason="the reference implementation; a test-only extra")
+    reference = save_hf_model(tmp_path, "qwen2", tie=tie)
+    assert reference.model.layers[0].self_attn.q_proj.bias.abs().max() > 0.1  # the biases count
+    with torch.no_grad():
+        expected = reference(input_ids=TOKENS).logits
+        assert expected.std() > 0.5
+        torch.testing.assert_close(load_ours(tmp_path)(TOKENS), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_our_export_loads_in_transformers(tmp_path):
+    pytest.importorskip("transformers", reason="the reference implementation; a test-only extra")
+    save_hf_model(tmp_path / "hf", "qwen2")
+    ours = load_ours(tmp_path / "hf")
+    with torch.no_grad():  # weights of our own, biases included, so the export is not the input
+        for p in ours.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    theirs = export_to_transformers(ours, Qwen2StateDictAdapter, tmp_path / "export")
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS), theirs(input_ids=TOKENS).logits, rtol=1e-5, atol=1e-5)
+
+
+def _config(tmp_path, **fields):
+    config = {"model_type": "qwen2", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+              "max_position_embeddings": 64, "rope_theta": 1e6, "use_sliding_window": False, "sliding_window": 4096,
+              "max_window_layers": 2, "hidden_act": "silu", "attention_dropout": 0.0, "use_mrope": False, **fields}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_a_released_config_reads_with_its_window_fields_switched_off(tmp_path):
+    args = read_hf_model(_config(tmp_path)).args
+    assert (args.dim, args.head_dim, args.n_kv_heads, args.qkv_bias) == (64, 16, 2, True)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"use_sliding_window": True}, "use_sliding_window=true: sliding-window attention is not implemented"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, 'layer_types=["full_attention", "sliding_attention"]'),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "RoPE scaling"),
+    ({"use_mrope": True}, "use_mrope=true is not supported"),
+])
+def test_what_qwen2_does_not_model_is_refused_by_name(tmp_path, fields, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        read_hf_model(_config(tmp_path, **fields))
