@@ -2,6 +2,8 @@
 families on expert-parallel layouts (entries in tests/integration_tests/models.py)."""
 
 import recipes.deepseek_v3 as deepseek_v3
+import recipes.mistral as mistral
+import recipes.qwen2 as qwen2
 import recipes.qwen3 as qwen3
 from recipes.tests import features
 from titan_lightning.recipe import Run, on_layout, with_cp
@@ -123,3 +125,36 @@ def qwen3_moe_pp2_fsdp2_ep2() -> Run:
 def deepseek_v3_pp2_ep2() -> Run:
     """DeepSeek V3 on 2 stages (the dense first layer in stage 0), experts over EP2 within each (4 ranks)."""
     return on_layout(deepseek_v3_debugmodel(), pp=2, dp_shard=2, ep=2, pp_microbatches=2)
+
+
+def qwen2_debugmodel() -> Run:
+    """The Qwen 2 debug model cut to 2 layers (q/k/v biases), one process."""
+    run = _for_tests(qwen2.debugmodel())
+    run.job.model.n_layers = 2
+    return run
+
+
+def qwen2_fsdp2() -> Run:
+    return on_layout(qwen2_debugmodel(), dp_shard=2)
+
+
+def mistral_debugmodel() -> Run:
+    """The Mistral debug model cut to 2 layers, one process."""
+    run = _for_tests(mistral.debugmodel())
+    run.job.model.n_layers = 2
+    return run
+
+
+def mistral_fsdp2() -> Run:
+    return on_layout(mistral_debugmodel(), dp_shard=2)
+
+
+def mixtral_debugmodel() -> Run:
+    """The Mixtral-shaped debug model (8 experts, top-2) cut to 2 layers, one process."""
+    run = _for_tests(mistral.debugmodel_moe())
+    run.job.model.n_layers = 2
+    return run
+
+
+def mixtral_fsdp2_ep2() -> Run:
+    return on_layout(mixtral_debugmodel(), dp_shard=2, ep=2)

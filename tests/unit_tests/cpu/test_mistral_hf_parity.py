@@ -79,3 +79,17 @@ def test_a_mistral_config_without_sliding_window_has_transformers_default_window
     (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
     with pytest.raises(ConfigError, match="sliding_window=4096"):
         read_hf_model(tmp_path)
+
+
+# Published (total, active) parameters: Mistral 7B 7.3B, Nemo 12.2B (Hub), Mixtral 8x7B 46.7B / 12.9B,
+# 8x22B 141B / 39B (Mistral's announcements).
+PUBLISHED = {"7B": (7.3e9, 7.3e9), "Nemo-12B": (12.2e9, 12.2e9), "8x7B": (46.7e9, 12.9e9), "8x22B": (141e9, 39e9)}
+
+
+@pytest.mark.parametrize("flavor", PUBLISHED)
+def test_presets_have_the_published_parameter_counts(flavor):
+    from titan_lightning.models.mistral import Transformer, mistral_args
+
+    args = mistral_args(flavor)
+    counts = Transformer.count_parameters(args), Transformer.count_parameters(args, active=True)
+    assert counts == pytest.approx(PUBLISHED[flavor], rel=0.01)

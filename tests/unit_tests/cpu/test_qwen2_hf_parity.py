@@ -62,3 +62,19 @@ def test_a_released_config_reads_with_its_window_fields_switched_off(tmp_path):
 def test_what_qwen2_does_not_model_is_refused_by_name(tmp_path, fields, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
         read_hf_model(_config(tmp_path, **fields))
+
+
+# The Qwen 2.5 model cards' (total, non-embedding) parameters, as rounded there. 0.5B, 1.5B and 3B
+# tie lm_head to the embeddings; we never tie, so ours is the card's plus vocab_size * dim.
+PUBLISHED = {"0.5B": (0.49e9, 0.36e9), "1.5B": (1.54e9, 1.31e9), "3B": (3.09e9, 2.77e9), "7B": (7.61e9, 6.53e9),
+             "14B": (14.7e9, 13.1e9), "32B": (32.5e9, 31.0e9), "72B": (72.7e9, 70.0e9)}
+
+
+@pytest.mark.parametrize("flavor", PUBLISHED)
+def test_presets_have_the_model_cards_parameter_counts(flavor):
+    from titan_lightning.models.qwen2 import Transformer, qwen2_args
+
+    args = qwen2_args(flavor)
+    total, embedding = Transformer.count_parameters(args), args.vocab_size * args.dim
+    card = total - embedding if flavor in ("0.5B", "1.5B", "3B") else total
+    assert (card, total - 2 * embedding) == pytest.approx(PUBLISHED[flavor], rel=0.01)
