@@ -93,3 +93,36 @@ def test_presets_have_the_published_parameter_counts(flavor):
     args = mistral_args(flavor)
     counts = Transformer.count_parameters(args), Transformer.count_parameters(args, active=True)
     assert counts == pytest.approx(PUBLISHED[flavor], rel=0.01)
+
+
+_COMMON = {"architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+           "hidden_act": "silu", "initializer_range": 0.02, "intermediate_size": 14336, "model_type": "mistral",
+           "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True}
+# Mistral-7B-v0.3's, Mistral-Nemo-Base-2407's and Mixtral-8x7B-v0.1's config.json as published.
+RELEASED = {
+    "7B": {**_COMMON, "hidden_size": 4096, "max_position_embeddings": 32768, "num_attention_heads": 32,
+           "num_hidden_layers": 32, "vocab_size": 32768, "transformers_version": "4.42.0.dev0"},
+    "Nemo-12B": {**_COMMON, "head_dim": 128, "hidden_size": 5120, "max_position_embeddings": 128000,
+                 "num_attention_heads": 32, "num_hidden_layers": 40, "vocab_size": 131072,
+                 "transformers_version": "4.43.3"},
+    "8x7B": {**_COMMON, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+             "max_position_embeddings": 32768, "num_attention_heads": 32, "num_hidden_layers": 32, "vocab_size": 32000,
+             "num_experts_per_tok": 2, "num_local_experts": 8, "output_router_logits": False,
+             "router_aux_loss_coef": 0.02, "transformers_version": "4.36.0.dev0"},
+}
+
+
+@pytest.mark.parametrize("flavor", RELEASED)
+def test_a_released_config_json_reads_as_its_preset(tmp_path, flavor):
+    import dataclasses
+
+    from titan_lightning.models.mistral import mistral_args
+    from titan_lightning.pretrained import check_folder_matches
+
+    (tmp_path / "config.json").write_text(json.dumps(RELEASED[flavor]))
+    preset = mistral_args(flavor)
+    if preset.moe is not None:  # from a folder: no routing bias (Mixtral's checkpoint has none)
+        preset.moe = dataclasses.replace(preset.moe, load_balance_coeff=None)
+    assert read_hf_model(tmp_path).args == preset
+    check_folder_matches(mistral_args(flavor), MistralStateDictAdapter, tmp_path)
