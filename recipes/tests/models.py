@@ -127,11 +127,16 @@ def deepseek_v3_pp2_ep2() -> Run:
     return on_layout(deepseek_v3_debugmodel(), pp=2, dp_shard=2, ep=2, pp_microbatches=2)
 
 
-def qwen2_debugmodel() -> Run:
-    """The Qwen 2 debug model cut to 2 layers (q/k/v biases), one process."""
-    run = _for_tests(qwen2.debugmodel())
+def _two_layers(run: Run) -> Run:
+    """A debug model on the test budget, cut to 2 layers."""
+    run = _for_tests(run)
     run.job.model.n_layers = 2
     return run
+
+
+def qwen2_debugmodel() -> Run:
+    """The Qwen 2 debug model (q/k/v biases), one process."""
+    return _two_layers(qwen2.debugmodel())
 
 
 def qwen2_fsdp2() -> Run:
@@ -139,10 +144,8 @@ def qwen2_fsdp2() -> Run:
 
 
 def mistral_debugmodel() -> Run:
-    """The Mistral debug model cut to 2 layers, one process."""
-    run = _for_tests(mistral.debugmodel())
-    run.job.model.n_layers = 2
-    return run
+    """The Mistral debug model, one process."""
+    return _two_layers(mistral.debugmodel())
 
 
 def mistral_fsdp2() -> Run:
@@ -150,10 +153,8 @@ def mistral_fsdp2() -> Run:
 
 
 def mixtral_debugmodel() -> Run:
-    """The Mixtral-shaped debug model (8 experts, top-2) cut to 2 layers, one process."""
-    run = _for_tests(mistral.debugmodel_moe())
-    run.job.model.n_layers = 2
-    return run
+    """The Mixtral-shaped debug model (8 experts, top-2), one process."""
+    return _two_layers(mistral.debugmodel_moe())
 
 
 def mixtral_fsdp2_ep2() -> Run:
