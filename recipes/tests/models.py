@@ -143,6 +143,11 @@ def qwen2_fsdp2() -> Run:
     return on_layout(qwen2_debugmodel(), dp_shard=2)
 
 
+def qwen2_tp2() -> Run:
+    """TP2 (sequence parallel): each rank holds the q/k/v biases of its own heads."""
+    return on_layout(qwen2_debugmodel(), dp_shard=1, tp=2)
+
+
 def mistral_debugmodel() -> Run:
     """The Mistral debug model, one process."""
     return _two_layers(mistral.debugmodel())

@@ -38,6 +38,7 @@ ENTRIES = [
     _entry("deepseek_v3_fsdp4_ep2", "DeepSeek V3: FSDP4, experts over EP2 x efsdp2", 4, "deepseek_v3_debugmodel"),
     _entry("deepseek_v3_hsdp2_fsdp2_ep2", "DeepSeek V3: HSDP 2x2, experts over EP2", 4, "deepseek_v3_debugmodel"),
     _entry("qwen2_fsdp2", "Qwen 2 debug model (q/k/v biases): FSDP2", 2, "qwen2_debugmodel"),
+    _entry("qwen2_tp2", "Qwen 2 debug model: TP2, the q/k/v biases split with their heads", 2, "qwen2_debugmodel"),
     _entry("mistral_fsdp2", "Mistral debug model: FSDP2", 2, "mistral_debugmodel"),
     _entry("mixtral_fsdp2_ep2", "Mixtral-shaped debug model (8 experts, top-2): FSDP2, experts over EP2", 2,
            "mixtral_debugmodel"),
