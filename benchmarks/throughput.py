@@ -117,6 +117,13 @@ WORKLOADS: dict[str, Workload] = {
     "qwen3_30b_a3b_shape_eager_moe": Workload(recipe="recipes.qwen3:qwen3_30b_a3b", layers=4, seq_len=4096,
                                               overrides=("--job.compile.components", "[model,loss]"),
                                               contenders=("titan", "bare", "lightning")),
+    # Qwen 2.5 7B's layers (dim 3584, GQA 28/4, q/k/v biases, FFN 18944, vocab 152064), 8 of 28.
+    "qwen2_5_7b_shape": Workload(recipe="recipes.qwen2:qwen2_5_7b", layers=8, contenders=("titan", "bare")),
+    # Mistral Nemo 12B's layers (dim 5120, 32 heads of 128, 8 KV heads, FFN 14336, vocab 131072), 8 of 40.
+    "mistral_nemo_12b_shape": Workload(recipe="recipes.mistral:mistral_nemo_12b", layers=8, contenders=("titan", "bare")),
+    # Mixtral 8x7B's layers (8 experts of 14336, top 2, grouped GEMM), 2 of 32.
+    "mixtral_8x7b_shape": Workload(recipe="recipes.mistral:mixtral_8x7b", layers=2, seq_len=4096,
+                                   contenders=("titan", "bare")),
     # DeepSeek V3 16B-shaped layers (DeepSeek-V2-Lite's sizes: dim 2048, MLA kv rank 512, 64 routed
     # experts of 1408 + 2 shared, top 6) with V3's routing: sigmoid scores normalized over the top
     # k, picked from the 4 best of 8 expert groups; the dense first layer and 3 MoE layers.

@@ -1,7 +1,7 @@
 """Tiny Hugging Face model folders as users hold them: saved by transformers (config.json,
 safetensors), with a tokenizer.json trained here and a tokenizer_config.json in the special-token
-layout of the family (Llama 3: <|begin_of_text|> / <|end_of_text|>, Qwen 3: <|endoftext|> only,
-DeepSeek: <｜begin▁of▁sentence｜> / <｜end▁of▁sentence｜>). Needs transformers."""
+layout of the family (Llama 3: <|begin_of_text|> / <|end_of_text|>, Qwen 2 / 3: <|endoftext|> only,
+DeepSeek: <｜begin▁of▁sentence｜> / <｜end▁of▁sentence｜>, Mistral / Mixtral: <s> / </s>). Needs transformers."""
 
 import inspect
 import json
@@ -14,9 +14,12 @@ SHAPES = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attenti
               max_position_embeddings=64, rms_norm_eps=1e-6)
 SPECIAL_TOKENS = {
     "llama": ("<|begin_of_text|>", "<|end_of_text|>"),
+    "qwen2": (None, "<|endoftext|>"),
     "qwen3": (None, "<|endoftext|>"),
     "qwen3_moe": (None, "<|endoftext|>"),
     "deepseek_v3": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    "mistral": ("<s>", "</s>"),
+    "mixtral": ("<s>", "</s>"),
 }
 
 
@@ -26,6 +29,11 @@ def hf_config(model_type: str, tie: bool = False, **overrides):
     common = {**SHAPES, "tie_word_embeddings": tie, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
     families = {
         "llama": (transformers.LlamaConfig, dict(intermediate_size=160)),
+        "qwen2": (transformers.Qwen2Config, dict(intermediate_size=96)),
+        # head_dim 32 != hidden_size / num_attention_heads = 16, as in Mistral Nemo; no sliding window.
+        "mistral": (transformers.MistralConfig, dict(intermediate_size=96, head_dim=32, sliding_window=None)),
+        "mixtral": (transformers.MixtralConfig, dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                                                     sliding_window=None)),
         "qwen3": (transformers.Qwen3Config, dict(intermediate_size=96, head_dim=32)),
         "qwen3_moe": (transformers.Qwen3MoeConfig, dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
                                                         num_experts_per_tok=2, norm_topk_prob=True)),
@@ -62,8 +70,8 @@ def train_tokenizer(folder: Path, model_type: str) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def save_hf_folder(folder: Path, model_type: str, tie: bool = False, seed: int = 0, **overrides) -> Path:
-    """A random model of ``model_type`` saved by transformers, with a tokenizer, into ``folder``."""
+def save_hf_model(folder: Path, model_type: str, tie: bool = False, seed: int = 0, **overrides):
+    """A random fp32 model of ``model_type`` saved by transformers into ``folder`` (no tokenizer); the model."""
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -76,5 +84,35 @@ def save_hf_folder(folder: Path, model_type: str, tie: bool = False, seed: int =
     if "save_original_format" in inspect.signature(model.save_pretrained).parameters:
         kwargs["save_original_format"] = True  # per-expert keys, as on the Hub
     model.save_pretrained(folder, **kwargs)
+    return model.eval()
+
+
+def save_hf_folder(folder: Path, model_type: str, tie: bool = False, seed: int = 0, **overrides) -> Path:
+    """A random model of ``model_type`` saved by transformers, with a tokenizer, into ``folder``."""
+    save_hf_model(folder, model_type, tie, seed, **overrides)
     train_tokenizer(folder, model_type)
     return folder
+
+
+def load_ours(folder: Path):
+    """Our decoder of the folder's family, its args read from config.json (as ``recipes.hf:pretrained``
+    reads them), the weights loaded through the family's adapter; in eval mode, fp32."""
+    from titan_lightning.models.common.decoder import decoder_class
+    from titan_lightning.pretrained import read_hf_model
+
+    hf = read_hf_model(folder)
+    model = decoder_class(type(hf.args))(hf.args)
+    model.init_weights(seed=1)  # overwritten by the load
+    hf.module_class.hf_adapter(hf.args, tie_word_embeddings=hf.tie_word_embeddings).load_into(model, folder)
+    return model.eval()
+
+
+def export_to_transformers(model, adapter_class: type, folder: Path):
+    """``model`` saved through ``adapter_class`` (in several shards, with an index) with the config.json
+    an export writes, then loaded by transformers (fp32, eval)."""
+    import transformers
+
+    adapter = adapter_class(model.args)
+    adapter.save_from(model, folder, max_shard_bytes=60_000)
+    (folder / "config.json").write_text(json.dumps(adapter.hf_config(model.args)))
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

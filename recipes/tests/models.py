@@ -2,6 +2,8 @@
 families on expert-parallel layouts (entries in tests/integration_tests/models.py)."""
 
 import recipes.deepseek_v3 as deepseek_v3
+import recipes.mistral as mistral
+import recipes.qwen2 as qwen2
 import recipes.qwen3 as qwen3
 from recipes.tests import features
 from titan_lightning.recipe import Run, on_layout, with_cp
@@ -123,6 +125,45 @@ def qwen3_moe_pp2_fsdp2_ep2() -> Run:
 def deepseek_v3_pp2_ep2() -> Run:
     """DeepSeek V3 on 2 stages (the dense first layer in stage 0), experts over EP2 within each (4 ranks)."""
     return on_layout(deepseek_v3_debugmodel(), pp=2, dp_shard=2, ep=2, pp_microbatches=2)
+
+
+def _two_layers(run: Run) -> Run:
+    """A debug model on the test budget, cut to 2 layers."""
+    run = _for_tests(run)
+    run.job.model.n_layers = 2
+    return run
+
+
+def qwen2_debugmodel() -> Run:
+    """The Qwen 2 debug model (q/k/v biases), one process."""
+    return _two_layers(qwen2.debugmodel())
+
+
+def qwen2_fsdp2() -> Run:
+    return on_layout(qwen2_debugmodel(), dp_shard=2)
+
+
+def qwen2_tp2() -> Run:
+    """TP2 (sequence parallel): each rank holds the q/k/v biases of its own heads."""
+    return on_layout(qwen2_debugmodel(), dp_shard=1, tp=2)
+
+
+def mistral_debugmodel() -> Run:
+    """The Mistral debug model, one process."""
+    return _two_layers(mistral.debugmodel())
+
+
+def mistral_fsdp2() -> Run:
+    return on_layout(mistral_debugmodel(), dp_shard=2)
+
+
+def mixtral_debugmodel() -> Run:
+    """The Mixtral-shaped debug model (8 experts, top-2), one process."""
+    return _two_layers(mistral.debugmodel_moe())
+
+
+def mixtral_fsdp2_ep2() -> Run:
+    return on_layout(mixtral_debugmodel(), dp_shard=2, ep=2)
 
 
 # Supervised fine-tuning of the MoE (data.sft): tokens routed to experts of other ranks, the loss over

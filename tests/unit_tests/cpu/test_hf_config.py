@@ -12,6 +12,8 @@ from titan_lightning.data.tokenizer import load_tokenizer
 from titan_lightning.models.common.decoder import decoder_class
 from titan_lightning.models.common.hf_config import HFConfig
 from titan_lightning.models.llama3 import LLAMA3_PRESETS, Llama3StateDictAdapter
+from titan_lightning.models.mistral import MISTRAL_PRESETS, MistralStateDictAdapter
+from titan_lightning.models.qwen2 import QWEN2_PRESETS, Qwen2StateDictAdapter
 from titan_lightning.models.qwen3 import QWEN3_PRESETS, Qwen3Module, Qwen3StateDictAdapter
 from titan_lightning.pretrained import check_folder_matches, read_hf_model
 
@@ -41,7 +43,10 @@ def test_a_transformers_folder_gives_the_model_transformers_computes(tmp_path, m
 @pytest.mark.parametrize("adapter, args", [
     *[(Llama3StateDictAdapter, LLAMA3_PRESETS[name]) for name in ("debugmodel", "1B", "8B")],
     *[(Qwen3StateDictAdapter, QWEN3_PRESETS[name]) for name in ("debugmodel", "0.6B", "30B-A3B")],
-], ids=["llama3-debugmodel", "llama3-1B", "llama3-8B", "qwen3-debugmodel", "qwen3-0.6B", "qwen3-30B-A3B"])
+    *[(Qwen2StateDictAdapter, QWEN2_PRESETS[name]) for name in ("0.5B", "72B")],
+    *[(MistralStateDictAdapter, MISTRAL_PRESETS[name]) for name in ("Nemo-12B", "8x7B")],
+], ids=["llama3-debugmodel", "llama3-1B", "llama3-8B", "qwen3-debugmodel", "qwen3-0.6B", "qwen3-30B-A3B",
+        "qwen2-0.5B", "qwen2-72B", "mistral-Nemo-12B", "mixtral-8x7B"])
 def test_written_config_reads_back_as_the_same_model_and_transformers_takes_it(adapter, args):
     written = adapter.hf_config(args)
     reader = HFConfig({**written, "torch_dtype": "float32"}, "config.json", adapter.family)

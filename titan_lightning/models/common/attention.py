@@ -21,6 +21,8 @@ class Attention(nn.Module):
     tensor-parallel shard of wq/wk/wv/wo.
 
     ``head_dim`` defaults to ``dim // n_heads``; Qwen 3 sets it independently of ``dim``.
+    ``qkv_bias`` (Qwen 2): wq, wk and wv add a bias (wo has none); a tensor-parallel plan
+    shards each bias with the rows of its projection.
     ``qk_norm_eps`` turns on QK-norm (Qwen 3): an RMSNorm over each head's features of the
     queries (``q_norm``) and the keys (``k_norm``), before RoPE; one weight of [head_dim]
     is shared by all heads. None (the default) means no QK-norm, and no such submodules.
@@ -45,15 +47,16 @@ class Attention(nn.Module):
         head_dim: Optional[int] = None,
         qk_norm_eps: Optional[float] = None,
         window: Optional[int] = None,
+        qkv_bias: bool = False,
     ):
         super().__init__()
         self.backend = attention
         self.window = window
         self.cp: Optional[ContextParallel] = None
         self.head_dim = head_dim if head_dim is not None else dim // n_heads
-        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
         qk_norm = qk_norm_eps is not None
         self.q_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm else None

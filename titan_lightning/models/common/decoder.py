@@ -123,7 +123,8 @@ class Decoder(nn.Module):
     args_class: ClassVar[type] = ModelArgs
     # Parameter groups of the init, by name suffix: drawn with std 0.02, or 0.02 / sqrt(2 *
     # (layer_id + 1)) with ``args.depth_init`` (else / sqrt(2 * n_layers)); every ``*norm.weight``
-    # starts at one, the embeddings at N(0, 1), the head at N(0, dim^-0.5) cut at 3 std.
+    # starts at one, every bias (Qwen 2's q/k/v) at zero, the embeddings at N(0, 1), the head at
+    # N(0, dim^-0.5) cut at 3 std.
     input_projections: ClassVar[tuple[str, ...]] = ("wq.weight", "wk.weight", "wv.weight", "w1.weight", "experts.w1")
     output_projections: ClassVar[tuple[str, ...]] = (
         "wo.weight", "w2.weight", "w3.weight", "experts.w2", "experts.w3", "router.gate.weight"
@@ -219,6 +220,8 @@ class Decoder(nn.Module):
             nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std, generator=g)
         elif fqn.endswith("norm.weight"):
             nn.init.ones_(w)
+        elif fqn.endswith(".bias"):
+            nn.init.zeros_(w)
         elif fqn.endswith(self.input_projections):
             nn.init.trunc_normal_(w, std=0.02, generator=g)
         elif fqn.endswith(self.output_projections):

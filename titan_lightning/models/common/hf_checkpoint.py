@@ -52,7 +52,6 @@ EXPERT_BIAS = "moe.expert_bias"
 
 _OUR_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_HF_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(\w+)\.weight")
 
 
 def _names(keys: list[str], limit: int = 8) -> str:
@@ -81,7 +80,8 @@ class StateDictAdapter:
     back (``from_hf``), from the tables the family declares:
 
     ``layer_keys``     our name inside ``layers.N.`` -> Hugging Face's inside ``model.layers.N.``
-    ``expert_keys``    our stacked [E, ...] expert weight -> its projection in ``mlp.experts.J.``
+    ``expert_keys``    our stacked [E, ...] expert weight -> its projection in ``<experts_prefix>.J.``
+                       (``experts_prefix``: ``mlp.experts``; Mixtral's ``block_sparse_moe.experts``)
     ``rope_halves``    layer keys permuted per head (-> the args field with their head count):
                        Hugging Face's RoPE rotates feature i with i + head_dim/2, ours adjacent
                        pairs, so HF feature c * head_dim/2 + i is our feature 2i + c
@@ -98,6 +98,7 @@ class StateDictAdapter:
     family: str
     layer_keys: dict[str, str]
     expert_keys: dict[str, str] = {}
+    experts_prefix: str = "mlp.experts"
     rope_halves: dict[str, Optional[str]] = {}
     extra_from_hf: dict[str, Callable[[Tensor], dict[str, Tensor]]] = {}
     ignored_hf_suffixes: tuple[str, ...] = ()  # top-level Hugging Face keys from_hf skips
@@ -148,7 +149,7 @@ class StateDictAdapter:
             return _TOP_KEYS.get(ours)
         layer, name = match.groups()
         if name in self.expert_keys:
-            return f"model.layers.{layer}.mlp.experts.*.{self.expert_keys[name]}.weight"
+            return f"model.layers.{layer}.{self.experts_prefix}.*.{self.expert_keys[name]}.weight"
         return f"model.layers.{layer}.{self.layer_keys[name]}" if name in self.layer_keys else None
 
     def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -187,11 +188,12 @@ class StateDictAdapter:
         expert_keys = _inverse(self.expert_keys) if moe is not None else {}
         sd: dict[str, Source] = {}
         experts: dict[str, dict[int, str]] = {}  # our stacked key -> J -> HF key
+        hf_expert = re.compile(rf"{re.escape(self.experts_prefix)}\.(\d+)\.(\w+)\.weight")
         unknown = []
         for key in tensors.keys():
             match = _HF_LAYER.fullmatch(key)
             layer, name = match.groups() if match else (None, key)
-            expert = _HF_EXPERT.fullmatch(name)
+            expert = hf_expert.fullmatch(name)
             if key in top:
                 sd[top[key]] = tensors.source(key)
             elif match is None:

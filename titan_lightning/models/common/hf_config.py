@@ -117,3 +117,32 @@ def scaling_fields(scaling: dict[str, Any], expected_type: str, fields: tuple[st
     if missing:
         raise ConfigError(f"{where}: {expected_type} RoPE needs {', '.join(missing)}")
     return {f: scaling[f] for f in fields}
+
+
+def refuse_sliding_window(config: HFConfig, *, switch: Optional[str] = None, default_window: Optional[int] = None) -> None:
+    """Every layer of ``config`` attends to all earlier tokens, or a one-line ConfigError naming the field.
+
+    ``switch`` (Qwen 2's ``use_sliding_window``): while it is false the window's size and
+    ``max_window_layers`` change nothing. Without one, ``sliding_window`` (``default_window`` when
+    config.json leaves it out: transformers' default for the family) must be null or reach past
+    ``max_position_embeddings``: such a window is full causal attention. ``layer_types``, when
+    present, must list only ``full_attention``.
+
+    TODO(#38 item 5, sliding-window attention): once windows are a mask kind, map the window (and
+    the layers it applies to) onto the family's args here instead of refusing it.
+    """
+    todo = "sliding-window attention is not implemented here yet (#38 item 5)"
+    layer_types = config.get("layer_types", default=None)
+    if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
+        raise ConfigError(f"{config.source}: layer_types={json.dumps(layer_types)}: {todo}; supported: "
+                          f"\"full_attention\" for every layer")
+    if switch is not None:
+        config.ignore("sliding_window", "max_window_layers")
+        if config.get(switch, default=False):
+            raise ConfigError(f"{config.source}: {switch}=true: {todo}; supported: false")
+        return
+    window = config.get("sliding_window", default=default_window)
+    positions = config.get("max_position_embeddings")
+    if window is not None and window < positions:
+        raise ConfigError(f"{config.source}: sliding_window={json.dumps(window)}: {todo}; supported: null, or at "
+                          f"least max_position_embeddings={positions} (full attention)")

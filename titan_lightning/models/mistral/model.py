@@ -1,0 +1,73 @@
+"""Mistral and Mixtral decoders, with torchtitan's submodule names.
+
+Mistral is Llama's block (pre-norm grouped-query attention, RoPE, SwiGLU) with ``head_dim`` a field
+of its own (Mistral Nemo: 32 heads of 128 on dim 5120). Mixtral replaces each SwiGLU with a mixture
+of 8 SwiGLU experts: a softmax router picks each token's top 2, their weights renormalized over
+the 2, no shared expert (models/common/moe.py). Sliding-window attention (Mistral 7B v0.1's 4096)
+is refused when a config.json sets one (models/common/hf_config.py ``refuse_sliding_window``).
+
+Load balancing: Hugging Face Mixtral trains with an auxiliary loss (``router_aux_loss_coef``); the
+MoE here has the auxiliary-loss-free expert bias instead (``moe.load_balance_coeff``), which
+Mixtral's checkpoint has no place for, so a model read from a config.json trains without either.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from titan_lightning.config.job import ModelArgs
+from titan_lightning.models.common import Attention, FeedForward, precompute_rope_cache
+from titan_lightning.models.common.decoder import Block, Decoder
+from titan_lightning.models.common.moe import MoE, MoEArgs
+from titan_lightning.models.mistral.parallelize import TP_PLAN
+
+
+@dataclass(kw_only=True)
+class MistralArgs(ModelArgs):
+    """Mistral / Mixtral architecture. The defaults are the dense debugmodel; presets.py has the
+    published sizes."""
+
+    n_kv_heads: int = 8
+    dim: int = 256
+    n_layers: int = 6
+    head_dim: int = 16
+    # Width of the dense SwiGLU (Hugging Face ``intermediate_size``); unused when ``moe`` is set.
+    ffn_hidden_dim: int = 768
+    norm_eps: float = 1e-5
+    rope_theta: float = 1000000.0
+    max_seq_len: int = 4096
+    # None: Mistral (dense); otherwise every block is a mixture of experts (Mixtral).
+    moe: Optional[MoEArgs] = None
+    # std of wo/w2/w3 (and the router): 0.02 / sqrt(2 * (layer_id + 1)) if True, else 0.02 / sqrt(2 * n_layers).
+    depth_init: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.require_positive_ints("dim", "n_layers", "head_dim", "ffn_hidden_dim", "max_seq_len")
+        self.require_positive("norm_eps", "rope_theta")
+        if self.head_dim % 2:
+            raise ValueError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs of features)")
+        if self.moe is not None:
+            self.moe.__post_init__()
+
+
+class Transformer(Decoder):
+    """Mistral / Mixtral: token embeddings, pre-norm GQA blocks with SwiGLU or MoE, final norm,
+    untied output (models/common/decoder.py has the skeleton)."""
+
+    args_class = MistralArgs
+
+    def build_block(self, layer_id: int) -> Block:
+        a = self.args
+        attention = Attention(a.dim, a.n_heads, a.n_kv_heads, a.attention, head_dim=a.head_dim)
+        ffn = FeedForward(a.dim, a.ffn_hidden_dim) if a.moe is None else MoE(a.dim, a.moe)
+        return Block(a.dim, a.norm_eps, attention, ffn)
+
+    def build_rope_cache(self) -> torch.Tensor:
+        a = self.args
+        return precompute_rope_cache(a.head_dim, a.max_seq_len, a.rope_theta)
+
+    @classmethod
+    def tp_plan(cls, args: MistralArgs) -> dict[str, str]:
+        return dict(TP_PLAN)

@@ -1,0 +1,82 @@
+"""Mistral / Mixtral <-> Hugging Face ``MistralForCausalLM`` / ``MixtralForCausalLM``: state dicts
+and config.json.
+
+Llama's names; Mixtral's experts as its checkpoints hold them (``block_sparse_moe.experts.J.w1``
+/ ``w3`` / ``w2``: gate, up, down) and its router ``block_sparse_moe.gate``. Hugging Face Mixtral
+routes by softmax top-2 renormalized, with no routing bias: ``moe.expert_bias`` has no counterpart
+(models/common/hf_checkpoint.py), so a model read from a config.json trains without one
+(``moe.load_balance_coeff=None``) and an export of one that trained a bias is refused.
+"""
+
+from typing import Any
+
+from titan_lightning.config import ConfigError
+from titan_lightning.models.common.hf_checkpoint import HALF_ROTATED, LLAMA_BLOCK_KEYS, StateDictAdapter
+from titan_lightning.models.common.hf_config import HFConfig, refuse_sliding_window
+from titan_lightning.models.common.moe import MoEArgs
+from titan_lightning.models.mistral.model import MistralArgs
+
+FIXED_FIELDS = {"hidden_act": "silu", "attention_dropout": 0.0}
+MOE_FIXED_FIELDS = {"router_jitter_noise": 0.0}
+# transformers' sliding_window when a config.json leaves it out (MistralConfig 4096, MixtralConfig None).
+_DEFAULT_WINDOW = {"mistral": 4096, "mixtral": None}
+
+
+class MistralStateDictAdapter(StateDictAdapter):
+    """Our Mistral / Mixtral state dict <-> a Hugging Face Mistral / Mixtral one."""
+
+    family = "Mistral"
+    layer_keys = {**LLAMA_BLOCK_KEYS, "moe.router.gate.weight": "block_sparse_moe.gate.weight"}
+    expert_keys = {"moe.experts.w1": "w1", "moe.experts.w3": "w3", "moe.experts.w2": "w2"}
+    experts_prefix = "block_sparse_moe.experts"
+    rope_halves = HALF_ROTATED
+    hf_model_types = ("mistral", "mixtral")
+
+    @classmethod
+    def args_from_hf_config(cls, config: HFConfig) -> MistralArgs:
+        for name, value in FIXED_FIELDS.items():
+            config.expect(name, value)
+        model_type = config.get("model_type")
+        refuse_sliding_window(config, default_window=_DEFAULT_WINDOW[model_type])
+        theta, scaling = config.rope()
+        if scaling is not None:
+            raise ConfigError(f"{config.source}: RoPE scaling {scaling} is not modelled for Mistral here "
+                              f"(supported: none)")
+        dim, heads = config.get("hidden_size"), config.get("num_attention_heads")
+        ffn = config.get("intermediate_size")
+        moe = None
+        if model_type == "mixtral":
+            for name, value in MOE_FIXED_FIELDS.items():
+                config.expect(name, value)
+            # The weight of Hugging Face's auxiliary load-balancing loss: not trained here, and no
+            # routing bias instead (Mixtral's checkpoint has none), so routing is pure top-2.
+            config.ignore("router_aux_loss_coef")
+            moe = MoEArgs(num_experts=config.get("num_local_experts"), top_k=config.get("num_experts_per_tok"),
+                          hidden_dim=ffn, score_func="softmax", route_norm=True, load_balance_coeff=None)
+        return MistralArgs(
+            vocab_size=config.get("vocab_size"), dim=dim, n_layers=config.get("num_hidden_layers"), n_heads=heads,
+            n_kv_heads=config.get("num_key_value_heads", default=heads),
+            head_dim=config.get("head_dim", default=None) or dim // heads, ffn_hidden_dim=ffn,
+            norm_eps=config.get("rms_norm_eps"), rope_theta=theta, max_seq_len=config.get("max_position_embeddings"),
+            moe=moe,
+        )
+
+    @classmethod
+    def hf_config(cls, args: MistralArgs) -> dict[str, Any]:
+        config = dict(
+            architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=args.vocab_size,
+            hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim, num_hidden_layers=args.n_layers,
+            num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
+            rms_norm_eps=args.norm_eps, max_position_embeddings=args.max_seq_len, rope_theta=args.rope_theta,
+            rope_scaling=None, sliding_window=None, **FIXED_FIELDS,
+        )
+        m = args.moe
+        if m is None:
+            return config
+        if (m.score_func != "softmax" or not m.route_norm or m.route_scale != 1.0 or m.score_before_experts
+                or m.num_shared_experts or m.num_groups != 1):
+            raise ConfigError(f"model.moe={m}: Hugging Face Mixtral routes by softmax top-k renormalized, scale 1, "
+                              f"scores after the experts, no shared experts, no expert groups")
+        return {**config, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "intermediate_size": m.hidden_dim, "num_local_experts": m.num_experts,
+                "num_experts_per_tok": m.top_k, **MOE_FIXED_FIELDS}
