@@ -172,6 +172,20 @@ for _name, _flavor, _layers in (("llama3_1b", "llama3_1b", None), ("llama3_8b_sh
                                                 contenders=("titan",), overrides=_sft_overrides("padded") + (
                                                     "--job.training.tokens_per_microbatch_per_dp_rank", "8192"))
 
+# Sliding-window attention (model.sliding_window: each query sees the 4096 keys before it, itself
+# included) against full causal attention, every layer, at seq 8192 and 32768 (issue #38):
+#   --contenders titan --workload llama3_1b,llama3_1b_sliding4k_varlen,llama3_1b_seq32k,llama3_1b_seq32k_sliding4k_varlen
+_SLIDING = ("--job.model.sliding_window", "4096")
+WORKLOADS.update({
+    "llama3_1b_sliding4k_varlen": Workload(recipe="recipes.llama3:llama3_1b", contenders=("titan",),
+                                           overrides=_SLIDING + ("--job.model.attention", "varlen")),
+    "llama3_1b_sliding4k_flex": Workload(recipe="recipes.llama3:llama3_1b", contenders=("titan",),
+                                         overrides=_SLIDING + ("--job.model.attention", "flex")),
+    "llama3_1b_seq32k": Workload(recipe="recipes.llama3:llama3_1b", seq_len=32768, contenders=("titan",)),
+    "llama3_1b_seq32k_sliding4k_varlen": Workload(recipe="recipes.llama3:llama3_1b", seq_len=32768, contenders=("titan",),
+                                                  overrides=_SLIDING + ("--job.model.attention", "varlen")),
+})
+
 # The float8 path of the harness on CPU (torchao's emulation): titan and bare must agree.
 WORKLOADS["overhead_float8"] = dataclasses.replace(
     WORKLOADS["overhead"], overrides=WORKLOADS["overhead"].overrides + float8_overrides("tensorwise", emulate=True),
