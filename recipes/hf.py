@@ -13,7 +13,7 @@ fine-tunes it on chat or instruction data (README "Fine-tuning").
 
 from dataclasses import replace
 
-from titan_lightning.config import CheckpointConfig, ConfigError, DataConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig
+from titan_lightning.config import CheckpointConfig, DataConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig
 from titan_lightning.pretrained import read_hf_model
 from titan_lightning.recipe import Run, family_run
 
@@ -46,14 +46,12 @@ def sft(initial_load_path: str, dataset_path: str) -> Run:
     model = read_hf_model(initial_load_path)
     folder = model.folder
     seq_len = min(2048, model.args.max_seq_len)
-    if not (folder / "tokenizer.json").is_file():
-        raise ConfigError(f"{folder}: no tokenizer.json; SFT data is tokenized with the model's own tokenizer (pass "
-                          f"--job.data.tokenizer_path DIR, the folder prepare used)")
     return family_run(
         model.job_class, model.module_class, replace(model.args, mask="block_causal", positions="per_document"),
         training=TrainingConfig(seq_len=seq_len, tokens_per_microbatch_per_dp_rank=seq_len),
         optimizer=OptimizerConfig(lr=2e-5, weight_decay=0.01, decay_norms_and_biases=False),
         lr_schedule=LRScheduleConfig(warmup_steps=20, decay_type="cosine", min_lr_factor=0.1),
-        data=DataConfig(dataset_path=dataset_path, tokenizer_path=str(folder), sft=True),
+        data=DataConfig(dataset_path=dataset_path, sft=True,
+                        tokenizer_path=str(folder) if (folder / "tokenizer.json").is_file() else None),
         checkpoint=CheckpointConfig(initial_load_path=str(folder), initial_load_format="hf", export_format="hf"),
     )

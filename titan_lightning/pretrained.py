@@ -125,6 +125,18 @@ def check_initial_hf_weights(command: str, run: Run) -> None:
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(f"checkpoint.initial_load_path={folder!r}: {' '.join(str(err).split())}") from None
+    check_folder_tokenizer(job)
+
+
+def check_folder_tokenizer(job: Any) -> None:
+    """A Hugging Face folder without tokenizer.json, and no ``data.tokenizer_path``: the run would
+    tokenize with the shipped 2048-token test tokenizer and export it as the model's. Refused, in
+    one line saying what to pass."""
+    folder = Path(job.checkpoint.initial_load_path)
+    if job.data.tokenizer_path is None and (folder / CONFIG_FILE).is_file() and not (folder / "tokenizer.json").is_file():
+        raise ConfigError(f"checkpoint.initial_load_path={str(folder)!r} has no tokenizer.json, and data.tokenizer_path "
+                          f"is not set: the run would use the shipped 2048-token test tokenizer and export it as the "
+                          f"model's; pass the model's tokenizer folder: --job.data.tokenizer_path DIR")
 
 
 def tokenizer_folder(tokenizer_path: Optional[str]) -> Path:

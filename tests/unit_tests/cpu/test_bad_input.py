@@ -109,6 +109,7 @@ def _files(root: Path) -> None:
     damaged_copies(root)  # ckpt_small and its damaged copies (tests/unit_tests/cpu/checkpoint_folders.py)
     _hf_weights(root / "hf_shapes", llama, {**llama, "intermediate_size": 192})  # config.json edited after saving
     _hf_weights(root / "hf_truncated", llama, llama)
+    _hf_weights(root / "hf_no_tokenizer", llama, llama)
     weights = root / "hf_truncated" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
 
@@ -204,6 +205,10 @@ CASES = [
                               "hf_truncated"],
      "checkpoint.initial_load_path='hf_truncated': hf_truncated/model.safetensors: not a readable safetensors file "
      "(truncated or corrupt?): the tensors end at byte "),
+    ("hf folder without a tokenizer", ["fit", "--recipe", "recipes.hf:pretrained", "--job.checkpoint.initial_load_path",
+                                       "hf_no_tokenizer"],
+     "checkpoint.initial_load_path='hf_no_tokenizer' has no tokenizer.json, and data.tokenizer_path is not set: the run "
+     "would use the shipped 2048-token test tokenizer"),
     ("preset against a folder", [*D, "--job.checkpoint.initial_load_path", "hf_llama",
                                  "--job.checkpoint.initial_load_format", "hf"],
      "model args differ from hf_llama/config.json: hidden_size is 256 here, 64 there"),
