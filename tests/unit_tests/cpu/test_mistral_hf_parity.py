@@ -1,8 +1,9 @@
 """A Hugging Face Mistral / Mixtral folder (tiny, random fp32 weights; Mistral with head_dim !=
 dim / n_heads as Nemo), read through config.json and our adapter, gives the logits transformers
-computes from it; our export loads in transformers with our logits; a config.json whose attention
-slides is refused by name."""
+computes from it, with and without a sliding window shorter than the tokens; our export loads in
+transformers with our logits."""
 
+import dataclasses
 import json
 
 import pytest
@@ -61,9 +62,26 @@ def test_head_dim_and_the_mixtral_router_read_from_config_json(tmp_path):
     assert (moe.num_experts, moe.top_k, moe.hidden_dim, moe.route_norm, moe.load_balance_coeff) == (8, 2, 96, True, None)
 
 
+@pytest.mark.parametrize("model_type", ["mistral", "mixtral"])
+def test_a_sliding_window_reads_exports_and_matches_transformers(tmp_path, model_type):
+    """Mistral 7B v0.1's kind of config: one window (here 6 tokens of 24) on every layer."""
+    pytest.importorskip("transformers", reason="the reference implementation; a test-only extra")
+    reference = save_hf_model(tmp_path / "hf", model_type, sliding_window=6)
+    ours = load_ours(tmp_path / "hf")
+    assert (ours.args.sliding_window, ours.args.layer_types) == (6, None)
+    with torch.no_grad():
+        expected = reference(input_ids=TOKENS).logits
+        torch.testing.assert_close(ours(TOKENS), expected, rtol=1e-5, atol=1e-5)
+        full = type(ours)(dataclasses.replace(ours.args, sliding_window=None))  # the same weights, no window
+        full.load_state_dict(ours.state_dict())
+        assert (full.eval()(TOKENS) - expected).abs().max() > 1e-2
+    theirs = export_to_transformers(ours, MistralStateDictAdapter, tmp_path / "export")
+    assert theirs.config.sliding_window == 6
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS), theirs(input_ids=TOKENS).logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("model_type, fields, message", [
-    ("mistral", {"sliding_window": 32}, "sliding_window=32: sliding-window attention is not implemented"),
-    ("mixtral", {"sliding_window": 16}, "sliding_window=16: sliding-window attention is not implemented"),
     ("mistral", {"rope_scaling": {"type": "yarn", "factor": 4.0}}, "RoPE scaling"),
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported"),
 ])
@@ -77,8 +95,7 @@ def test_a_mistral_config_without_sliding_window_has_transformers_default_window
     config = json.loads(_config(tmp_path).joinpath("config.json").read_text())
     del config["sliding_window"]
     (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
-    with pytest.raises(ConfigError, match="sliding_window=4096"):
-        read_hf_model(tmp_path)
+    assert read_hf_model(tmp_path).args.sliding_window == 4096
 
 
 # Published (total, active) parameters: Mistral 7B 7.3B, Nemo 12.2B (Hub), Mixtral 8x7B 46.7B / 12.9B,

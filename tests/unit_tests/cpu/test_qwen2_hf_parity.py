@@ -53,14 +53,38 @@ def test_a_released_config_reads_with_its_window_fields_switched_off(tmp_path):
     assert (args.dim, args.head_dim, args.n_kv_heads, args.qkv_bias) == (64, 16, 2, True)
 
 
+def test_sliding_layers_from_max_window_layers_read_export_and_match_transformers(tmp_path):
+    """use_sliding_window on: the layers from max_window_layers on slide (transformers' rule)."""
+    pytest.importorskip("transformers", reason="the reference implementation; a test-only extra")
+    reference = save_hf_model(tmp_path / "hf", "qwen2", use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    ours = load_ours(tmp_path / "hf")
+    assert (ours.args.sliding_window, ours.args.layer_types) == (6, ["full_attention", "sliding_attention"])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS), reference(input_ids=TOKENS).logits, rtol=1e-5, atol=1e-5)
+    theirs = export_to_transformers(ours, Qwen2StateDictAdapter, tmp_path / "export")
+    assert theirs.config.layer_types == ["full_attention", "sliding_attention"]
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS), theirs(input_ids=TOKENS).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_fields_read_as_transformers_reads_them(tmp_path):
+    read = lambda **f: (lambda a: (a.sliding_window, a.layer_types))(read_hf_model(_config(tmp_path, **f)).args)  # noqa: E731
+    assert read() == (None, None)  # switched off: the window's size changes nothing
+    assert read(use_sliding_window=True, sliding_window=8, max_window_layers=0) == (8, None)  # every layer
+    assert read(use_sliding_window=True, sliding_window=8, max_window_layers=2) == (None, None)  # none
+    assert read(use_sliding_window=True, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"]) == (8, ["sliding_attention", "full_attention"])
+
+
 @pytest.mark.parametrize("fields, message", [
-    ({"use_sliding_window": True}, "use_sliding_window=true: sliding-window attention is not implemented"),
-    ({"layer_types": ["full_attention", "sliding_attention"]}, 'layer_types=["full_attention", "sliding_attention"]'),
+    ({"use_sliding_window": True, "sliding_window": None, "layer_types": ["full_attention", "sliding_attention"]},
+     "layer_types has sliding layers but sliding_window=null"),
+    ({"use_sliding_window": True, "layer_types": ["full_attention", "local"]}, 'layer_types=\\["full_attention", "local"\\]'),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "RoPE scaling"),
     ({"use_mrope": True}, "use_mrope=true is not supported"),
 ])
 def test_what_qwen2_does_not_model_is_refused_by_name(tmp_path, fields, message):
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+    with pytest.raises(ConfigError, match=message):
         read_hf_model(_config(tmp_path, **fields))
 
 

@@ -119,30 +119,39 @@ def scaling_fields(scaling: dict[str, Any], expected_type: str, fields: tuple[st
     return {f: scaling[f] for f in fields}
 
 
-def refuse_sliding_window(config: HFConfig, *, switch: Optional[str] = None, default_window: Optional[int] = None) -> None:
-    """Every layer of ``config`` attends to all earlier tokens, or a one-line ConfigError naming the field.
+def sliding_window_fields(config: HFConfig, *, switch: Optional[str] = None, default_window: Optional[int] = None,
+                          per_layer: bool = True) -> tuple[Optional[int], Optional[list[str]]]:
+    """``(model.sliding_window, model.layer_types)`` for ``config`` (config/job.py's meaning): None
+    and None when every layer attends to all earlier tokens.
 
     ``switch`` (Qwen 2's ``use_sliding_window``): while it is false the window's size and
-    ``max_window_layers`` change nothing. Without one, ``sliding_window`` (``default_window`` when
-    config.json leaves it out: transformers' default for the family) must be null or reach past
-    ``max_position_embeddings``: such a window is full causal attention. ``layer_types``, when
-    present, must list only ``full_attention``.
-
-    TODO(#38 item 5, sliding-window attention): once windows are a mask kind, map the window (and
-    the layers it applies to) onto the family's args here instead of refusing it.
+    ``max_window_layers`` change nothing; when true, layers from ``max_window_layers`` on slide
+    (transformers' rule), unless ``layer_types`` names each layer. Without one, ``sliding_window``
+    (``default_window`` when config.json leaves it out: transformers' default for the family)
+    applies to every layer (``per_layer=False``: Mistral and Mixtral, whose models read no
+    ``layer_types``), and a window that reaches past ``max_position_embeddings`` is full attention.
     """
-    todo = "sliding-window attention is not implemented here yet (#38 item 5)"
-    layer_types = config.get("layer_types", default=None)
-    if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
-        raise ConfigError(f"{config.source}: layer_types={json.dumps(layer_types)}: {todo}; supported: "
-                          f"\"full_attention\" for every layer")
-    if switch is not None:
-        config.ignore("sliding_window", "max_window_layers")
-        if config.get(switch, default=False):
-            raise ConfigError(f"{config.source}: {switch}=true: {todo}; supported: false")
-        return
+    n_layers = config.get("num_hidden_layers")
+    if switch is not None and not config.get(switch, default=False):
+        config.ignore("sliding_window", "max_window_layers", "layer_types")
+        return None, None
     window = config.get("sliding_window", default=default_window)
-    positions = config.get("max_position_embeddings")
-    if window is not None and window < positions:
-        raise ConfigError(f"{config.source}: sliding_window={json.dumps(window)}: {todo}; supported: null, or at "
-                          f"least max_position_embeddings={positions} (full attention)")
+    if switch is None and window is not None and window >= config.get("max_position_embeddings"):
+        window = None
+    types = config.get("layer_types", default=None) if per_layer else None
+    if not per_layer:
+        config.ignore("layer_types")
+    if switch is not None:
+        first = config.get("max_window_layers", default=n_layers)
+        if types is None:
+            types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                     for i in range(n_layers)]
+    if types is not None:
+        if len(types) != n_layers or any(t not in ("full_attention", "sliding_attention") for t in types):
+            raise ConfigError(f"{config.source}: layer_types={json.dumps(types)}: expected one of \"full_attention\", "
+                              f"\"sliding_attention\" for each of the {n_layers} layers")
+        if "sliding_attention" in types and window is None:
+            raise ConfigError(f"{config.source}: layer_types has sliding layers but sliding_window=null")
+    if window is None or (types is not None and "sliding_attention" not in types):
+        return None, None
+    return window, None if types is None or all(t == "sliding_attention" for t in types) else list(types)

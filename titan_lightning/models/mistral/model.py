@@ -4,7 +4,7 @@ Mistral is Llama's block (pre-norm grouped-query attention, RoPE, SwiGLU) with `
 of its own (Mistral Nemo: 32 heads of 128 on dim 5120). Mixtral replaces each SwiGLU with a mixture
 of 8 SwiGLU experts: a softmax router picks each token's top 2, their weights renormalized over
 the 2, no shared expert (models/common/moe.py). Sliding-window attention (Mistral 7B v0.1's 4096)
-is refused when a config.json sets one (models/common/hf_config.py ``refuse_sliding_window``).
+is ``model.sliding_window`` on every layer (models/common/hf_config.py ``sliding_window_fields``).
 
 Load balancing: Hugging Face Mixtral trains with an auxiliary loss (``router_aux_loss_coef``); the
 MoE here has the auxiliary-loss-free expert bias instead (``moe.load_balance_coeff``), which

@@ -1,5 +1,6 @@
 """Mistral / Mixtral <-> Hugging Face ``MistralForCausalLM`` / ``MixtralForCausalLM``: state dicts
-and config.json.
+and config.json. ``sliding_window`` (one window for every layer, as transformers applies it) maps
+onto ``model.sliding_window``.
 
 Llama's names; Mixtral's experts as its checkpoints hold them (``block_sparse_moe.experts.J.w1``
 / ``w3`` / ``w2``: gate, up, down) and its router ``block_sparse_moe.gate``. Hugging Face Mixtral
@@ -12,7 +13,7 @@ from typing import Any
 
 from titan_lightning.config import ConfigError
 from titan_lightning.models.common.hf_checkpoint import HALF_ROTATED, LLAMA_BLOCK_KEYS, StateDictAdapter
-from titan_lightning.models.common.hf_config import HFConfig, refuse_sliding_window
+from titan_lightning.models.common.hf_config import HFConfig, sliding_window_fields
 from titan_lightning.models.common.moe import MoEArgs
 from titan_lightning.models.mistral.model import MistralArgs
 
@@ -37,7 +38,7 @@ class MistralStateDictAdapter(StateDictAdapter):
         for name, value in FIXED_FIELDS.items():
             config.expect(name, value)
         model_type = config.get("model_type")
-        refuse_sliding_window(config, default_window=_DEFAULT_WINDOW[model_type])
+        window, _ = sliding_window_fields(config, default_window=_DEFAULT_WINDOW[model_type], per_layer=False)
         theta, scaling = config.rope()
         if scaling is not None:
             raise ConfigError(f"{config.source}: RoPE scaling {scaling} is not modelled for Mistral here "
@@ -58,17 +59,27 @@ class MistralStateDictAdapter(StateDictAdapter):
             n_kv_heads=config.get("num_key_value_heads", default=heads),
             head_dim=config.get("head_dim", default=None) or dim // heads, ffn_hidden_dim=ffn,
             norm_eps=config.get("rms_norm_eps"), rope_theta=theta, max_seq_len=config.get("max_position_embeddings"),
-            moe=moe,
+            moe=moe, sliding_window=window,
         )
 
     @classmethod
+    def check_expressible(cls, args: MistralArgs) -> None:
+        if args.sliding_window is not None and args.layer_types is not None and \
+                len(set(args.layer_types)) > 1:
+            raise ConfigError(f"model.layer_types={args.layer_types}: Hugging Face Mistral and Mixtral apply one "
+                              f"sliding_window to every layer; export needs every layer alike (layer_types=None)")
+
+    @classmethod
     def hf_config(cls, args: MistralArgs) -> dict[str, Any]:
+        cls.check_expressible(args)
+        window = None if args.layer_types is not None and "sliding_attention" not in args.layer_types \
+            else args.sliding_window
         config = dict(
             architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=args.vocab_size,
             hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim, num_hidden_layers=args.n_layers,
             num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
             rms_norm_eps=args.norm_eps, max_position_embeddings=args.max_seq_len, rope_theta=args.rope_theta,
-            rope_scaling=None, sliding_window=None, **FIXED_FIELDS,
+            rope_scaling=None, sliding_window=window, **FIXED_FIELDS,
         )
         m = args.moe
         if m is None:

@@ -3,8 +3,8 @@
 Llama's block (pre-norm grouped-query attention, RoPE, SwiGLU) with a bias on the q, k and v
 projections (none on the output projection, none in the SwiGLU). ``head_dim`` is its own field
 as in Qwen 3 (``dim // n_heads`` in every released size). Sliding-window attention is off in every
-released config (``use_sliding_window: false``); a config that turns it on is refused
-(models/common/hf_config.py ``refuse_sliding_window``).
+released config (``use_sliding_window: false``); a config that turns it on slides the layers from
+``max_window_layers`` on (models/common/hf_config.py ``sliding_window_fields``).
 """
 
 from dataclasses import dataclass

@@ -1,14 +1,16 @@
 """Qwen 2 / 2.5 <-> Hugging Face ``Qwen2ForCausalLM``: state dicts and config.json.
 
 Llama's names plus the q/k/v biases (``self_attn.q_proj.bias`` ...); the q and k biases are
-permuted per head between the two RoPE layouts like the rows of their weights.
+permuted per head between the two RoPE layouts like the rows of their weights. A config that turns
+``use_sliding_window`` on slides the layers from ``max_window_layers`` on (or those ``layer_types``
+names): ``model.sliding_window`` and ``model.layer_types``.
 """
 
 from typing import Any
 
 from titan_lightning.config import ConfigError
 from titan_lightning.models.common.hf_checkpoint import HALF_ROTATED, LLAMA_BLOCK_KEYS, StateDictAdapter
-from titan_lightning.models.common.hf_config import HFConfig, refuse_sliding_window
+from titan_lightning.models.common.hf_config import HFConfig, sliding_window_fields
 from titan_lightning.models.qwen2.model import Qwen2Args
 
 # config.json fields that must hold the one value implemented here.
@@ -31,7 +33,7 @@ class Qwen2StateDictAdapter(StateDictAdapter):
         for name, value in FIXED_FIELDS.items():
             config.expect(name, value)
         config.expect("use_mrope", False)  # Qwen2-VL's multimodal RoPE; false where a text config has it
-        refuse_sliding_window(config, switch="use_sliding_window")
+        window, layer_types = sliding_window_fields(config, switch="use_sliding_window")
         theta, scaling = config.rope()
         if scaling is not None:
             raise ConfigError(f"{config.source}: RoPE scaling {scaling} is not modelled for Qwen2 here "
@@ -42,7 +44,7 @@ class Qwen2StateDictAdapter(StateDictAdapter):
             n_kv_heads=config.get("num_key_value_heads", default=heads),
             head_dim=config.get("head_dim", default=dim // heads), ffn_hidden_dim=config.get("intermediate_size"),
             norm_eps=config.get("rms_norm_eps"), rope_theta=theta, max_seq_len=config.get("max_position_embeddings"),
-            qkv_bias=True,
+            qkv_bias=True, sliding_window=window, layer_types=layer_types,
         )
 
     @classmethod
@@ -54,5 +56,15 @@ class Qwen2StateDictAdapter(StateDictAdapter):
             intermediate_size=args.ffn_hidden_dim, num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
             num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim, rms_norm_eps=args.norm_eps,
             max_position_embeddings=args.max_seq_len, rope_theta=args.rope_theta, rope_scaling=None,
-            use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers, **FIXED_FIELDS,
+            **_window_fields(args), **FIXED_FIELDS,
         )
+
+
+def _window_fields(args: Qwen2Args) -> dict[str, Any]:
+    """config.json's sliding-window fields: off, or on with each layer's attention named."""
+    types = [("sliding_attention" if args.attention_window(i) is not None else "full_attention")
+             for i in range(args.n_layers)]
+    if "sliding_attention" not in types:
+        return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": args.n_layers}
+    return {"use_sliding_window": True, "sliding_window": args.sliding_window,
+            "max_window_layers": types.index("sliding_attention"), "layer_types": types}
