@@ -262,7 +262,7 @@ class ChatRenderer:
 
     def _probe(self) -> tuple[Optional[bool], Optional["re.Pattern"]]:
         """What the template does, seen once on a two-turn conversation: does it add a generation
-        prompt, and which special tokens end an assistant turn (those after its content)? Without
+        prompt, and which special token ends an assistant turn (the first after its content)? Without
         an answer (the template fails on the probe, or ends a turn with no special token), each
         turn is also bounded by rendering the conversation up to it, and its prompt checked."""
         probe = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
@@ -272,10 +272,8 @@ class ChatRenderer:
         except TemplateFailure:
             return None, None
         at = text.find("Hello.", len(prompt) if adds_prompt and text.startswith(prompt) else 0)
-        ends = self._special.findall(text, at + len("Hello.")) if self._special is not None and at >= 0 else []
-        eos = self.tokenizer.eot_token
-        tokens = sorted({ends[0], *([eos] if eos in ends else [])}, key=len, reverse=True) if ends else []
-        return adds_prompt, re.compile("|".join(map(re.escape, tokens))) if tokens else None
+        end = self._special.search(text, at + len("Hello.")) if self._special is not None and at >= 0 else None
+        return adds_prompt, re.compile(re.escape(end.group())) if end else None
 
     def messages(self, record: Any) -> list[dict[str, Any]]:
         """The conversation a record holds; BadRecord when it holds none to train on."""
