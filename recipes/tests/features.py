@@ -421,3 +421,9 @@ def llama3_sft_pp2() -> Run:
 
 def llama3_sft_cp2() -> Run:
     return _sft(llama3_cp2())
+
+
+def llama3_sft_fsdp2_every2() -> Run:
+    """SFT on FSDP2 saving at steps 2 and 4 (tests/integration_tests/test_resume.py resumes it on FSDP2
+    and on one process)."""
+    return _every2(llama3_sft_fsdp2())

@@ -159,3 +159,21 @@ def test_sigterm_saves_after_the_step_and_the_same_command_continues_exactly(str
     resumed = fit("llama3_fsdp2_resume", 2, tmp_path / "resume", run_dir)
     assert resumed["steps"] == [4, 5]
     assert (resumed["losses"], resumed["grad_norms"]) == _tail(straight("llama3_fsdp2", 2), 4)
+
+
+def test_sft_resumes_exactly_mid_epoch_and_on_another_data_parallel_size(straight, tmp_path):
+    """Loss-masked packed conversations (data.sft): resumed from step 2 on the same layout, steps 3-5
+    repeat bitwise (the same windows, the same supervised-token normalization); on one process the
+    data continues from the same conversations and the numbers are the one-process run's."""
+    run_dir = tmp_path / "run"
+    saved = fit("llama3_sft_fsdp2_every2", 2, tmp_path / "save", run_dir)
+    reference = straight("llama3_sft_fsdp2", 2)
+    assert (saved["losses"], saved["grad_norms"]) == (reference["losses"], reference["grad_norms"])
+    resume = ["--job.checkpoint.resume_from", str(_step2(run_dir))]
+    resumed = fit("llama3_sft_fsdp2", 2, tmp_path / "resume", tmp_path / "resumed", extra=resume)
+    assert resumed["steps"] == [3, 4, 5]
+    assert (resumed["losses"], resumed["grad_norms"]) == _tail(reference, 3)
+    one = fit("llama3_sft", 1, tmp_path / "one", tmp_path / "one_run", extra=resume)
+    assert one["steps"] == [3, 4, 5]
+    for got, want in zip(one["losses"] + one["grad_norms"], sum(_tail(reference, 3), [])):
+        assert math.isclose(got, want, rel_tol=1e-5), (got, want)
