@@ -239,3 +239,20 @@ def test_rich_progress_bar_of_a_step_limited_run_says_no_epoch_minus_2(workdir):
     (bar,) = [c for c in trainer.callbacks if isinstance(c, RichProgressBar)]
     bar._trainer = trainer
     assert bar._get_train_description(0).strip() == "Epoch 0, step 0/2"
+
+
+def test_prepare_starts_without_torch_and_reports_bad_input_as_the_cli_does(tmp_path):
+    """The console script's ``prepare`` loads neither torch nor Lightning (titan_lightning/entry.py);
+    a bad input still gets the command line's one line and exit 2."""
+    (tmp_path / "a.jsonl").write_text('{"text": "one two three"}\n' * 4)
+    probe = ("import sys; from titan_lightning.entry import main; "
+             "code = main(['prepare', '--input', sys.argv[1], '--output', sys.argv[2], '--workers', '1', '--no-progress']); "
+             "print('torch' in sys.modules, 'lightning' in sys.modules, code)")
+    done = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "a.jsonl"), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.stdout.strip().splitlines()[-1] == "False False 0", done.stdout + done.stderr
+    assert (tmp_path / "out" / "index.json").is_file()
+    bad = subprocess.run([sys.executable, "-c", "import sys; from titan_lightning.entry import main; "
+                          "sys.exit(main(['prepare', '--input', 'nope.jsonl', '--output', 'o']))"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip() == "titan-lightning: error: --input 'nope.jsonl': no such file or folder"
