@@ -156,4 +156,6 @@ def test_every_import_of_the_package_inside_a_function_says_why():
     assert not unexplained, ("a first-party import inside a function needs a comment saying why (an optional "
                              "dependency, start-up time, a cycle that needs a redesign: name it), or belongs "
                              "at the top:\n" + "\n".join(unexplained))
-    assert count <= 8, f"{count} first-party imports inside functions (8 when this test was written): move them up"
+    # 8 when this test was written, and 3 in titan_lightning/entry.py (the console script, whose point is to
+    # import the heavy modules only for the commands that need them).
+    assert count <= 11, f"{count} first-party imports inside functions (11 when this test was last set): move them up"
