@@ -92,8 +92,13 @@ WORKLOADS: dict[str, Workload] = {
     "llama3_1b_varlen_docs": Workload(recipe="recipes.llama3:llama3_1b", contenders=("titan",),
                                       overrides=("--job.model.attention", "varlen", "--job.model.mask", "block_causal")),
     "llama3_3b": Workload(recipe="recipes.llama3:llama3_3b"),
+    # torchtitan's per-op AC policy (every second matmul of a block recomputed): the memory rows.
+    "llama3_1b_op_lean": Workload(recipe="recipes.llama3:llama3_1b",
+                                  overrides=("--job.activation_checkpoint.selective_ac_option", "op_lean")),
     # Llama 3 8B's per-layer shapes (dim 4096, GQA 32/8, FFN 14336, vocab 128256), fewer layers.
     "llama3_8b_shape": Workload(recipe="recipes.llama3:llama3_8b", layers=8),
+    "llama3_8b_shape_op_lean": Workload(recipe="recipes.llama3:llama3_8b", layers=8,
+                                        overrides=("--job.activation_checkpoint.selective_ac_option", "op_lean")),
     # The same with the chunked head + loss (training.loss_chunks): the peak without full logits.
     "llama3_8b_shape_chunked_loss": Workload(recipe="recipes.llama3:llama3_8b", layers=8,
                                              overrides=("--job.training.loss_chunks", "16"),
@@ -229,6 +234,23 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def memory_snapshot_hook(step_after_warmup: int, name: str) -> None:
+    """With ``BENCH_MEMORY_SNAPSHOT=DIR``: record every allocation of the first measured step (with
+    Python stacks) and write it to ``DIR/<name>.pickle`` (``torch.cuda.memory._dump_snapshot``'s
+    format: pytorch.org/memory_viz). Called after each step with the steps since the warmup ended."""
+    import torch
+
+    folder = os.environ.get("BENCH_MEMORY_SNAPSHOT")
+    if not folder:
+        return
+    if step_after_warmup == 0:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    elif step_after_warmup == 1:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(Path(folder) / f"{name}.pickle"))
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
 class StepClock:
     """Times optimizer steps end to end and resets the peak-memory counter after the warmup.
 
@@ -237,8 +259,9 @@ class StepClock:
     against the wall time of those steps. The rest of a step is the device waiting for the host.
     """
 
-    def __init__(self, device: str, warmup: int, steps: int, profile_steps: int = 0) -> None:
+    def __init__(self, device: str, warmup: int, steps: int, profile_steps: int = 0, name: str = "run") -> None:
         self.device, self.warmup, self.steps, self.profile_steps = device, warmup, steps, profile_steps
+        self.name = name
         self.ends: list[float] = []
         self.losses: list[float] = []
         self._profiler = None
@@ -257,6 +280,8 @@ class StepClock:
             self.losses.append(float(loss))
         if len(self.ends) == self.warmup and self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        if self.device == "cuda":
+            memory_snapshot_hook(len(self.ends) - self.warmup, self.name)
         if self.profile_steps and len(self.ends) == self.warmup + self.steps:
             self._profiler = torch.profiler.profile(activities=profiler_activities(self.device))
             self._profiler.__enter__()
@@ -366,7 +391,7 @@ def run_titan(w: Workload, device: str, steps: int, warmup: int) -> dict[str, An
     from titan_lightning.cli import prepare
     from titan_lightning.recipe import execute
 
-    clock = StepClock(device, warmup, steps, w.profile_steps)
+    clock = StepClock(device, warmup, steps, w.profile_steps, name="titan")
     command, run, trainer = prepare(["fit", *cli_args(w, device, clock.total)])
     trainer.callbacks.append(_lightning_clock(clock))
     execute(command, run, trainer)
@@ -430,7 +455,7 @@ def run_bare(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any
     from titan_lightning.optim import build_lr_scheduler, build_optimizer
     from titan_lightning.parallel.grad_norm import global_grad_norm
 
-    clock = StepClock(device, warmup, steps, w.profile_steps)
+    clock = StepClock(device, warmup, steps, w.profile_steps, name="bare")
     total = clock.total
     run = resolve_run(w, device, total)
     job, dev = run.job, torch.device(device)
@@ -475,7 +500,7 @@ def run_lightning(w: Workload, device: str, steps: int, warmup: int) -> dict[str
 
     from titan_lightning.optim import build_lr_scheduler, build_optimizer
 
-    clock = StepClock(device, warmup, steps, w.profile_steps)
+    clock = StepClock(device, warmup, steps, w.profile_steps, name="lightning")
     total = clock.total
     run = resolve_run(w, device, total)
     job = run.job
@@ -567,7 +592,7 @@ def hf_model(job, device):
 def run_hf(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any]:
     import torch
 
-    clock = StepClock(device, warmup, steps, w.profile_steps)
+    clock = StepClock(device, warmup, steps, w.profile_steps, name="hf")
     total = clock.total
     run = resolve_run(w, device, total)
     job, dev = run.job, torch.device(device)
@@ -677,7 +702,8 @@ def torchtitan_workload(w: Workload, device: str) -> dict[str, Any]:
         warmup_steps=job.lr_schedule.warmup_steps, decay_ratio=job.lr_schedule.decay_ratio,
         decay_type=job.lr_schedule.decay_type, min_lr_factor=job.lr_schedule.min_lr_factor, seed=t.seed,
         compile=c.enable, compile_components=[n for n in c.components if n in ("model", "loss")],
-        ac=ac.mode, ac_option=str(ac.selective_ac_option),
+        # torchtitan's "op" is our "op_lean" (every second matmul recomputed); ours "op" saves every matmul
+        ac=ac.mode, ac_option="op" if ac.selective_ac_option in ("op", "op_lean") else str(ac.selective_ac_option),
         float8=dict(recipe=f8.recipe, filter_fqns=list(f8.filter_fqns), emulate=f8.emulate) if f8.enable else None,
         dataset_path=str(corpus), tokenizer_path=str(tokenizer.parent),
     )

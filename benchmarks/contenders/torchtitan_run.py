@@ -403,6 +403,9 @@ def run(w: dict, steps: int, warmup: int) -> dict:
 
     init_logger()
     _register(w)
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from benchmarks.throughput import memory_snapshot_hook
 
     total_steps = warmup + steps
     dump_folder = tempfile.mkdtemp(prefix="tt_contender_")
@@ -423,6 +426,8 @@ def run(w: dict, steps: int, warmup: int) -> dict:
 
         def timed_train_step(data_iterator):
             sync()
+            if cuda:
+                memory_snapshot_hook(len(step_times) - warmup, "torchtitan")
             t0 = time.perf_counter()
             out = orig_train_step(data_iterator)
             sync()

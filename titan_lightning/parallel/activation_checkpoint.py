@@ -6,6 +6,10 @@
 - ``selective`` with ``"op"``: every block is checkpointed, but the outputs of the
   expensive ops (matmuls, attention kernels, reduce-scatters) are saved and only the cheap
   elementwise work is recomputed.
+- ``selective`` with ``"op_lean"``: as ``"op"``, but every second matmul of a block (``aten.mm``,
+  counted in forward order) is recomputed too: torchtitan's per-op policy. In a Llama block that
+  recomputes wk, wo and w3: about 2 GiB less on Llama 3 1B at seq 8192 for ~3% more compute
+  (benchmarks/RESULTS.md "Memory against torchtitan").
 
 Applied after TP/CP and before FSDP (as torchtitan does): the block's own forward is
 wrapped, so parameter names, the state dict and FSDP's per-block hooks are unchanged.
@@ -20,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from titan_lightning.config.activation_checkpoint import MODES
+from titan_lightning.config.activation_checkpoint import MODES, PER_OP_OPTIONS
 
 
 def _saved_ops() -> set:
@@ -51,20 +55,36 @@ def _op_policy(saved: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _lean_policy(saved: set, counts: dict, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """``_op_policy`` but every second ``aten.mm`` recomputed; ``counts`` is per block call, kept
+    apart for the forward and the recompute so both see the same numbering."""
+    if op == torch.ops.aten.mm.default:
+        key = "recompute" if ctx.is_recompute else "forward"
+        counts[key] = counts.get(key, 0) + 1
+        if counts[key] % 2 == 0:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+    return _op_policy(saved, ctx, op)
+
+
 def _op_context():
     return create_selective_checkpoint_contexts(partial(_op_policy, _saved_ops()))
 
 
-def checkpoint_block(block: nn.Module, per_op: bool = False) -> None:
-    """Make ``block``'s forward recompute in the backward (saving matmul outputs if ``per_op``)."""
+def _lean_context():
+    return create_selective_checkpoint_contexts(partial(_lean_policy, _saved_ops(), {}))
+
+
+def checkpoint_block(block: nn.Module, per_op: bool = False, lean: bool = False) -> None:
+    """Make ``block``'s forward recompute in the backward (saving matmul outputs if ``per_op``;
+    every second one of them recomputed too if ``lean``)."""
     forward = block.forward
-    extra = {"context_fn": _op_context} if per_op else {}
+    extra = {"context_fn": _lean_context if lean else _op_context} if per_op else {}
 
     def checkpointed(*args, **kwargs):
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
     block.forward = checkpointed
-    block.activation_checkpoint = "op" if per_op else "full"
+    block.activation_checkpoint = ("op_lean" if lean else "op") if per_op else "full"
 
 
 def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str, selective_ac_option: str = "op") -> int:
@@ -74,9 +94,9 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str, selec
     if mode == "none":
         return 0
     blocks = list(blocks)
-    if mode == "full" or selective_ac_option == "op":
+    if mode == "full" or selective_ac_option in PER_OP_OPTIONS:
         for block in blocks:
-            checkpoint_block(block, per_op=mode == "selective")
+            checkpoint_block(block, per_op=mode == "selective", lean=selective_ac_option == "op_lean")
         return len(blocks)
     every = int(selective_ac_option)
     chosen = blocks[every - 1::every]

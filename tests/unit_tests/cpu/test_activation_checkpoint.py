@@ -61,7 +61,8 @@ def test_every_mode_gives_bitwise_the_same_loss_and_gradients_and_keeps_less():
     torch.use_deterministic_algorithms(True)
     try:
         results = {name: _step(_model(*args)) for name, args in {
-            "none": ("none",), "full": ("full",), "op": ("selective", "op"), "every2": ("selective", "2")}.items()}
+            "none": ("none",), "full": ("full",), "op": ("selective", "op"), "op_lean": ("selective", "op_lean"),
+            "every2": ("selective", "2")}.items()}
     finally:
         torch.use_deterministic_algorithms(False)
     loss, grads, kept, ops = results["none"]
@@ -74,6 +75,8 @@ def test_every_mode_gives_bitwise_the_same_loss_and_gradients_and_keeps_less():
     # only the elementwise work (SwiGLU's silu) runs again.
     assert results["full"][3][mm] > ops[mm] and results["full"][3][silu] == 2 * ops[silu]
     assert results["op"][3][mm] == ops[mm] and results["op"][3][silu] == 2 * ops[silu]
+    # op_lean: every second matmul of a block runs again (wk, wo, w3 of Llama's seven: 3 per block).
+    assert results["op_lean"][3][mm] == ops[mm] + 3 * len(_model().layers)
 
 
 def test_full_recomputes_each_block_forward_in_the_backward():
@@ -107,7 +110,7 @@ def test_the_strategy_applies_the_jobs_policy_and_training_matches():
 @pytest.mark.parametrize("fields, message", [
     (dict(mode="some"), r"activation_checkpoint.mode='some' is not one of none, full, selective"),
     (dict(mode="selective", selective_ac_option="0"),
-     r"activation_checkpoint.selective_ac_option='0' must be 'op' or a positive integer N"),
+     r"activation_checkpoint.selective_ac_option='0' must be 'op', 'op_lean' or a positive integer N"),
     (dict(mode="selective", selective_ac_option="ops"), r"selective_ac_option='ops' must be 'op'"),
 ])
 def test_bad_settings_name_the_field(fields, message):
