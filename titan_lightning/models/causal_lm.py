@@ -90,6 +90,11 @@ class CausalLMModule(L.LightningModule):
     def check_config(cls, job: JobConfig) -> None:
         """The family's own rules for ``job`` (its Hugging Face adapter's), before launch: a family's
         job runs them from ``validate_job`` (``JobConfig.check_family``)."""
+        decoder = decoder_class(type(job.model))
+        window = getattr(job.model, "sliding_window", None)
+        if window is not None and decoder is not None and not decoder.sliding_window:
+            raise ConfigError(f"model.sliding_window={window}: {type(job.model).__name__}'s attention has no sliding "
+                              f"window ({decoder.__module__}); leave model.sliding_window unset (None)")
         if cls.hf_adapter is not None:
             cls.hf_adapter.check_config(job)
 

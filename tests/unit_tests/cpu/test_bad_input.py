@@ -313,6 +313,8 @@ CASES = [
      "parallelism.ep=2 needs a mixture-of-experts model"),
     ("ep vs experts", [*MOE, "--trainer.devices", "3", "--job.parallelism.ep", "3"],
      "parallelism.ep=3 must divide model.moe.num_experts"),
+    ("window on latent attention", ["fit", "--recipe", "recipes.deepseek_v3:debugmodel", "--job.model.sliding_window", "16"],
+     "model.sliding_window=16: DeepSeekV3Args's attention has no sliding window"),
     ("ep dispatch unknown", [*MOE, "--job.parallelism.ep_dispatch", "sync_free"],
      "parallelism.ep_dispatch='sync_free' is not one of splits, padded"),
     ("token group alignment", [*MOE, "--job.model.moe.token_group_align", "0"],

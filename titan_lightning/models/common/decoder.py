@@ -132,6 +132,9 @@ class Decoder(nn.Module):
     # True: forward stops after the final norm and the loss applies the head chunk by chunk
     # (``Head`` with labels; CausalLMModule sets it from ``training.loss_chunks``).
     head_in_loss: bool = False
+    # False: the family's attention has no sliding window (DeepSeek's MLA); a job that sets
+    # model.sliding_window is refused before launch (CausalLMModule.check_config).
+    sliding_window: ClassVar[bool] = True
     # Decoder classes by args class: CausalLMModule builds the one its job's args ask for.
     registry: ClassVar[dict[type, type["Decoder"]]] = {}
 

@@ -184,6 +184,7 @@ class Transformer(Decoder):
     untied output (models/common/decoder.py has the skeleton)."""
 
     args_class = DeepSeekV3Args
+    sliding_window = False  # (multi-head latent attention: no window)
     input_projections = Decoder.input_projections + ("wq_a.weight", "wq_b.weight", "wkv_a.weight", "wkv_b.weight")
 
     def build_block(self, layer_id: int) -> Block:
