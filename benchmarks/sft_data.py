@@ -48,8 +48,7 @@ def window_stats(folder: Path, seq_len: int, packing: str, windows: int) -> dict
     count = min(windows, len(data))
     real = supervised = 0
     for i in range(count):
-        begin, ends = data.documents(i)
-        real += min(int(ends[-1]) - begin, seq_len)
+        real += min(sum(e - b for b, e in data.spans(i)), seq_len)
         supervised += int((data[i]["labels"] != IGNORE_INDEX).sum())
     return {"tokens_per_sample": real / count, "supervised_per_sample": supervised / count,
             "tokens_share": real / count / seq_len, "supervised_share": supervised / count / seq_len}
@@ -59,7 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", nargs="?", default=os.environ.get(SFT_BENCH_ENV, DEFAULT), type=Path)
     parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument("--packing", default="packed", choices=("packed", "padded"))
+    parser.add_argument("--packing", default="packed", choices=("packed", "best_fit", "padded"))
     parser.add_argument("--windows", type=int, default=0)
     args = parser.parse_args()
     write(args.folder)

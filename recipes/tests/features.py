@@ -388,7 +388,10 @@ def _sft(run: Run) -> Run:
     from titan_lightning.testing.sft_shards import cached_synthetic_set  # (writes the set once, when asked)
 
     job = run.job
-    run.set_job(replace(job, data=replace(job.data, dataset_path=str(cached_synthetic_set()), sft=True),
+    # next-fit packing (conversations in corpus order) as when the goldens were written; best_fit, the
+    # default, is run by tests/integration_tests/test_sft.py (recipes.hf:sft) and test_sft_data.py
+    run.set_job(replace(job, data=replace(job.data, dataset_path=str(cached_synthetic_set()), sft=True,
+                                          sft_packing="packed"),
                         model=replace(job.model, mask="block_causal", positions="per_document")))
     return run
 

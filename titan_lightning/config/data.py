@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Optional
 
-SFT_PACKINGS = ("packed", "padded")
+SFT_PACKINGS = ("packed", "best_fit", "padded")
 
 
 @dataclass(kw_only=True)
@@ -35,10 +35,11 @@ class DataConfig:
     # Train on the loss mask of an SFT shard set (`titan-lightning prepare --chat`,
     # titan_lightning/data/sft.py): only the supervised tokens (the assistant's) are targets.
     sft: bool = False
-    # "packed": whole conversations packed into each window (needs model.mask="block_causal",
-    # model.positions="per_document"); "padded": one conversation per sample, the batch cut to its
-    # longest conversation.
-    sft_packing: str = "packed"
+    # "best_fit": whole conversations packed into each window best-fit decreasing within groups of
+    # 4096 consecutive conversations (needs model.mask="block_causal", model.positions="per_document");
+    # "packed": the same packed next-fit in corpus order (more padding); "padded": one conversation
+    # per sample, the batch cut to its longest conversation.
+    sft_packing: str = "best_fit"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:

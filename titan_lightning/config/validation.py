@@ -321,7 +321,7 @@ def validate_sft(job: JobConfig) -> None:
     if not data.sft:
         return
     mask, positions = getattr(m, "mask", "causal"), getattr(m, "positions", "global")
-    if data.sft_packing == "packed" and (mask != "block_causal" or positions != "per_document"):
+    if data.sft_packing in ("packed", "best_fit") and (mask != "block_causal" or positions != "per_document"):
         raise ConfigError(
             f"data.sft=True packs several conversations into each window, which needs document masking: "
             f"model.mask={mask!r} and model.positions={positions!r} must be 'block_causal' and 'per_document' "

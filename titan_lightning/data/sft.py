@@ -8,6 +8,9 @@ conversations (``data.sft_packing``):
     "packed"   as many consecutive conversations as fit, in corpus order (next-fit), so a
                conversation never crosses a window; train with ``model.mask="block_causal"``
                and ``model.positions="per_document"`` so that they stay apart
+    "best_fit" whole conversations too, but packed best-fit decreasing within each group of
+               ``BEST_FIT_GROUP`` consecutive conversations: far less padding than next-fit
+               (benchmarks/sft_data.py measures it); the same mask and positions
     "padded"   one conversation; ``TrimPadding`` cuts each batch to its longest conversation
 
 and the rest of the window is padding (the tokenizer's EOS). The sample is::
@@ -27,6 +30,7 @@ windows are (``TrainStream``, ``ValWindows``, ``epoch_order``: a shard set's ord
 ``FeistelPermutation`` of the windows).
 """
 
+import bisect
 import math
 import warnings
 from typing import Sequence
@@ -67,6 +71,37 @@ def pack(ends: np.ndarray, window: int) -> np.ndarray:
     return np.asarray(first, dtype=np.int64)
 
 
+# Conversations packed together by "best_fit": consecutive groups of this many (a window never
+# mixes two groups, so the table is computed group by group and a corpus's order still shows).
+BEST_FIT_GROUP = 4096
+
+
+def best_fit(ends: np.ndarray, window: int, group: int = BEST_FIT_GROUP) -> tuple[np.ndarray, np.ndarray]:
+    """Best-fit decreasing packing of documents (``ends``: ascending offsets, none longer than
+    ``window``) within each ``group`` of consecutive ones: each document, longest first, goes to
+    the open window it fills most tightly, else to a new one. Returns ``(members, first)``: window
+    ``k`` holds documents ``members[first[k]:first[k + 1]]`` (in corpus order), windows ordered by
+    their first document."""
+    lengths = np.diff(ends, prepend=0).tolist()
+    windows: list[list[int]] = []
+    for g in range(0, len(lengths), group):
+        free: list[tuple[int, int]] = []  # (room left, window id), sorted
+        opened: list[list[int]] = []
+        for i in sorted(range(g, min(g + group, len(lengths))), key=lambda d: (-lengths[d], d)):
+            slot = bisect.bisect_left(free, (lengths[i], -1))
+            if slot == len(free):
+                opened.append([i])
+                bisect.insort(free, (window - lengths[i], len(opened) - 1))
+            else:
+                room, w = free.pop(slot)
+                opened[w].append(i)
+                bisect.insort(free, (room - lengths[i], w))
+        windows += sorted((sorted(w) for w in opened), key=lambda w: w[0])
+    members = np.asarray([d for w in windows for d in w], dtype=np.int64)
+    first = np.concatenate([[0], np.cumsum([len(w) for w in windows])]).astype(np.int64)
+    return members, first
+
+
 class ConversationWindows(Dataset):
     """The SFT samples of a masked shard span (see the module docstring), in corpus order."""
 
@@ -81,31 +116,58 @@ class ConversationWindows(Dataset):
             warnings.warn(f"{long} conversation(s) of {shards.folder} are longer than training.seq_len + 1 = "
                           f"{seq_len + 1} tokens: each is split into pieces trained as separate conversations; "
                           f"prepare with that max length (truncate or drop) to avoid it", stacklevel=2)
-        self.first = pack(self.ends, seq_len + 1) if packing == "packed" else np.arange(len(self.ends) + 1)
+        # Window k holds documents members[first[k]:first[k + 1]] (next-fit and padded: in order).
+        self.members = np.arange(len(self.ends), dtype=np.int64)
+        if packing == "best_fit":
+            self.members, self.first = best_fit(self.ends, seq_len + 1)
+        else:
+            self.first = pack(self.ends, seq_len + 1) if packing == "packed" else np.arange(len(self.ends) + 1)
 
     def __len__(self) -> int:
         return len(self.first) - 1
 
     def documents(self, index: int) -> tuple[int, np.ndarray]:
-        """Window ``index``'s first token offset in the span and its documents' ends (in the span)."""
+        """Window ``index``'s first token offset in the span and its documents' ends (in the span):
+        for the packings whose windows hold consecutive documents ("packed", "padded")."""
+        if self.packing == "best_fit":
+            raise ValueError("documents(): a best_fit window's documents are not consecutive; use spans()")
         a, b = int(self.first[index]), int(self.first[index + 1])
         return (int(self.ends[a - 1]) if a else 0), self.ends[a:b]
+
+    def spans(self, index: int) -> list[tuple[int, int]]:
+        """Window ``index``'s documents as (begin, end) token offsets in the span, in window order."""
+        docs = self.members[self.first[index]:self.first[index + 1]]
+        return [(int(self.ends[d - 1]) if d else 0, int(self.ends[d])) for d in docs.tolist()]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not 0 <= index < len(self):
             raise IndexError(f"window {index} out of range for {len(self)} windows")
-        begin, ends = self.documents(index)
-        used, size = int(ends[-1]) - begin, self.seq_len + 1
+        spans, size = self.spans(index), self.seq_len + 1
+        lengths = [e - b for b, e in spans]
+        used = sum(lengths)
         window = np.full(size, self.pad_id, dtype=np.int64)
-        window[:used] = self.tokens[begin:begin + used]
         supervised = np.zeros(size, dtype=bool)
-        start = self.tokens.start + begin
-        supervised[:used] = self.tokens.shards.read_mask(start, start + used) != 0
-        starts = np.concatenate([[0], ends[:-1] - begin, [used] if used < size else []]).astype(np.int64)
+        offset, base = 0, self.tokens.start
+        for b, e in _runs(spans):  # one read per run of consecutive documents
+            window[offset:offset + e - b] = self.tokens[b:e]
+            supervised[offset:offset + e - b] = self.tokens.shards.read_mask(base + b, base + e) != 0
+            offset += e - b
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1], [used] if used < size else []]).astype(np.int64)
         positions = np.arange(size) - starts[np.searchsorted(starts, np.arange(size), side="right") - 1]
         labels = np.where(supervised[1:] & (positions[1:] != 0), window[1:], IGNORE_INDEX)
         return {"input_ids": torch.from_numpy(window[:-1]), "labels": torch.from_numpy(labels),
                 "position_ids": torch.from_numpy(positions[:-1])}
+
+
+def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` with each span that starts where the previous one ends merged into it."""
+    runs = [list(spans[0])]
+    for b, e in spans[1:]:
+        if b == runs[-1][1]:
+            runs[-1][1] = e
+        else:
+            runs.append([b, e])
+    return [(b, e) for b, e in runs]
 
 
 class TrimPadding:

@@ -81,6 +81,43 @@ def test_packing_keeps_whole_conversations_in_order_and_labels_each_supervised_t
                            torch.from_numpy(stream[begin + 1:begin + 65])[supervised[:len(stream) - begin - 1]])
 
 
+def test_best_fit_holds_every_conversation_once_whole_and_pads_less_than_next_fit(sft_set, conversations):
+    shards = ShardSet(sft_set)
+    next_fit = ConversationWindows(shards.tokens, 64, pad_id=0)
+    windows = ConversationWindows(shards.tokens, 64, pad_id=0, packing="best_fit")
+    ends = shards.document_ends()
+    spans = [windows.spans(k) for k in range(len(windows))]
+    assert sorted(s for w in spans for s in w) == list(zip([0, *ends[:-1].tolist()], ends.tolist()))
+    assert all(sum(e - b for b, e in w) <= 65 for w in spans)
+    assert len(windows) < len(next_fit)
+    stream = np.concatenate([t for t, _ in conversations])
+    mask = np.concatenate([m for _, m in conversations]).astype(bool)
+    supervised = 0
+    for k, w in enumerate(spans):
+        sample, at = windows[k], 0
+        for b, e in w:  # each conversation's tokens, labels and positions, wherever it sits
+            assert sample["input_ids"][at:at + e - b].tolist() == stream[b:e].tolist()[:64 - at]
+            assert sample["position_ids"][at:at + e - b].tolist() == list(range(e - b))[:64 - at]
+            labels = sample["labels"][at:at + e - b - 1]
+            expected = np.where(mask[b + 1:e], stream[b + 1:e], I)[:len(labels)]
+            assert labels.tolist() == expected.tolist()
+            supervised += int(mask[b + 1:e].sum())
+            at += e - b
+    assert sum(int((windows[k]["labels"] != I).sum()) for k in range(len(windows))) == supervised
+    with pytest.raises(ValueError, match="use spans"):
+        windows.documents(0)
+
+
+def test_best_fit_fills_the_tightest_window_first(tmp_path):
+    A, B, C = ([10, 11, 12, 13], [0, 1, 1, 1]), ([20, 21, 22], [0, 1, 1]), ([30, 31, 32, 33, 34, 35], [0] + [1] * 5)
+    windows = ConversationWindows(ShardSet(write_sft_shards(tmp_path / "set", [A, B, C])).tokens, 8, pad_id=7,
+                                  packing="best_fit")
+    # longest first: C opens a window (3 left), A does not fit there (a second window), B fills C's
+    assert [windows.spans(k) for k in range(len(windows))] == [[(0, 4)], [(4, 7), (7, 13)]]
+    assert windows[1]["input_ids"].tolist() == [20, 21, 22, 30, 31, 32, 33, 34]
+    assert windows[1]["position_ids"].tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+
+
 def test_labels_and_positions_token_by_token(tmp_path):
     A = ([10, 11, 12, 13], [0, 0, 1, 1])
     B = ([20, 21, 22], [0, 1, 0])
@@ -238,7 +275,7 @@ CASES = [
      "model.mask='causal' and model.positions='global' must be 'block_causal' and 'per_document' "
      "(--job.model.mask block_causal --job.model.positions per_document), or set data.sft_packing='padded'"),
     ("sft packing unknown", [*D, "--job.data.sft_packing", "stacked"],
-     "data.sft_packing='stacked' is not one of packed, padded"),
+     "data.sft_packing='stacked' is not one of packed, best_fit, padded"),
     ("sft with repeat_to_fit", [*D, *BLOCK, "--job.data.sft", "true", "--job.data.repeat_to_fit", "true"],
      "data.repeat_to_fit=True with data.sft=True"),
     ("sft on shards without masks", [*D, *BLOCK, "--job.data.sft", "true", "--job.data.dataset_path", "plain_shards"],
