@@ -161,7 +161,7 @@ WORKLOADS: dict[str, Workload] = {
 # attention per conversation, or one per row padded (4096-token rows, 2 per step, cut to the
 # longest); titan only (the loss normalization and the data path are ours). Next to the pretraining
 # row of the same shape: python -m benchmarks.throughput --contenders titan --workload
-#   llama3_1b,llama3_1b_sft_packed,llama3_1b_sft_padded
+#   llama3_1b,llama3_1b_sft_packed,llama3_1b_sft_best_fit,llama3_1b_sft_padded
 def _sft_overrides(packing: str) -> tuple[str, ...]:
     from benchmarks.sft_data import DEFAULT, SFT_BENCH_ENV
 
@@ -173,6 +173,8 @@ def _sft_overrides(packing: str) -> tuple[str, ...]:
 for _name, _flavor, _layers in (("llama3_1b", "llama3_1b", None), ("llama3_8b_shape", "llama3_8b", 8)):
     WORKLOADS[f"{_name}_sft_packed"] = Workload(recipe=f"recipes.llama3:{_flavor}", layers=_layers,
                                                 contenders=("titan",), overrides=_sft_overrides("packed"))
+    WORKLOADS[f"{_name}_sft_best_fit"] = Workload(recipe=f"recipes.llama3:{_flavor}", layers=_layers,
+                                                  contenders=("titan",), overrides=_sft_overrides("best_fit"))
     WORKLOADS[f"{_name}_sft_padded"] = Workload(recipe=f"recipes.llama3:{_flavor}", layers=_layers, seq_len=4096,
                                                 contenders=("titan",), overrides=_sft_overrides("padded") + (
                                                     "--job.training.tokens_per_microbatch_per_dp_rank", "8192"))
