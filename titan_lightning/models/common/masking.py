@@ -197,20 +197,21 @@ def _flex(q, k, v, block_mask, scale, sinks: Optional[torch.Tensor] = None):
     its Triton kernels do not take: the eager path computes the masked scores densely).
     ``sinks`` [H]: each head's softmax denominator also holds exp(sinks[h]) (gpt-oss), which
     scales the output by sigmoid(lse - sinks[h]) (the log-sum-exp the kernel returns)."""
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     gqa = k.shape[1] != q.shape[1]
+    aux = {} if sinks is None else {"return_aux": AuxRequest(lse=True)}
     if q.is_cuda and q.dtype != torch.float64:
-        out = _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=sinks is not None)
+        out = _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, **aux)
     else:
         with warnings.catch_warnings():  # "called without torch.compile": the eager path is the CPU one
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-            out = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                                 return_lse=sinks is not None)
+            out = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, **aux)
     if sinks is None:
         return out
-    out, lse = out
-    return out * torch.sigmoid(lse.float() - sinks.float()[:, None]).to(out.dtype)[..., None]
+    out, lse = out[0], out[1].lse
+    acc = torch.promote_types(lse.dtype, torch.float32)
+    return out * torch.sigmoid(lse.to(acc) - sinks.to(acc)[:, None]).to(out.dtype)[..., None]
 
 
 # -- varlen ----------------------------------------------------------------------------------
