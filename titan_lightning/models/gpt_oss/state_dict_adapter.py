@@ -86,16 +86,31 @@ class GptOssStateDictAdapter(StateDictAdapter):
                  "b3": "gate_up_proj_bias"}[name]
         return f"model.layers.{layer}.mlp.experts.{fused}"
 
+    def export_group(self, ours: str) -> str:
+        """Gate and up (weights, biases) of a layer's experts: one fused Hugging Face tensor each."""
+        match = _OURS_FUSED.fullmatch(ours)
+        if match is None or match[2] == "w2":
+            return ours
+        return f"layers.{match[1]}.moe.experts.{'w' if match[2].startswith('w') else 'b'}13"
+
     def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-        fused = {k: v for k, v in state_dict.items() if _OURS_FUSED.fullmatch(k)}
-        hf = super().to_hf({k: v for k, v in state_dict.items() if k not in fused})
-        for layer in sorted({_OURS_FUSED.fullmatch(k)[1] for k in fused}, key=int):
-            ours = lambda name: fused[f"layers.{layer}.moe.experts.{name}"]  # noqa: E731
+        fused: dict[str, dict[str, Tensor]] = {}  # layer -> our expert name -> tensor
+        for key, value in state_dict.items():
+            match = _OURS_FUSED.fullmatch(key)
+            if match is not None:
+                fused.setdefault(match[1], {})[match[2]] = value
+        hf = super().to_hf({k: v for k, v in state_dict.items() if not _OURS_FUSED.fullmatch(k)})
+        for layer, ours in fused.items():
             prefix = f"model.layers.{layer}.mlp.experts"
-            # [E, hidden, dim] gate and up -> [E, dim, 2 * hidden], gate in the even columns
-            hf[f"{prefix}.gate_up_proj"] = torch.stack([ours("w1"), ours("w3")], dim=-1).transpose(1, 2).flatten(-2)
-            hf[f"{prefix}.gate_up_proj_bias"] = torch.stack([ours("b1"), ours("b3")], dim=-1).flatten(-2)
-            hf[f"{prefix}.down_proj"] = ours("w2").transpose(1, 2).contiguous()
+            if "w2" in ours:
+                hf[f"{prefix}.down_proj"] = ours["w2"].transpose(1, 2).contiguous()
+            for gate, up, name in (("w1", "w3", "gate_up_proj"), ("b1", "b3", "gate_up_proj_bias")):
+                if (gate in ours) != (up in ours):
+                    raise ValueError(f"layers.{layer}.moe.experts.{gate} and .{up} make one Hugging Face tensor "
+                                     f"({prefix}.{name}): to_hf needs both (export_group)")
+                if gate in ours:  # gate in the even columns, up in the odd: [E, dim, 2 * hidden] / [E, 2 * hidden]
+                    pair = torch.stack([ours[gate], ours[up]], dim=-1)
+                    hf[f"{prefix}.{name}"] = (pair.transpose(1, 2) if gate == "w1" else pair).flatten(-2)
         return hf
 
     def sources(self, tensors: HFTensors) -> dict[str, Source]:
