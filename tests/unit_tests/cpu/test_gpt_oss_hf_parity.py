@@ -187,3 +187,22 @@ def test_presets_have_the_published_parameter_counts(flavor, total, active):
     embeddings = args.vocab_size * args.dim
     assert Transformer.count_parameters(args) == pytest.approx(total, rel=0.005)
     assert Transformer.count_parameters(args, active=True) - embeddings == pytest.approx(active, rel=0.01)
+
+
+@pytest.mark.parametrize("attention, degrees, message", [
+    ("ring", dict(cp=2, dp_shard=1), "model.attention='ring': gpt-oss's attention sinks are computed by sdpa, flex"),
+    ("ulysses", dict(cp=2, dp_shard=1), "model.attention='ulysses'"),
+    ("varlen", dict(dp_shard=2), "model.attention='varlen'"),
+    ("sdpa", dict(dp_shard=1, tp=2), "parallelism.tp=2 with parallelism.ep=1 makes the experts tensor-parallel"),
+])
+def test_layouts_the_sinks_or_expert_biases_cannot_take_are_refused_before_launch(attention, degrees, message):
+    """Every other layout equals one process (allgather CP2, TP2 x EP2, TP2 x CP2 x EP4: checked with
+    scripts/loss_compare.py; the models suite runs FSDP2 x EP2)."""
+    from recipes.tests.models import gpt_oss_debugmodel
+    from titan_lightning.config import validate_job
+    from titan_lightning.recipe import on_layout
+
+    run = on_layout(gpt_oss_debugmodel(), **degrees)
+    run.job.model.attention = attention
+    with pytest.raises(ConfigError, match=message):
+        validate_job(run.job, world_size=2)
