@@ -47,3 +47,13 @@ def test_the_clamped_swiglu_is_transformers():
     experts = _moe(False).experts
     ours = experts.gated(gate_up[:, ::2], gate_up[:, 1::2])
     torch.testing.assert_close(ours, theirs._apply_gate(gate_up), rtol=0, atol=0)
+
+
+def test_the_parameter_arithmetic_agrees_with_the_model():
+    from titan_lightning.models.common.decoder import Decoder
+    from titan_lightning.models.gpt_oss import Transformer, gpt_oss_args
+
+    args = gpt_oss_args("debugmodel")
+    for active in (False, True):
+        assert Transformer.count_parameters(args, active=active) == \
+            Decoder.count_parameters.__func__(Transformer, args, active=active)
