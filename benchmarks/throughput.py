@@ -129,6 +129,13 @@ WORKLOADS: dict[str, Workload] = {
     "gpt_oss_20b_shape": Workload(recipe="recipes.gpt_oss:gpt_oss_20b", layers=4, seq_len=4096, contenders=("titan", "bare"),
                                   overrides=("--job.model.layer_types", "[" + ",".join(
                                       ["sliding_attention", "full_attention"] * 2) + "]")),
+    # The same on FlexAttention: the sinks from its log-sum-exp, where sdpa's take a dense
+    # [heads, S, S + 1] mask (2 GiB a layer at 4096 tokens in bf16).
+    "gpt_oss_20b_shape_flex": Workload(recipe="recipes.gpt_oss:gpt_oss_20b", layers=4, seq_len=4096,
+                                       contenders=("titan",), overrides=(
+                                           "--job.model.layer_types", "[" + ",".join(
+                                               ["sliding_attention", "full_attention"] * 2) + "]",
+                                           "--job.model.attention", "flex")),
     # DeepSeek V3 16B-shaped layers (DeepSeek-V2-Lite's sizes: dim 2048, MLA kv rank 512, 64 routed
     # experts of 1408 + 2 shared, top 6) with V3's routing: sigmoid scores normalized over the top
     # k, picked from the 4 best of 8 expert groups; the dense first layer and 3 MoE layers.

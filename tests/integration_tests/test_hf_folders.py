@@ -73,7 +73,8 @@ def test_folder_to_one_command_to_transformers(tmp_path, model_type, tie, layout
 @pytest.mark.parametrize("model_type, tie, world, degrees", [
     ("llama", True, 4, ["--job.parallelism.dp_shard", "2", "--job.parallelism.tp", "2"]),
     ("qwen3_moe", False, 2, ["--job.parallelism.dp_shard", "2", "--job.parallelism.ep", "2"]),
-], ids=["llama-tied-fsdp2_tp2", "qwen3_moe-fsdp2_ep2"])
+    ("gpt_oss", False, 2, ["--job.parallelism.dp_shard", "2", "--job.parallelism.ep", "2"]),
+], ids=["llama-tied-fsdp2_tp2", "qwen3_moe-fsdp2_ep2", "gpt_oss-fsdp2_ep2"])
 def test_a_folder_loads_exactly_on_a_sharded_layout(tmp_path, model_type, tie, world, degrees):
     """Each rank reads only its blocks; with a learning rate of 1e-30 the fp32 weights stay as
     loaded, so the export (written from every rank) holds the folder's tensors bit for bit."""
