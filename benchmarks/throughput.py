@@ -129,8 +129,8 @@ WORKLOADS: dict[str, Workload] = {
     "gpt_oss_20b_shape": Workload(recipe="recipes.gpt_oss:gpt_oss_20b", layers=4, seq_len=4096, contenders=("titan", "bare"),
                                   overrides=("--job.model.layer_types", "[" + ",".join(
                                       ["sliding_attention", "full_attention"] * 2) + "]")),
-    # The same on FlexAttention: the sinks from its log-sum-exp, where sdpa's take a dense
-    # [heads, S, S + 1] mask (2 GiB a layer at 4096 tokens in bf16).
+    # The same on FlexAttention (the sinks from its log-sum-exp; sdpa's, with the sliding layers'
+    # mask, take the memory-efficient kernel, not flash).
     "gpt_oss_20b_shape_flex": Workload(recipe="recipes.gpt_oss:gpt_oss_20b", layers=4, seq_len=4096,
                                        contenders=("titan",), overrides=(
                                            "--job.model.layer_types", "[" + ",".join(

@@ -141,18 +141,22 @@ def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 def sdpa_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
                     scale: Optional[float] = None) -> torch.Tensor:
     """SDPA over [B, H, S_q, D] / [B, H, S_k, D] (heads already repeated) where each head's softmax
-    denominator also holds exp(``sinks[h]``) (gpt-oss's attention sinks): one more key, of zeros,
-    whose score is the additive mask's ``sinks[h]`` and whose value is zero. ``mask``
-    [..., S_q, S_k] bool (True = attend) becomes that float mask; exact, differentiable in ``sinks``."""
-    B, H, S_q = q.shape[:3]
-    k = torch.cat([k, k.new_zeros(B, H, 1, k.shape[-1])], dim=2)
+    denominator also holds exp(``sinks[h]``) (gpt-oss's attention sinks): one more key, whose value
+    is zero and whose score is ``sinks[h]``. The score comes from one more feature (padded to a
+    multiple of 8 for the GPU kernels): 1 in every query, 0 in every key but the sink's, which holds
+    ``sinks[h] / scale``; so ``mask`` [..., S_q, S_k] bool (True = attend) only gains a True column
+    and stays shared by the heads. Exact; differentiable in ``sinks``."""
+    B, H, S_q, D = q.shape
+    scale = D**-0.5 if scale is None else scale
+    extra = 8 - D % 8
+    q = torch.cat([q, q.new_ones(B, H, S_q, 1), q.new_zeros(B, H, S_q, extra - 1)], dim=-1)
+    k = F.pad(k, (0, extra))
+    sink = torch.zeros(B, H, 1, D + extra, dtype=k.dtype, device=k.device)
+    sink[..., D] = (sinks.to(k.dtype) / scale).view(1, H, 1)
+    k = torch.cat([k, sink], dim=2)
     v = torch.cat([v, v.new_zeros(B, H, 1, v.shape[-1])], dim=2)
-    while mask.dim() < 4:
-        mask = mask[None]
-    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
-    bias = bias.expand(mask.shape[0], H, S_q, mask.shape[-1])
-    sink = sinks.to(q.dtype).view(1, H, 1, 1).expand(mask.shape[0], H, S_q, 1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.cat([bias, sink], dim=-1), scale=scale)
+    mask = torch.cat([mask, mask.new_ones(*mask.shape[:-1], 1)], dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def context_parallel_attention(

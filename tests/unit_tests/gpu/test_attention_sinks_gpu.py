@@ -1,6 +1,6 @@
 """gpt-oss's attention sinks on a GPU (models/common/masking.py): FlexAttention's sinks (its
-output scaled by sigmoid(lse - sink), the log-sum-exp it returns) against sdpa's (a sink column
-in a dense mask), values and gradients of q, k, v and the sinks. In fp64 (flex's eager path) to
+output scaled by sigmoid(lse - sink), the log-sum-exp it returns) against sdpa's (one more key
+whose score is the sink), values and gradients of q, k, v and the sinks. In fp64 (flex's eager path) to
 1e-10; in bf16 (flex compiled) within 4x the error of bf16 sdpa, both against fp64 sdpa. The
 CPU tests (tests/unit_tests/cpu/test_attention_sinks.py) check flex's forward only: torch has no
 FlexAttention backward on CPU."""

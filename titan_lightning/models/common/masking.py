@@ -259,7 +259,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Optiona
     heads than the queries: each serves consecutive query heads) -> [B, S, H, D_v], with the
     kernel ``documents`` names (sdpa when None); with a sliding ``window``, query i sees only
     keys i - window < j <= i. ``sinks`` [H] (gpt-oss's attention sinks: a learned logit per head
-    in each softmax denominator): sdpa (a dense mask) and flex only."""
+    in each softmax denominator): sdpa (``sdpa_with_sinks``: one more key) and flex only."""
     B, S = q.shape[:2]
     window = None if window is None or window >= S else window  # (a window over everything: full)
     kernel = "sdpa" if documents is None else documents.kernel

@@ -146,7 +146,7 @@ class Sinks(nn.Module):
 
 class GptOssAttention(Attention):
     """``Attention`` with biases on q, k, v and o, and attention sinks (``Sinks``), on the kernels
-    that take them: sdpa (a dense mask with a sink column), flex (its log-sum-exp) and, under
+    that take them: sdpa (one more key, ``sdpa_with_sinks``), flex (its log-sum-exp) and, under
     context parallelism, allgather (refused elsewhere before launch)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, attention: str = "sdpa", *, head_dim: int):
