@@ -57,3 +57,43 @@ def test_the_parameter_arithmetic_agrees_with_the_model():
     for active in (False, True):
         assert Transformer.count_parameters(args, active=active) == \
             Decoder.count_parameters.__func__(Transformer, args, active=active)
+
+
+def _tp_attention(rank: int, world_size: int) -> dict:
+    """A gpt-oss attention (biases, sinks, a window) on TP over the thread ranks against one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_lightning.models.common.attention import ATTENTION_TP_PLAN
+    from titan_lightning.models.gpt_oss.model import GptOssAttention
+    from titan_lightning.parallel.tensor import apply_tp
+
+    def build():
+        torch.manual_seed(0)
+        attention = GptOssAttention(64, 4, 2, head_dim=16)
+        attention.window = 5
+        with torch.no_grad():
+            attention.sinks.weight.copy_(torch.randn(4))
+        return attention
+
+    x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(1))
+    rope = torch.randn(12, 8, 2, generator=torch.Generator().manual_seed(2))
+    whole = build()
+    expected = whole(x, rope)
+    expected.square().sum().backward()
+    sharded = build()
+    plan = {**ATTENTION_TP_PLAN, "sinks": "head_params"}
+    apply_tp(sharded, init_device_mesh("cpu", (world_size,)), plan, sequence_parallel=False, loss_parallel=False)
+    out = sharded(x, rope)
+    out.square().sum().backward()
+    sinks = sharded.sinks.weight
+    return {"out": (out - expected).abs().max().item(), "local_sinks": tuple(sinks.to_local().shape),
+            "dsinks": (sinks.grad.full_tensor() - whole.sinks.weight.grad).abs().max().item(),
+            "dbias_o": (sharded.wo.bias.grad.full_tensor() - whole.wo.bias.grad).abs().max().item()}
+
+
+def test_the_sinks_shard_with_the_heads_under_tensor_parallelism():
+    from titan_lightning.testing.threaded import run_threaded
+
+    for result in run_threaded(_tp_attention, 2):
+        assert result["local_sinks"] == (2,)
+        assert max(result["out"], result["dsinks"], result["dbias_o"]) < 1e-5, result
