@@ -362,6 +362,7 @@ class GroupedExperts(nn.Module):
         and fp32 inputs would send a bf16 run down the loop."""
         x = x.to(_compute_dtype(x))
         w1, w2, w3 = self.weights(x.dtype)
+        # (None: the plain SwiGLU's code path, as without these options)
         biases, gated = self.biases(x.dtype), (None if self.activation == "silu" and self.b1 is None else self.gated)
         if self.grouped(x) and _fits_grouped_mm(x, w1):
             align = self.token_group_align or default_token_group_align(x)
