@@ -129,6 +129,18 @@ WORKLOADS: dict[str, Workload] = {
     # Mixtral 8x7B's layers (8 experts of 14336, top 2, grouped GEMM), 2 of 32.
     "mixtral_8x7b_shape": Workload(recipe="recipes.mistral:mixtral_8x7b", layers=2, seq_len=4096,
                                    contenders=("titan", "bare")),
+    # gpt-oss-20b's layers (dim 2880, 64 heads of 64 over 8 KV heads with biases and sinks, sliding
+    # window 128 / full alternating, YaRN; 32 experts of 2880 with biases, top 4, clamped SwiGLU), 4 of 24.
+    "gpt_oss_20b_shape": Workload(recipe="recipes.gpt_oss:gpt_oss_20b", layers=4, seq_len=4096, contenders=("titan", "bare"),
+                                  overrides=("--job.model.layer_types", "[" + ",".join(
+                                      ["sliding_attention", "full_attention"] * 2) + "]")),
+    # The same on FlexAttention (the sinks from its log-sum-exp; sdpa's, with the sliding layers'
+    # mask, take the memory-efficient kernel, not flash).
+    "gpt_oss_20b_shape_flex": Workload(recipe="recipes.gpt_oss:gpt_oss_20b", layers=4, seq_len=4096,
+                                       contenders=("titan",), overrides=(
+                                           "--job.model.layer_types", "[" + ",".join(
+                                               ["sliding_attention", "full_attention"] * 2) + "]",
+                                           "--job.model.attention", "flex")),
     # DeepSeek V3 16B-shaped layers (DeepSeek-V2-Lite's sizes: dim 2048, MLA kv rank 512, 64 routed
     # experts of 1408 + 2 shared, top 6) with V3's routing: sigmoid scores normalized over the top
     # k, picked from the 4 best of 8 expert groups; the dense first layer and 3 MoE layers.

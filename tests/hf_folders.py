@@ -1,7 +1,8 @@
 """Tiny Hugging Face model folders as users hold them: saved by transformers (config.json,
 safetensors), with a tokenizer.json trained here and a tokenizer_config.json in the special-token
 layout of the family (Llama 3: <|begin_of_text|> / <|end_of_text|>, Qwen 2 / 3: <|endoftext|> only,
-DeepSeek: <｜begin▁of▁sentence｜> / <｜end▁of▁sentence｜>, Mistral / Mixtral: <s> / </s>). Needs transformers."""
+DeepSeek: <｜begin▁of▁sentence｜> / <｜end▁of▁sentence｜>, Mistral / Mixtral: <s> / </s>, gpt-oss:
+<|startoftext|> / <|return|>). Needs transformers."""
 
 import inspect
 import json
@@ -20,7 +21,11 @@ SPECIAL_TOKENS = {
     "deepseek_v3": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
     "mistral": ("<s>", "</s>"),
     "mixtral": ("<s>", "</s>"),
+    "gpt_oss": ("<|startoftext|>", "<|return|>"),
 }
+# gpt-oss's YaRN (factor 32 over 4096 positions, as published) scaled to the tiny model's 64 positions.
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "original_max_position_embeddings": 16, "truncate": False}
 
 
 def hf_config(model_type: str, tie: bool = False, **overrides):
@@ -42,6 +47,10 @@ def hf_config(model_type: str, tie: bool = False, **overrides):
             num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
             kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
             routed_scaling_factor=1.0)),
+        # Sliding (window 8) and full layers alternating, YaRN, 8 experts top-2, head_dim 32 != 64 / 4.
+        "gpt_oss": (transformers.GptOssConfig, dict(
+            intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=32, sliding_window=8,
+            rope_parameters=GPT_OSS_YARN)),
     }
     config_class, shapes = families[model_type]
     return config_class(**{**common, **shapes, **overrides})

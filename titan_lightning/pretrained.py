@@ -30,6 +30,7 @@ from titan_lightning.config import ConfigError
 from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
 from titan_lightning.models.common.hf_config import CONFIG_FILE, HFConfig, read_config_json
 from titan_lightning.models.deepseek_v3 import DeepSeekV3Job, DeepSeekV3Module
+from titan_lightning.models.gpt_oss import GptOssJob, GptOssModule
 from titan_lightning.models.llama3 import Llama3Job, Llama3Module
 from titan_lightning.models.mistral import MistralJob, MistralModule
 from titan_lightning.models.qwen2 import Qwen2Job, Qwen2Module
@@ -48,7 +49,7 @@ def hf_families() -> dict[str, tuple[type, type]]:
     families = {}
     for job_class, module_class in ((Llama3Job, Llama3Module), (Qwen3Job, Qwen3Module),
                                     (DeepSeekV3Job, DeepSeekV3Module), (Qwen2Job, Qwen2Module),
-                                    (MistralJob, MistralModule)):
+                                    (MistralJob, MistralModule), (GptOssJob, GptOssModule)):
         families.update(dict.fromkeys(module_class.hf_adapter.hf_model_types, (job_class, module_class)))
     return families
 

@@ -2,10 +2,12 @@
 families on expert-parallel layouts (entries in tests/integration_tests/models.py)."""
 
 import recipes.deepseek_v3 as deepseek_v3
+import recipes.gpt_oss as gpt_oss
 import recipes.mistral as mistral
 import recipes.qwen2 as qwen2
 import recipes.qwen3 as qwen3
 from recipes.tests import features
+from titan_lightning.models.gpt_oss.model import alternating
 from titan_lightning.recipe import Run, on_layout, with_cp
 
 
@@ -164,6 +166,19 @@ def mixtral_debugmodel() -> Run:
 
 def mixtral_fsdp2_ep2() -> Run:
     return on_layout(mixtral_debugmodel(), dp_shard=2, ep=2)
+
+
+def gpt_oss_debugmodel() -> Run:
+    """The gpt-oss debug model cut to 2 layers, one sliding (32 of 128 tokens) and one full: sinks,
+    YaRN, 8 experts with biases and the clamped SwiGLU, top-2; one process."""
+    run = _two_layers(gpt_oss.debugmodel())
+    run.job.model.layer_types = alternating(2)
+    return run
+
+
+def gpt_oss_fsdp2_ep2() -> Run:
+    """FSDP2, the experts and their biases over EP2."""
+    return on_layout(gpt_oss_debugmodel(), dp_shard=2, ep=2)
 
 
 # Supervised fine-tuning of the MoE (data.sft): tokens routed to experts of other ranks, the loss over

@@ -32,6 +32,7 @@ DEEPSEEK_FIELDS = {"rms_norm_eps": 1e-5, "n_group": 2, "topk_group": 1}
     ("llama", True, "fsdp2", {}), ("llama", False, "tp2", {}), ("qwen3", True, "fsdp2", {}), ("qwen3", False, "tp2", {}),
     ("qwen3_moe", False, "fsdp2", {}), ("qwen3_moe", False, "tp2", {}), ("deepseek_v3", False, "fsdp2", {}),
     ("deepseek_v3", False, "tp2", DEEPSEEK_FIELDS), ("qwen2", True, "fsdp2", {}), ("mistral", False, "tp2", {}),
+    ("gpt_oss", False, "fsdp2", {}),
 ])
 def test_folder_to_one_command_to_transformers(tmp_path, model_type, tie, layout, fields):
     folder = save_hf_folder(tmp_path / "hf", model_type, tie=tie, **fields)
@@ -72,7 +73,8 @@ def test_folder_to_one_command_to_transformers(tmp_path, model_type, tie, layout
 @pytest.mark.parametrize("model_type, tie, world, degrees", [
     ("llama", True, 4, ["--job.parallelism.dp_shard", "2", "--job.parallelism.tp", "2"]),
     ("qwen3_moe", False, 2, ["--job.parallelism.dp_shard", "2", "--job.parallelism.ep", "2"]),
-], ids=["llama-tied-fsdp2_tp2", "qwen3_moe-fsdp2_ep2"])
+    ("gpt_oss", False, 2, ["--job.parallelism.dp_shard", "2", "--job.parallelism.ep", "2"]),
+], ids=["llama-tied-fsdp2_tp2", "qwen3_moe-fsdp2_ep2", "gpt_oss-fsdp2_ep2"])
 def test_a_folder_loads_exactly_on_a_sharded_layout(tmp_path, model_type, tie, world, degrees):
     """Each rank reads only its blocks; with a learning rate of 1e-30 the fp32 weights stay as
     loaded, so the export (written from every rank) holds the folder's tensors bit for bit."""

@@ -209,7 +209,9 @@ def _world() -> tuple[int, int]:
 
 def _my_share(own: dict[str, torch.Tensor], adapter: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The Hugging Face tensors this rank writes: each of our tensors goes to one of the ranks that
-    hold it (round robin over the keys); a DTensor is gathered by its mesh, one tensor at a time."""
+    hold it (round robin over the keys); a DTensor is gathered by its mesh, one tensor at a time.
+    Keys of one ``adapter.export_group`` (gpt-oss's gate and up, fused in its checkpoint) go to one
+    rank, and ``to_hf`` gets them together."""
     from torch.distributed.tensor import DTensor
 
     rank, world = _world()
@@ -221,13 +223,21 @@ def _my_share(own: dict[str, torch.Tensor], adapter: Any, dtype: torch.dtype) ->
     for holder, keys in enumerate(keys_by_rank):
         for key in keys:
             holders.setdefault(key, []).append(holder)
-    owner = {key: ranks[i % len(ranks)] for i, (key, ranks) in enumerate(holders.items())}
+    group = getattr(adapter, "export_group", lambda key: key)
+    groups: dict[str, list[str]] = {}
+    for key in holders:
+        groups.setdefault(group(key), []).append(key)
+    owner = {key: holders[keys[0]][i % len(holders[keys[0]])] for i, keys in enumerate(groups.values()) for key in keys}
     share: dict[str, torch.Tensor] = {}
+    pending: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in own.items():
         full = value.full_tensor() if isinstance(value, DTensor) else value
         if owner[key] == rank:
             full = full.detach().to("cpu", dtype) if full.is_floating_point() else full.detach().cpu()
-            share.update(adapter.to_hf({key: full}))
+            members = pending.setdefault(group(key), {})
+            members[key] = full
+            if len(members) == len(groups[group(key)]):
+                share.update(adapter.to_hf(pending.pop(group(key))))
     return share
 
 

@@ -138,9 +138,30 @@ def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x.repeat_interleave(n_rep, dim=2) if n_rep > 1 else x
 
 
+def sdpa_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
+                    scale: Optional[float] = None) -> torch.Tensor:
+    """SDPA over [B, H, S_q, D] / [B, H, S_k, D] (heads already repeated) where each head's softmax
+    denominator also holds exp(``sinks[h]``) (gpt-oss's attention sinks): one more key, whose value
+    is zero and whose score is ``sinks[h]``. The score comes from one more feature (padded to a
+    multiple of 8 for the GPU kernels): 1 in every query, 0 in every key but the sink's, which holds
+    ``sinks[h] / scale``; so ``mask`` [..., S_q, S_k] bool (True = attend) only gains a True column
+    and stays shared by the heads. Exact; differentiable in ``sinks``."""
+    B, H, S_q, D = q.shape
+    scale = D**-0.5 if scale is None else scale
+    extra = 8 - D % 8
+    q = torch.cat([q, q.new_ones(B, H, S_q, 1), q.new_zeros(B, H, S_q, extra - 1)], dim=-1)
+    k = F.pad(k, (0, extra))
+    sink = torch.zeros(B, H, 1, D + extra, dtype=k.dtype, device=k.device)
+    sink[..., D] = (sinks.to(k.dtype) / scale).view(1, H, 1)
+    k = torch.cat([k, sink], dim=2)
+    v = torch.cat([v, v.new_zeros(B, H, 1, v.shape[-1])], dim=2)
+    mask = torch.cat([mask, mask.new_ones(*mask.shape[:-1], 1)], dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 def context_parallel_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, backend: str, documents=None,
-    window: Optional[int] = None,
+    window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Exact causal attention of this rank's queries over the whole sequence.
 
@@ -148,13 +169,15 @@ def context_parallel_attention(
     all already rotated. Returns [B, S_local, H, D]. ``documents`` (models/common/masking.py:
     this rank's slice of the batch's ``position_ids`` and whether attention is block-causal)
     keeps each query inside its document; ``window`` (None: none) inside its sliding window
-    (every backend honours both).
+    (every backend honours both). ``sinks`` [H] (gpt-oss: ``sdpa_with_sinks``): allgather only.
     """
+    if sinks is not None and backend != "allgather":
+        raise ValueError(f"context-parallel attention backend {backend!r} has no attention sinks; use allgather")
     position_ids = documents.position_ids if documents is not None and documents.block_causal else None
     if window is not None and window >= q.shape[1] * cp.size:  # the window holds the whole sequence
         window = None
     if backend == "allgather":
-        return _allgather_attention(q, k, v, cp, position_ids, window)
+        return _allgather_attention(q, k, v, cp, position_ids, window, sinks)
     if backend == "ring":
         return _ring_attention(q, k, v, cp, position_ids, window)
     if backend == "ulysses":
@@ -163,7 +186,7 @@ def context_parallel_attention(
 
 
 def _allgather_attention(q, k, v, cp: ContextParallel, position_ids: Optional[torch.Tensor] = None,
-                         window: Optional[int] = None) -> torch.Tensor:
+                         window: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     local = q.shape[1]
     order = cp.gathered_order(local, q.device)
     n_rep = q.shape[2] // k.shape[2]
@@ -182,13 +205,17 @@ def _allgather_attention(q, k, v, cp: ContextParallel, position_ids: Optional[to
         first = global_end - (end - start)
         keys = 0 if window is None else max(0, first - window + 1)
         mask = causal_lower_right(end - start, global_end)
-        if documents is not None or window is not None:  # ... of their own document, in their window
+        if documents is not None or window is not None or sinks is not None:  # ... of their document, in their window
             q_at = torch.arange(first, global_end, device=q.device)
             k_at = torch.arange(keys, global_end, device=q.device)
             if documents is None:
                 mask = visible(q_at, k_at, window)
             else:
                 mask = visible(q_at, k_at, window, mine[:, start:end], documents[:, keys:global_end])[:, None]
+        if sinks is not None:
+            outs.append(sdpa_with_sinks(q[:, :, start:end], k_all[:, :, keys:global_end], v_all[:, :, keys:global_end],
+                                        mask, sinks))
+            continue
         outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k_all[:, :, keys:global_end],
                                                    v_all[:, :, keys:global_end], attn_mask=mask))
     return torch.cat(outs, dim=2).transpose(1, 2)

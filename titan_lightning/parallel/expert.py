@@ -170,6 +170,9 @@ def apply_expert_tensor_parallel(model: nn.Module, tp_mesh) -> ExpertTensorParal
     context = ExpertTensorParallel(group=tp_mesh.get_group(), size=size)
     for layer in layers:
         experts = layer.experts
+        if getattr(experts, "b1", None) is not None:  # (the down bias would be added once per TP rank)
+            raise ConfigError(f"parallelism.tp={size} with parallelism.ep=1: experts with biases (gpt-oss) are not "
+                              f"tensor-parallel here; set parallelism.ep to a multiple of tp")
         if experts.w1.shape[1] % size:
             raise ConfigError(f"parallelism.tp={size} must divide the experts' hidden dim ({experts.w1.shape[1]})")
         for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):  # w1/w3 [E, hidden, dim], w2 [E, dim, hidden]

@@ -47,6 +47,8 @@ stands for a layer index). This file knows *how* each style is sharded:
                          Limit: FSDP on top trains, but gives the weight placements that
                          no longer say where its rows are (``full_tensor()`` is out of
                          order): its checkpoints are refused (titan_lightning/checkpoint.py)
+    head_params          a module of per-head parameters ([n_heads, ...]: gpt-oss's attention
+                         sinks) sharded on dim 0 with the heads; it reads them as local tensors
     heads                not a module: an integer attribute that counts heads (below)
 
 Every parameter of a sharded module becomes a DTensor on the TP mesh, norms included, so
@@ -267,6 +269,18 @@ class FusedColwiseParallel(ColwiseParallel):
         return outputs.to_local()  # already each block's rank-local part, in block order
 
 
+class HeadParams(ParallelStyle):
+    """Every parameter of the module sharded on dim 0, one entry per query head (gpt-oss's
+    attention sinks [n_heads]): each TP rank holds its heads' entries, which the module reads
+    as a local tensor (``to_local()``); the gradients stay per head. No input or output hook."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        return module
+
+
 FUSED = "colwise_fused"
 HEADS = "heads"  # plan style of an integer attribute that counts heads (not a module)
 
@@ -284,6 +298,7 @@ STYLES: dict[str, StyleFactory] = {
     "head_norm": lambda module, sp, loss_parallel: SequenceParallel(sequence_dim=2, use_local_output=True),
     "moe": _moe,
     "moe_replicated": _moe_replicated,
+    "head_params": lambda module, sp, loss_parallel: HeadParams(),
 }
 
 # The weight dimension each style splits across the TP ranks (nn.Linear weights are [out, in]).

@@ -212,6 +212,16 @@ CASES = [
     ("preset against a folder", [*D, "--job.checkpoint.initial_load_path", "hf_llama",
                                  "--job.checkpoint.initial_load_format", "hf"],
      "model args differ from hf_llama/config.json: hidden_size is 256 here, 64 there"),
+    ("gpt-oss sinks on ring attention", ["fit", "--recipe", "recipes.gpt_oss:debugmodel", "--trainer.accelerator", "cpu",
+                                        "--trainer.devices", "2", "--job.parallelism.dp_shard", "1",
+                                        "--job.parallelism.cp", "2", "--job.model.attention", "ring"],
+     "model.attention='ring': gpt-oss's attention sinks are computed by sdpa, flex and (context parallel) allgather "
+     "only"),
+    ("gpt-oss experts' biases tensor-parallel", ["fit", "--recipe", "recipes.gpt_oss:debugmodel", "--trainer.accelerator",
+                                                "cpu", "--trainer.devices", "2", "--job.parallelism.dp_shard", "1",
+                                                "--job.parallelism.tp", "2"],
+     "parallelism.tp=2 with parallelism.ep=1 makes the experts tensor-parallel, which gpt-oss's expert biases are not "
+     "here; set parallelism.ep to a multiple of tp"),
     ("hf export of a routing bias", [*MOE, "--job.checkpoint.export_format", "hf"],
      "checkpoint.export_format=hf: Hugging Face Qwen3-MoE has no routing bias"),
     # -- data: prepare, shards, mixtures -----------------------------------------------------------

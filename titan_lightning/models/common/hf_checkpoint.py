@@ -142,6 +142,11 @@ class StateDictAdapter:
     def check_expressible(cls, args: Any) -> None:
         """A one-line ConfigError for args that transformers' family cannot express (by default all can)."""
 
+    def export_group(self, ours: str) -> str:
+        """Our keys that ``to_hf`` needs together (an export hands each group to one rank's
+        ``to_hf`` call) share a group name; by default every key is its own group."""
+        return ours
+
     def hf_key(self, ours: str) -> Optional[str]:
         """The Hugging Face name of our key (``*`` for the experts of a stacked one), or None."""
         match = _OUR_LAYER.fullmatch(ours)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_lightning.config.job import KERNEL_ATTENTIONS
-from titan_lightning.parallel.context import visible
+from titan_lightning.parallel.context import sdpa_with_sinks, visible
 
 
 class Documents(NamedTuple):
@@ -191,18 +191,27 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex(q, k, v, block_mask, scale):
+def _flex(q, k, v, block_mask, scale, sinks: Optional[torch.Tensor] = None):
     """FlexAttention over [B, H, S, D] (k, v may have fewer heads: GQA): compiled on GPU, eager
     elsewhere (forward only: torch has no FlexAttention backward on CPU) and in float64 (which
-    its Triton kernels do not take: the eager path computes the masked scores densely)."""
-    from torch.nn.attention.flex_attention import flex_attention
+    its Triton kernels do not take: the eager path computes the masked scores densely).
+    ``sinks`` [H]: each head's softmax denominator also holds exp(sinks[h]) (gpt-oss), which
+    scales the output by sigmoid(lse - sinks[h]) (the log-sum-exp the kernel returns)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     gqa = k.shape[1] != q.shape[1]
+    aux = {} if sinks is None else {"return_aux": AuxRequest(lse=True)}
     if q.is_cuda and q.dtype != torch.float64:
-        return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    with warnings.catch_warnings():  # "called without torch.compile": the eager path is the CPU one
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        out = _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, **aux)
+    else:
+        with warnings.catch_warnings():  # "called without torch.compile": the eager path is the CPU one
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+            out = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, **aux)
+    if sinks is None:
+        return out
+    out, lse = out[0], out[1].lse
+    acc = torch.promote_types(lse.dtype, torch.float32)
+    return out * torch.sigmoid(lse.to(acc) - sinks.to(acc)[:, None]).to(out.dtype)[..., None]
 
 
 # -- varlen ----------------------------------------------------------------------------------
@@ -244,24 +253,37 @@ def _varlen(q, k, v, documents: Documents, scale, window: Optional[int] = None):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Optional[Documents],
-           scale: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor:
+           scale: Optional[float] = None, window: Optional[int] = None,
+           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal or document-masked attention over [B, S, H, D] (keys and values may have fewer
     heads than the queries: each serves consecutive query heads) -> [B, S, H, D_v], with the
     kernel ``documents`` names (sdpa when None); with a sliding ``window``, query i sees only
-    keys i - window < j <= i."""
+    keys i - window < j <= i. ``sinks`` [H] (gpt-oss's attention sinks: a learned logit per head
+    in each softmax denominator): sdpa (``sdpa_with_sinks``: one more key) and flex only."""
     B, S = q.shape[:2]
     window = None if window is None or window >= S else window  # (a window over everything: full)
     kernel = "sdpa" if documents is None else documents.kernel
     if kernel == "varlen":
+        if sinks is not None:
+            raise ValueError("model.attention='varlen' has no attention sinks; use sdpa or flex")
         return _varlen(q, k, v, documents, scale, window)
     if kernel == "flex":
         block_mask = documents.block_mask if window is None else _window_mask(documents, window, B, S, q.device)
-        return _flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask, scale).transpose(1, 2)
+        return _flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask, scale,
+                     sinks).transpose(1, 2)
     if k.shape[2] != q.shape[2]:
         n_rep = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if window is not None:
+    if sinks is not None:
+        if window is not None:
+            mask = _window_mask(documents, window, B, S, q.device)
+        elif documents is not None and documents.block_causal:
+            mask = documents.mask
+        else:
+            mask = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+        y = sdpa_with_sinks(q, k, v, mask, sinks, scale)
+    elif window is not None:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=_window_mask(documents, window, B, S, q.device),
                                            scale=scale)
     elif documents is None or not documents.block_causal:

@@ -45,6 +45,9 @@ from torch import nn
 from titan_lightning.models.common.feedforward import FeedForward
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+# The experts' gated activation: SwiGLU, silu(gate) * up; or gpt-oss's clamped SwiGLU,
+# (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit).
+ACTIVATIONS = ("silu", "clamped_swiglu")
 
 # Tensor-parallel plan entries for MoE layers at ``layers.*.moe`` (parallel/tensor.py styles):
 # under sequence parallelism each TP rank routes its own tokens (the routed experts are
@@ -87,8 +90,21 @@ class MoEArgs:
     # 1 (no padding) on CPU. Padding never changes the result; it costs up to
     # num_experts * (align - 1) zero rows per layer.
     token_group_align: Optional[int] = None
+    # gpt-oss: a bias on the router's logits and on each expert's three projections (``b1``/``b3``
+    # [E, hidden], ``b2`` [E, dim]), and the clamped SwiGLU (``activation``, ``swiglu_alpha``,
+    # ``swiglu_limit``; ACTIVATIONS).
+    router_bias: bool = False
+    expert_biases: bool = False
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"moe.activation={self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"moe.{name}={getattr(self, name)!r} must be > 0")
         for name in ("num_experts", "top_k", "hidden_dim", "num_groups", "top_k_groups"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -130,9 +146,10 @@ class TokenChoiceTopKRouter(nn.Module):
     scores become -inf, then the top_k of all experts are taken."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, score_func: str = "softmax",
-                 route_norm: bool = False, route_scale: float = 1.0, num_groups: int = 1, top_k_groups: int = 1):
+                 route_norm: bool = False, route_scale: float = 1.0, num_groups: int = 1, top_k_groups: int = 1,
+                 bias: bool = False):
         super().__init__()
-        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.gate = nn.Linear(dim, num_experts, bias=bias)
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.route_norm, self.route_scale = score_func, route_norm, route_scale
         self.num_groups, self.top_k_groups = num_groups, top_k_groups
@@ -278,18 +295,28 @@ class _ScaleGrad(torch.autograd.Function):
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts in stacked weights; tokens arrive sorted by expert.
 
-    ``use_grouped_mm`` and ``token_group_align``: ``MoEArgs``' fields of those names."""
+    ``use_grouped_mm`` and ``token_group_align``: ``MoEArgs``' fields of those names;
+    ``biases`` adds ``b1``/``b3`` [E, hidden] and ``b2`` [E, dim] (sharded with the weights
+    under expert parallelism); ``activation``: ``MoEArgs.activation`` and its two constants."""
 
     routed_experts = True  # what expert parallelism shards (parallel/expert.py)
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, *, use_grouped_mm: Optional[bool] = None,
-                 token_group_align: Optional[int] = None):
+                 token_group_align: Optional[int] = None, biases: bool = False, activation: str = "silu",
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0):
         super().__init__()
         self.num_experts = num_experts
         self.use_grouped_mm, self.token_group_align = use_grouped_mm, token_group_align
+        self.activation, self.swiglu_alpha, self.swiglu_limit = activation, swiglu_alpha, swiglu_limit
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        if biases:
+            self.b1 = nn.Parameter(torch.empty(num_experts, hidden_dim))
+            self.b2 = nn.Parameter(torch.empty(num_experts, dim))
+            self.b3 = nn.Parameter(torch.empty(num_experts, hidden_dim))
+        else:
+            self.b1 = self.b2 = self.b3 = None
         # Set by expert parallelism (parallel/expert.py): dispatch, compute locally, combine.
         self.ep = None
         # Factor on the weights' gradients (set with expert FSDP: parallel/fsdp.py).
@@ -308,6 +335,22 @@ class GroupedExperts(nn.Module):
             weights = [_ScaleGrad.apply(w, self.grad_scale) for w in weights]
         return tuple(weights)
 
+    def biases(self, dtype: torch.dtype) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(b1, b2, b3)`` as ``weights`` gives the weights, or None without biases."""
+        if self.b1 is None:
+            return None
+        biases = [_local(b).to(dtype) for b in (self.b1, self.b2, self.b3)]
+        if self.grad_scale != 1.0:
+            biases = [_ScaleGrad.apply(b, self.grad_scale) for b in biases]
+        return tuple(biases)
+
+    def gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The activation of the gate and up projections (``MoEArgs.activation``)."""
+        if self.activation == "silu":
+            return F.silu(gate) * up
+        gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(-self.swiglu_limit, self.swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
+
     def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The local experts on their tokens: ``x`` [N, dim] sorted by local expert, ``counts``
         over the local experts. ``sum(counts) <= N``: the rows past it (expert parallelism's
@@ -319,10 +362,12 @@ class GroupedExperts(nn.Module):
         and fp32 inputs would send a bf16 run down the loop."""
         x = x.to(_compute_dtype(x))
         w1, w2, w3 = self.weights(x.dtype)
+        # (None: the plain SwiGLU's code path, as without these options)
+        biases, gated = self.biases(x.dtype), (None if self.activation == "silu" and self.b1 is None else self.gated)
         if self.grouped(x) and _fits_grouped_mm(x, w1):
             align = self.token_group_align or default_token_group_align(x)
-            return _grouped_swiglu(x, counts, w1, w2, w3, align)
-        return _looped_swiglu(x, counts, w1, w2, w3)
+            return _grouped_swiglu(x, counts, w1, w2, w3, align, biases, gated)
+        return _looped_swiglu(x, counts, w1, w2, w3, biases, gated)
 
     def grouped(self, x: torch.Tensor) -> bool:
         """Whether tokens like ``x`` (in the compute dtype) take the grouped GEMM."""
@@ -349,28 +394,48 @@ def _fits_grouped_mm(x: torch.Tensor, w1: torch.Tensor) -> bool:
     return all(n * x.element_size() % 16 == 0 for n in w1.shape[1:])
 
 
-def _looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
-    """The reference: one SwiGLU per expert on its slice of rows (``counts`` read on the host)."""
+def _looped_swiglu(x, counts, w1, w2, w3, biases=None, gated=None) -> torch.Tensor:
+    """The reference: one SwiGLU per expert on its slice of rows (``counts`` read on the host);
+    ``biases`` (b1, b2, b3) and ``gated`` (the activation of gate and up): ``GroupedExperts``'."""
     # unbind, not w1[e]: indexing in the loop makes autograd build (and zero-fill) a gradient of the
     # whole stacked weight once per expert (on CPU 30 of 38 s of a debug MoE model's steps); the
     # gradients are the same, unbind's backward stacks them once.
     sizes = counts.tolist()
     tail = x.shape[0] - sum(sizes)
     parts = torch.split(x, sizes + [tail] if tail else sizes, dim=0)
-    outs = [(F.silu(part @ a.T) * (part @ c.T)) @ b.T
-            for part, a, b, c in zip(parts, w1.unbind(0), w2.unbind(0), w3.unbind(0))]
+    if gated is not None:
+        zeros = [x.new_zeros(w1.shape[0], n) for n in (w1.shape[1], w2.shape[1], w3.shape[1])]
+        b1, b2, b3 = (b.unbind(0) for b in (biases or zeros))
+        outs = [gated(part @ a.T + d, part @ c.T + f) @ b.T + e
+                for part, a, b, c, d, e, f in zip(parts, w1.unbind(0), w2.unbind(0), w3.unbind(0), b1, b2, b3)]
+    else:
+        outs = [(F.silu(part @ a.T) * (part @ c.T)) @ b.T
+                for part, a, b, c in zip(parts, w1.unbind(0), w2.unbind(0), w3.unbind(0))]
     if tail:
         outs.append(x.new_zeros(tail, w2.shape[1]))
     return torch.cat(outs, dim=0) if outs else x.new_zeros(x.shape)
 
 
-def _grouped_swiglu(x, counts, w1, w2, w3, align: int = 1) -> torch.Tensor:
-    """Every expert's SwiGLU in three grouped GEMMs over ``pad_groups``' layout (no host read)."""
+def _grouped_swiglu(x, counts, w1, w2, w3, align: int = 1, biases=None, gated=None) -> torch.Tensor:
+    """Every expert's SwiGLU in three grouped GEMMs over ``pad_groups``' layout (no host read);
+    ``biases`` and ``gated`` as ``_looped_swiglu``'s (each row adds its expert's biases)."""
     layout = pad_groups(counts, x.shape[0], align)
     padded = x if layout.source is None else torch.cat([x, x.new_zeros(1, x.shape[-1])])[layout.source]
-    h = F.silu(torch._grouped_mm(padded, w1.transpose(-2, -1), offs=layout.ends))
-    h = h * torch._grouped_mm(padded, w3.transpose(-2, -1), offs=layout.ends)
-    out = torch._grouped_mm(h, w2.transpose(-2, -1), offs=layout.ends).type_as(x)
+    if gated is None:
+        h = F.silu(torch._grouped_mm(padded, w1.transpose(-2, -1), offs=layout.ends))
+        h = h * torch._grouped_mm(padded, w3.transpose(-2, -1), offs=layout.ends)
+        out = torch._grouped_mm(h, w2.transpose(-2, -1), offs=layout.ends).type_as(x)
+        return out if layout.position is None else out[layout.position]
+    gate = torch._grouped_mm(padded, w1.transpose(-2, -1), offs=layout.ends)
+    up = torch._grouped_mm(padded, w3.transpose(-2, -1), offs=layout.ends)
+    if biases is not None:  # each padded row's expert, from the group ends (on the device)
+        expert = torch.searchsorted(layout.ends, torch.arange(padded.shape[0], device=x.device, dtype=torch.int32),
+                                    right=True).clamp_(max=w1.shape[0] - 1)
+        gate, up = gate + biases[0][expert], up + biases[2][expert]
+    out = torch._grouped_mm(gated(gate, up), w2.transpose(-2, -1), offs=layout.ends)
+    if biases is not None:
+        out = out + biases[1][expert]
+    out = out.type_as(x)
     return out if layout.position is None else out[layout.position]
 
 
@@ -383,9 +448,12 @@ class MoE(nn.Module):
         super().__init__()
         self.args = args
         self.router = TokenChoiceTopKRouter(dim, args.num_experts, args.top_k, args.score_func,
-                                            args.route_norm, args.route_scale, args.num_groups, args.top_k_groups)
+                                            args.route_norm, args.route_scale, args.num_groups, args.top_k_groups,
+                                            bias=args.router_bias)
         self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts, use_grouped_mm=args.use_grouped_mm,
-                                      token_group_align=args.token_group_align)
+                                      token_group_align=args.token_group_align, biases=args.expert_biases,
+                                      activation=args.activation, swiglu_alpha=args.swiglu_alpha,
+                                      swiglu_limit=args.swiglu_limit)
         # Registered even when absent (a None slot), so plans naming it skip it instead of failing.
         self.register_module("shared_experts", FeedForward(dim, args.hidden_dim * args.num_shared_experts)
                              if args.num_shared_experts else None)
