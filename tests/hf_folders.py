@@ -1,7 +1,8 @@
 """Tiny Hugging Face model folders as users hold them: saved by transformers (config.json,
 safetensors), with a tokenizer.json trained here and a tokenizer_config.json in the special-token
 layout of the family (Llama 3: <|begin_of_text|> / <|end_of_text|>, Qwen 2 / 3: <|endoftext|> only,
-DeepSeek: <｜begin▁of▁sentence｜> / <｜end▁of▁sentence｜>, Mistral / Mixtral: <s> / </s>). Needs transformers."""
+DeepSeek: <｜begin▁of▁sentence｜> / <｜end▁of▁sentence｜>, Mistral / Mixtral: <s> / </s>, Gemma 3:
+<bos> / <eos>). Needs transformers."""
 
 import inspect
 import json
@@ -20,6 +21,7 @@ SPECIAL_TOKENS = {
     "deepseek_v3": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
     "mistral": ("<s>", "</s>"),
     "mixtral": ("<s>", "</s>"),
+    "gemma3_text": ("<bos>", "<eos>"),
 }
 
 
@@ -42,6 +44,13 @@ def hf_config(model_type: str, tie: bool = False, **overrides):
             num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
             kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
             routed_scaling_factor=1.0)),
+        # A sliding layer (window 6) and a global one, each with its RoPE base (the global one linearly
+        # scaled, as from 4B on); scores scaled by 24 ** -0.5, not head_dim's 32 ** -0.5.
+        "gemma3_text": (transformers.Gemma3TextConfig, dict(
+            intermediate_size=96, head_dim=32, query_pre_attn_scalar=24, sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
     }
     config_class, shapes = families[model_type]
     return config_class(**{**common, **shapes, **overrides})
