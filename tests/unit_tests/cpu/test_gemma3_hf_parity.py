@@ -4,6 +4,7 @@ through config.json and our adapter, gives the logits transformers computes from
 untied, with and without a final soft cap); our export loads in transformers with our logits; what
 Gemma 3 does not model is refused by name."""
 
+import dataclasses
 import json
 
 import pytest
@@ -31,6 +32,17 @@ def test_logits_match_transformers(tmp_path, tie, softcap):
         if softcap is not None:
             assert expected.abs().max() < softcap
         torch.testing.assert_close(ours(TOKENS), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_attention_gives_the_same_logits(tmp_path):
+    """FlexAttention (forward on CPU) takes the score scale and the sliding layer's block mask."""
+    pytest.importorskip("transformers", reason="the reference implementation; a test-only extra")
+    reference = save_hf_model(tmp_path, "gemma3_text")
+    ours = load_ours(tmp_path)
+    flex = type(ours)(dataclasses.replace(ours.args, attention="flex"))
+    flex.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(flex.eval()(TOKENS), reference(input_ids=TOKENS).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_our_export_loads_in_transformers(tmp_path):

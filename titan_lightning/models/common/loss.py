@@ -150,12 +150,15 @@ def _chunk_forward(x, w, labels, vocab_start: int, softcap: Optional[float] = No
 def _chunk_grad(x, w, lse, labels, scale, vocab_start: int, ignore_index: int, softcap: Optional[float] = None):
     """d loss / d logits of one chunk, (softmax - one-hot) x scale on labelled rows (times the soft
     cap's derivative 1 - tanh^2), in x's dtype."""
-    logits = _capped((x @ w.T).float(), softcap)
-    grad = (logits - lse.unsqueeze(1)).exp()
+    if softcap is None:
+        grad = ((x @ w.T).float() - lse.unsqueeze(1)).exp()
+    else:
+        tanh = torch.tanh((x @ w.T).float() / softcap)
+        grad = (tanh * softcap - lse.unsqueeze(1)).exp()
     index, mine = _label_index(labels, vocab_start, w.shape[0])
     grad = grad.scatter_add(1, index, -mine.unsqueeze(1).to(grad.dtype))
     if softcap is not None:
-        grad = grad * (1 - (logits / softcap) ** 2)
+        grad = grad * (1 - tanh**2)
     return (grad * ((labels != ignore_index).to(grad.dtype) * scale).unsqueeze(1)).to(x.dtype)
 
 

@@ -18,6 +18,7 @@ What differs from Llama, each as in transformers:
   loaded folder starts as a copy of (as Qwen 2's small sizes).
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -104,8 +105,12 @@ class ScaledEmbedding(nn.Embedding):
     55.5 in bfloat16), as transformers does."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        scale = torch.tensor(self.embedding_dim**0.5, dtype=self.weight.dtype).item()
-        return super().forward(tokens) * scale
+        return super().forward(tokens) * _rounded_sqrt(self.embedding_dim, self.weight.dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _rounded_sqrt(dim: int, dtype: torch.dtype) -> float:
+    return torch.tensor(dim**0.5, dtype=dtype).item()
 
 
 class GemmaAttention(Attention):
