@@ -22,11 +22,18 @@ SPECIAL_TOKENS = {
     "mistral": ("<s>", "</s>"),
     "mixtral": ("<s>", "</s>"),
     "gemma3_text": ("<bos>", "<eos>"),
+    "gemma3": ("<bos>", "<eos>"),
 }
 
 
 def hf_config(model_type: str, tie: bool = False, **overrides):
     import transformers
+
+    if model_type == "gemma3":  # multimodal: gemma3_text's model as its text_config, a one-layer vision tower
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=28, patch_size=14)
+        return transformers.Gemma3Config(text_config=hf_config("gemma3_text", tie, **overrides).to_dict(),
+                                         vision_config=vision.to_dict(), mm_tokens_per_image=4, tie_word_embeddings=tie)
 
     common = {**SHAPES, "tie_word_embeddings": tie, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
     families = {

@@ -1,8 +1,8 @@
 """A Hugging Face Gemma 3 text folder (tiny, random fp32 weights: a sliding and a global layer, each
 with its RoPE base, the global one linearly scaled; queries scaled by query_pre_attn_scalar), read
 through config.json and our adapter, gives the logits transformers computes from it (tied and
-untied, with and without a final soft cap); our export loads in transformers with our logits; what
-Gemma 3 does not model is refused by name."""
+untied, with and without a final soft cap); our export loads in transformers with our logits; a
+multimodal gemma3 folder reads as its text model; what Gemma 3 does not model is refused by name."""
 
 import dataclasses
 import json
@@ -116,9 +116,51 @@ def test_what_gemma3_does_not_model_is_refused_by_name(tmp_path, fields, message
         read_hf_model(_config(tmp_path, **fields))
 
 
-def test_the_multimodal_gemma3_folder_is_refused_by_name(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": {}}))
-    with pytest.raises(ConfigError, match='model_type="gemma3" is not supported; supported: .*gemma3_text'):
+def test_a_multimodal_folder_reads_as_its_text_model(tmp_path, capsys):
+    """Gemma3ForConditionalGeneration (vision tower and projector beside the language model): ours
+    is its language model, with its logits on text; the export is that text model, a gemma3_text
+    folder transformers loads with our logits."""
+    pytest.importorskip("transformers", reason="the reference implementation; a test-only extra")
+    reference = save_hf_model(tmp_path / "hf", "gemma3", tie=True)
+    ours = load_ours(tmp_path / "hf")
+    assert "the vision tower and projector are left out" in capsys.readouterr().out  # (the titan_lightning logger)
+    assert (ours.args.layer_types, ours.args.rope_factor) == (["sliding_attention", "full_attention"], 8.0)
+    with torch.no_grad():
+        expected = reference(input_ids=TOKENS).logits
+        torch.testing.assert_close(ours(TOKENS), expected, rtol=1e-5, atol=1e-5)
+    in_memory = reference.state_dict()  # transformers 5's own names: model.language_model.*, model.vision_tower.*
+    assert any(k.startswith("model.language_model.") for k in in_memory)
+    converted = Gemma3StateDictAdapter(ours.args, tie_word_embeddings=True).from_hf(in_memory)
+    assert converted.keys() == ours.state_dict().keys()
+    assert all(torch.equal(converted[k], v) for k, v in ours.state_dict().items())
+    theirs = export_to_transformers(ours, Gemma3StateDictAdapter, tmp_path / "export")
+    assert theirs.config.model_type == "gemma3_text"
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=TOKENS).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+# google/gemma-3-4b-pt's config.json: its text_config lists only what differs from Gemma3TextConfig's
+# defaults (vision_config shortened: its fields are not read).
+RELEASED_4B = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+    "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+    "model_type": "gemma3", "text_config": {
+        "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "model_type": "siglip_vision_model"},
+}
+
+
+def test_the_released_4b_config_json_reads_as_its_preset(tmp_path):
+    from titan_lightning.models.gemma3 import gemma3_args
+
+    (tmp_path / "config.json").write_text(json.dumps(RELEASED_4B))
+    model = read_hf_model(tmp_path)
+    assert model.args == gemma3_args("4B") and model.tie_word_embeddings
+    text = {**RELEASED_4B["text_config"], "attn_logit_softcapping": 30.0}
+    (tmp_path / "config.json").write_text(json.dumps({**RELEASED_4B, "text_config": text}))
+    with pytest.raises(ConfigError, match="config.json text_config: attn_logit_softcapping=30.0 is not supported"):
         read_hf_model(tmp_path)
 
 
