@@ -33,7 +33,8 @@ def make_inputs(*, n_heads: int, n_kv_heads: int, seq_len: int, batch: int = 2, 
 
 def references(inputs: tuple, dtype: str = "float64", mask=None, scale=None) -> dict:
     """The fp64 reference (out, dq, dk, dv) and, in a lower ``dtype``, unsharded attention in that dtype."""
-    return {"reference": _full_attention(*inputs, mask=mask, scale=scale), "low": in_precision(inputs, dtype, mask, scale)}
+    return {"reference": _full_attention(*inputs, mask=mask, scale=scale),
+            "low": in_precision(inputs, dtype, mask, scale)}
 
 
 def in_precision(inputs: tuple, dtype: str, mask=None, scale=None) -> Optional[tuple]:

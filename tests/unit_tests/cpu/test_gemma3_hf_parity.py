@@ -25,7 +25,8 @@ def test_logits_match_transformers(tmp_path, tie, softcap):
     reference = save_hf_model(tmp_path, "gemma3_text", tie=tie, final_logit_softcapping=softcap)
     ours = load_ours(tmp_path)
     assert (ours.args.sliding_window, ours.args.layer_types) == (6, ["sliding_attention", "full_attention"])
-    assert (ours.args.rope_factor, ours.args.query_pre_attn_scalar, ours.args.final_logit_softcapping) == (8.0, 24, softcap)
+    a = ours.args
+    assert (a.rope_factor, a.query_pre_attn_scalar, a.final_logit_softcapping) == (8.0, 24, softcap)
     with torch.no_grad():
         expected = reference(input_ids=TOKENS).logits
         assert expected.std() > 0.5

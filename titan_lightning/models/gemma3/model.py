@@ -133,7 +133,8 @@ class GemmaBlock(Block):
         self.post_ffn_norm = GemmaRMSNorm(a.dim, a.norm_eps)
         self.local = local
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, *, documents: Optional[Documents] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, *,
+                documents: Optional[Documents] = None) -> torch.Tensor:
         rope = rope_cache[int(self.local)]
         h = x + self.post_attention_norm(self.attention(self.attention_norm(x), rope, **_documents(documents)))
         return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))

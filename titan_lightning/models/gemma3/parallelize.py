@@ -2,8 +2,9 @@
 (models/qwen3/parallelize.py: QK-norm as ``head_norm``) plus the two norms after attention and
 after the feed-forward. They sit on the residual stream like the pre-norms: ``post_norm`` is the
 ``norm`` style (sequence-parallel on the rowwise projection's sequence shard, replicated without
-sequence parallelism) returning a local tensor, as the projection before it does, for the residual add. The GeGLU is the SwiGLU's three projections; the soft cap of the
-logits is elementwise, so each rank caps its vocab shard (models/common/decoder.py ``Head``).
+sequence parallelism) returning a local tensor, as the projection before it does, for the
+residual add. The GeGLU is the SwiGLU's three projections; the soft cap of the logits is
+elementwise, so each rank caps its vocab shard (models/common/decoder.py ``Head``).
 """
 
 from titan_lightning.models.common.attention import ATTENTION_TP_PLAN

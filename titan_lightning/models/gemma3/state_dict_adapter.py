@@ -146,7 +146,8 @@ def _layer_types(config: HFConfig, n_layers: int) -> tuple[Any, list[str]]:
     types = config.get("layer_types", default=None)
     if types is None:
         if not isinstance(pattern, int) or pattern < 1:
-            raise ConfigError(f"{config.source}: sliding_window_pattern={json.dumps(pattern)}: expected a positive integer")
+            raise ConfigError(f"{config.source}: sliding_window_pattern={json.dumps(pattern)}: expected a positive "
+                              f"integer")
         types = gemma3_layer_types(n_layers, pattern)
     if not isinstance(types, list) or len(types) != n_layers or any(t not in _LAYER_TYPES for t in types):
         raise ConfigError(f"{config.source}: layer_types={json.dumps(types)}: expected one of \"full_attention\", "
@@ -169,8 +170,9 @@ def _rope(config: HFConfig) -> tuple[float, float, float]:
         theta, local_theta = full.pop("rope_theta", 1e6), local.pop("rope_theta", 1e4)
         factor = _linear_factor(config, "rope_parameters.full_attention", full)
         if _linear_factor(config, "rope_parameters.sliding_attention", local) != 1.0:
-            raise ConfigError(f"{config.source}: rope_parameters.sliding_attention={json.dumps(params['sliding_attention'])}: "
-                              f"scaled RoPE on the sliding layers is not modelled for Gemma3 here (supported: default)")
+            raise ConfigError(f"{config.source}: rope_parameters.sliding_attention="
+                              f"{json.dumps(params['sliding_attention'])}: scaled RoPE on the sliding layers is not "
+                              f"modelled for Gemma3 here (supported: default)")
         return float(theta), factor, float(local_theta)
     scaling = dict(config.get("rope_scaling", default=None) or {})
     factor = _linear_factor(config, "rope_scaling", scaling)
