@@ -141,6 +141,12 @@ WORKLOADS: dict[str, Workload] = {
                                            "--job.model.layer_types", "[" + ",".join(
                                                ["sliding_attention", "full_attention"] * 2) + "]",
                                            "--job.model.attention", "flex")),
+    # Gemma 3 12B's layers (dim 3840, 16 heads of 256 over 8 KV heads, GeGLU 15360, vocab 262208, four
+    # norms a block), 8 of 48 in its pattern: 5 sliding (window 1024, varlen) and 1 global, then 2 sliding.
+    "gemma3_12b_shape": Workload(recipe="recipes.gemma3:gemma3_12b", layers=8, contenders=("titan", "bare"),
+                                 overrides=("--job.model.layer_types", json.dumps(
+                                     ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2),
+                                     "--job.model.attention", "varlen")),
     # DeepSeek V3 16B-shaped layers (DeepSeek-V2-Lite's sizes: dim 2048, MLA kv rank 512, 64 routed
     # experts of 1408 + 2 shared, top 6) with V3's routing: sigmoid scores normalized over the top
     # k, picked from the 4 best of 8 expert groups; the dense first layer and 3 MoE layers.

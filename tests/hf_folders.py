@@ -2,7 +2,7 @@
 safetensors), with a tokenizer.json trained here and a tokenizer_config.json in the special-token
 layout of the family (Llama 3: <|begin_of_text|> / <|end_of_text|>, Qwen 2 / 3: <|endoftext|> only,
 DeepSeek: <｜begin▁of▁sentence｜> / <｜end▁of▁sentence｜>, Mistral / Mixtral: <s> / </s>, gpt-oss:
-<|startoftext|> / <|return|>). Needs transformers."""
+<|startoftext|> / <|return|>, Gemma 3: <bos> / <eos>). Needs transformers."""
 
 import inspect
 import json
@@ -22,6 +22,8 @@ SPECIAL_TOKENS = {
     "mistral": ("<s>", "</s>"),
     "mixtral": ("<s>", "</s>"),
     "gpt_oss": ("<|startoftext|>", "<|return|>"),
+    "gemma3_text": ("<bos>", "<eos>"),
+    "gemma3": ("<bos>", "<eos>"),
 }
 # gpt-oss's YaRN (factor 32 over 4096 positions, as published) scaled to the tiny model's 64 positions.
 GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -30,6 +32,12 @@ GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta
 
 def hf_config(model_type: str, tie: bool = False, **overrides):
     import transformers
+
+    if model_type == "gemma3":  # multimodal: gemma3_text's model as its text_config, a one-layer vision tower
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=28, patch_size=14)
+        return transformers.Gemma3Config(text_config=hf_config("gemma3_text", tie, **overrides).to_dict(),
+                                         vision_config=vision.to_dict(), mm_tokens_per_image=4, tie_word_embeddings=tie)
 
     common = {**SHAPES, "tie_word_embeddings": tie, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
     families = {
@@ -51,6 +59,13 @@ def hf_config(model_type: str, tie: bool = False, **overrides):
         "gpt_oss": (transformers.GptOssConfig, dict(
             intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=32, sliding_window=8,
             rope_parameters=GPT_OSS_YARN)),
+        # A sliding layer (window 6) and a global one, each with its RoPE base (the global one linearly
+        # scaled, as from 4B on); scores scaled by 24 ** -0.5, not head_dim's 32 ** -0.5.
+        "gemma3_text": (transformers.Gemma3TextConfig, dict(
+            intermediate_size=96, head_dim=32, query_pre_attn_scalar=24, sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
     }
     config_class, shapes = families[model_type]
     return config_class(**{**common, **shapes, **overrides})

@@ -30,6 +30,7 @@ from titan_lightning.config import ConfigError
 from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
 from titan_lightning.models.common.hf_config import CONFIG_FILE, HFConfig, read_config_json
 from titan_lightning.models.deepseek_v3 import DeepSeekV3Job, DeepSeekV3Module
+from titan_lightning.models.gemma3 import Gemma3Job, Gemma3Module
 from titan_lightning.models.gpt_oss import GptOssJob, GptOssModule
 from titan_lightning.models.llama3 import Llama3Job, Llama3Module
 from titan_lightning.models.mistral import MistralJob, MistralModule
@@ -49,7 +50,8 @@ def hf_families() -> dict[str, tuple[type, type]]:
     families = {}
     for job_class, module_class in ((Llama3Job, Llama3Module), (Qwen3Job, Qwen3Module),
                                     (DeepSeekV3Job, DeepSeekV3Module), (Qwen2Job, Qwen2Module),
-                                    (MistralJob, MistralModule), (GptOssJob, GptOssModule)):
+                                    (MistralJob, MistralModule), (GptOssJob, GptOssModule),
+                                    (Gemma3Job, Gemma3Module)):
         families.update(dict.fromkeys(module_class.hf_adapter.hf_model_types, (job_class, module_class)))
     return families
 
@@ -84,7 +86,8 @@ def read_hf_model(folder: Any) -> HFModel:
             raise
         raise ConfigError(f"{source}: {' '.join(str(err).split())}") from None
     reader.finish()
-    return HFModel(folder, job_class, module_class, args, bool(config.get("tie_word_embeddings", False)))
+    tied = config.get("tie_word_embeddings", module_class.hf_adapter.ties_by_default)
+    return HFModel(folder, job_class, module_class, args, bool(tied))
 
 
 def check_folder_matches(args: Any, adapter_class: type, folder: Any) -> None:
@@ -116,7 +119,8 @@ def check_initial_hf_weights(command: str, run: Run) -> None:
     adapter = module.state_dict_adapter() if hasattr(module, "state_dict_adapter") else None
     if adapter is None or not hasattr(module, "build_model"):
         return  # a module of its own kind: its loader checks what it loads
-    if (Path(folder) / CONFIG_FILE).is_file() and read_config_json(Path(folder)).get("tie_word_embeddings", False):
+    if (Path(folder) / CONFIG_FILE).is_file() and \
+            read_config_json(Path(folder)).get("tie_word_embeddings", type(adapter).ties_by_default):
         adapter = type(adapter)(adapter.args, tie_word_embeddings=True)
     with torch.device("meta"):
         model = module.build_model()

@@ -2,6 +2,7 @@
 families on expert-parallel layouts (entries in tests/integration_tests/models.py)."""
 
 import recipes.deepseek_v3 as deepseek_v3
+import recipes.gemma3 as gemma3
 import recipes.gpt_oss as gpt_oss
 import recipes.mistral as mistral
 import recipes.qwen2 as qwen2
@@ -157,6 +158,21 @@ def mistral_debugmodel() -> Run:
 
 def mistral_fsdp2() -> Run:
     return on_layout(mistral_debugmodel(), dp_shard=2)
+
+
+def gemma3_debugmodel() -> Run:
+    """The Gemma 3 debug model cut to a sliding layer (window 64 of the 128 tokens) and a global one,
+    final logits soft-capped at 3 (no release sets it: here the cap bends them), one process."""
+    run = _two_layers(gemma3.debugmodel())
+    run.job.model.layer_types = ["sliding_attention", "full_attention"]
+    run.job.model.final_logit_softcapping = 3.0
+    return run
+
+
+def gemma3_tp2() -> Run:
+    """TP2 (sequence parallel): the norms after attention and the feed-forward on the sequence shard,
+    QK-norm on each rank's heads, each rank capping its vocab shard of the logits."""
+    return on_layout(gemma3_debugmodel(), dp_shard=1, tp=2)
 
 
 def mixtral_debugmodel() -> Run:

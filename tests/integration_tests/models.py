@@ -40,6 +40,8 @@ ENTRIES = [
     _entry("qwen2_fsdp2", "Qwen 2 debug model (q/k/v biases): FSDP2", 2, "qwen2_debugmodel"),
     _entry("qwen2_tp2", "Qwen 2 debug model: TP2, the q/k/v biases split with their heads", 2, "qwen2_debugmodel"),
     _entry("mistral_fsdp2", "Mistral debug model: FSDP2", 2, "mistral_debugmodel"),
+    _entry("gemma3_tp2", "Gemma 3 debug model (a sliding and a global layer, soft-capped logits): TP2, the four "
+           "norms of a block sequence-parallel", 2, "gemma3_debugmodel", golden=True),
     _entry("mixtral_fsdp2_ep2", "Mixtral-shaped debug model (8 experts, top-2): FSDP2, experts over EP2", 2,
            "mixtral_debugmodel"),
     _entry("gpt_oss_fsdp2_ep2", "gpt-oss debug model (sinks, sliding + full layers, YaRN, 8 experts with biases, "

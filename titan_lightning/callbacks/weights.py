@@ -50,9 +50,11 @@ def _hf_config_path(folder: Path) -> Optional[Path]:
     return folder / CONFIG_FILE if (folder / CONFIG_FILE).is_file() else None
 
 
-def _tied(folder: Path) -> bool:
-    """The folder's config.json ties the output to the embeddings (no lm_head.weight saved)."""
-    return _hf_config_path(folder) is not None and bool(read_config_json(folder).get("tie_word_embeddings", False))
+def _tied(folder: Path, adapter) -> bool:
+    """The folder's config.json ties the output to the embeddings (no lm_head.weight saved); a
+    config.json without the field means the family's default (``ties_by_default``)."""
+    default = getattr(adapter, "ties_by_default", False)
+    return _hf_config_path(folder) is not None and bool(read_config_json(folder).get("tie_word_embeddings", default))
 
 
 def model_shapes(module: L.LightningModule) -> Optional[dict[str, tuple[int, ...]]]:
@@ -122,7 +124,7 @@ class LoadWeights(L.Callback):
             raise CheckpointError(f"checkpoint.initial_load_path={str(self.path)!r} does not exist")
         if self.fmt == "hf":
             adapter = _adapter(pl_module)
-            if _tied(self.path):
+            if _tied(self.path, adapter):
                 adapter = type(adapter)(adapter.args, tie_word_embeddings=True)
             adapter.load_into(pl_module.model, self.path, partial=_pipeline(trainer) is not None)
             return

@@ -161,7 +161,7 @@ def sdpa_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 def context_parallel_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, backend: str, documents=None,
-    window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
+    window: Optional[int] = None, sinks: Optional[torch.Tensor] = None, *, scale: Optional[float] = None,
 ) -> torch.Tensor:
     """Exact causal attention of this rank's queries over the whole sequence.
 
@@ -169,7 +169,8 @@ def context_parallel_attention(
     all already rotated. Returns [B, S_local, H, D]. ``documents`` (models/common/masking.py:
     this rank's slice of the batch's ``position_ids`` and whether attention is block-causal)
     keeps each query inside its document; ``window`` (None: none) inside its sliding window
-    (every backend honours both). ``sinks`` [H] (gpt-oss: ``sdpa_with_sinks``): allgather only.
+    (every backend honours both); ``scale`` multiplies the scores (None: ``D ** -0.5``). ``sinks`` [H]
+    (gpt-oss: ``sdpa_with_sinks``): allgather only.
     """
     if sinks is not None and backend != "allgather":
         raise ValueError(f"context-parallel attention backend {backend!r} has no attention sinks; use allgather")
@@ -177,16 +178,17 @@ def context_parallel_attention(
     if window is not None and window >= q.shape[1] * cp.size:  # the window holds the whole sequence
         window = None
     if backend == "allgather":
-        return _allgather_attention(q, k, v, cp, position_ids, window, sinks)
+        return _allgather_attention(q, k, v, cp, position_ids, window, sinks, scale)
     if backend == "ring":
-        return _ring_attention(q, k, v, cp, position_ids, window)
+        return _ring_attention(q, k, v, cp, position_ids, window, scale)
     if backend == "ulysses":
-        return _ulysses_attention(q, k, v, cp, position_ids, window)
+        return _ulysses_attention(q, k, v, cp, position_ids, window, scale)
     raise ValueError(f"context-parallel attention backend {backend!r} is not one of {', '.join(CP_ATTENTIONS)}")
 
 
 def _allgather_attention(q, k, v, cp: ContextParallel, position_ids: Optional[torch.Tensor] = None,
-                         window: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
+                         scale: Optional[float] = None) -> torch.Tensor:
     local = q.shape[1]
     order = cp.gathered_order(local, q.device)
     n_rep = q.shape[2] // k.shape[2]
@@ -214,10 +216,10 @@ def _allgather_attention(q, k, v, cp: ContextParallel, position_ids: Optional[to
                 mask = visible(q_at, k_at, window, mine[:, start:end], documents[:, keys:global_end])[:, None]
         if sinks is not None:
             outs.append(sdpa_with_sinks(q[:, :, start:end], k_all[:, :, keys:global_end], v_all[:, :, keys:global_end],
-                                        mask, sinks))
+                                        mask, sinks, scale))
             continue
         outs.append(F.scaled_dot_product_attention(q[:, :, start:end], k_all[:, :, keys:global_end],
-                                                   v_all[:, :, keys:global_end], attn_mask=mask))
+                                                   v_all[:, :, keys:global_end], attn_mask=mask, scale=scale))
     return torch.cat(outs, dim=2).transpose(1, 2)
 
 
@@ -331,9 +333,9 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallel, documents: Optional[torch.Tensor] = None,
-                window: Optional[int] = None):
+                window: Optional[int] = None, scale: Optional[float] = None):
         n_rep, n_chunks = q.shape[1] // k.shape[1], len(_chunk_ids(cp, cp.rank))
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         kernel = _ring_kernel(q, v) if documents is None and window is None else "math"
         chunk = q.shape[2] // n_chunks
         q_chunks = q.split(chunk, dim=2)
@@ -392,7 +394,7 @@ class _RingAttention(torch.autograd.Function):
             # K/V move on to the next rank with their gradient so far; after cp shifts the
             # gradient is back with the block's owner (K/V themselves need only cp - 1).
             block = _ring_step(block, cp, 1) if step + 1 < cp.size else [None, None, *_ring_step(block[2:], cp, 1)]
-        return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype), None, None, None
+        return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype), None, None, None, None
 
 
 def _pair_mask(documents: Optional[torch.Tensor], window: Optional[int], cp: ContextParallel, source: int,
@@ -425,12 +427,12 @@ def _sum_heads(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def _ring_attention(q, k, v, cp: ContextParallel, position_ids: Optional[torch.Tensor] = None,
-                    window: Optional[int] = None) -> torch.Tensor:
+                    window: Optional[int] = None, scale: Optional[float] = None) -> torch.Tensor:
     documents = None
     if position_ids is not None:
         documents = _global_document_ids(position_ids, cp, cp.gathered_order(q.shape[1], q.device))
     out = _RingAttention.apply(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
-                               v.transpose(1, 2).contiguous(), cp, documents, window)
+                               v.transpose(1, 2).contiguous(), cp, documents, window, scale)
     return out.transpose(1, 2)
 
 
@@ -460,7 +462,7 @@ def _global_document_ids(position_ids: torch.Tensor, cp: ContextParallel, order:
 
 
 def _ulysses_attention(q, k, v, cp: ContextParallel, position_ids: Optional[torch.Tensor] = None,
-                       window: Optional[int] = None) -> torch.Tensor:
+                       window: Optional[int] = None, scale: Optional[float] = None) -> torch.Tensor:
     local = q.shape[1]
     if q.shape[2] % cp.size or k.shape[2] % cp.size:
         raise ValueError(
@@ -476,7 +478,7 @@ def _ulysses_attention(q, k, v, cp: ContextParallel, position_ids: Optional[torc
         mask = visible(at, at, window) if ids is None else visible(at, at, window, ids, ids)[:, None]
     out = F.scaled_dot_product_attention(
         qh.transpose(1, 2), _repeat_kv(kh, n_rep).transpose(1, 2), _repeat_kv(vh, n_rep).transpose(1, 2),
-        is_causal=mask is None, attn_mask=mask,
+        is_causal=mask is None, attn_mask=mask, scale=scale,
     )
     return _to_sequence(out.transpose(1, 2), cp, local)
 

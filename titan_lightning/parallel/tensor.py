@@ -15,6 +15,8 @@ stands for a layer index). This file knows *how* each style is sharded:
                          reduce-scattered on the sequence with sequence parallelism
     norm                 replicated weights; with sequence parallelism it runs on the local
                          sequence shard, without it on the whole (replicated) sequence
+    post_norm            norm, on a block's output before the residual add (Gemma's norms
+                         after attention and the feed-forward): it returns a local tensor
     prepare_block_input  with sequence parallelism: all-gathers the first input (the hidden
                          states) of an attention or feed-forward module before its colwise
                          projections; the other inputs (RoPE tables, masks) pass through
@@ -161,6 +163,12 @@ def _norm(module: nn.Module, sp: bool, loss_parallel: bool) -> ParallelStyle:
     return SequenceParallel() if sp else ReplicateParallel()
 
 
+def _post_norm(module: nn.Module, sp: bool, loss_parallel: bool) -> ParallelStyle:
+    """A norm on a block's output (Gemma's after attention and the feed-forward): ``norm``, but it
+    returns the local tensor, as the rowwise projection before it would, to add to the residual."""
+    return SequenceParallel(use_local_output=True) if sp else ReplicateParallel()
+
+
 def _prepare_block_input(module: nn.Module, sp: bool, loss_parallel: bool,
                          prepare: type = PrepareModuleInput) -> Optional[ParallelStyle]:
     if not sp:
@@ -291,6 +299,7 @@ STYLES: dict[str, StyleFactory] = {
     "colwise_grouped": _colwise,
     "rowwise": _rowwise,
     "norm": _norm,
+    "post_norm": _post_norm,
     "prepare_block_input": _prepare_block_input,
     "output": _output,
     "replicate": lambda module, sp, loss_parallel: ReplicateParallel(),

@@ -10,14 +10,14 @@ import torch.nn.functional as F
 from titan_lightning.parallel.context import ContextParallel, context_parallel_attention
 
 
-def _full_attention(q, k, v, weight, mask=None):
-    """Unsharded causal (or ``mask``ed: [B, 1, S, S]) attention of leaf copies of q/k/v; returns
-    (out, dq, dk, dv) for loss sum(out * weight)."""
+def _full_attention(q, k, v, weight, mask=None, scale=None):
+    """Unsharded causal (or ``mask``ed: [B, 1, S, S]) attention of leaf copies of q/k/v (scores times
+    ``scale``, None: head_dim ** -0.5); returns (out, dq, dk, dv) for loss sum(out * weight)."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     rep = q.shape[2] // k.shape[2]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.repeat_interleave(rep, 2).transpose(1, 2), v.repeat_interleave(rep, 2).transpose(1, 2),
-        is_causal=mask is None, attn_mask=mask,
+        is_causal=mask is None, attn_mask=mask, scale=scale,
     ).transpose(1, 2)
     (out * weight).sum().backward()
     return out.detach(), q.grad, k.grad, v.grad
@@ -31,15 +31,17 @@ def make_inputs(*, n_heads: int, n_kv_heads: int, seq_len: int, batch: int = 2, 
     return tuple(torch.randn(s, generator=g, dtype=torch.float64).to(device) for s in shapes)
 
 
-def references(inputs: tuple, dtype: str = "float64", mask=None) -> dict:
+def references(inputs: tuple, dtype: str = "float64", mask=None, scale=None) -> dict:
     """The fp64 reference (out, dq, dk, dv) and, in a lower ``dtype``, unsharded attention in that dtype."""
-    return {"reference": _full_attention(*inputs, mask=mask), "low": in_precision(inputs, dtype, mask)}
+    return {"reference": _full_attention(*inputs, mask=mask, scale=scale),
+            "low": in_precision(inputs, dtype, mask, scale)}
 
 
-def in_precision(inputs: tuple, dtype: str, mask=None) -> Optional[tuple]:
+def in_precision(inputs: tuple, dtype: str, mask=None, scale=None) -> Optional[tuple]:
     """Unsharded attention (out, dq, dk, dv) computed in ``dtype``; None for fp64 (the reference itself)."""
     low_dtype = getattr(torch, dtype)
-    return None if low_dtype == torch.float64 else _full_attention(*(t.to(low_dtype) for t in inputs), mask=mask)
+    return None if low_dtype == torch.float64 else _full_attention(*(t.to(low_dtype) for t in inputs), mask=mask,
+                                                                   scale=scale)
 
 
 def document_positions(lengths: list[list[int]], device: str = "cpu") -> torch.Tensor:
@@ -50,10 +52,11 @@ def document_positions(lengths: list[list[int]], device: str = "cpu") -> torch.T
 def attention_parity(rank: int, world_size: int, *, backend: str, load_balancer, n_heads: int, n_kv_heads: int,
                      seq_len: int, batch: int = 2, head_dim: int = 8, device: str = "cpu",
                      dtype: str = "float64", precomputed: Optional[dict] = None,
-                     documents: Optional[list[list[int]]] = None, window: Optional[int] = None) -> dict:
+                     documents: Optional[list[list[int]]] = None, window: Optional[int] = None,
+                     scale: Optional[float] = None) -> dict:
     """Largest error of this rank's CP attention output and q/k/v gradients against full causal attention
     (with ``documents``, lengths of packed documents per row: full block-causal attention; with a sliding
-    ``window``: full sliding-window attention).
+    ``window``: full sliding-window attention; ``scale``: scores times it, not head_dim ** -0.5).
 
     The reference is fp64. In a lower precision ``baseline_*`` is the error of unsharded
     attention in that precision, the yardstick for the CP error. ``precomputed``: the
@@ -72,14 +75,14 @@ def attention_parity(rank: int, world_size: int, *, backend: str, load_balancer,
         from titan_lightning.models.common.masking import sliding_mask
 
         mask = sliding_mask(None if masked is None else masked.position_ids, seq_len, window, device)
-    refs = precomputed if precomputed is not None else references(inputs, dtype, mask)
+    refs = precomputed if precomputed is not None else references(inputs, dtype, mask, scale)
     low_dtype = getattr(torch, dtype)
     q, k, v, weight = inputs
     cp = ContextParallel(group=dist.group.WORLD, rank=rank, size=world_size, load_balancer=load_balancer)
     local = [cp.shard(t.to(low_dtype)).requires_grad_() for t in (q, k, v)]
     if masked is not None:
         masked = masked._replace(position_ids=cp.shard(masked.position_ids))
-    out = context_parallel_attention(*local, cp, backend, masked, window)
+    out = context_parallel_attention(*local, cp, backend, masked, window, scale=scale)
     (out * cp.shard(weight.to(low_dtype))).sum().backward()
 
     def error(a, b):

@@ -166,6 +166,20 @@ def test_ring_math_kernel_is_exact_too(balancer, monkeypatch):
         assert all(errors[name] < 1e-10 for name in ("out", "dq", "dk", "dv")), errors
 
 
+@pytest.mark.parametrize("backend", ["allgather", "ring", "ulysses"])
+def test_every_backend_takes_the_score_scale(backend):
+    """Gemma 3's query_pre_attn_scalar ** -0.5, not head_dim ** -0.5: exact against full attention
+    with that scale (fp64), and a wrong scale would not be."""
+    from cp_cases import attention_parity, make_inputs, references
+    from titan_lightning.testing.threaded import run_threaded
+
+    for errors in run_threaded(attention_parity, 2, backend=backend, load_balancer="headtail", n_heads=4,
+                               n_kv_heads=2, seq_len=32, scale=0.9):
+        assert all(errors[name] < 1e-10 for name in ("out", "dq", "dk", "dv")), errors
+    inputs = make_inputs(n_heads=4, n_kv_heads=2, seq_len=32)
+    assert (references(inputs, scale=0.9)["reference"][0] - references(inputs)["reference"][0]).abs().max() > 1e-2
+
+
 # Documents of random lengths (of 1 too) that cross the chunk and rank boundaries, and a row that
 # is one document: every backend gives full block-causal attention (fp64: 1e-10).
 DOCUMENTS = [[5, 1, 9, 1, 12, 4], [32]]

@@ -11,6 +11,7 @@ from titan_lightning.config import ConfigError, validate_job
 from titan_lightning.data.tokenizer import load_tokenizer
 from titan_lightning.models.common.decoder import decoder_class
 from titan_lightning.models.common.hf_config import HFConfig
+from titan_lightning.models.gemma3 import GEMMA3_PRESETS, Gemma3StateDictAdapter
 from titan_lightning.models.llama3 import LLAMA3_PRESETS, Llama3StateDictAdapter
 from titan_lightning.models.mistral import MISTRAL_PRESETS, MistralStateDictAdapter
 from titan_lightning.models.qwen2 import QWEN2_PRESETS, Qwen2StateDictAdapter
@@ -45,8 +46,9 @@ def test_a_transformers_folder_gives_the_model_transformers_computes(tmp_path, m
     *[(Qwen3StateDictAdapter, QWEN3_PRESETS[name]) for name in ("debugmodel", "0.6B", "30B-A3B")],
     *[(Qwen2StateDictAdapter, QWEN2_PRESETS[name]) for name in ("0.5B", "72B")],
     *[(MistralStateDictAdapter, MISTRAL_PRESETS[name]) for name in ("Nemo-12B", "8x7B")],
+    *[(Gemma3StateDictAdapter, GEMMA3_PRESETS[name]) for name in ("debugmodel", "1B", "27B")],
 ], ids=["llama3-debugmodel", "llama3-1B", "llama3-8B", "qwen3-debugmodel", "qwen3-0.6B", "qwen3-30B-A3B",
-        "qwen2-0.5B", "qwen2-72B", "mistral-Nemo-12B", "mixtral-8x7B"])
+        "qwen2-0.5B", "qwen2-72B", "mistral-Nemo-12B", "mixtral-8x7B", "gemma3-debugmodel", "gemma3-1B", "gemma3-27B"])
 def test_written_config_reads_back_as_the_same_model_and_transformers_takes_it(adapter, args):
     written = adapter.hf_config(args)
     reader = HFConfig({**written, "torch_dtype": "float32"}, "config.json", adapter.family)

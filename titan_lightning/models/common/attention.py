@@ -27,6 +27,8 @@ class Attention(nn.Module):
     queries (``q_norm``) and the keys (``k_norm``), before RoPE; one weight of [head_dim]
     is shared by all heads. None (the default) means no QK-norm, and no such submodules.
 
+    ``scale`` multiplies the scores (None: ``head_dim ** -0.5``; Gemma 3's ``query_pre_attn_scalar ** -0.5``).
+
     ``window`` makes it sliding-window attention (a query at i sees keys i - window < j <= i);
     None attends to every earlier key. The decoder sets it per layer from
     ``ModelArgs.attention_window``.
@@ -48,10 +50,12 @@ class Attention(nn.Module):
         qk_norm_eps: Optional[float] = None,
         window: Optional[int] = None,
         qkv_bias: bool = False,
+        scale: Optional[float] = None,
     ):
         super().__init__()
         self.backend = attention
         self.window = window
+        self.scale = scale
         self.cp: Optional[ContextParallel] = None
         self.head_dim = head_dim if head_dim is not None else dim // n_heads
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=qkv_bias)
@@ -77,8 +81,9 @@ class Attention(nn.Module):
             else:
                 rope_cache = rope_cache.index_select(0, self.cp.positions(S, x.device))
             q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
-            return self.wo(context_parallel_attention(q, k, v, self.cp, self.backend, documents, self.window).reshape(B, S, -1))
+            return self.wo(context_parallel_attention(q, k, v, self.cp, self.backend, documents, self.window,
+                                                      scale=self.scale).reshape(B, S, -1))
         if documents is not None:
             rope_cache = rope_at(rope_cache, documents, S)
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
-        return self.wo(attend(q, k, v, documents, window=self.window).reshape(B, S, -1))
+        return self.wo(attend(q, k, v, documents, scale=self.scale, window=self.window).reshape(B, S, -1))

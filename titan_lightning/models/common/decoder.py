@@ -104,16 +104,19 @@ class Head(nn.Linear):
     """The output projection (no bias): logits; or, given ``labels``, their mean cross entropy
     computed ``chunks`` token rows at a time, never holding the full logits
     (models/common/loss.py). One call either way, so FSDP's and TP's hooks on the head run
-    once; pass ``labels`` by keyword (TP's input hook keeps only the first positional input)."""
+    once; pass ``labels`` by keyword (TP's input hook keeps only the first positional input).
+    ``softcap`` (Gemma's ``final_logit_softcapping``): logits ``tanh(logits / softcap) * softcap``."""
 
-    def __init__(self, dim: int, vocab_size: int) -> None:
+    def __init__(self, dim: int, vocab_size: int, softcap: Optional[float] = None) -> None:
         super().__init__(dim, vocab_size, bias=False)
+        self.softcap = softcap
 
     def forward(self, h: torch.Tensor, labels: Optional[torch.Tensor] = None, chunks: int = 1,
                 reduction: str = "mean") -> torch.Tensor:
         if labels is None:
-            return super().forward(h)
-        return linear_cross_entropy(h, self.weight, labels, chunks=chunks, reduction=reduction)
+            logits = super().forward(h)
+            return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
+        return linear_cross_entropy(h, self.weight, labels, chunks=chunks, reduction=reduction, softcap=self.softcap)
 
 
 class Decoder(nn.Module):

@@ -103,6 +103,7 @@ class StateDictAdapter:
     extra_from_hf: dict[str, Callable[[Tensor], dict[str, Tensor]]] = {}
     ignored_hf_suffixes: tuple[str, ...] = ()  # top-level Hugging Face keys from_hf skips
     ignores_layers_past_n_layers = False  # from_hf skips model.layers.N for N >= args.n_layers
+    ties_by_default = False  # what a config.json without ``tie_word_embeddings`` means (Gemma 3: tied)
 
     def __init__(self, args: Any, *, tie_word_embeddings: bool = False):
         self.args, self.tie_word_embeddings = args, tie_word_embeddings

@@ -2,7 +2,8 @@
 
 ``linear_cross_entropy(h, weight, labels, chunks=n)`` equals ``F.cross_entropy((h @ weight.T).float(),
 labels, ignore_index=IGNORE_INDEX)`` (the mean over the labelled tokens; with ``reduction="sum"`` their sum, what
-loss-masked fine-tuning divides by the supervised tokens of a whole step) and its gradients, but holds one
+loss-masked fine-tuning divides by the supervised tokens of a whole step; with ``softcap``, of the logits
+``tanh(logits / softcap) * softcap``, Gemma's) and its gradients, but holds one
 chunk of ``N / n`` token rows' logits at a time. The forward computes each chunk's logits in the
 compute dtype, their fp32 log-sum-exp and the chunk's loss, and keeps only the log-sum-exp (4 bytes
 a token) besides ``h`` and ``weight`` (alive anyway); the backward computes each chunk's logits
@@ -26,6 +27,7 @@ where the hidden states were gathered.
 """
 
 import functools
+from typing import Optional
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Shard
@@ -39,10 +41,11 @@ REDUCTIONS = ("mean", "sum")
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunks: int,
-                         ignore_index: int = IGNORE_INDEX, reduction: str = "mean") -> torch.Tensor:
-    """Cross entropy of ``h @ weight.T`` [..., V] against ``labels`` [...] over the tokens whose label is
-    not ``ignore_index`` (their mean, or with ``reduction="sum"`` their sum), computed ``chunks`` token
-    rows at a time; fp32, 0-d."""
+                         ignore_index: int = IGNORE_INDEX, reduction: str = "mean",
+                         softcap: Optional[float] = None) -> torch.Tensor:
+    """Cross entropy of ``h @ weight.T`` [..., V] (soft-capped to ``tanh(. / softcap) * softcap`` when
+    ``softcap`` is set) against ``labels`` [...] over the tokens whose label is not ``ignore_index``
+    (their mean, or with ``reduction="sum"`` their sum), computed ``chunks`` token rows at a time; fp32, 0-d."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"linear_cross_entropy: reduction={reduction!r} is not one of {', '.join(REDUCTIONS)}")
     group, vocab_start = None, 0
@@ -68,7 +71,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     else:
         dtype = torch.promote_types(h.dtype, weight.dtype)
     return _LinearCrossEntropy.apply(h.flatten(0, -2), weight, labels.flatten(), chunks, dtype, group,
-                                     vocab_start, ignore_index, reduction == "sum")
+                                     vocab_start, ignore_index, reduction == "sum", softcap)
 
 
 def _chunk_bounds(n_tokens: int, chunks: int) -> list[tuple[int, int]]:
@@ -81,7 +84,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     each chunk's logits again, then (softmax - one-hot) / labelled tokens into both gradients."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, chunks, dtype, group, vocab_start, ignore_index, summed):
+    def forward(ctx, h, weight, labels, chunks, dtype, group, vocab_start, ignore_index, summed, softcap):
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(dtype), weight.to(dtype)
             valid = labels != ignore_index
@@ -89,7 +92,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss = torch.zeros((), dtype=torch.float32, device=h.device)
             chunk_forward = _kernels(h.is_cuda)[0]
             for first, last in _chunk_bounds(h.shape[0], chunks):
-                lse, target = chunk_forward(hc[first:last], wc, labels[first:last], vocab_start)
+                lse, target = chunk_forward(hc[first:last], wc, labels[first:last], vocab_start, softcap)
                 if group is not None:
                     parts = all_gather(torch.stack([lse, target]).unsqueeze(0), 0, group)  # [tp, 2, rows]
                     lse, target = torch.logsumexp(parts[:, 0], dim=0), parts[:, 1].sum(dim=0)
@@ -97,7 +100,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 loss = loss + torch.where(valid[first:last], lse - target, 0.0).sum()
         ctx.save_for_backward(h, weight, labels, lse_all)
         ctx.chunks, ctx.dtype, ctx.vocab_start, ctx.ignore_index = chunks, dtype, vocab_start, ignore_index
-        ctx.summed = summed
+        ctx.summed, ctx.softcap = summed, softcap
         return loss if summed else loss / valid.sum()
 
     @staticmethod
@@ -115,7 +118,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for first, last in _chunk_bounds(h.shape[0], ctx.chunks):
             x = hc[first:last]
             grad = chunk_grad(x, wc, lse_all[first:last], labels[first:last], scale, ctx.vocab_start,
-                              ctx.ignore_index)
+                              ctx.ignore_index, ctx.softcap)
             if grad_h is not None:
                 grad_h[first:last] = grad @ wc
             if grad_weight is not None:  # in slices of the vocab: no weight-sized temporary
@@ -123,7 +126,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_weight[v0:v1].add_(grad[:, v0:v1].T @ x)
         if grad_weight is not None and grad_weight.dtype != weight.dtype:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_h, grad_weight, *(None,) * 7
+        return grad_h, grad_weight, *(None,) * 8
 
 
 # The weight's gradient is summed in fp32 over the token chunks, a quarter of the vocab at a time
@@ -131,20 +134,31 @@ class _LinearCrossEntropy(torch.autograd.Function):
 WEIGHT_SLICES = 4
 
 
-def _chunk_forward(x, w, labels, vocab_start: int):
+def _capped(logits: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
+def _chunk_forward(x, w, labels, vocab_start: int, softcap: Optional[float] = None):
     """One chunk's fp32 log-sum-exp over this rank's vocab and the logit of each label it holds (0
     where the label is another rank's)."""
-    logits = (x @ w.T).float()
+    logits = _capped((x @ w.T).float(), softcap)
     index, mine = _label_index(labels, vocab_start, w.shape[0])
     lse = torch.logsumexp(logits, dim=1)
     return lse, logits.gather(1, index).squeeze(1).masked_fill(~mine, 0.0)
 
 
-def _chunk_grad(x, w, lse, labels, scale, vocab_start: int, ignore_index: int):
-    """d loss / d logits of one chunk, (softmax - one-hot) x scale on labelled rows, in x's dtype."""
-    grad = ((x @ w.T).float() - lse.unsqueeze(1)).exp()
+def _chunk_grad(x, w, lse, labels, scale, vocab_start: int, ignore_index: int, softcap: Optional[float] = None):
+    """d loss / d logits of one chunk, (softmax - one-hot) x scale on labelled rows (times the soft
+    cap's derivative 1 - tanh^2), in x's dtype."""
+    if softcap is None:
+        grad = ((x @ w.T).float() - lse.unsqueeze(1)).exp()
+    else:
+        tanh = torch.tanh((x @ w.T).float() / softcap)
+        grad = (tanh * softcap - lse.unsqueeze(1)).exp()
     index, mine = _label_index(labels, vocab_start, w.shape[0])
     grad = grad.scatter_add(1, index, -mine.unsqueeze(1).to(grad.dtype))
+    if softcap is not None:
+        grad = grad * (1 - tanh**2)
     return (grad * ((labels != ignore_index).to(grad.dtype) * scale).unsqueeze(1)).to(x.dtype)
 
 
