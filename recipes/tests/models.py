@@ -3,6 +3,7 @@ families on expert-parallel layouts (entries in tests/integration_tests/models.p
 
 import recipes.deepseek_v3 as deepseek_v3
 import recipes.mistral as mistral
+import recipes.phi3 as phi3
 import recipes.qwen2 as qwen2
 import recipes.qwen3 as qwen3
 from recipes.tests import features
@@ -164,6 +165,18 @@ def mixtral_debugmodel() -> Run:
 
 def mixtral_fsdp2_ep2() -> Run:
     return on_layout(mixtral_debugmodel(), dp_shard=2, ep=2)
+
+
+def phi3_debugmodel() -> Run:
+    """The Phi-3 debug model (RoPE on 12 of 16 features) with a 64-token sliding window of the 128, one process."""
+    run = _two_layers(phi3.debugmodel())
+    run.job.model.sliding_window = 64
+    return run
+
+
+def phi3_tp2() -> Run:
+    """TP2 (sequence parallel): whole heads per rank, each turned on its first 12 features."""
+    return on_layout(phi3_debugmodel(), dp_shard=1, tp=2)
 
 
 # Supervised fine-tuning of the MoE (data.sft): tokens routed to experts of other ranks, the loss over

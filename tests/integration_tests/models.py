@@ -42,6 +42,8 @@ ENTRIES = [
     _entry("mistral_fsdp2", "Mistral debug model: FSDP2", 2, "mistral_debugmodel"),
     _entry("mixtral_fsdp2_ep2", "Mixtral-shaped debug model (8 experts, top-2): FSDP2, experts over EP2", 2,
            "mixtral_debugmodel"),
+    _entry("phi3_tp2", "Phi-3 debug model (partial RoPE, sliding window): TP2 on whole heads", 2, "phi3_debugmodel",
+           golden=True),
     _entry("qwen3_moe_pp2_fsdp2_ep2", "Qwen 3 MoE: PP2 x FSDP2, experts over EP2 in each stage", 4,
            "qwen3_moe_debugmodel", golden=True, use_real_pg=True),
     _entry("qwen3_moe_sft_fsdp2_ep2", "Qwen 3 MoE SFT: FSDP2, experts over EP2", 2, "qwen3_moe_sft"),

@@ -152,6 +152,11 @@ class StateDictAdapter:
             return f"model.layers.{layer}.{self.experts_prefix}.*.{self.expert_keys[name]}.weight"
         return f"model.layers.{layer}.{self.layer_keys[name]}" if name in self.layer_keys else None
 
+    def export_group(self, ours: str) -> str:
+        """Our keys that ``to_hf`` converts together (fused into one Hugging Face tensor, as Phi-3's
+        q/k/v) share a group; an export hands ``to_hf`` whole groups. By default each key is its own."""
+        return ours
+
     def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         hf: dict[str, Tensor] = {}
         unknown = []
@@ -232,10 +237,15 @@ class StateDictAdapter:
             raise _shape_error(hf_key, ours, shape, (heads * head_dim, *shape[1:]), f"{heads} heads of {head_dim}")
         return head_dim
 
+    def permute_heads(self, w: Tensor, head_dim: int, *, to_hf: bool) -> Tensor:
+        """The rows of whole heads of ``w`` between our RoPE layout and Hugging Face's; a family whose
+        RoPE rotates part of each head (Phi-4-mini) permutes only that part."""
+        return _permute_heads(w, head_dim, to_hf=to_hf)
+
     def _permute_rope(self, name: str, hf_key: str, ours: str, w: Tensor, *, to_hf: bool) -> Tensor:
         """``w`` with the rows of each head from our adjacent pairs to Hugging Face's halves, or back."""
         head_dim = self._rope_heads(name, hf_key, ours, tuple(w.shape))
-        return w if head_dim is None else _permute_heads(w, head_dim, to_hf=to_hf)
+        return w if head_dim is None else self.permute_heads(w, head_dim, to_hf=to_hf)
 
     def _rope_source(self, name: str, hf_key: str, ours: str, tensors: HFTensors) -> Source:
         """Our rows a..b of a per-head permuted key: the whole heads around them, permuted, cut."""
@@ -247,7 +257,7 @@ class StateDictAdapter:
         def read(index: tuple[slice, ...]) -> Tensor:
             rows, rest = index[0], index[1:]
             first, last = rows.start // head_dim * head_dim, -(-rows.stop // head_dim) * head_dim
-            block = _permute_heads(tensors.read(hf_key, (slice(first, last), *rest)), head_dim, to_hf=False)
+            block = self.permute_heads(tensors.read(hf_key, (slice(first, last), *rest)), head_dim, to_hf=False)
             return block[rows.start - first:rows.stop - first]
 
         return Source(shape, read)
