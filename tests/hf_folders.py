@@ -1,7 +1,7 @@
 """Tiny Hugging Face model folders as users hold them: saved by transformers (config.json,
 safetensors), with a tokenizer.json trained here and a tokenizer_config.json in the special-token
 layout of the family (Llama 3: <|begin_of_text|> / <|end_of_text|>, Qwen 2 / 3: <|endoftext|> only,
-DeepSeek: <｜begin▁of▁sentence｜> / <｜end▁of▁sentence｜>, Mistral / Mixtral: <s> / </s>, Phi-3: <s> / <|endoftext|>). Needs transformers."""
+DeepSeek: <｜begin▁of▁sentence｜> / <｜end▁of▁sentence｜>, Mistral / Mixtral: <s> / </s>, Phi-3: <s> / <|endoftext|>, OLMo 2: <|endoftext|> only). Needs transformers."""
 
 import inspect
 import json
@@ -21,6 +21,7 @@ SPECIAL_TOKENS = {
     "mistral": ("<s>", "</s>"),
     "mixtral": ("<s>", "</s>"),
     "phi3": ("<s>", "<|endoftext|>"),
+    "olmo2": (None, "<|endoftext|>"),
 }
 
 
@@ -38,6 +39,7 @@ def hf_config(model_type: str, tie: bool = False, **overrides):
         # Partial rotation (3/4 of each head, as Phi-4-mini); fused qkv_proj and gate_up_proj.
         "phi3": (transformers.Phi3Config, dict(intermediate_size=96, partial_rotary_factor=0.75, pad_token_id=None,
                                               eos_token_id=None, bos_token_id=None)),
+        "olmo2": (transformers.Olmo2Config, dict(intermediate_size=96, pad_token_id=None, eos_token_id=None)),
         "qwen3": (transformers.Qwen3Config, dict(intermediate_size=96, head_dim=32)),
         "qwen3_moe": (transformers.Qwen3MoeConfig, dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
                                                         num_experts_per_tok=2, norm_topk_prob=True)),

@@ -32,6 +32,7 @@ from titan_lightning.models.common.hf_config import CONFIG_FILE, HFConfig, read_
 from titan_lightning.models.deepseek_v3 import DeepSeekV3Job, DeepSeekV3Module
 from titan_lightning.models.llama3 import Llama3Job, Llama3Module
 from titan_lightning.models.mistral import MistralJob, MistralModule
+from titan_lightning.models.olmo2 import Olmo2Job, Olmo2Module
 from titan_lightning.models.phi3 import Phi3Job, Phi3Module
 from titan_lightning.models.qwen2 import Qwen2Job, Qwen2Module
 from titan_lightning.models.qwen3 import Qwen3Job, Qwen3Module
@@ -49,7 +50,8 @@ def hf_families() -> dict[str, tuple[type, type]]:
     families = {}
     for job_class, module_class in ((Llama3Job, Llama3Module), (Qwen3Job, Qwen3Module),
                                     (DeepSeekV3Job, DeepSeekV3Module), (Qwen2Job, Qwen2Module),
-                                    (MistralJob, MistralModule), (Phi3Job, Phi3Module)):
+                                    (MistralJob, MistralModule), (Phi3Job, Phi3Module),
+                                    (Olmo2Job, Olmo2Module)):
         families.update(dict.fromkeys(module_class.hf_adapter.hf_model_types, (job_class, module_class)))
     return families
 

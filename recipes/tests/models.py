@@ -3,6 +3,7 @@ families on expert-parallel layouts (entries in tests/integration_tests/models.p
 
 import recipes.deepseek_v3 as deepseek_v3
 import recipes.mistral as mistral
+import recipes.olmo2 as olmo2
 import recipes.phi3 as phi3
 import recipes.qwen2 as qwen2
 import recipes.qwen3 as qwen3
@@ -177,6 +178,16 @@ def phi3_debugmodel() -> Run:
 def phi3_tp2() -> Run:
     """TP2 (sequence parallel): whole heads per rank, each turned on its first 12 features."""
     return on_layout(phi3_debugmodel(), dp_shard=1, tp=2)
+
+
+def olmo2_debugmodel() -> Run:
+    """The OLMo 2 debug model (post-norm blocks, QK-norm over whole projections), one process."""
+    return _two_layers(olmo2.debugmodel())
+
+
+def olmo2_tp2() -> Run:
+    """TP2 (sequence parallel): each rank's q/k features normalized by the squares of both ranks'."""
+    return on_layout(olmo2_debugmodel(), dp_shard=1, tp=2)
 
 
 # Supervised fine-tuning of the MoE (data.sft): tokens routed to experts of other ranks, the loss over

@@ -32,7 +32,7 @@ DEEPSEEK_FIELDS = {"rms_norm_eps": 1e-5, "n_group": 2, "topk_group": 1}
     ("llama", True, "fsdp2", {}), ("llama", False, "tp2", {}), ("qwen3", True, "fsdp2", {}), ("qwen3", False, "tp2", {}),
     ("qwen3_moe", False, "fsdp2", {}), ("qwen3_moe", False, "tp2", {}), ("deepseek_v3", False, "fsdp2", {}),
     ("deepseek_v3", False, "tp2", DEEPSEEK_FIELDS), ("qwen2", True, "fsdp2", {}), ("mistral", False, "tp2", {}),
-    ("phi3", True, "tp2", {}),
+    ("phi3", True, "tp2", {}), ("olmo2", False, "tp2", {}),
 ])
 def test_folder_to_one_command_to_transformers(tmp_path, model_type, tie, layout, fields):
     folder = save_hf_folder(tmp_path / "hf", model_type, tie=tie, **fields)
