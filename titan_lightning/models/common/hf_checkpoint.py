@@ -87,6 +87,9 @@ class StateDictAdapter:
                        pairs, so HF feature c * head_dim/2 + i is our feature 2i + c
     ``extra_from_hf``  other names inside ``model.layers.N.`` that ``from_hf`` reads, never writes
 
+    and two hooks: ``permute_heads`` (a RoPE over part of each head permutes only that part) and
+    ``export_group`` (keys ``to_hf`` fuses into one tensor are converted together by an export).
+
     ``moe.expert_bias``, unless ``layer_keys`` names it, has no Hugging Face counterpart: ``to_hf``
     drops it (with a warning if it is not zero: the HF model will route differently) and ``from_hf``
     starts it at zero. ``tie_word_embeddings``: the checkpoint has no ``lm_head.weight``;
