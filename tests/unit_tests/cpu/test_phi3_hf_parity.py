@@ -56,9 +56,11 @@ def test_longrope_factors_and_a_sliding_window_match_transformers(tmp_path, leng
         expected = reference(input_ids=tokens).logits
         torch.testing.assert_close(ours(tokens), expected, rtol=1e-5, atol=1e-5)
         other = "short" if factors == "long" else "long"
-        wrong = type(ours)(dataclasses.replace(ours.args, rope_scaling=dataclasses.replace(s, factors=other)))
-        wrong.load_state_dict(ours.state_dict())
-        assert (wrong.eval()(tokens) - expected).abs().max() > 1e-2  # the factor set counts
+        for wrong in (dataclasses.replace(ours.args, rope_scaling=dataclasses.replace(s, factors=other)),
+                      dataclasses.replace(ours.args, sliding_window=None)):  # the factor set and the window count
+            model = type(ours)(wrong)
+            model.load_state_dict(ours.state_dict())
+            assert (model.eval()(tokens) - expected).abs().max() > 1e-2
     theirs = export_to_transformers(ours, Phi3StateDictAdapter, tmp_path / "export")
     assert theirs.config.sliding_window == 6 and theirs.config.rope_parameters["rope_type"] == "longrope"
     with torch.no_grad():

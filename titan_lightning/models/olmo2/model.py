@@ -30,7 +30,7 @@ from titan_lightning.parallel.collectives import all_reduce_autograd
 class Olmo2Args(ModelArgs):
     """OLMo 2 architecture. The defaults are the debugmodel; presets.py has the published sizes."""
 
-    n_kv_heads: int = 16
+    n_kv_heads: int = 8
     dim: int = 256
     n_layers: int = 6
     head_dim: int = 16
