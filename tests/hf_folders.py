@@ -2,7 +2,8 @@
 safetensors), with a tokenizer.json trained here and a tokenizer_config.json in the special-token
 layout of the family (Llama 3: <|begin_of_text|> / <|end_of_text|>, Qwen 2 / 3: <|endoftext|> only,
 DeepSeek: <｜begin▁of▁sentence｜> / <｜end▁of▁sentence｜>, Mistral / Mixtral: <s> / </s>, gpt-oss:
-<|startoftext|> / <|return|>, Gemma 3: <bos> / <eos>). Needs transformers."""
+<|startoftext|> / <|return|>, Gemma 3: <bos> / <eos>, Phi-3: <s> / <|endoftext|>, OLMo 2: <|endoftext|>
+only). Needs transformers."""
 
 import inspect
 import json
@@ -24,6 +25,8 @@ SPECIAL_TOKENS = {
     "gpt_oss": ("<|startoftext|>", "<|return|>"),
     "gemma3_text": ("<bos>", "<eos>"),
     "gemma3": ("<bos>", "<eos>"),
+    "phi3": ("<s>", "<|endoftext|>"),
+    "olmo2": (None, "<|endoftext|>"),
 }
 # gpt-oss's YaRN (factor 32 over 4096 positions, as published) scaled to the tiny model's 64 positions.
 GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -47,6 +50,10 @@ def hf_config(model_type: str, tie: bool = False, **overrides):
         "mistral": (transformers.MistralConfig, dict(intermediate_size=96, head_dim=32, sliding_window=None)),
         "mixtral": (transformers.MixtralConfig, dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
                                                      sliding_window=None)),
+        # Partial rotation (3/4 of each head, as Phi-4-mini); fused qkv_proj and gate_up_proj.
+        "phi3": (transformers.Phi3Config, dict(intermediate_size=96, partial_rotary_factor=0.75, pad_token_id=None,
+                                              eos_token_id=None, bos_token_id=None)),
+        "olmo2": (transformers.Olmo2Config, dict(intermediate_size=96, pad_token_id=None, eos_token_id=None)),
         "qwen3": (transformers.Qwen3Config, dict(intermediate_size=96, head_dim=32)),
         "qwen3_moe": (transformers.Qwen3MoeConfig, dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
                                                         num_experts_per_tok=2, norm_topk_prob=True)),

@@ -34,6 +34,8 @@ from titan_lightning.models.gemma3 import Gemma3Job, Gemma3Module
 from titan_lightning.models.gpt_oss import GptOssJob, GptOssModule
 from titan_lightning.models.llama3 import Llama3Job, Llama3Module
 from titan_lightning.models.mistral import MistralJob, MistralModule
+from titan_lightning.models.olmo2 import Olmo2Job, Olmo2Module
+from titan_lightning.models.phi3 import Phi3Job, Phi3Module
 from titan_lightning.models.qwen2 import Qwen2Job, Qwen2Module
 from titan_lightning.models.qwen3 import Qwen3Job, Qwen3Module
 
@@ -51,7 +53,7 @@ def hf_families() -> dict[str, tuple[type, type]]:
     for job_class, module_class in ((Llama3Job, Llama3Module), (Qwen3Job, Qwen3Module),
                                     (DeepSeekV3Job, DeepSeekV3Module), (Qwen2Job, Qwen2Module),
                                     (MistralJob, MistralModule), (GptOssJob, GptOssModule),
-                                    (Gemma3Job, Gemma3Module)):
+                                    (Gemma3Job, Gemma3Module), (Phi3Job, Phi3Module), (Olmo2Job, Olmo2Module)):
         families.update(dict.fromkeys(module_class.hf_adapter.hf_model_types, (job_class, module_class)))
     return families
 

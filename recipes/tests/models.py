@@ -5,6 +5,8 @@ import recipes.deepseek_v3 as deepseek_v3
 import recipes.gemma3 as gemma3
 import recipes.gpt_oss as gpt_oss
 import recipes.mistral as mistral
+import recipes.olmo2 as olmo2
+import recipes.phi3 as phi3
 import recipes.qwen2 as qwen2
 import recipes.qwen3 as qwen3
 from recipes.tests import features
@@ -195,6 +197,26 @@ def gpt_oss_debugmodel() -> Run:
 def gpt_oss_fsdp2_ep2() -> Run:
     """FSDP2, the experts and their biases over EP2."""
     return on_layout(gpt_oss_debugmodel(), dp_shard=2, ep=2)
+def phi3_debugmodel() -> Run:
+    """The Phi-3 debug model (RoPE on 12 of 16 features) with a 64-token sliding window of the 128, one process."""
+    run = _two_layers(phi3.debugmodel())
+    run.job.model.sliding_window = 64
+    return run
+
+
+def phi3_tp2() -> Run:
+    """TP2 (sequence parallel): whole heads per rank, each turned on its first 12 features."""
+    return on_layout(phi3_debugmodel(), dp_shard=1, tp=2)
+
+
+def olmo2_debugmodel() -> Run:
+    """The OLMo 2 debug model (post-norm blocks, QK-norm over whole projections), one process."""
+    return _two_layers(olmo2.debugmodel())
+
+
+def olmo2_tp2() -> Run:
+    """TP2 (sequence parallel): each rank's q/k features normalized by the squares of both ranks'."""
+    return on_layout(olmo2_debugmodel(), dp_shard=1, tp=2)
 
 
 # Supervised fine-tuning of the MoE (data.sft): tokens routed to experts of other ranks, the loss over

@@ -46,6 +46,10 @@ ENTRIES = [
            "mixtral_debugmodel"),
     _entry("gpt_oss_fsdp2_ep2", "gpt-oss debug model (sinks, sliding + full layers, YaRN, 8 experts with biases, "
            "clamped SwiGLU): FSDP2, experts over EP2", 2, "gpt_oss_debugmodel", golden=True),
+    _entry("phi3_tp2", "Phi-3 debug model (partial RoPE, sliding window): TP2 on whole heads", 2, "phi3_debugmodel",
+           golden=True),
+    _entry("olmo2_tp2", "OLMo 2 debug model (post-norms): TP2, QK-norm over both ranks' heads", 2, "olmo2_debugmodel",
+           golden=True),
     _entry("qwen3_moe_pp2_fsdp2_ep2", "Qwen 3 MoE: PP2 x FSDP2, experts over EP2 in each stage", 4,
            "qwen3_moe_debugmodel", golden=True, use_real_pg=True),
     _entry("qwen3_moe_sft_fsdp2_ep2", "Qwen 3 MoE SFT: FSDP2, experts over EP2", 2, "qwen3_moe_sft"),

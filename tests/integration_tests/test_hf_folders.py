@@ -34,6 +34,7 @@ DEEPSEEK_FIELDS = {"rms_norm_eps": 1e-5, "n_group": 2, "topk_group": 1}
     ("deepseek_v3", False, "tp2", DEEPSEEK_FIELDS), ("qwen2", True, "fsdp2", {}), ("mistral", False, "tp2", {}),
     ("gpt_oss", False, "fsdp2", {}),
     ("gemma3_text", True, "tp2", {}),
+    ("olmo2", False, "tp2", {}),
 ])
 def test_folder_to_one_command_to_transformers(tmp_path, model_type, tie, layout, fields):
     folder = save_hf_folder(tmp_path / "hf", model_type, tie=tie, **fields)
@@ -75,10 +76,12 @@ def test_folder_to_one_command_to_transformers(tmp_path, model_type, tie, layout
     ("llama", True, 4, ["--job.parallelism.dp_shard", "2", "--job.parallelism.tp", "2"]),
     ("qwen3_moe", False, 2, ["--job.parallelism.dp_shard", "2", "--job.parallelism.ep", "2"]),
     ("gpt_oss", False, 2, ["--job.parallelism.dp_shard", "2", "--job.parallelism.ep", "2"]),
-], ids=["llama-tied-fsdp2_tp2", "qwen3_moe-fsdp2_ep2", "gpt_oss-fsdp2_ep2"])
+    ("phi3", True, 2, ["--job.parallelism.dp_shard", "1", "--job.parallelism.tp", "2"]),
+], ids=["llama-tied-fsdp2_tp2", "qwen3_moe-fsdp2_ep2", "gpt_oss-fsdp2_ep2", "phi3-tied-tp2"])
 def test_a_folder_loads_exactly_on_a_sharded_layout(tmp_path, model_type, tie, world, degrees):
-    """Each rank reads only its blocks; with a learning rate of 1e-30 the fp32 weights stay as
-    loaded, so the export (written from every rank) holds the folder's tensors bit for bit."""
+    """Each rank reads only its blocks (Phi-3: its heads' rows of each fused qkv_proj and gate_up_proj);
+    with a learning rate of 1e-30 the fp32 weights stay as loaded, so the export (written from every
+    rank, Phi-3's parts fused again) holds the folder's tensors bit for bit."""
     folder = save_hf_folder(tmp_path / "hf", model_type, tie=tie)
     argv = ["fit", "--recipe", "recipes.hf:pretrained", "--job.checkpoint.initial_load_path", str(folder),
             "--trainer.accelerator", "cpu", "--trainer.devices", str(world), "--trainer.max_steps", "1",

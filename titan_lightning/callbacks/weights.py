@@ -8,6 +8,7 @@ gathers the full tensors to rank 0 (under PP, each stage's part travels to rank 
 
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
@@ -210,36 +211,33 @@ def _world() -> tuple[int, int]:
 
 
 def _my_share(own: dict[str, torch.Tensor], adapter: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The Hugging Face tensors this rank writes: each of our tensors goes to one of the ranks that
-    hold it (round robin over the keys); a DTensor is gathered by its mesh, one tensor at a time.
-    Keys of one ``adapter.export_group`` (gpt-oss's gate and up, fused in its checkpoint) go to one
-    rank, and ``to_hf`` gets them together."""
+    """The Hugging Face tensors this rank writes: each group of our tensors (``export_group``: one
+    key, or those fused into one Hugging Face tensor) goes to one of the ranks that hold it (round
+    robin over the groups); a DTensor is gathered by its mesh, one tensor at a time."""
     from torch.distributed.tensor import DTensor
 
     rank, world = _world()
+    group = adapter.export_group
     keys_by_rank: list[Any] = [list(own)]
     if world > 1:
         keys_by_rank = [None] * world
         dist.all_gather_object(keys_by_rank, list(own))
-    holders: dict[str, list[int]] = {}
+    holders: dict[str, dict[int, None]] = {}
     for holder, keys in enumerate(keys_by_rank):
         for key in keys:
-            holders.setdefault(key, []).append(holder)
-    group = getattr(adapter, "export_group", lambda key: key)
-    groups: dict[str, list[str]] = {}
-    for key in holders:
-        groups.setdefault(group(key), []).append(key)
-    owner = {key: holders[keys[0]][i % len(holders[keys[0]])] for i, keys in enumerate(groups.values()) for key in keys}
-    share: dict[str, torch.Tensor] = {}
+            holders.setdefault(group(key), {})[holder] = None
+    owner = {g: list(ranks)[i % len(ranks)] for i, (g, ranks) in enumerate(holders.items())}
+    members = Counter(group(key) for key in own)
     pending: dict[str, dict[str, torch.Tensor]] = {}
+    share: dict[str, torch.Tensor] = {}
     for key, value in own.items():
         full = value.full_tensor() if isinstance(value, DTensor) else value
-        if owner[key] == rank:
+        g = group(key)
+        if owner[g] == rank:
             full = full.detach().to("cpu", dtype) if full.is_floating_point() else full.detach().cpu()
-            members = pending.setdefault(group(key), {})
-            members[key] = full
-            if len(members) == len(groups[group(key)]):
-                share.update(adapter.to_hf(pending.pop(group(key))))
+            pending.setdefault(g, {})[key] = full
+            if len(pending[g]) == members[g]:
+                share.update(adapter.to_hf(pending.pop(g)))
     return share
 
 

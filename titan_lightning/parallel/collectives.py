@@ -1,4 +1,4 @@
-"""Collectives shared by context and expert parallelism; the ``*_autograd`` ones carry
+"""Collectives shared by context and expert parallelism (and OLMo 2's QK-norm under TP); the ``*_autograd`` ones carry
 gradients (an all-gather's is reduce-scattered back, and so on).
 
 Functional collectives, looked up at call time: under the fake process group its
@@ -20,6 +20,11 @@ def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """``x`` summed over the group; this rank's chunk of ``dim``."""
     scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
     return funcol.wait_tensor(scatter(x.movedim(dim, 0).contiguous(), "sum", 0, group)).movedim(0, dim)
+
+
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` summed over the group."""
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
 
 
 def all_to_all(x: torch.Tensor, group, output_splits=None, input_splits=None) -> torch.Tensor:
@@ -47,6 +52,22 @@ def all_gather_autograd(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def reduce_scatter_autograd(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return _GatherScatter.apply(x, dim, group, False)
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce(grad, ctx.group), None
+
+
+def all_reduce_autograd(x: torch.Tensor, group) -> torch.Tensor:
+    """``all_reduce``; every rank used the sum, so each one's gradient is the sum of all of theirs."""
+    return _AllReduce.apply(x, group)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -15,8 +15,9 @@ stands for a layer index). This file knows *how* each style is sharded:
                          reduce-scattered on the sequence with sequence parallelism
     norm                 replicated weights; with sequence parallelism it runs on the local
                          sequence shard, without it on the whole (replicated) sequence
-    post_norm            norm, on a block's output before the residual add (Gemma's norms
-                         after attention and the feed-forward): it returns a local tensor
+    post_norm            a norm on a sublayer's output before the residual add (Gemma's norms after
+                         attention and the feed-forward, OLMo 2's post-norms): as norm, its output a
+                         local tensor like the residual stream's
     prepare_block_input  with sequence parallelism: all-gathers the first input (the hidden
                          states) of an attention or feed-forward module before its colwise
                          projections; the other inputs (RoPE tables, masks) pass through
@@ -29,6 +30,11 @@ stands for a layer index). This file knows *how* each style is sharded:
     head_norm            a norm over each head's features (QK-norm) on [B, S, H_local, D]:
                          weights replicated, the input taken as sharded on the heads (dim
                          2), so the weight gradient sums the TP ranks' heads
+    colwise_norm         the weight of a norm over a colwise projection's whole output (OLMo 2's
+                         QK-norm over every head at once): split like the projection's rows,
+                         inputs and outputs left local ([B, S, F_local]); the norm reads the
+                         TP mesh from its weight and sums its squares over the ranks
+                         (models/olmo2/model.py ``ProjectionNorm``)
     head_shared          an identity marking a replicated tensor that head-local (TP-sharded)
                          work consumes directly, not through a colwise projection: its
                          gradient is summed over the TP ranks (e.g. MLA's rotary key)
@@ -164,8 +170,8 @@ def _norm(module: nn.Module, sp: bool, loss_parallel: bool) -> ParallelStyle:
 
 
 def _post_norm(module: nn.Module, sp: bool, loss_parallel: bool) -> ParallelStyle:
-    """A norm on a block's output (Gemma's after attention and the feed-forward): ``norm``, but it
-    returns the local tensor, as the rowwise projection before it would, to add to the residual."""
+    """A norm on a sublayer's output (Gemma's, OLMo 2's): ``norm``, but it returns the local tensor,
+    as the rowwise projection before it would, to add to the residual."""
     return SequenceParallel(use_local_output=True) if sp else ReplicateParallel()
 
 
@@ -222,6 +228,19 @@ class HeadShared(ParallelStyle):
 
 def _partial_grad_output(module: nn.Module, output, mesh: DeviceMesh):
     return output.to_local(grad_placements=[Partial()]) if isinstance(output, DTensor) else output
+
+
+class ColwiseNormParallel(ParallelStyle):
+    """Every parameter split on dim 0 like a colwise projection's rows; inputs and outputs untouched."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, _shard_rows)
+
+
+def _shard_rows(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        sharded = distribute_tensor(param, mesh, [Shard(0)], src_data_rank=None)
+        module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
 class ReplicateParallel(ParallelStyle):
@@ -303,6 +322,7 @@ STYLES: dict[str, StyleFactory] = {
     "prepare_block_input": _prepare_block_input,
     "output": _output,
     "replicate": lambda module, sp, loss_parallel: ReplicateParallel(),
+    "colwise_norm": lambda module, sp, loss_parallel: ColwiseNormParallel(),
     "head_shared": lambda module, sp, loss_parallel: HeadShared(),
     "head_norm": lambda module, sp, loss_parallel: SequenceParallel(sequence_dim=2, use_local_output=True),
     "moe": _moe,
@@ -311,7 +331,8 @@ STYLES: dict[str, StyleFactory] = {
 }
 
 # The weight dimension each style splits across the TP ranks (nn.Linear weights are [out, in]).
-_SHARDED_WEIGHT_DIM = {"embedding": 0, "colwise": 0, "colwise_grouped": 0, "output": 0, "rowwise": 1, FUSED: 0}
+_SHARDED_WEIGHT_DIM = {"embedding": 0, "colwise": 0, "colwise_grouped": 0, "output": 0, "rowwise": 1, FUSED: 0,
+                       "colwise_norm": 0}
 # Styles whose output features are split: their module's owner holds 1/tp of the heads.
 _HEAD_SPLITTING = ("colwise", "colwise_grouped", FUSED)
 # Styles that make their owner's forward see local sizes (its shape errors are explained).

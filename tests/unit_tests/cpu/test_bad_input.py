@@ -110,6 +110,10 @@ def _files(root: Path) -> None:
     _hf_weights(root / "hf_shapes", llama, {**llama, "intermediate_size": 192})  # config.json edited after saving
     _hf_weights(root / "hf_truncated", llama, llama)
     _hf_weights(root / "hf_no_tokenizer", llama, llama)
+    longrope = {**llama, "model_type": "phi3", "intermediate_size": 96, "original_max_position_embeddings": 64,
+                "rope_theta": 10000.0, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8,
+                                                        "long_factor": [2.0] * 8}}
+    _hf_weights(root / "hf_longrope", longrope, longrope)
     weights = root / "hf_truncated" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
 
@@ -222,6 +226,10 @@ CASES = [
                                                 "--job.parallelism.tp", "2"],
      "parallelism.tp=2 with parallelism.ep=1 makes the experts tensor-parallel, which gpt-oss's expert biases are not "
      "here; set parallelism.ep to a multiple of tp"),
+    ("phi3 LongRoPE factor set against seq_len", ["fit", "--recipe", "recipes.hf:pretrained",
+                                                  "--job.checkpoint.initial_load_path", "hf_longrope"],
+     "model.rope_scaling.factors='short' with training.seq_len=2048: transformers turns sequences of 2048 tokens "
+     "with the long factors (long past original_max_position_embeddings=64); set model.rope_scaling.factors='long'"),
     ("hf export of a routing bias", [*MOE, "--job.checkpoint.export_format", "hf"],
      "checkpoint.export_format=hf: Hugging Face Qwen3-MoE has no routing bias"),
     # -- data: prepare, shards, mixtures -----------------------------------------------------------

@@ -14,6 +14,8 @@ from titan_lightning.models.common.hf_config import HFConfig
 from titan_lightning.models.gemma3 import GEMMA3_PRESETS, Gemma3StateDictAdapter
 from titan_lightning.models.llama3 import LLAMA3_PRESETS, Llama3StateDictAdapter
 from titan_lightning.models.mistral import MISTRAL_PRESETS, MistralStateDictAdapter
+from titan_lightning.models.olmo2 import OLMO2_PRESETS, Olmo2StateDictAdapter
+from titan_lightning.models.phi3 import PHI3_PRESETS, LongRope, Phi3StateDictAdapter
 from titan_lightning.models.qwen2 import QWEN2_PRESETS, Qwen2StateDictAdapter
 from titan_lightning.models.qwen3 import QWEN3_PRESETS, Qwen3Module, Qwen3StateDictAdapter
 from titan_lightning.pretrained import check_folder_matches, read_hf_model
@@ -47,8 +49,14 @@ def test_a_transformers_folder_gives_the_model_transformers_computes(tmp_path, m
     *[(Qwen2StateDictAdapter, QWEN2_PRESETS[name]) for name in ("0.5B", "72B")],
     *[(MistralStateDictAdapter, MISTRAL_PRESETS[name]) for name in ("Nemo-12B", "8x7B")],
     *[(Gemma3StateDictAdapter, GEMMA3_PRESETS[name]) for name in ("debugmodel", "1B", "27B")],
+    *[(Phi3StateDictAdapter, PHI3_PRESETS[name]) for name in ("mini-4k", "phi-4")],
+    (Phi3StateDictAdapter, dataclasses.replace(PHI3_PRESETS["phi-4-mini"], max_seq_len=131072, rope_scaling=LongRope(
+        short_factor=[1.0] * 48, long_factor=[2.0] * 48, attention_factor=1.19))),
+    *[(Olmo2StateDictAdapter, OLMO2_PRESETS[name]) for name in ("1B", "32B")],
 ], ids=["llama3-debugmodel", "llama3-1B", "llama3-8B", "qwen3-debugmodel", "qwen3-0.6B", "qwen3-30B-A3B",
-        "qwen2-0.5B", "qwen2-72B", "mistral-Nemo-12B", "mixtral-8x7B", "gemma3-debugmodel", "gemma3-1B", "gemma3-27B"])
+        "qwen2-0.5B", "qwen2-72B", "mistral-Nemo-12B", "mixtral-8x7B", "gemma3-debugmodel", "gemma3-1B", "gemma3-27B",
+        "phi3-mini-4k", "phi3-phi-4", "phi3-phi-4-mini-longrope",
+        "olmo2-1B", "olmo2-32B"])
 def test_written_config_reads_back_as_the_same_model_and_transformers_takes_it(adapter, args):
     written = adapter.hf_config(args)
     reader = HFConfig({**written, "torch_dtype": "float32"}, "config.json", adapter.family)

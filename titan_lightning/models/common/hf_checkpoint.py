@@ -87,6 +87,9 @@ class StateDictAdapter:
                        pairs, so HF feature c * head_dim/2 + i is our feature 2i + c
     ``extra_from_hf``  other names inside ``model.layers.N.`` that ``from_hf`` reads, never writes
 
+    and two hooks: ``permute_heads`` (a RoPE over part of each head permutes only that part) and
+    ``export_group`` (keys ``to_hf`` fuses into one tensor are converted together by an export).
+
     ``moe.expert_bias``, unless ``layer_keys`` names it, has no Hugging Face counterpart: ``to_hf``
     drops it (with a warning if it is not zero: the HF model will route differently) and ``from_hf``
     starts it at zero. ``tie_word_embeddings``: the checkpoint has no ``lm_head.weight``;
@@ -143,11 +146,6 @@ class StateDictAdapter:
     def check_expressible(cls, args: Any) -> None:
         """A one-line ConfigError for args that transformers' family cannot express (by default all can)."""
 
-    def export_group(self, ours: str) -> str:
-        """Our keys that ``to_hf`` needs together (an export hands each group to one rank's
-        ``to_hf`` call) share a group name; by default every key is its own group."""
-        return ours
-
     def hf_key(self, ours: str) -> Optional[str]:
         """The Hugging Face name of our key (``*`` for the experts of a stacked one), or None."""
         match = _OUR_LAYER.fullmatch(ours)
@@ -157,6 +155,11 @@ class StateDictAdapter:
         if name in self.expert_keys:
             return f"model.layers.{layer}.{self.experts_prefix}.*.{self.expert_keys[name]}.weight"
         return f"model.layers.{layer}.{self.layer_keys[name]}" if name in self.layer_keys else None
+
+    def export_group(self, ours: str) -> str:
+        """Our keys that ``to_hf`` converts together (fused into one Hugging Face tensor, as Phi-3's
+        q/k/v and gpt-oss's gate/up) share a group; an export hands ``to_hf`` whole groups. By default each key is its own."""
+        return ours
 
     def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         hf: dict[str, Tensor] = {}
@@ -238,10 +241,15 @@ class StateDictAdapter:
             raise _shape_error(hf_key, ours, shape, (heads * head_dim, *shape[1:]), f"{heads} heads of {head_dim}")
         return head_dim
 
+    def permute_heads(self, w: Tensor, head_dim: int, *, to_hf: bool) -> Tensor:
+        """The rows of whole heads of ``w`` between our RoPE layout and Hugging Face's; a family whose
+        RoPE rotates part of each head (Phi-4-mini) permutes only that part."""
+        return _permute_heads(w, head_dim, to_hf=to_hf)
+
     def _permute_rope(self, name: str, hf_key: str, ours: str, w: Tensor, *, to_hf: bool) -> Tensor:
         """``w`` with the rows of each head from our adjacent pairs to Hugging Face's halves, or back."""
         head_dim = self._rope_heads(name, hf_key, ours, tuple(w.shape))
-        return w if head_dim is None else _permute_heads(w, head_dim, to_hf=to_hf)
+        return w if head_dim is None else self.permute_heads(w, head_dim, to_hf=to_hf)
 
     def _rope_source(self, name: str, hf_key: str, ours: str, tensors: HFTensors) -> Source:
         """Our rows a..b of a per-head permuted key: the whole heads around them, permuted, cut."""
@@ -253,7 +261,7 @@ class StateDictAdapter:
         def read(index: tuple[slice, ...]) -> Tensor:
             rows, rest = index[0], index[1:]
             first, last = rows.start // head_dim * head_dim, -(-rows.stop // head_dim) * head_dim
-            block = _permute_heads(tensors.read(hf_key, (slice(first, last), *rest)), head_dim, to_hf=False)
+            block = self.permute_heads(tensors.read(hf_key, (slice(first, last), *rest)), head_dim, to_hf=False)
             return block[rows.start - first:rows.stop - first]
 
         return Source(shape, read)
