@@ -129,7 +129,7 @@ WORKLOADS: dict[str, Workload] = {
     # Phi-4's layers (dim 5120, GQA 40/10 of 128, FFN 17920, vocab 100352), 8 of 40.
     "phi4_14b_shape": Workload(recipe="recipes.phi3:phi4", layers=8, contenders=("titan", "bare")),
     # OLMo 2 7B's layers (dim 4096, 32 heads, post-norms, QK-norm over whole projections, FFN 11008), 8 of 32.
-    "olmo2_7b_shape": Workload(recipe="recipes.olmo2:olmo2_7b", layers=8, contenders=("titan", "bare")),
+    "olmo2_7b_shape": Workload(recipe="recipes.olmo2:olmo2_7b", layers=8, seq_len=4096, contenders=("titan", "bare")),
     # Mixtral 8x7B's layers (8 experts of 14336, top 2, grouped GEMM), 2 of 32.
     "mixtral_8x7b_shape": Workload(recipe="recipes.mistral:mixtral_8x7b", layers=2, seq_len=4096,
                                    contenders=("titan", "bare")),

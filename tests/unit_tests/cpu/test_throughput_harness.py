@@ -186,3 +186,10 @@ def test_torchtitan_runner_rejects_a_missing_file_or_key_before_importing_torcht
     with pytest.raises(ValueError, match=r"missing keys \['seed'\], unknown keys \['dtype'\]"):
         torchtitan_run.check_workload({**{k: v for k, v in spec.items() if k != "seed"}, "dtype": "bf16"})
     assert "torchtitan" not in sys.modules
+
+
+def test_every_workload_fits_its_model_positions():
+    """A workload longer than its model's positions fails on the GPU machine only (OLMo 2 7B: 4096)."""
+    too_long = {name: (w.seq_len, job.model.max_seq_len) for name, w in WORKLOADS.items()
+                if (job := resolve_run(w, "cuda", 1).job).model.max_seq_len < w.seq_len}
+    assert not too_long
