@@ -28,6 +28,23 @@ def test_logits_match_transformers(tmp_path, tie):
         torch.testing.assert_close(load_ours(tmp_path)(TOKENS), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_post_norms_round_as_transformers_in_bf16():
+    """The post-norms and the final norm apply their weight in float32 before the cast back, as
+    Olmo2RMSNorm does (the shared RMSNorm casts first: a different bf16 result)."""
+    olmo2 = pytest.importorskip("transformers.models.olmo2.modeling_olmo2", reason="the reference; a test-only extra")
+    from titan_lightning.models.common import RMSNorm
+    from titan_lightning.models.olmo2.model import Olmo2RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 16, 64, generator=g).bfloat16(), 1 + 0.3 * torch.randn(64, generator=g)
+    theirs, ours, shared = olmo2.Olmo2RMSNorm(64, eps=1e-6), Olmo2RMSNorm(64, 1e-6), RMSNorm(64, 1e-6)
+    for norm in (theirs, ours, shared):
+        norm.weight.data.copy_(w)
+    with torch.no_grad():
+        assert torch.equal(ours(x), theirs(x))
+        assert not torch.equal(shared(x), theirs(x))
+
+
 def test_our_export_loads_in_transformers(tmp_path):
     pytest.importorskip("transformers", reason="the reference implementation; a test-only extra")
     save_hf_model(tmp_path / "hf", "olmo2")

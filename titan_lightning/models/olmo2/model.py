@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -71,6 +72,14 @@ class ProjectionNorm(nn.Module):
         return (normed * weight.float()).type_as(x).view(x.shape)
 
 
+class Olmo2RMSNorm(RMSNorm):
+    """RMSNorm with the weight applied in float32 before the cast back (Hugging Face's Olmo2RMSNorm;
+    the shared RMSNorm casts first, as Llama's does): the same in fp32, one rounding less in bf16."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * self.weight.float()).type_as(x)
+
+
 class Olmo2Block(nn.Module):
     """``attention`` and ``feed_forward``, each followed by its norm before the residual add (no
     pre-norms). Takes and returns the residual stream as the shared ``Block`` does."""
@@ -81,9 +90,9 @@ class Olmo2Block(nn.Module):
         self.attention = Attention(a.dim, a.n_heads, a.n_kv_heads, a.attention, head_dim=a.head_dim)
         self.attention.q_norm = ProjectionNorm(a.n_heads * a.head_dim, a.norm_eps)
         self.attention.k_norm = ProjectionNorm(a.n_kv_heads * a.head_dim, a.norm_eps)
-        self.post_attention_norm = RMSNorm(a.dim, a.norm_eps)
+        self.post_attention_norm = Olmo2RMSNorm(a.dim, a.norm_eps)
         self.feed_forward = FeedForward(a.dim, a.ffn_hidden_dim)
-        self.post_ffn_norm = RMSNorm(a.dim, a.norm_eps)
+        self.post_ffn_norm = Olmo2RMSNorm(a.dim, a.norm_eps)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, *,
                 documents: Optional[Documents] = None) -> torch.Tensor:
@@ -96,6 +105,10 @@ class Transformer(Decoder):
     SwiGLU, final norm, untied output (models/common/decoder.py has the skeleton)."""
 
     args_class = Olmo2Args
+
+    def __init__(self, args: Olmo2Args):
+        super().__init__(args)
+        self.norm = Olmo2RMSNorm(args.dim, args.norm_eps)
 
     def build_block(self, layer_id: int) -> Olmo2Block:
         return Olmo2Block(self.args)
