@@ -167,9 +167,13 @@ class CausalLMModule(L.LightningModule):
         """Training FLOPs (forward + backward) per token at ``seq_len``, torchtitan's estimate:
         6 x the parameters a token computes with (embedding lookups excluded, routed experts
         counted top_k times) + 6 x layers x heads x (query-key + value head dims) x seq_len for
-        the attention scores (causal masking not discounted). Families implement ``_flop_terms``."""
+        the attention scores (causal masking not discounted; a sliding layer counts min(window,
+        seq_len) keys per query, not seq_len). Families implement ``_flop_terms``."""
         matmul_params, attention_per_position = self._flop_terms()
-        return 6.0 * matmul_params + 6.0 * attention_per_position * seq_len
+        args = self.job.model
+        windows = [args.attention_window(i) for i in range(args.n_layers)]
+        span = sum(seq_len if w is None else min(w, seq_len) for w in windows) / max(len(windows), 1)
+        return 6.0 * matmul_params + 6.0 * attention_per_position * span
 
     def _flop_terms(self) -> tuple[int, int]:
         """(parameters a token multiplies with, layers x heads x (d_qk + d_v))."""

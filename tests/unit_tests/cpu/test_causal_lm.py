@@ -200,6 +200,10 @@ def test_flops_per_token_is_six_n_plus_attention_by_hand():
     m = llama3.llama3_8b().module
     n = 8_030_261_248 - 128_256 * 4096
     assert m.flops_per_token(8192) == 6 * n + 12 * 32 * 32 * 128 * 8192
+    # Sliding layers count their window of keys: half the layers at 1024 of 8192.
+    m.job.model.sliding_window, m.job.model.layer_types = 1024, ["sliding_attention", "full_attention"] * 16
+    assert m.flops_per_token(8192) == 6 * n + 12 * 32 * 32 * 128 * (8192 + 1024) / 2
+    assert m.flops_per_token(512) == 6 * n + 12 * 32 * 32 * 128 * 512  # a window past the sequence: all of it
     # Qwen 3 MoE debug model: top_k of the experts count, not all of them.
     moe = qwen3.debugmodel_moe().module
     a = moe.job.model
