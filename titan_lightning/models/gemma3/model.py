@@ -26,46 +26,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_lightning.config.job import ModelArgs
 from titan_lightning.models.common import Attention, FeedForward, rope_frequencies
+from titan_lightning.models.common.args import DecoderArgs
 from titan_lightning.models.common.decoder import Block, Decoder, _documents
 from titan_lightning.models.common.masking import Documents
 from titan_lightning.models.gemma3.parallelize import TP_PLAN
 
 
 @dataclass(kw_only=True)
-class Gemma3Args(ModelArgs):
+class Gemma3Args(DecoderArgs):
     """Gemma 3 architecture. The defaults are the debugmodel's shape (presets.py adds its sliding
-    layers) and the published sizes."""
+    layers) and the published sizes. ``ffn_hidden_dim`` is the GeGLU's width; ``rope_theta`` the
+    global (full-attention) layers' RoPE base."""
 
     n_heads: int = 8
     n_kv_heads: int = 4
-    dim: int = 256
-    n_layers: int = 6
     head_dim: int = 32
-    # Width of the GeGLU (Hugging Face ``intermediate_size``).
-    ffn_hidden_dim: int = 768
-    norm_eps: float = 1e-6
-    # The global (full-attention) layers' RoPE base and linear position scaling; the sliding layers' base.
-    rope_theta: float = 1000000.0
+    # The global layers' linear position scaling; the sliding layers' RoPE base.
     rope_factor: float = 1.0
     rope_local_theta: float = 10000.0
     # Scores are scaled by query_pre_attn_scalar ** -0.5 (Hugging Face's name).
     query_pre_attn_scalar: float = 32.0
     # tanh(logits / c) * c; None: plain logits (Hugging Face ``final_logit_softcapping``).
     final_logit_softcapping: Optional[float] = None
-    max_seq_len: int = 4096
-    # std of wo/w2/w3: 0.02 / sqrt(2 * (layer_id + 1)) if True, else 0.02 / sqrt(2 * n_layers).
-    depth_init: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.require_positive_ints("dim", "n_layers", "head_dim", "ffn_hidden_dim", "max_seq_len")
-        self.require_positive("norm_eps", "rope_theta", "rope_local_theta", "rope_factor", "query_pre_attn_scalar")
+        self.require_positive("rope_local_theta", "rope_factor", "query_pre_attn_scalar")
         if self.final_logit_softcapping is not None:
             self.require_positive("final_logit_softcapping")
-        if self.head_dim % 2:
-            raise ValueError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs of features)")
 
 
 def gemma3_layer_types(n_layers: int, pattern: int = 6) -> list[str]:

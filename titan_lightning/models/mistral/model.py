@@ -16,38 +16,24 @@ from typing import Optional
 
 import torch
 
-from titan_lightning.config.job import ModelArgs
 from titan_lightning.models.common import Attention, FeedForward, precompute_rope_cache
+from titan_lightning.models.common.args import DecoderArgs
 from titan_lightning.models.common.decoder import Block, Decoder
 from titan_lightning.models.common.moe import MoE, MoEArgs
 from titan_lightning.models.mistral.parallelize import TP_PLAN
 
 
 @dataclass(kw_only=True)
-class MistralArgs(ModelArgs):
+class MistralArgs(DecoderArgs):
     """Mistral / Mixtral architecture. The defaults are the dense debugmodel; presets.py has the
     published sizes."""
 
-    n_kv_heads: int = 8
-    dim: int = 256
-    n_layers: int = 6
-    head_dim: int = 16
-    # Width of the dense SwiGLU (Hugging Face ``intermediate_size``); unused when ``moe`` is set.
-    ffn_hidden_dim: int = 768
     norm_eps: float = 1e-5
-    rope_theta: float = 1000000.0
-    max_seq_len: int = 4096
     # None: Mistral (dense); otherwise every block is a mixture of experts (Mixtral).
     moe: Optional[MoEArgs] = None
-    # std of wo/w2/w3 (and the router): 0.02 / sqrt(2 * (layer_id + 1)) if True, else 0.02 / sqrt(2 * n_layers).
-    depth_init: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.require_positive_ints("dim", "n_layers", "head_dim", "ffn_hidden_dim", "max_seq_len")
-        self.require_positive("norm_eps", "rope_theta")
-        if self.head_dim % 2:
-            raise ValueError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs of features)")
         if self.moe is not None:
             self.moe.__post_init__()
 

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_lightning.config.job import ModelArgs
 from titan_lightning.models.common import Attention, FeedForward, RMSNorm, precompute_rope_cache
+from titan_lightning.models.common.args import DecoderArgs
 from titan_lightning.models.common.decoder import Decoder
 from titan_lightning.models.common.masking import Documents
 from titan_lightning.models.olmo2.parallelize import TP_PLAN
@@ -28,27 +28,10 @@ from titan_lightning.parallel.collectives import all_reduce_autograd
 
 
 @dataclass(kw_only=True)
-class Olmo2Args(ModelArgs):
+class Olmo2Args(DecoderArgs):
     """OLMo 2 architecture. The defaults are the debugmodel; presets.py has the published sizes."""
 
-    n_kv_heads: int = 8
-    dim: int = 256
-    n_layers: int = 6
-    head_dim: int = 16
-    # Width of the SwiGLU (Hugging Face ``intermediate_size``).
-    ffn_hidden_dim: int = 768
-    norm_eps: float = 1e-6
     rope_theta: float = 500000.0
-    max_seq_len: int = 4096
-    # std of wo/w2/w3: 0.02 / sqrt(2 * (layer_id + 1)) if True, else 0.02 / sqrt(2 * n_layers).
-    depth_init: bool = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.require_positive_ints("dim", "n_layers", "head_dim", "ffn_hidden_dim", "max_seq_len")
-        self.require_positive("norm_eps", "rope_theta")
-        if self.head_dim % 2:
-            raise ValueError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs of features)")
 
 
 class ProjectionNorm(nn.Module):

@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from titan_lightning.config.job import ModelArgs
 from titan_lightning.models.common import Attention, FeedForward
+from titan_lightning.models.common.args import DecoderArgs
 from titan_lightning.models.common.decoder import Block, Decoder
 from titan_lightning.models.phi3.parallelize import TP_PLAN
 
@@ -60,29 +60,18 @@ def longrope_attention_factor(max_position_embeddings: int, original: int, facto
 
 
 @dataclass(kw_only=True)
-class Phi3Args(ModelArgs):
+class Phi3Args(DecoderArgs):
     """Phi-3 / Phi-4 architecture. The defaults are the debugmodel's shape with RoPE on every feature;
     presets.py has the debugmodel and the published sizes."""
 
-    n_kv_heads: int = 8
-    dim: int = 256
-    n_layers: int = 6
-    head_dim: int = 16
     # Features of each head RoPE turns (the first ones); None: all of them.
     rotary_dim: Optional[int] = None
-    # Width of the SwiGLU (Hugging Face ``intermediate_size``).
-    ffn_hidden_dim: int = 768
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: Optional[LongRope] = None
-    max_seq_len: int = 4096
-    # std of wo/w2/w3: 0.02 / sqrt(2 * (layer_id + 1)) if True, else 0.02 / sqrt(2 * n_layers).
-    depth_init: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.require_positive_ints("dim", "n_layers", "head_dim", "ffn_hidden_dim", "max_seq_len")
-        self.require_positive("norm_eps", "rope_theta")
         if self.rotary_dim is not None:
             self.require_positive_ints("rotary_dim", minimum=2)
         if self.rotated % 2 or self.rotated > self.head_dim:
