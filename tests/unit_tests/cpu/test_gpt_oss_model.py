@@ -67,12 +67,13 @@ def _tp_attention(rank: int, world_size: int) -> dict:
     from titan_lightning.models.gpt_oss.model import GptOssAttention
     from titan_lightning.parallel.tensor import apply_tp
 
-    def build():
-        torch.manual_seed(0)
+    def build():  # (every draw from a generator of its own: the thread ranks share torch's global one)
         attention = GptOssAttention(64, 4, 2, head_dim=16)
         attention.window = 5
+        g = torch.Generator().manual_seed(0)
         with torch.no_grad():
-            attention.sinks.weight.copy_(torch.randn(4))
+            for p in attention.parameters():
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
         return attention
 
     x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(1))

@@ -65,6 +65,8 @@ class Attention(nn.Module):
         qk_norm = qk_norm_eps is not None
         self.q_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm else None
+        # A module giving each local query head's sink logit ([heads]: gpt-oss), or None.
+        self.sinks: Optional[nn.Module] = None
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, *, documents: Optional[Documents] = None) -> torch.Tensor:
         """``documents``: the batch's document boundaries when ``model.mask`` / ``model.positions``
@@ -75,15 +77,16 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, S, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        sinks = self.sinks() if self.sinks is not None else None
         if self.cp is not None:
             if documents is not None and documents.per_document:  # this rank's tokens' own positions
                 rope_cache = rope_at(rope_cache, documents, S)
             else:
                 rope_cache = rope_cache.index_select(0, self.cp.positions(S, x.device))
             q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
-            return self.wo(context_parallel_attention(q, k, v, self.cp, self.backend, documents, self.window,
+            return self.wo(context_parallel_attention(q, k, v, self.cp, self.backend, documents, self.window, sinks,
                                                       scale=self.scale).reshape(B, S, -1))
         if documents is not None:
             rope_cache = rope_at(rope_cache, documents, S)
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
-        return self.wo(attend(q, k, v, documents, scale=self.scale, window=self.window).reshape(B, S, -1))
+        return self.wo(attend(q, k, v, documents, scale=self.scale, window=self.window, sinks=sinks).reshape(B, S, -1))

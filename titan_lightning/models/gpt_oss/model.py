@@ -25,10 +25,7 @@ from titan_lightning.config.job import ModelArgs
 from titan_lightning.models.common import Attention, rope_frequencies
 from titan_lightning.models.common.attention import ATTENTION_TP_PLAN
 from titan_lightning.models.common.decoder import Block, Decoder, decoder_tp_plan
-from titan_lightning.models.common.masking import Documents, attend, rope_at
 from titan_lightning.models.common.moe import MOE_TP_PLAN, MoE, MoEArgs
-from titan_lightning.models.common.rope import apply_rope
-from titan_lightning.parallel.context import context_parallel_attention
 
 # Llama's attention entries plus the sinks, split with the query heads.
 TP_PLAN: dict[str, str] = decoder_tp_plan({**ATTENTION_TP_PLAN, "sinks": "head_params"}, MOE_TP_PLAN)
@@ -145,32 +142,14 @@ class Sinks(nn.Module):
 
 
 class GptOssAttention(Attention):
-    """``Attention`` with biases on q, k, v and o, and attention sinks (``Sinks``), on the kernels
-    that take them: sdpa (one more key, ``sdpa_with_sinks``), flex (its log-sum-exp) and, under
-    context parallelism, allgather (refused elsewhere before launch)."""
+    """``Attention`` with biases on q, k, v and o, and attention sinks (``Sinks``, which ``Attention``
+    hands to its kernel), on the kernels that take them: sdpa (one more key, ``sdpa_with_sinks``),
+    flex (its log-sum-exp) and, under context parallelism, allgather (refused elsewhere before launch)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, attention: str = "sdpa", *, head_dim: int):
         super().__init__(dim, n_heads, n_kv_heads, attention, head_dim=head_dim, qkv_bias=True)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=True)
         self.sinks = Sinks(n_heads)
-
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, *, documents: Optional[Documents] = None) -> torch.Tensor:
-        B, S, _ = x.shape
-        q = self.wq(x).view(B, S, -1, self.head_dim)
-        k = self.wk(x).view(B, S, -1, self.head_dim)
-        v = self.wv(x).view(B, S, -1, self.head_dim)
-        sinks = self.sinks()
-        if self.cp is not None:
-            if documents is not None and documents.per_document:  # this rank's tokens' own positions
-                rope_cache = rope_at(rope_cache, documents, S)
-            else:
-                rope_cache = rope_cache.index_select(0, self.cp.positions(S, x.device))
-            q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
-            out = context_parallel_attention(q, k, v, self.cp, self.backend, documents, self.window, sinks=sinks)
-            return self.wo(out.reshape(B, S, -1))
-        rope_cache = rope_at(rope_cache, documents, S)
-        q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
-        return self.wo(attend(q, k, v, documents, window=self.window, sinks=sinks).reshape(B, S, -1))
 
 
 class Transformer(Decoder):
