@@ -177,6 +177,12 @@ def gemma3_tp2() -> Run:
     return on_layout(gemma3_debugmodel(), dp_shard=1, tp=2)
 
 
+def gemma3_cp2() -> Run:
+    """CP2, all-gather K/V: the sliding layer's window (64) reaches across the two ranks' halves of the
+    128 tokens, the scores scaled by query_pre_attn_scalar ** -0.5 on every rank."""
+    return with_cp(gemma3_debugmodel(), "allgather", cp=2, dp_shard=1)
+
+
 def mixtral_debugmodel() -> Run:
     """The Mixtral-shaped debug model (8 experts, top-2), one process."""
     return _two_layers(mistral.debugmodel_moe())

@@ -42,6 +42,8 @@ ENTRIES = [
     _entry("mistral_fsdp2", "Mistral debug model: FSDP2", 2, "mistral_debugmodel"),
     _entry("gemma3_tp2", "Gemma 3 debug model (a sliding and a global layer, soft-capped logits): TP2, the four "
            "norms of a block sequence-parallel", 2, "gemma3_debugmodel", golden=True),
+    _entry("gemma3_cp2", "Gemma 3 debug model: CP2 all-gather, a sliding window across the ranks' halves", 2,
+           "gemma3_debugmodel"),
     _entry("mixtral_fsdp2_ep2", "Mixtral-shaped debug model (8 experts, top-2): FSDP2, experts over EP2", 2,
            "mixtral_debugmodel"),
     _entry("gpt_oss_fsdp2_ep2", "gpt-oss debug model (sinks, sliding + full layers, YaRN, 8 experts with biases, "
