@@ -17,6 +17,11 @@ text is found by rendering the prefixes before and up to it. A template without 
 prompt starts the span at the content itself. Character spans become token spans through the
 tokenizer's offsets (a token is supervised when any of its characters is).
 
+Tool definitions (a record's ``tools``: JSON-schema function objects, or a JSON string of them)
+are the template's ``tools`` variable in every render of the conversation, as transformers'
+``apply_chat_template(messages, tools=...)`` passes them; an assistant turn that only calls tools
+(``tool_calls``, a null or no ``content``) is supervised as the template renders the calls.
+
 Prompt/response pairs are a user turn and an assistant turn through the template; a tokenizer
 without one gives plain text: the prompt, a blank line, the response and EOS (BOS first when the
 tokenizer adds one), the mask on the response and EOS.
@@ -59,12 +64,13 @@ class TemplateFailure(BadRecord):
 class ChatOptions:
     """What ``prepare`` reads as conversations, and what it trains on.
 
-    ``messages_field``: records hold a list of ``{"role", "content"}`` messages; else
-    ``prompt_fields`` (joined by a blank line, empty ones left out) and ``response_field`` are
-    one user and one assistant turn. ``template``: a chat template file instead of the
-    tokenizer's."""
+    ``messages_field``: records hold a list of ``{"role", "content"}`` messages, and the tool
+    definitions in ``tools_field`` when they have it (None: never); else ``prompt_fields`` (joined
+    by a blank line, empty ones left out) and ``response_field`` are one user and one assistant
+    turn. ``template``: a chat template file instead of the tokenizer's."""
 
     messages_field: Optional[str] = None
+    tools_field: Optional[str] = "tools"
     prompt_fields: tuple[str, ...] = ()
     response_field: Optional[str] = None
     template: Optional[str] = None
@@ -83,6 +89,9 @@ class ChatOptions:
         if self.messages_field is not None and pairs:
             raise ValueError("--chat reads a messages field; --prompt-field/--response-field read prompt/response "
                              "pairs: give one or the other")
+        if self.messages_field is not None and self.tools_field == self.messages_field:
+            raise ValueError(f"--tools-field {self.tools_field!r} is also --messages-field: name the field of the "
+                             f"tool definitions")
         if self.messages_field is None and not (self.prompt_fields and self.response_field):
             raise ValueError("prompt/response pairs need both --prompt-field and --response-field "
                              f"(given: {', '.join(self.prompt_fields) or 'no prompt field'}, "
@@ -92,6 +101,11 @@ class ChatOptions:
     def fields(self) -> list[str]:
         """The record fields (JSONL keys, Parquet columns) read."""
         return [self.messages_field] if self.messages_field else [*self.prompt_fields, self.response_field]
+
+    @property
+    def optional_fields(self) -> list[str]:
+        """The fields read when a record (a Parquet file: its schema) has them: the tools'."""
+        return [self.tools_field] if self.messages_field and self.tools_field else []
 
     @property
     def field_options(self) -> list[tuple[str, str, type]]:
@@ -114,9 +128,9 @@ class ChatSpec:
     def settings(self) -> dict[str, Any]:
         """What a resumed run must share with the interrupted one."""
         o = self.options
-        return {"fields": o.fields, "messages": o.messages_field is not None, "train_on": o.train_on,
-                "max_tokens": o.max_tokens, "too_long": o.too_long, "chat_template_sha256": self.template_sha256,
-                "now": self.now}
+        return {"fields": o.fields, "messages": o.messages_field is not None, "tools": o.optional_fields,
+                "train_on": o.train_on, "max_tokens": o.max_tokens, "too_long": o.too_long,
+                "chat_template_sha256": self.template_sha256, "now": self.now}
 
     @property
     def template_sha256(self) -> Optional[str]:
@@ -217,6 +231,13 @@ def _template_line(err: BaseException) -> Optional[int]:
     return lines[-1] if lines else getattr(err, "lineno", None)
 
 
+def _without_nulls(value: Any) -> Any:
+    """``value`` with every object's null-valued keys left out, at every depth."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    return [_without_nulls(v) for v in value] if isinstance(value, list) else value
+
+
 def token_mask(encoding, spans: Sequence[Span]) -> np.ndarray:
     """1 on each token with a character in one of ``spans``: found from each span's first and last
     character (``char_to_token``), not from every token's offsets."""
@@ -290,7 +311,10 @@ class ChatRenderer:
                 raise BadRecord(f"message {k} is a {type(message).__name__}, not a {{role, content}} object")
             if message.get("role") not in ROLES:
                 raise BadRecord(f"message {k}: unknown role {message.get('role')!r}; roles: {', '.join(ROLES)}")
-            if not isinstance(message.get("content"), str):
+            content = message.get("content")
+            calls_tools = (content is None and message["role"] == "assistant"
+                           and isinstance(message.get("tool_calls"), list) and bool(message["tool_calls"]))
+            if not isinstance(content, str) and not calls_tools:
                 raise BadRecord(f"message {k} ({message['role']}): content is "
                                 f"{type(message.get('content')).__name__}, not a string")
         if not any(m["role"] == "assistant" for m in messages):
@@ -298,6 +322,28 @@ class ChatRenderer:
         # A key set to null is a key not given: Parquet gives every message each key any message
         # has, and templates test keys by their presence ('tool_calls' in message).
         return [{k: v for k, v in m.items() if v is not None} for m in messages]
+
+    def tools(self, record: Any) -> Optional[list]:
+        """The tool definitions a record holds (None: it has none); BadRecord when they are not a
+        list of objects, or a JSON string of one. A key set to null is a key not given, at every
+        depth: Parquet gives each struct every key any row's has."""
+        name = self.options.tools_field
+        if name is None or self.options.messages_field is None or not isinstance(record, dict):
+            return None
+        tools, text = record.get(name), ""
+        if isinstance(tools, str):
+            try:
+                tools, text = json.loads(tools), "a JSON string of "
+            except ValueError:
+                raise BadRecord(f"{name!r} is a string that is not JSON, not a list of tool objects") from None
+        elif tools is None:
+            return None
+        if not isinstance(tools, list):
+            raise BadRecord(f"{name!r} is {text}a {type(tools).__name__}, not a list of tool objects")
+        for k, tool in enumerate(tools):
+            if not isinstance(tool, dict):
+                raise BadRecord(f"{name!r}: tool {k} is a {type(tool).__name__}, not an object")
+        return _without_nulls(tools)
 
     def _pair(self, record: dict) -> list[dict[str, Any]]:
         o = self.options
@@ -314,30 +360,32 @@ class ChatRenderer:
             raise BadRecord(f"no text in {o.response_field!r}")
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": parts[-1]}]
 
-    def render(self, messages: list[dict[str, Any]]) -> tuple[str, list[Span]]:
-        """The conversation's text and its supervised character spans (per ``train_on``)."""
+    def render(self, messages: list[dict[str, Any]], tools: Optional[list] = None) -> tuple[str, list[Span]]:
+        """The conversation's text and its supervised character spans (per ``train_on``); ``tools``:
+        its tool definitions, given to every render of it."""
         if self.template is None:
             prompt, response = messages[0]["content"], messages[1]["content"]
             text = prompt + PLAIN_SEPARATOR + response
             return text, [(0 if self.options.train_on == "all" else len(text) - len(response), len(text))]
         if self.options.train_on == "all":
-            text = self._render(messages)
+            text = self._render(messages, tools)
             return text, [(0, len(text))]
         if self.markers:
             spans: list[Span] = []
-            text = self._render(messages, spans=spans)
+            text = self._render(messages, tools, spans=spans)
             if not spans:
                 raise BadRecord("the chat template marks no text of it with {% generation %}")
         else:
-            text = self._render(messages)
+            text = self._render(messages, tools)
             turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
             if self.options.train_on == "last_assistant":
                 turns = turns[-1:]
-            spans = [self._turn(messages, i, text) for i in turns]
+            spans = [self._turn(messages, tools, i, text) for i in turns]
         return text, spans[-1:] if self.options.train_on == "last_assistant" else spans
 
-    def _render(self, messages: list, generation_prompt: bool = False, spans: Optional[list[Span]] = None) -> str:
-        variables = dict(self._variables, messages=messages, add_generation_prompt=generation_prompt)
+    def _render(self, messages: list, tools: Optional[list] = None, generation_prompt: bool = False,
+                spans: Optional[list[Span]] = None) -> str:
+        variables = dict(self._variables, messages=messages, tools=tools, add_generation_prompt=generation_prompt)
         try:
             if spans is None:
                 return self.template.render(variables)
@@ -355,28 +403,28 @@ class ChatRenderer:
             raise TemplateFailure(f"the chat template ({self.spec.origin}) fails"
                                   f"{f' at line {line}' if line else ''}: {message}") from None
 
-    def _turn(self, messages: list, i: int, text: str) -> Span:
+    def _turn(self, messages: list, tools: Optional[list], i: int, text: str) -> Span:
         """The supervised span of assistant turn ``i`` in ``text`` (a template without markers):
         from the end of its generation prompt (else from its content) through the end-of-turn token
         after its content. One render per turn for a template the probe understood; two or three
         otherwise."""
         end, start = len(text), None
         if self._end_of_turn is None:  # bound the turn by rendering the conversation up to it
-            upto = self._render(messages[:i + 1])
+            upto = self._render(messages[:i + 1], tools)
             end = len(upto) if text.startswith(upto) else end
         if self._generation_prompt is not False:
-            prompt = self._render(messages[:i], generation_prompt=True)
-            adds = self._generation_prompt or prompt != self._render(messages[:i])  # None: the probe failed
+            prompt = self._render(messages[:i], tools, generation_prompt=True)
+            adds = self._generation_prompt or prompt != self._render(messages[:i], tools)  # None: the probe failed
             if adds and text.startswith(prompt) and len(prompt) <= end:
                 start = len(prompt)
         origin = start
         if origin is None:
-            before = self._render(messages[:i])
+            before = self._render(messages[:i], tools)
             if not text.startswith(before):
                 raise BadRecord(f"message {i}: the chat template renders the conversation before it differently "
                                 f"from the start of the whole one; mark what to train on with {{% generation %}}")
             origin = len(before)
-        content = messages[i]["content"]
+        content = messages[i].get("content", "")  # none: a turn that only calls tools
         content_end = None
         # The content's first occurrence after the generation prompt; without one (the search then
         # starts at the turn's header), its last one in the turn.

@@ -21,8 +21,10 @@ skip`` counts it (the summary names the first), ``stop`` ends the run on it, nam
 
 Chat and instruction data (``--chat``: a ``messages`` list per record; ``--prompt-field`` and
 ``--response-field``: prompt/response pairs) are rendered with the tokenizer's chat template and
-written with a loss mask per token (data/chat.py); a conversation with no assistant turn, an
-unknown role, a content that is not a string, or on which the template fails is a bad record.
+written with a loss mask per token (data/chat.py), a record's ``tools`` passed to the template; a
+conversation with no assistant turn, an unknown role, a content that is not a string (but for an
+assistant turn that only calls tools), tools that are not a list of objects, or on which the
+template fails is a bad record.
 """
 
 import dataclasses
@@ -34,7 +36,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 
 from titan_lightning.data.chat import (TOO_LONG, TRAIN_ON, BadRecord, ChatOptions, ChatRenderer, ChatSpec,
@@ -164,13 +166,22 @@ def _documents(part: Part, text_field: str, bad_records: str, bad: list) -> Iter
             _bad(bad, bad_records, f"{where}: no text in {text_field!r}")
 
 
-def _records(part: Part, fields: list[str], bad_records: str, bad: list) -> Iterator[tuple[str, Any]]:
+def _columns(parquet, fields: list[str], optional: Sequence[str]) -> list[str]:
+    """The columns of the ``pq.ParquetFile`` to read: ``fields``, and those of ``optional`` it has."""
+    names = parquet.schema_arrow.names
+    return [*fields, *(name for name in optional if name in names and name not in fields)]
+
+
+def _records(part: Part, fields: list[str], bad_records: str, bad: list,
+             optional: Sequence[str] = ()) -> Iterator[tuple[str, Any]]:
     """(where, record) for each record of a JSONL or Parquet part: ``file:line`` and the parsed
-    line, or ``file: row group g row r`` and the row's ``fields``."""
+    line, or ``file: row group g row r`` and the row's ``fields`` (and the ``optional`` ones the
+    file has)."""
     if part.kind == "parquet":
         import pyarrow.parquet as pq
 
-        rows = pq.ParquetFile(part.path).read_row_group(part.start, columns=fields).to_pylist()
+        file = pq.ParquetFile(part.path)
+        rows = file.read_row_group(part.start, columns=_columns(file, fields, optional)).to_pylist()
         for row, record in enumerate(rows):
             yield f"{part.path}: row group {part.start} row {row}", record
         return
@@ -261,9 +272,9 @@ def _write_conversations(part: Part, chat: ChatSpec, bad_records: str, bad: list
                 writer.add(*fitted)
 
     batch: list = []
-    for where, record in _records(part, chat.options.fields, bad_records, bad):
+    for where, record in _records(part, chat.options.fields, bad_records, bad, chat.options.optional_fields):
         try:
-            batch.append(renderer.render(renderer.messages(record)))
+            batch.append(renderer.render(renderer.messages(record), renderer.tools(record)))
         except BadRecord as err:
             _bad(bad, bad_records, f"{where}: {err}")
             continue
@@ -368,7 +379,9 @@ def _check_first_record(path: Path, spec: ChatSpec, tokenizer) -> None:
     if KINDS[path.suffix] == "parquet":
         import pyarrow.parquet as pq
 
-        batch = next(pq.ParquetFile(path).iter_batches(batch_size=1, columns=spec.options.fields), None)
+        file = pq.ParquetFile(path)
+        columns = _columns(file, spec.options.fields, spec.options.optional_fields)
+        batch = next(file.iter_batches(batch_size=1, columns=columns), None)
         if batch is None or not batch.num_rows:
             return
         where, record = f"{path}: row group 0 row 0", batch.to_pylist()[0]
@@ -380,11 +393,11 @@ def _check_first_record(path: Path, spec: ChatSpec, tokenizer) -> None:
         where, record = f"{path}:{number}", json.loads(line)
     renderer = ChatRenderer(spec, tokenizer)
     try:
-        messages = renderer.messages(record)
+        messages, tools = renderer.messages(record), renderer.tools(record)
     except BadRecord:
         return
     try:
-        renderer.render(messages)
+        renderer.render(messages, tools)
     except TemplateFailure as err:
         raise PrepareError(f"{where}: {err}") from None
     except BadRecord:
@@ -546,6 +559,8 @@ def main(argv: list[str]) -> int:
                       "messages (roles system, user, assistant, tool)")
     chat.add_argument("--messages-field", default=None, help="with --chat: the field / column of the messages "
                       "(default: messages)")
+    chat.add_argument("--tools-field", default=None, help="with --chat: the field / column of a record's tool "
+                      "definitions, passed to the template as `tools` (default: tools; a record without it: none)")
     chat.add_argument("--prompt-field", default=None, help="records are prompt/response pairs: the prompt's field; "
                       "several, comma-separated, are joined by a blank line (Alpaca: instruction,input)")
     chat.add_argument("--response-field", default=None, help="the response's field (Alpaca: output)")
@@ -590,8 +605,12 @@ chat and instruction data:
   itself what is supervised. Prompt/response pairs with a tokenizer that has no chat template
   are plain text: the prompt, a blank line, the response and EOS, the mask on the response and
   EOS. --max-tokens with --too-long drop|truncate; the summary counts what was truncated and
-  dropped. A record without an assistant turn, with an unknown role, a content that is not a
-  string, or on which the template fails is a bad record (--bad-records).
+  dropped. A record's tool definitions (--tools-field, default tools: a list of JSON-schema
+  function objects, or a JSON string of one) are the template's `tools` in every render of it;
+  an assistant turn that only calls tools (tool_calls, null content) is supervised as the
+  template renders the calls. A record without an assistant turn, with an unknown role, a
+  content that is not a string (but for such a call), bad tools, or on which the template fails
+  is a bad record (--bad-records).
 
   titan-lightning prepare --chat --input chats.jsonl --tokenizer path/to/hf-folder \\
       --output sft-shards/ --max-tokens 4096
@@ -606,6 +625,8 @@ def _chat_options(options) -> Optional[ChatOptions]:
     pairs = options.prompt_field is not None or options.response_field is not None
     if options.messages_field is not None and not options.chat:
         raise PrepareError(f"--messages-field {options.messages_field!r} applies to conversations; add --chat")
+    if options.tools_field is not None and not options.chat:
+        raise PrepareError(f"--tools-field {options.tools_field!r} applies to conversations; add --chat")
     if not options.chat and not pairs:
         given = [name for name in ("chat_template", "train_on", "max_tokens", "too_long")
                  if getattr(options, name) is not None]
@@ -621,6 +642,7 @@ def _chat_options(options) -> Optional[ChatOptions]:
         raise PrepareError(f"--too-long {options.too_long} needs --max-tokens N (the limit it applies to)")
     try:
         return ChatOptions(messages_field=(options.messages_field or "messages") if options.chat else None,
+                           tools_field=options.tools_field or "tools",
                            prompt_fields=tuple(f.strip() for f in (options.prompt_field or "").split(",") if f.strip()),
                            response_field=options.response_field, template=options.chat_template,
                            train_on=options.train_on or "assistant", max_tokens=options.max_tokens,

@@ -1,7 +1,7 @@
 """`titan-lightning prepare` on chat and instruction data: conversations rendered with real chat
 templates (Llama 3.2, Qwen 3, a ChatML one with {% generation %} markers), their loss masks token by
-token, --train-on, --max-tokens/--too-long, bad records, bad input, the sandbox, and the shards'
-mask files and index."""
+token, tool definitions and tool calls, --train-on, --max-tokens/--too-long, bad records, bad input,
+the sandbox, and the shards' mask files and index."""
 
 import json
 import shutil
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from titan_lightning.data import prepare as prepare_module
-from titan_lightning.data.chat import ChatOptions, ChatRenderer, ChatSpec, TemplateFailure, read_chat_template
+from titan_lightning.data.chat import (BadRecord, ChatOptions, ChatRenderer, ChatSpec, TemplateFailure,
+                                      read_chat_template)
 from titan_lightning.data.prepare import PrepareError, main, prepare
 from titan_lightning.data.shards import ShardSet
 from titan_lightning.data.tokenizer import TOKENIZER_PATH, load_tokenizer
@@ -66,9 +67,9 @@ def _renderer(folder: Path, template: str = None, **options) -> ChatRenderer:
     return ChatRenderer(ChatSpec(ChatOptions(**options), source, origin, NOW), load_tokenizer(str(folder)))
 
 
-def _runs(renderer: ChatRenderer, messages: list) -> list[tuple[int, str]]:
+def _runs(renderer: ChatRenderer, messages: list, tools: list = None) -> list[tuple[int, str]]:
     """The conversation as runs of (mask, decoded text): every token's mask, in order."""
-    (ids, mask), = renderer.encode([renderer.render(messages)])
+    (ids, mask), = renderer.encode([renderer.render(messages, tools)])
     runs: list[list] = []
     for token, bit in zip(ids.tolist(), mask.tolist()):
         piece = renderer.tokenizer.decode([token])
@@ -331,6 +332,9 @@ def test_bad_records_are_skipped_and_counted_or_stop_the_run(folders, tmp_path):
      "--prompt-field/--response-field read prompt/response pairs: give one or the other"),
     (["--prompt-field", "instruction"], "prompt/response pairs need both --prompt-field and --response-field"),
     (["--messages-field", "turns"], "--messages-field 'turns' applies to conversations; add --chat"),
+    (["--tools-field", "fns"], "--tools-field 'fns' applies to conversations; add --chat"),
+    (["--chat", "--tools-field", "messages"], "--tools-field 'messages' is also --messages-field: name the field "
+     "of the tool definitions"),
     (["--max-tokens", "9"], "--max-tokens applies to chat and instruction data; add --chat"),
     (["--chat", "--too-long", "truncate"], "--too-long truncate needs --max-tokens N"),
     (["--chat", "--text-field", "text"], "--text-field names plain text"),
@@ -399,3 +403,87 @@ def test_a_text_file_is_not_chat_data(folders, tmp_path):
         prepare([str(tmp_path / "a.txt")], str(tmp_path / "out"), tokenizer_path=str(folders["qwen"]), workers=1,
                 progress=False, chat=ChatOptions(messages_field="messages"))
     assert not (tmp_path / "out").exists()
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone.",
+                                          "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
+CALL = {"role": "assistant", "content": None,  # OpenAI's form of a turn that only calls a tool
+        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+WITH_TOOLS = {"tools": [WEATHER], "messages": [{"role": "user", "content": "Weather in Paris?"}, CALL,
+                                               {"role": "tool", "content": "sunny"},
+                                               {"role": "assistant", "content": "It is sunny."}]}
+
+
+def test_tools_and_tool_calls_render_as_transformers_renders_them(folders):
+    """A record's tools reach every render (the whole one and the prefixes that bound the turns:
+    Qwen 3 writes them into the system turn, Llama 3.2 into the first user turn); a turn that only
+    calls a tool is supervised as the template writes the call, the tool's answer is not."""
+    from transformers import AutoTokenizer
+
+    calls = {"qwen": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+             "llama": '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'}
+    answers = {"qwen": "<think>\n\n</think>\n\nIt is sunny.<|im_end|>", "llama": "It is sunny.<|eot_id|>"}
+    for name in ("qwen", "llama"):
+        renderer = _renderer(folders[name])
+        messages, tools = renderer.messages(WITH_TOOLS), renderer.tools(WITH_TOOLS)
+        text, _ = renderer.render(messages, tools)
+        expected = AutoTokenizer.from_pretrained(str(folders[name])).apply_chat_template(
+            WITH_TOOLS["messages"], tools=WITH_TOOLS["tools"], tokenize=False, date_string="26 Jul 2024")
+        assert text == expected and "The weather in a city." in text
+        runs = _runs(renderer, messages, tools)
+        assert [piece for bit, piece in runs if bit] == [calls[name], answers[name]]
+        assert "sunny" in runs[2][1] and runs[2][0] == 0
+        as_string = dict(WITH_TOOLS, tools=json.dumps(WITH_TOOLS["tools"]))  # datasets often store them so
+        assert renderer.tools(as_string) == tools and renderer.render(messages, renderer.tools(as_string))[0] == text
+
+
+def test_bad_tools_and_null_contents_are_bad_records(folders, tmp_path):
+    renderer = _renderer(folders["qwen"], tools_field="functions")
+    for value, message in [(5, "'functions' is a int, not a list of tool objects"),
+                           ("[{]", "'functions' is a string that is not JSON, not a list of tool objects"),
+                           ('{"name": "f"}', "'functions' is a JSON string of a dict, not a list of tool objects"),
+                           ([WEATHER, "get_time"], "'functions': tool 1 is a str, not an object")]:
+        with pytest.raises(BadRecord) as err:
+            renderer.tools({"functions": value})
+        assert str(err.value) == message
+    assert renderer.tools({"functions": None}) is None and renderer.tools({"tools": 5}) is None  # another field
+    for message in ({"role": "assistant", "content": None}, {"role": "assistant", "content": None, "tool_calls": []},
+                    dict(CALL, role="user")):  # no call to say: a null content is refused as before
+        with pytest.raises(BadRecord, match=r"message 1 \((assistant|user)\): content is NoneType, not a string$"):
+            renderer.messages({"messages": [USER, message, ANSWER]})
+    path = _jsonl(tmp_path / "c.jsonl", [WITH_TOOLS, dict(WITH_TOOLS, tools={"get_weather": WEATHER})])
+    with pytest.raises(PrepareError) as err:
+        prepare([str(path)], str(tmp_path / "out"), tokenizer_path=str(folders["qwen"]), workers=1, progress=False,
+                bad_records="stop", chat=ChatOptions(messages_field="messages"))
+    assert str(err.value) == f"{path}:2: 'tools' is a dict, not a list of tool objects (--bad-records stop)"
+
+
+def test_parquet_tools_as_structs_or_strings_and_files_without_them(folders, tmp_path):
+    """Parquet structs give each tool every key any row's tools have (null where it has none):
+    rendered as the tools themselves. A file without the tools column reads its conversations."""
+    pa = pytest.importorskip("pyarrow", reason="Parquet support is the optional [parquet] extra")
+    import pyarrow.parquet as pq
+
+    plain = {"messages": [USER, ANSWER]}
+    records = [dict(WITH_TOOLS, fns=[WEATHER]), dict(plain, fns=[CLOCK]), dict(plain, fns=None)]
+    pq.write_table(pa.table({"messages": [r["messages"] for r in records], "fns": [r["fns"] for r in records]}),
+                   tmp_path / "structs.parquet")
+    pq.write_table(pa.table({"messages": [r["messages"] for r in records],
+                             "fns": [json.dumps(r["fns"]) if r["fns"] else None for r in records]}),
+                   tmp_path / "strings.parquet")
+    pq.write_table(pa.table({"messages": [plain["messages"]]}), tmp_path / "none.parquet")
+    assert pq.read_table(tmp_path / "structs.parquet").to_pylist()[1]["fns"][0]["function"]["parameters"][
+        "properties"] == {"city": None, "zone": {"type": "string"}}  # what the renderer has to undo
+    renderer = _renderer(folders["qwen"])
+    expected = renderer.encode([renderer.render(renderer.messages(r), r["fns"]) for r in records])
+    for name in ("structs", "strings", "none"):
+        assert main(["--chat", "--tools-field", "fns", "--input", str(tmp_path / f"{name}.parquet"), "--output",
+                     str(tmp_path / name), "--tokenizer", str(folders["qwen"]), "--workers", "1",
+                     "--no-progress"]) == 0
+        ids, masks, _ = _read(tmp_path / name)
+        want = expected if name != "none" else expected[2:]
+        assert [i.tolist() for i in ids] == [i.tolist() for i, _ in want]
+        assert [m.tolist() for m in masks] == [m.tolist() for _, m in want]
