@@ -155,3 +155,13 @@ def sliding_window_fields(config: HFConfig, *, switch: Optional[str] = None, def
     if window is None or (types is not None and "sliding_attention" not in types):
         return None, None
     return window, None if types is None or all(t == "sliding_attention" for t in types) else list(types)
+
+
+def uniform_sliding_window(args: Any, subject: str) -> Optional[int]:
+    """config.json's one ``sliding_window`` for a family whose Hugging Face model slides every layer
+    alike (Mistral, Mixtral, Phi-3): None without sliding layers; a ConfigError (``subject`` names
+    the family and its verb) when ``model.layer_types`` mixes sliding and full layers."""
+    if args.sliding_window is not None and args.layer_types is not None and len(set(args.layer_types)) > 1:
+        raise ConfigError(f"model.layer_types={args.layer_types}: {subject} one sliding_window to every layer; "
+                          f"export needs every layer alike (layer_types=None)")
+    return None if args.layer_types is not None and "sliding_attention" not in args.layer_types else args.sliding_window

@@ -13,7 +13,7 @@ from typing import Any
 
 from titan_lightning.config import ConfigError
 from titan_lightning.models.common.hf_checkpoint import HALF_ROTATED, LLAMA_BLOCK_KEYS, StateDictAdapter
-from titan_lightning.models.common.hf_config import HFConfig, sliding_window_fields
+from titan_lightning.models.common.hf_config import HFConfig, sliding_window_fields, uniform_sliding_window
 from titan_lightning.models.common.moe import MoEArgs
 from titan_lightning.models.mistral.model import MistralArgs
 
@@ -64,16 +64,12 @@ class MistralStateDictAdapter(StateDictAdapter):
 
     @classmethod
     def check_expressible(cls, args: MistralArgs) -> None:
-        if args.sliding_window is not None and args.layer_types is not None and \
-                len(set(args.layer_types)) > 1:
-            raise ConfigError(f"model.layer_types={args.layer_types}: Hugging Face Mistral and Mixtral apply one "
-                              f"sliding_window to every layer; export needs every layer alike (layer_types=None)")
+        uniform_sliding_window(args, "Hugging Face Mistral and Mixtral apply")
 
     @classmethod
     def hf_config(cls, args: MistralArgs) -> dict[str, Any]:
         cls.check_expressible(args)
-        window = None if args.layer_types is not None and "sliding_attention" not in args.layer_types \
-            else args.sliding_window
+        window = uniform_sliding_window(args, "Hugging Face Mistral and Mixtral apply")
         config = dict(
             architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=args.vocab_size,
             hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim, num_hidden_layers=args.n_layers,

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from titan_lightning.config import ConfigError
 from titan_lightning.models.common.hf_checkpoint import HALF_ROTATED, LLAMA_BLOCK_KEYS, StateDictAdapter
-from titan_lightning.models.common.hf_config import HFConfig, sliding_window_fields
+from titan_lightning.models.common.hf_config import HFConfig, sliding_window_fields, uniform_sliding_window
 from titan_lightning.models.common.safetensors_io import HFTensors
 from titan_lightning.models.phi3.model import LongRope, Phi3Args, longrope_attention_factor
 
@@ -155,15 +155,12 @@ class Phi3StateDictAdapter(StateDictAdapter):
 
     @classmethod
     def check_expressible(cls, args: Phi3Args) -> None:
-        if args.sliding_window is not None and args.layer_types is not None and len(set(args.layer_types)) > 1:
-            raise ConfigError(f"model.layer_types={args.layer_types}: Hugging Face Phi3 applies one sliding_window "
-                              f"to every layer; export needs every layer alike (layer_types=None)")
+        uniform_sliding_window(args, "Hugging Face Phi3 applies")
 
     @classmethod
     def hf_config(cls, args: Phi3Args) -> dict[str, Any]:
         cls.check_expressible(args)
-        window = None if args.layer_types is not None and "sliding_attention" not in args.layer_types \
-            else args.sliding_window
+        window = uniform_sliding_window(args, "Hugging Face Phi3 applies")
         s = args.rope_scaling
         scaling = None if s is None else {"rope_type": "longrope", "short_factor": s.short_factor,
                                           "long_factor": s.long_factor, "attention_factor": s.attention_factor}
