@@ -25,6 +25,9 @@ Options (frozen by tests/unit_tests/cpu/test_cli.py; new knobs go into the confi
 ``prepare`` turns JSONL, Parquet and text files into token shards for ``data.dataset_path``
 (``titan-lightning prepare --help``; titan_lightning/data/prepare.py).
 
+``generate`` and ``chat`` try a model (a Hugging Face folder, a run folder or a checkpoint) with
+our decoder and a KV cache (``titan-lightning generate --help``; titan_lightning/generate.py).
+
 Bad input exits with status 2 and one line on stderr, before anything is written.
 A recipe module in the current folder is found (``--recipe my_recipes:fn``), as with ``python -m``.
 """
@@ -55,12 +58,14 @@ import lightning as L
 from titan_lightning.checkpoint import CheckpointError
 from titan_lightning.config import ConfigError, JobConfig
 from titan_lightning.data.prepare import main as prepare_main
+from titan_lightning.generate import COMMANDS as GENERATE_COMMANDS
+from titan_lightning.generate import main as generate_main
 from titan_lightning.parallel.mesh import release_dtensor_caches
 from titan_lightning.pretrained import check_initial_hf_weights
 from titan_lightning.recipe import RECIPE_PARAMETERS, Run, RecipeError, build_run, check_inputs, execute
 from titan_lightning.trainer import build_trainer
 
-SUBCOMMANDS = ("fit", "validate", "test", "estimate", "prepare")
+SUBCOMMANDS = ("fit", "validate", "test", "estimate", "prepare", *GENERATE_COMMANDS)
 OPTIONS = ("--recipe", "--config", "--print_config", "--job", "--trainer")
 # Trainer arguments that hold objects: a recipe sets them, the command line does not.
 # (`strategy` is on the command line as a registry name or a class path, see build_parser.)
@@ -102,6 +107,8 @@ def _main(argv: list[str]) -> int:
                 return estimate_command(argv[1:])
             if argv and argv[0] == "prepare":
                 return prepare_main(argv[1:])
+            if argv and argv[0] in GENERATE_COMMANDS:
+                return generate_main(argv[0], argv[1:], parse_run)
             prepared = prepare(argv)
     except BrokenPipeError:
         raise

@@ -3,6 +3,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from titan_lightning.models.common.kv_cache import KVCache
 from titan_lightning.models.common.masking import Documents, attend, rope_at
 from titan_lightning.models.common.norms import RMSNorm
 from titan_lightning.models.common.rope import apply_rope
@@ -67,6 +68,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm else None
         # A module giving each local query head's sink logit ([heads]: gpt-oss), or None.
         self.sinks: Optional[nn.Module] = None
+        # Decoding (models/common/kv_cache.py) sets a KVCache: the input then follows its tokens.
+        self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, *, documents: Optional[Documents] = None) -> torch.Tensor:
         """``documents``: the batch's document boundaries when ``model.mask`` / ``model.positions``
@@ -78,6 +81,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         sinks = self.sinks() if self.sinks is not None else None
+        if self.kv_cache is not None:
+            rope_cache = self.kv_cache.rope(rope_cache, S)
+            q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
+            y = self.kv_cache.attend(q, k, v, scale=self.scale, window=self.window, sinks=sinks)
+            return self.wo(y.reshape(B, S, -1))
         if self.cp is not None:
             if documents is not None and documents.per_document:  # this rank's tokens' own positions
                 rope_cache = rope_at(rope_cache, documents, S)
