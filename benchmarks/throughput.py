@@ -27,8 +27,8 @@ Every contender trains the same model shape on the same tokens (the shipped corp
 A ``*_float8_<recipe>`` workload turns on ``quantize.float8`` (torchao, needs the ``float8``
 extra and an SM89+ GPU): titan, bare and lightning convert the same linears (``_build_model``),
 torchtitan through its own float8 converter with the same torchao recipe and filter.
-Several workloads, comma-separated, share one table (rows "contender (workload)", "vs bare"
-against the first workload's bare loop).
+Several workloads, comma-separated, share one table (rows "contender (workload)"; "vs" against
+that workload's own bare loop, or against the row ``--reference`` names).
 
 Each contender runs in its own process; ``--rounds`` repeats the set in alternating order
 (A B C, C B A, ...) so that drift of the machine falls on all of them alike. Step time is
@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
-CONTENDERS = ("titan", "bare", "lightning", "hf", "torchtitan")
+CONTENDERS = ("titan", "bare", "lightning", "hf", "torchtitan", "hf_padded", "hf_packed")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -69,6 +69,13 @@ class Workload:
     overrides: tuple[str, ...] = ()  # more ``titan-lightning fit`` arguments
     profile_steps: int = 0  # steps traced after the measured ones: the device's busy time per step
     contenders: tuple[str, ...] = CONTENDERS
+    # A Hugging Face folder of a real model's shape and a prepared chat set (benchmarks/finetune_folder.py:
+    # (shape, layers or None for all)), passed to the recipe as --job.checkpoint.initial_load_path and,
+    # for an SFT recipe, --job.data.dataset_path.
+    folder: Optional[tuple[str, Optional[int]]] = None
+    # The command a user types: only the recipe, its paths, the device and the step count (plus
+    # ``overrides``); the run's own settings (precision, compile, lengths, AC) are the recipe's choice.
+    as_user: bool = False
 
 
 def float8_overrides(recipe: str, emulate: bool = False) -> tuple[str, ...]:
@@ -215,6 +222,27 @@ WORKLOADS.update({
                                                   overrides=_SLIDING + ("--job.model.attention", "varlen")),
 })
 
+# Fine-tuning as a user runs it (issue #44): a Hugging Face folder of a real model's shape and 3,000 chat
+# conversations (benchmarks/finetune_folder.py; made once per machine, before the contenders), then
+#   _sft_default   the README's fine-tuning command with no tuning flag (the recipe chooses for the device)
+#   _sft_tuned     the best hand-tuned flags found (bf16, compiled blocks, varlen, 4 x 4096 per microbatch);
+#                  hf_padded / hf_packed: transformers' model of the folder in a plain loop, same lengths
+#   _pretrain      recipes.hf:pretrained of the same folder at the tuned lengths (causal sdpa, shipped corpus)
+# python -m benchmarks.throughput --rounds 1 --steps 10 --warmup 6 --reference 'titan (qwen2_5_1_5b_sft_tuned)' \
+#   --workload qwen2_5_1_5b_sft_default,qwen2_5_1_5b_sft_tuned,qwen2_5_1_5b_pretrain
+_TUNED = ("--trainer.precision", "bf16-mixed", "--job.compile.enable", "true", "--job.activation_checkpoint.mode", "none",
+          "--job.training.seq_len", "4096", "--job.training.tokens_per_microbatch_per_dp_rank", "16384")
+for _shape, _layers in (("qwen2_5_1_5b", None), ("llama3_8b", 16)):
+    _name = _shape if _layers is None else f"{_shape}_{_layers}l"
+    WORKLOADS[f"{_name}_sft_default"] = Workload(recipe="recipes.hf:sft", folder=(_shape, _layers), as_user=True,
+                                                 contenders=("titan",))
+    WORKLOADS[f"{_name}_sft_tuned"] = Workload(recipe="recipes.hf:sft", folder=(_shape, _layers), as_user=True,
+                                               seq_len=4096, overrides=_TUNED + ("--job.model.attention", "varlen"),
+                                               contenders=("titan", "hf_padded", "hf_packed"))
+    WORKLOADS[f"{_name}_pretrain"] = Workload(recipe="recipes.hf:pretrained", folder=(_shape, _layers), as_user=True,
+                                              seq_len=4096, overrides=_TUNED + ("--job.data.repeat_to_fit", "true"),
+                                              contenders=("titan",))
+
 # The float8 path of the harness on CPU (torchao's emulation): titan and bare must agree.
 WORKLOADS["overhead_float8"] = dataclasses.replace(
     WORKLOADS["overhead"], overrides=WORKLOADS["overhead"].overrides + float8_overrides("tensorwise", emulate=True),
@@ -226,6 +254,8 @@ WORKLOADS["overhead_float8"] = dataclasses.replace(
 
 def cli_args(w: Workload, device: str, total_steps: int) -> list[str]:
     """The ``titan-lightning fit`` arguments of the workload; every contender's job comes from them."""
+    if w.as_user:
+        return _user_args(w, device, total_steps) + list(w.overrides)
     args = [
         "--recipe", w.recipe, "--trainer.accelerator", "gpu" if device == "cuda" else "cpu",
         "--trainer.devices", "1", "--trainer.max_steps", str(total_steps), "--trainer.limit_val_batches", "0",
@@ -239,16 +269,24 @@ def cli_args(w: Workload, device: str, total_steps: int) -> list[str]:
     return args + list(w.overrides)
 
 
+def _user_args(w: Workload, device: str, total_steps: int) -> list[str]:
+    """The README's fine-tuning command on the workload's folder, bounded to ``total_steps``, without
+    validation, checkpoints or the export (they are not steps)."""
+    from benchmarks.finetune_folder import folders
+
+    model, data = folders(*w.folder)
+    args = ["--recipe", w.recipe, "--job.checkpoint.initial_load_path", str(model),
+            "--trainer.accelerator", "gpu" if device == "cuda" else "cpu", "--trainer.devices", "1",
+            "--trainer.max_steps", str(total_steps), "--trainer.limit_val_batches", "0",
+            "--trainer.enable_checkpointing", "false", "--job.checkpoint.export_format", "null"]
+    return args + (["--job.data.dataset_path", str(data)] if w.recipe.endswith(":sft") else [])
+
+
 def resolve_run(w: Workload, device: str, total_steps: int):
     """The recipe with the workload's overrides applied, exactly as the CLI applies them."""
-    from titan_lightning.cli import apply_namespace, build_parser
-    from titan_lightning.recipe import build_run
+    from titan_lightning.cli import parse_run
 
-    args = cli_args(w, device, total_steps)
-    run = build_run(w.recipe)
-    parser = build_parser(run)
-    apply_namespace(run, parser, parser.parse_args(args))
-    return run
+    return parse_run(cli_args(w, device, total_steps))
 
 
 def _sync(device) -> None:
@@ -419,7 +457,23 @@ def run_titan(w: Workload, device: str, steps: int, warmup: int) -> dict[str, An
     command, run, trainer = prepare(["fit", *cli_args(w, device, clock.total)])
     trainer.callbacks.append(_lightning_clock(clock))
     execute(command, run, trainer)
-    return clock.result("titan", w.seq_len, run.module.flops_per_token(w.seq_len))
+    t = run.job.training  # as built: a recipe may choose lengths for the device
+    result = clock.result("titan", t.tokens_per_microbatch_per_dp_rank * trainer.accumulate_grad_batches,
+                          run.module.flops_per_token(t.seq_len))
+    return {**result, **_sft_shares(run)}
+
+
+def _sft_shares(run) -> dict[str, Any]:
+    """What share of a step's window tokens are conversation tokens (not padding) and supervised
+    labels, over the windows the run's data makes (SFT only): real and supervised tokens/s."""
+    job = run.job
+    if not job.data.sft:
+        return {}
+    from benchmarks.sft_data import window_stats
+
+    stats = window_stats(Path(job.data.dataset_path), job.training.seq_len, job.data.sft_packing, 2000)
+    return {"tokens_share": stats["tokens_share"], "supervised_share": stats["supervised_share"],
+            "seq_len": job.training.seq_len, "packing": job.data.sft_packing}
 
 
 def _build_model(run, device):
@@ -641,6 +695,77 @@ def run_hf(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any]:
     return clock.result("hf", w.seq_len, run.module.flops_per_token(w.seq_len))
 
 
+def _hf_sft_loop(w: Workload, device: str, steps: int, warmup: int, packing: str) -> dict[str, Any]:
+    """transformers' model of the workload's folder (``AutoModelForCausalLM``, SDPA, fp32 weights, bf16
+    autocast, fused AdamW, clipping; no compile, no AC) in a plain loop on the same prepared
+    conversations, as TRL's SFTTrainer feeds it without flash-attn: ``padded``, one conversation per row
+    padded to the batch's longest with an attention mask; ``best_fit``, our packed windows with
+    per-conversation position_ids and no mask (transformers' SDPA path masks packed sequences from
+    them). Rows of the workload's seq_len, as many per step as titan's microbatch; the loss is the mean
+    over the microbatch's supervised tokens (TRL's)."""
+    import torch
+    import torch.nn.functional as F
+    import transformers
+
+    from benchmarks.finetune_folder import folders
+    from titan_lightning.models.common.loss import IGNORE_INDEX
+
+    name = "hf_padded" if packing == "padded" else "hf_packed"
+    clock = StepClock(device, warmup, steps, w.profile_steps, name=name)
+    total = clock.total
+    run = resolve_run(w, device, total)
+    job, dev = run.job, torch.device(device)
+    job.data.sft_packing = packing
+    torch.manual_seed(job.training.seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folders(*w.folder)[0], dtype=torch.float32, attn_implementation="sdpa").to(dev)
+    if w.hf_ac:
+        model.gradient_checkpointing_enable()
+    model.train()
+    o = job.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                  weight_decay=o.weight_decay, fused=dev.type == "cuda")
+    batches = iter(_train_loader(run))
+    window = real = supervised = 0
+    for step in range(total):
+        batch = next(batches)
+        positions = batch["position_ids"]
+        ids, labels = batch["input_ids"].to(dev, non_blocking=True), batch["labels"].to(dev, non_blocking=True)
+        if packing == "padded":  # a row's padding starts where its positions return to 0
+            starts = positions == 0
+            starts[:, 0] = False
+            keep = starts.cumsum(1) == 0
+            inputs = {"attention_mask": keep.long().to(dev, non_blocking=True)}
+        else:
+            keep = torch.ones_like(positions, dtype=torch.bool)  # (best_fit: padding is < 1%; counted below)
+            inputs = {"position_ids": positions.to(dev, non_blocking=True)}
+        if step >= warmup and step < warmup + steps:
+            window += positions.numel()
+            real += int(keep.sum())
+            supervised += int((batch["labels"] != IGNORE_INDEX).sum())
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            logits = model(input_ids=ids, **inputs).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+        del logits
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), job.training.max_grad_norm or math.inf)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock.step_done(loss.detach().item())
+    result = clock.result(name, window // steps, run.module.flops_per_token(job.training.seq_len))
+    shares = _sft_shares(run) if packing != "padded" else {}
+    return {**result, "tokens_share": shares.get("tokens_share", real / window),
+            "supervised_share": supervised / window, "seq_len": job.training.seq_len, "packing": packing}
+
+
+def run_hf_padded(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any]:
+    return _hf_sft_loop(w, device, steps, warmup, "padded")
+
+
+def run_hf_packed(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any]:
+    return _hf_sft_loop(w, device, steps, warmup, "best_fit")
+
+
 TORCHTITAN_SCRIPT = REPO / "benchmarks" / "contenders" / "torchtitan_run.py"
 
 
@@ -740,6 +865,7 @@ def flops_per_token(w: Workload, device: str) -> float:
 
 RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
     "titan": run_titan, "bare": run_bare, "lightning": run_lightning, "hf": run_hf,
+    "hf_padded": run_hf_padded, "hf_packed": run_hf_packed,
 }
 
 
@@ -842,6 +968,9 @@ def summarize(runs: list[dict[str, Any]], peak: Optional[float]) -> dict[str, An
         "last_loss": ok[0]["losses"][-1] if ok[0].get("losses") else None,
         "wall_s": [round(r["wall_s"]) for r in runs],
     }
+    for key in ("tokens_share", "supervised_share", "seq_len", "packing"):  # SFT rows
+        if key in ok[0]:
+            row[key] = ok[0][key]
     profiled = [r["profile"] for r in ok if r.get("profile") and r["profile"]["busy_ms"] is not None]
     if profiled:
         row["profile_wall_ms"] = statistics.median(p["wall_ms"] for p in profiled)
@@ -858,29 +987,53 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def table(rows: dict[str, dict[str, Any]], reference: str = "bare") -> str:
-    base = rows.get(reference, {}).get("tokens_per_s")
+def table(rows: dict[str, dict[str, Any]], references: Optional[dict[str, str]] = None) -> str:
+    """One line per row; "vs" divides its tokens/s by those of ``references[row]`` (each workload's own
+    bare loop, or the row ``--reference`` names); SFT rows add real (conversation) and supervised tokens/s."""
+    references = references or {}
     profiled = any("device_busy_ms" in r for r in rows.values())
-    extra = " device busy ms / profiled step ms |" if profiled else ""
+    sft = any("tokens_share" in r for r in rows.values())
+    extra = (" real tokens/s | supervised tokens/s |" if sft else "") + (
+        " device busy ms / profiled step ms |" if profiled else "")
     lines = [
-        "| contender | tokens/s/device | rounds (min-max) | vs bare | MFU % | step ms median (p10-p90) | peak GiB | loss first -> last |"
+        "| contender | tokens/s/device | rounds (min-max) | vs | MFU % | step ms median (p10-p90) | peak GiB | loss first -> last |"
         + extra,
-        "|---|---|---|---|---|---|---|---|" + ("---|" if profiled else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|---|" if sft else "") + ("---|" if profiled else ""),
     ]
     for name, r in rows.items():
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error']} | | | | | | |" + (" |" if profiled else ""))
+            lines.append(f"| {name} | failed: {r['error']} | | | | | | |" + (" | |" if sft else "")
+                         + (" |" if profiled else ""))
             continue
-        vs = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
+        reference = references.get(name)
+        base = rows.get(reference, {}).get("tokens_per_s") if reference else None
+        vs = f"{r['tokens_per_s'] / base:.3f}x {_short(reference)}" if base and reference != name else "-"
         mfu = f"{r['mfu']:.1f}" if r["mfu"] is not None else "-"
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         loss = f"{r['first_loss']:.4f} -> {r['last_loss']:.4f}" if r["first_loss"] is not None else "-"
+        shares = ""
+        if sft:
+            shares = (f" {r['tokens_per_s'] * r['tokens_share']:,.0f} | {r['tokens_per_s'] * r['supervised_share']:,.0f} |"
+                      if "tokens_share" in r else " - | - |")
         lines.append(
             f"| {name} | {r['tokens_per_s']:,.0f} | {r['round_min']:,.0f}-{r['round_max']:,.0f} | {vs} | {mfu} | "
             f"{r['step_ms_median']:.1f} ({r['step_ms_p10']:.1f}-{r['step_ms_p90']:.1f}) | {peak} | {loss} |"
-            + (_busy_cell(r) if profiled else "")
+            + shares + (_busy_cell(r) if profiled else "")
         )
     return "\n".join(lines)
+
+
+def _short(reference: str) -> str:
+    """The reference row's contender, as the "vs" column names it (``bare`` of ``bare (llama3_1b)``)."""
+    return reference.split(" (")[0]
+
+
+def references_of(pairs: list[tuple[str, str]], row: Callable[[str, str], str], reference: str) -> dict[str, str]:
+    """Each row's reference row: ``reference`` "bare" is each workload's own bare loop (a workload
+    without one has none); another value names one row for all (``titan (qwen2_5_1_5b_sft_tuned)``)."""
+    if reference != "bare":
+        return {row(wl, n): reference for wl, n in pairs}
+    return {row(wl, n): row(wl, "bare") for wl, n in pairs if (wl, "bare") in pairs}
 
 
 def kernel_table(rows: dict[str, dict[str, Any]]) -> str:
@@ -943,6 +1096,12 @@ def orchestrate(args) -> int:
         skipped = [n for n in names if (wl, n) not in pairs]
         if skipped:
             print(f"[{wl}] not run by {', '.join(skipped)} (not contenders of this workload)", flush=True)
+    for wl in workloads:  # fine-tuning rows: their model folder and chat set, made once per machine
+        w = _workload(wl, args.layers, args.ac)
+        if w.folder is not None:
+            from benchmarks.finetune_folder import make
+
+            make(*w.folder)
     folder = Path(args.out or tempfile.mkdtemp(prefix=f"throughput_{workloads[0]}_"))
     folder.mkdir(parents=True, exist_ok=True)
     row = (lambda wl, n: n) if len(workloads) == 1 else (lambda wl, n: f"{n} ({wl})")
@@ -964,7 +1123,7 @@ def orchestrate(args) -> int:
               + ("" if args.sdpa == "default" else f", SDPA {args.sdpa} only (torchtitan: default)"))
     env = environment(args.device)
     print("\n" + header + "\n" + ", ".join(f"{k} {v}" for k, v in env.items()) + "\n\n"
-          + table(rows, reference=row(workloads[0], "bare")))
+          + table(rows, references_of(pairs, row, args.reference)))
     breakdown = kernel_table(rows)
     if breakdown:
         print("\nper profiled step, device time by kernel family (ms, launches):\n" + breakdown)
@@ -992,6 +1151,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", default=None, help="folder for per-round JSON and logs")
     parser.add_argument("--sdpa", choices=SDPA_BACKENDS, default="default",
                         help="the only attention kernel SDPA may pick, in every contender but torchtitan")
+    parser.add_argument("--reference", default="bare",
+                        help="the row the 'vs' column divides by: 'bare' (each workload's own bare loop) or a row's "
+                             "name as the table prints it, e.g. 'titan (qwen2_5_1_5b_sft_tuned)'")
     parser.add_argument("--contender", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -11,8 +11,8 @@ import pytest
 
 from benchmarks.contenders import torchtitan_run
 from benchmarks.throughput import (TORCHTITAN_SCRIPT, WORKLOADS, StepClock, _contender_command, kernel_breakdown,
-                                   kernel_table, resolve_run, run_bare, run_titan, summarize, table, torchtitan_model,
-                                   union_length_us)
+                                   kernel_table, references_of, resolve_run, run_bare, run_titan, summarize, table,
+                                   torchtitan_model, union_length_us)
 from titan_lightning.data.tokenizer import CORPUS_PATH, TOKENIZER_PATH
 
 
@@ -47,10 +47,33 @@ def test_summary_takes_the_median_step_over_all_rounds_and_the_spread_of_round_m
 def test_table_compares_with_the_bare_loop_and_reports_failures():
     rows = {"titan": summarize([_run([0.2, 0.2])], None), "bare": summarize([_run([0.1, 0.1])], None),
             "hf": summarize([{"contender": "hf", "error": "exit 1: CUDA out of memory", "wall_s": 3.0}], None)}
-    text = table(rows)
-    assert "| titan | 5,000 | 5,000-5,000 | 0.500x |" in text
-    assert "| bare | 10,000 | 10,000-10,000 | 1.000x |" in text
+    text = table(rows, references_of([("w", n) for n in rows], lambda wl, n: n, "bare"))
+    assert "| titan | 5,000 | 5,000-5,000 | 0.500x bare |" in text
+    assert "| bare | 10,000 | 10,000-10,000 | - |" in text
     assert "| hf | failed: exit 1: CUDA out of memory |" in text
+
+
+def test_each_workload_is_compared_with_its_own_bare_loop():
+    """Several workloads in one table: a row divides by its own workload's bare row (the 8B row once
+    read 0.686x "vs bare" against the 1B bare loop while it was 1.004x its own), none without one."""
+    runs = {("1b", "titan"): [0.1], ("1b", "bare"): [0.1], ("8b", "titan"): [0.4], ("8b", "bare"): [0.5],
+            ("sft", "titan"): [0.2]}
+    row = lambda wl, n: f"{n} ({wl})"  # noqa: E731
+    rows = {row(wl, n): summarize([_run(t * 2)], None) for (wl, n), t in runs.items()}
+    text = table(rows, references_of(list(runs), row, "bare"))
+    assert "| titan (8b) | 2,500 | 2,500-2,500 | 1.250x bare |" in text
+    assert "| titan (1b) | 10,000 | 10,000-10,000 | 1.000x bare |" in text
+    assert "| titan (sft) | 5,000 | 5,000-5,000 | - |" in text
+    named = table(rows, references_of(list(runs), row, "titan (sft)"))
+    assert "| titan (8b) | 2,500 | 2,500-2,500 | 0.500x titan |" in named
+
+
+def test_sft_rows_report_real_and_supervised_tokens():
+    sft = dict(_run([0.1, 0.1]), tokens_share=0.9, supervised_share=0.5)
+    text = table({"titan": summarize([sft], None), "bare": summarize([_run([0.1, 0.1])], None)})
+    assert "| real tokens/s | supervised tokens/s |" in text.splitlines()[0]
+    assert text.splitlines()[2].endswith("| 9,000 | 5,000 |")
+    assert text.splitlines()[3].endswith("| - | - |")
 
 
 def test_device_busy_time_counts_overlapping_kernels_once():
@@ -189,7 +212,8 @@ def test_torchtitan_runner_rejects_a_missing_file_or_key_before_importing_torcht
 
 
 def test_every_workload_fits_its_model_positions():
-    """A workload longer than its model's positions fails on the GPU machine only (OLMo 2 7B: 4096)."""
+    """A workload longer than its model's positions fails on the GPU machine only (OLMo 2 7B: 4096).
+    (The fine-tuning rows read a folder made on that machine: their lengths are the folder's.)"""
     too_long = {name: (w.seq_len, job.model.max_seq_len) for name, w in WORKLOADS.items()
-                if (job := resolve_run(w, "cuda", 1).job).model.max_seq_len < w.seq_len}
+                if w.folder is None and (job := resolve_run(w, "cuda", 1).job).model.max_seq_len < w.seq_len}
     assert not too_long
