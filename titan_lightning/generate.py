@@ -32,6 +32,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -205,6 +206,18 @@ class TextStream:
         new, self.shown = text[self.shown:], len(text)
         return new
 
+    def end(self) -> str:
+        """What is left unprinted (an unfinished character, as the replacement character)."""
+        text = self.tokenizer.decode(self.ids)
+        new, self.shown = text[self.shown:], len(text)
+        return new
+
+
+def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """``text`` as the model is given it: BOS first when the tokenizer adds one (as transformers'
+    tokenizer call does), no end-of-text."""
+    return ([tokenizer.bos_id] if tokenizer.add_bos else []) + tokenizer.encode(text)
+
 
 # -- the model and its folder ---------------------------------------------------------------
 
@@ -228,7 +241,9 @@ class Loaded:
         if self.adapter is not None:
             self.adapter.load_into(model, self.weights)
         else:
-            load_sharded(self.weights, {"state_dict": {f"model.{name}": t for name, t in model.state_dict().items()}})
+            with warnings.catch_warnings():  # "torch.distributed is ... uninitialized ... a single process": so it is
+                warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+                load_sharded(self.weights, {"state_dict": {f"model.{k}": t for k, t in model.state_dict().items()}})
         self.model = model.eval()
         return self.model
 
@@ -318,9 +333,9 @@ def _tokenizer(path: Optional[str]) -> Tokenizer:
 def build_parser(command: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"titan-lightning {command}", allow_abbrev=False, exit_on_error=False,
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="a Hugging Face folder, a run folder or a checkpoint folder")
+    parser.add_argument("--model", help="a Hugging Face folder, a run folder or a checkpoint folder (required)")
     if command == "generate":
-        parser.add_argument("--prompt", required=True, help="the text to continue")
+        parser.add_argument("--prompt", help="the text to continue (required)")
     else:
         parser.add_argument("--system", help="a system message opening the conversation")
     parser.add_argument("--max-new-tokens", type=int, help=f"(default: generation_config.json's, else {MAX_NEW_TOKENS})")
@@ -345,6 +360,9 @@ def main(command: str, argv: list[str], parse_run: Optional[Callable] = None) ->
         options, run_argv = parser.parse_known_args(argv)
     except argparse.ArgumentError as err:
         raise GenerateError(f"{command}: {err}") from None
+    for name in ("model", "prompt") if command == "generate" else ("model",):
+        if getattr(options, name) is None:
+            raise GenerateError(f"{command} needs --{name} (titan-lightning {command} --help)")
     unknown = [a for a in run_argv if a.startswith("-") and not a.startswith(("--recipe", "--config", "--job.",
                                                                                "--trainer."))]
     if unknown:
@@ -375,7 +393,7 @@ def _device(options: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
 
 def _generate(loaded: Loaded, prompt: str, sampling: Sampling, generator: torch.Generator) -> int:
     tokenizer = loaded.tokenizer
-    ids = ([tokenizer.bos_id] if tokenizer.add_bos else []) + tokenizer.encode(prompt)
+    ids = prompt_ids(tokenizer, prompt)
     _check_fits(len(ids), loaded.model)
     stream, started, count = TextStream(tokenizer), time.perf_counter(), 0
     with Session(loaded.model) as session:
@@ -383,7 +401,7 @@ def _generate(loaded: Loaded, prompt: str, sampling: Sampling, generator: torch.
             count += 1
             if token not in sampling.eos_ids:
                 _print(stream.push(token))
-    _print("\n")
+    _print(stream.end() + "\n")
     seconds = time.perf_counter() - started
     print(f"{count} tokens in {seconds:.1f} s ({count / max(seconds, 1e-9):.1f} tokens/s)", file=sys.stderr)
     return 0
@@ -443,7 +461,7 @@ def chat(loaded: Loaded, render: Callable[[list[dict]], str], sampling: Sampling
                     break
                 reply.append(token)
                 _print(stream.push(token))
-            _print("\n")
+            _print(stream.end() + "\n")
             messages.append({"role": "assistant", "content": tokenizer.decode(reply)})
 
 
