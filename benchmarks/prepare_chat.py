@@ -2,6 +2,7 @@
 tokenizers library alone encoding the same rendered text.
 
     python -m benchmarks.prepare_chat --conversations 200000 --workers 1,2 --template qwen3 --repeat 1
+    python -m benchmarks.prepare_chat --conversations 2000 --workers 1,16 --progress   # ~10 MB, one file
 
 Synthetic conversations of a realistic length mix (the shipped corpus's words): a system prompt
 in half of them, 1-4 user/assistant exchanges, short turns (5-60 words) and, one time in five, a
@@ -14,6 +15,8 @@ The baseline renders every conversation once (untimed) and times ``Tokenizer.enc
 that text in batches of 256 (as prepare batches), on all cores: what prepare costs above it is
 reading the JSONL, rendering, the masks and writing the shards. Wall time and CPU time (this
 process and its worker processes) are both shown: on a shared machine the CPU time is the steadier.
+The data is one JSONL file: with several workers prepare cuts it into pieces that they share.
+``--progress`` prints prepare's progress lines (as in a log, one a second) on stderr.
 """
 
 import argparse
@@ -78,6 +81,7 @@ def timed(function):
 
 
 def main() -> None:
+    from titan_lightning.data import prepare as prepare_module
     from titan_lightning.data.chat import ChatOptions, ChatRenderer, resolve
     from titan_lightning.data.prepare import prepare
     from titan_lightning.data.tokenizer import load_tokenizer
@@ -87,7 +91,9 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2")
     parser.add_argument("--template", default="qwen3", choices=sorted(SPECIALS))
     parser.add_argument("--repeat", type=int, default=1, help="rounds of every row, interleaved; medians shown")
+    parser.add_argument("--progress", action="store_true", help="prepare's progress lines on stderr, one a second")
     args = parser.parse_args()
+    prepare_module.LOG_EVERY_S = 1.0
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         folder = tokenizer_folder(root / "tokenizer", args.template)
@@ -108,8 +114,8 @@ def main() -> None:
 
         def prepared(workers: int) -> int:
             out = root / f"out{workers}"
-            summary = prepare([str(data)], str(out), tokenizer_path=str(folder), workers=workers, progress=False,
-                              chat=options)
+            summary = prepare([str(data)], str(out), tokenizer_path=str(folder), workers=workers,
+                              progress=args.progress, chat=options)
             shutil.rmtree(out)
             return summary["tokens"]
 

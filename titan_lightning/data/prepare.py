@@ -11,10 +11,14 @@ token ids, then the tokenizer's EOS (after its BOS, when its tokenizer_config.js
 post-processor adds one).
 
 The corpus is cut into parts (JSONL: byte ranges of about 64 MiB ending at a line end; Parquet:
-row groups; text: files) that worker processes tokenize into shards of their own. The output
-does not depend on the number of workers; a part's shards are named after the part. Finished
-parts are recorded in ``progress.json``: an interrupted prepare run again with the same
-arguments resumes with the parts not yet done. ``index.json`` is written last.
+row groups; text: files), each written as shards named after it. With several workers a part is
+also cut into pieces (JSONL: at line ends; Parquet: row ranges; text: at ``<|endoftext|>``) of
+about a quarter of a worker's share of the corpus, so that one large file keeps every worker
+busy; a part's pieces, tokenized into files of their own, are then copied into its shards in
+order. The output does not depend on the number of workers. Finished parts are recorded in
+``progress.json``: an interrupted prepare run again with the same arguments resumes with the
+parts not yet done. ``index.json`` is written last. The progress shows the bytes read of the
+total, tokens/s and an ETA (a bar on a terminal, a line every 10 s in a log).
 
 A bad record (a JSONL line that is not JSON, or has no text in the field): ``--bad-records
 skip`` counts it (the summary names the first), ``stop`` ends the run on it, naming file and line.
@@ -33,11 +37,14 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+import numpy as np
 
 from titan_lightning.data.chat import (TOO_LONG, TRAIN_ON, BadRecord, ChatOptions, ChatRenderer, ChatSpec,
                                       TemplateFailure, resolve)
@@ -47,6 +54,7 @@ from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
 
 KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "text", ".parquet": "parquet"}
 PART_BYTES = 64 * 2**20
+MIN_PIECE_BYTES = 256 * 2**10  # the smallest piece a part is cut into for several workers
 PROGRESS = "progress.json"
 BATCH = 256  # documents per tokenizer call
 Field = tuple[str, str, type]  # a record field read: its name, the option that names it, its value's type
@@ -58,12 +66,15 @@ class PrepareError(ValueError):
 
 @dataclass(frozen=True)
 class Part:
-    """One unit of work: a byte range of a JSONL file, a row group of a Parquet file, a text file."""
+    """One unit of output: a byte range of a JSONL file, a row group of a Parquet file, a text file;
+    or a piece of one (a shorter byte range; some of the row group's rows)."""
 
     path: str
     kind: str
-    start: int  # byte offset (jsonl), row group (parquet), 0 (text)
+    start: int  # byte offset (jsonl, text), row group (parquet)
     stop: int
+    size: int = 0  # the input bytes it stands for (the progress counts them; Parquet: its rows' share)
+    rows: Optional[tuple[int, int]] = None  # parquet: the rows of the row group it reads (None: all)
 
 
 def find_inputs(inputs: list[str]) -> list[Path]:
@@ -137,10 +148,12 @@ def plan_parts(files: list[Path]) -> list[Part]:
         if kind == "parquet":
             import pyarrow.parquet as pq
 
-            groups = pq.ParquetFile(path).num_row_groups
-            parts.extend(Part(str(path), kind, g, g + 1) for g in range(groups))
+            metadata = pq.ParquetFile(path).metadata
+            rows, size = max(metadata.num_rows, 1), path.stat().st_size
+            parts.extend(Part(str(path), kind, g, g + 1, size * metadata.row_group(g).num_rows // rows)
+                         for g in range(metadata.num_row_groups))
         elif kind == "text":
-            parts.append(Part(str(path), kind, 0, path.stat().st_size))
+            parts.append(Part(str(path), kind, 0, path.stat().st_size, path.stat().st_size))
         else:
             size, start = path.stat().st_size, 0
             with path.open("rb") as f:
@@ -148,15 +161,62 @@ def plan_parts(files: list[Path]) -> list[Part]:
                     f.seek(min(start + PART_BYTES, size))
                     f.readline()
                     stop = min(f.tell(), size)
-                    parts.append(Part(str(path), kind, start, stop))
+                    parts.append(Part(str(path), kind, start, stop, stop - start))
                     start = stop
     return parts
 
 
+def split_part(part: Part, pieces: int) -> list[Part]:
+    """``part`` cut into at most ``pieces`` pieces that read, one after the other, its records: JSONL
+    at line ends, text at a ``<|endoftext|>``, Parquet by rows."""
+    if pieces <= 1:
+        return [part]
+    if part.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.ParquetFile(part.path).metadata.row_group(part.start).num_rows
+        cuts = sorted({rows * k // pieces for k in range(pieces + 1)})
+        share = lambda row: part.size * row // max(rows, 1)  # noqa: E731 - the pieces' sizes add up to the part's
+        return [dataclasses.replace(part, size=share(b) - share(a), rows=(a, b)) for a, b in zip(cuts, cuts[1:])]
+    cuts = [part.start]
+    with open(part.path, "rb") as f:
+        for k in range(1, pieces):
+            at = _boundary(f, part.start + (part.stop - part.start) * k // pieces, part.stop, part.kind)
+            if cuts[-1] < at < part.stop:
+                cuts.append(at)
+    cuts.append(part.stop)
+    return [dataclasses.replace(part, start=a, stop=b, size=b - a) for a, b in zip(cuts, cuts[1:])]
+
+
+def _boundary(f, offset: int, stop: int, kind: str) -> int:
+    """The first place at or after byte ``offset`` where a piece may start: after a line end
+    (JSONL), at an ``<|endoftext|>`` (text); ``stop`` if there is none before it."""
+    f.seek(offset)
+    if kind == "jsonl":
+        f.readline()
+        return min(f.tell(), stop)
+    needle, window = EOT.encode(), 1 << 16
+    while offset < stop:
+        chunk = f.read(min(window + len(needle), stop - offset))
+        found = chunk.find(needle)
+        if found >= 0:
+            return offset + found
+        if len(chunk) <= len(needle):
+            break
+        offset += len(chunk) - len(needle) + 1
+        f.seek(offset)
+    return stop
+
+
 def _documents(part: Part, text_field: str, bad_records: str, bad: list) -> Iterator[str]:
     if part.kind == "text":
-        text = Path(part.path).read_bytes().decode("utf-8", errors="strict")
-        yield from (doc.strip() for doc in text.split(EOT) if doc.strip())
+        with open(part.path, "rb") as f:
+            f.seek(part.start)
+            text = f.read(part.stop - part.start).decode("utf-8", errors="strict")
+        for doc in text.split(EOT):
+            _progress(len(doc) + len(EOT))
+            if doc.strip():
+                yield doc.strip()
         return
     for where, record in _records(part, [text_field], bad_records, bad):
         text = record.get(text_field) if isinstance(record, dict) else None
@@ -173,7 +233,7 @@ def _columns(parquet, fields: list[str], optional: Sequence[str]) -> list[str]:
 
 
 def _records(part: Part, fields: list[str], bad_records: str, bad: list,
-             optional: Sequence[str] = ()) -> Iterator[tuple[str, Any]]:
+             optional: Sequence[str] = ()) -> Iterator[tuple[Any, Any]]:
     """(where, record) for each record of a JSONL or Parquet part: ``file:line`` and the parsed
     line, or ``file: row group g row r`` and the row's ``fields`` (and the ``optional`` ones the
     file has)."""
@@ -181,34 +241,50 @@ def _records(part: Part, fields: list[str], bad_records: str, bad: list,
         import pyarrow.parquet as pq
 
         file = pq.ParquetFile(part.path)
-        rows = file.read_row_group(part.start, columns=_columns(file, fields, optional)).to_pylist()
-        for row, record in enumerate(rows):
+        table = file.read_row_group(part.start, columns=_columns(file, fields, optional))
+        first, last = part.rows or (0, table.num_rows)
+        share = lambda row: part.size * (row - first) // max(last - first, 1)  # noqa: E731
+        for row, record in enumerate(table.slice(first, last - first).to_pylist(), first):
+            _progress(share(row + 1) - share(row))
             yield f"{part.path}: row group {part.start} row {row}", record
         return
     with open(part.path, "rb") as f:
-        line_number = _line_number(f, part.start)
         f.seek(part.start)
+        line = 0
         while f.tell() < part.stop:
             raw = f.readline()
-            line_number += 1
+            line += 1
+            _progress(len(raw))
             if not raw.strip():
                 continue
             try:
                 record = json.loads(raw)
             except ValueError:
-                _bad(bad, bad_records, f"{part.path}:{line_number}: not a JSON line")
+                _bad(bad, bad_records, f"{_Line(part.path, part.start, line)}: not a JSON line")
                 continue
-            yield f"{part.path}:{line_number}", record
+            yield _Line(part.path, part.start, line), record
 
 
-def _line_number(f, offset: int) -> int:
-    """Lines before byte ``offset`` (for messages; counted once per part)."""
-    f.seek(0)
+class _Line:
+    """``file:line`` of a part's ``line``-th line, the lines before the part counted once, when a
+    message first needs them."""
+
+    def __init__(self, path: str, start: int, line: int) -> None:
+        self.path, self.start, self.line = path, start, line
+
+    def __str__(self) -> str:
+        return f"{self.path}:{_lines_before(self.path, self.start) + self.line}"
+
+
+@lru_cache(maxsize=64)
+def _lines_before(path: str, offset: int) -> int:
+    """Lines before byte ``offset`` of the file."""
     count, read = 0, 0
-    while read < offset:
-        chunk = f.read(min(1 << 20, offset - read))
-        count += chunk.count(b"\n")
-        read += len(chunk)
+    with open(path, "rb") as f:
+        while read < offset:
+            chunk = f.read(min(1 << 20, offset - read))
+            count += chunk.count(b"\n")
+            read += len(chunk)
     return count
 
 
@@ -221,67 +297,140 @@ def _bad(bad: list, policy: str, message: str) -> None:
 _WORKER: dict[str, Any] = {}
 
 
-def _load_worker(tokenizer_path: Optional[str]) -> None:
+def _load_worker(tokenizer_path: Optional[str], counter=None) -> None:
+    """A worker's state: its tokenizer, and its meter of the shared progress ``counter``."""
     _WORKER["tokenizer"] = load_tokenizer(tokenizer_path)
+    _WORKER["meter"] = _Meter(counter)
+
+
+class _Meter:
+    """A worker's input bytes read and tokens written, added to the run's shared counter (a
+    ``multiprocessing.Array`` of two: bytes, tokens) at most every 0.2 s and at the end of a piece.
+    A piece counts its ``size`` bytes in all, whatever its records' own lengths add up to."""
+
+    def __init__(self, counter=None) -> None:
+        self.counter, self.pending, self.flushed, self.left = counter, [0, 0], 0.0, 0
+
+    def start(self, size: int) -> None:
+        self.left = size
+
+    def add(self, nbytes: int = 0, tokens: int = 0) -> None:
+        nbytes = min(nbytes, self.left)
+        self.left -= nbytes
+        self.pending[0] += nbytes
+        self.pending[1] += tokens
+        if time.monotonic() - self.flushed >= 0.2:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.counter is not None and any(self.pending):
+            with self.counter.get_lock():
+                self.counter[0] += self.pending[0]
+                self.counter[1] += self.pending[1]
+        self.pending, self.flushed = [0, 0], time.monotonic()
+
+    def finish(self) -> None:
+        self.add(self.left)
+        self.flush()
+
+
+def _progress(nbytes: int) -> None:
+    meter = _WORKER.get("meter")
+    if meter is not None:
+        meter.add(nbytes)
 
 
 def _run_part(job: tuple) -> dict[str, Any]:
-    """Tokenize one part into its shards (in a worker process); what it wrote and skipped."""
-    index, part, output, text_field, bad_records, shard_tokens, chat = job
-    tokenizer = _WORKER["tokenizer"]
-    writer = ShardWriter(Path(output), f"part-{index:05d}", token_dtype(tokenizer.vocab_size), shard_tokens)
+    """Tokenize one part, or one piece of it, into shards (in a worker process); what it wrote and
+    skipped. A piece's documents go to one file set of its own, ``piece-PPPPP-KKKKK-00000``."""
+    index, piece, pieces, part, output, text_field, bad_records, shard_tokens, chat = job
+    tokenizer, meter = _WORKER["tokenizer"], _WORKER["meter"]
+    name, per_shard = (f"part-{index:05d}", shard_tokens) if pieces == 1 else (f"piece-{index:05d}-{piece:05d}", 2**62)
+    writer = ShardWriter(Path(output), name, token_dtype(tokenizer.vocab_size), per_shard)
+
+    def write(ids: np.ndarray, mask: Optional[np.ndarray] = None) -> None:
+        writer.add(ids, mask)
+        meter.add(tokens=len(ids))
+
     bad: list[str] = []
     counts = {"kept": 0, "truncated": 0, "dropped": 0}
+    meter.start(part.size)
     try:
         if chat is None:
-            batch: list[str] = []
-            for document in _documents(part, text_field, bad_records, bad):
-                batch.append(document)
-                if len(batch) == BATCH:
-                    for ids in tokenizer.encode_documents(batch):
-                        writer.add(ids)
-                    batch = []
-            for ids in tokenizer.encode_documents(batch):
-                writer.add(ids)
+            for batch in _batches(_documents(part, text_field, bad_records, bad)):
+                for ids in tokenizer.encode_documents(batch):
+                    write(ids)
         else:
-            _write_conversations(part, chat, bad_records, bad, writer, counts)
+            _write_conversations(part, chat, bad_records, bad, write, counts)
     except PrepareError as err:
         return {"index": index, "error": str(err)}
+    meter.finish()
     shards = writer.close()
-    result = {"index": index, "shards": shards, "bad": len(bad), "first_bad": bad[0] if bad else None,
-              "tokens": sum(s["tokens"] for s in shards), "bytes": part.stop - part.start if part.kind != "parquet" else 0}
+    result = {"index": index, "piece": piece, "pieces": pieces, "shards": shards, "bad": len(bad),
+              "first_bad": bad[0] if bad else None, "tokens": sum(s["tokens"] for s in shards), "bytes": part.size}
     if chat is not None:
         result.update(truncated=counts["truncated"], dropped=counts["dropped"],
                       supervised=sum(s["supervised"] for s in shards))
     return result
 
 
-def _write_conversations(part: Part, chat: ChatSpec, bad_records: str, bad: list, writer: ShardWriter,
+def _assemble(out: Path, index: int, pieces: list[dict], dtype: np.dtype, shard_tokens: int) -> dict[str, Any]:
+    """Part ``index`` from its pieces' files (removed after): their documents, in order, through one
+    ShardWriter, as one worker tokenizing the whole part writes them; the pieces' counts added up."""
+    writer = ShardWriter(out, f"part-{index:05d}", dtype, shard_tokens)
+    for piece in pieces:
+        for shard in piece["shards"]:
+            files = {ext: out / f"{shard['name']}.{ext}" for ext in ("tokens", "docs", "mask")}
+            tokens, ends = np.fromfile(files["tokens"], dtype), np.fromfile(files["docs"], "<i8").tolist()
+            mask = np.fromfile(files["mask"], np.uint8) if files["mask"].is_file() else None
+            for a, b in zip([0, *ends[:-1]], ends):
+                writer.add(tokens[a:b], None if mask is None else mask[a:b])
+            for file in files.values():
+                file.unlink(missing_ok=True)
+    shards = writer.close()
+    result = {"index": index, "shards": shards, "bad": sum(p["bad"] for p in pieces),
+              "first_bad": next((p["first_bad"] for p in pieces if p["first_bad"]), None),
+              "tokens": sum(s["tokens"] for s in shards), "bytes": sum(p["bytes"] for p in pieces)}
+    if "supervised" in pieces[0]:
+        result.update(truncated=sum(p["truncated"] for p in pieces), dropped=sum(p["dropped"] for p in pieces),
+                      supervised=sum(s["supervised"] for s in shards))
+    return result
+
+
+def _write_conversations(part: Part, chat: ChatSpec, bad_records: str, bad: list, write,
                          counts: dict[str, int]) -> None:
     """Each record of ``part`` as a conversation: rendered, tokenized with its mask, fitted to
-    ``max_tokens``, written (``counts``: how many were kept, truncated, dropped)."""
+    ``max_tokens``, given to ``write(ids, mask)`` (``counts``: how many were kept, truncated, dropped)."""
     if _WORKER.get("chat") is not chat:
         _WORKER["chat"], _WORKER["renderer"] = chat, ChatRenderer(chat, _WORKER["tokenizer"])
     renderer: ChatRenderer = _WORKER["renderer"]
 
-    def flush(batch: list) -> None:
+    def rendered() -> Iterator[tuple[str, list]]:
+        for where, record in _records(part, chat.options.fields, bad_records, bad, chat.options.optional_fields):
+            try:
+                yield renderer.render(renderer.messages(record), renderer.tools(record))
+            except BadRecord as err:
+                _bad(bad, bad_records, f"{where}: {err}")
+
+    for batch in _batches(rendered()):
         for ids, mask in renderer.encode(batch):
             fitted, outcome = renderer.fit(ids, mask)
             counts[outcome] += 1
             if fitted is not None:
-                writer.add(*fitted)
+                write(*fitted)
 
-    batch: list = []
-    for where, record in _records(part, chat.options.fields, bad_records, bad, chat.options.optional_fields):
-        try:
-            batch.append(renderer.render(renderer.messages(record), renderer.tools(record)))
-        except BadRecord as err:
-            _bad(bad, bad_records, f"{where}: {err}")
-            continue
-        if len(batch) == BATCH:
-            flush(batch)
-            batch = []
-    flush(batch)
+
+def _batches(items: Iterator) -> Iterator[list]:
+    """``items`` in lists of ``BATCH`` (a tokenizer call each), or fewer when a second has passed
+    (so that the progress counts tokens as they are written)."""
+    batch, since = [], time.monotonic()
+    for item in items:
+        batch.append(item)
+        if len(batch) == BATCH or time.monotonic() - since >= 1.0:
+            yield batch
+            batch, since = [], time.monotonic()
+    if batch:
+        yield batch
 
 
 def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = None, text_field: str = "text",
@@ -334,29 +483,50 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = N
         if created:
             shutil.rmtree(out)
         raise
-    todo = [(i, part, str(out), text_field, bad_records, shard_tokens, spec)
-            for i, part in enumerate(parts) if i not in done]
-    total_bytes = sum(p.stop - p.start for p in parts if p.kind != "parquet")
-    bar = _Progress(len(parts), total_bytes, len(done), sum(r["bytes"] for r in done.values()), progress)
-    results = _map(_run_part, todo, tokenizer_path, workers or min(len(todo), os.cpu_count() or 1))
+    dtype = token_dtype(tokenizer.vocab_size)
+    workers = workers or os.cpu_count() or 1
+    todo = [part for i, part in enumerate(parts) if i not in done]
+    # Several workers: pieces of about a quarter of a worker's share, so that one large file is
+    # shared by all of them and the last pieces finish together.
+    piece_bytes = max(MIN_PIECE_BYTES, sum(p.size for p in todo) // (4 * workers))
+    jobs = []
+    for i, part in enumerate(parts):
+        if i not in done:
+            pieces = split_part(part, 1 if workers == 1 else -(-part.size // piece_bytes))
+            jobs.extend((i, k, len(pieces), piece, str(out), text_field, bad_records, shard_tokens, spec)
+                        for k, piece in enumerate(pieces))
+    _save_progress(out, settings, done)  # resumable from here on, even before a part is finished
+    counter = _counter()
+    bar = _Progress(sum(p.size for p in parts), sum(r["bytes"] for r in done.values()), counter, progress)
+    results = _map(_run_part, jobs, tokenizer_path, min(workers, len(jobs)), counter)
+    waiting: dict[int, dict[int, dict]] = {}  # the pieces done of parts not yet assembled
     try:
         for result in results:
             if "error" in result:
                 raise PrepareError(result["error"])
-            done[result["index"]] = result
+            index, piece, pieces = result.pop("index"), result.pop("piece"), result.pop("pieces")
+            if pieces > 1:
+                waiting.setdefault(index, {})[piece] = result
+                if len(waiting[index]) < pieces:
+                    continue
+                finished = waiting.pop(index)
+                result = _assemble(out, index, [finished[k] for k in range(pieces)], dtype, shard_tokens)
+                result.pop("index")
+            done[index] = result
             _save_progress(out, settings, done)
-            bar.update(result)
         _check_every_file_has_documents(files, parts, done, text_field, chat)
-    except PrepareError:
-        # Bad input: the error alone on the terminal, and nothing of this run left behind (a folder
-        # an earlier interrupted run left keeps what that run finished).
+    except BaseException as err:
         results.close()  # the workers are stopped before their files are removed
         bar.close(clear=True)
-        _undo(out, created, done if resumed else None)
+        if isinstance(err, PrepareError):
+            # Bad input: the error alone on the terminal, and nothing of this run left behind (a
+            # folder an earlier interrupted run left keeps what that run finished).
+            _undo(out, created, done if resumed else None)
+        else:  # interrupted: what is finished stays recorded, for a resume
+            _remove_unrecorded(out, done)
         raise
     bar.close()
     shards = [shard for i in sorted(done) for shard in done[i]["shards"]]
-    dtype = token_dtype(tokenizer.vocab_size)
     sft = None
     if spec is not None:
         sft = {"train_on": chat.train_on, "max_tokens": chat.max_tokens, "too_long": chat.too_long,
@@ -444,9 +614,10 @@ def _undo(out: Path, created: bool, resumed: Optional[dict[int, dict]]) -> None:
 
 
 def _remove_unrecorded(out: Path, done: dict[int, dict]) -> None:
-    """Remove the shard files of parts that ``done`` does not record (an unfinished part's)."""
+    """Remove the shard files of parts that ``done`` does not record (an unfinished part's), and
+    every piece's."""
     kept = {f"{s['name']}.{ext}" for r in done.values() for s in r["shards"] for ext in ("tokens", "docs", "mask")}
-    for path in out.glob("part-*"):
+    for path in [*out.glob("part-*"), *out.glob("piece-*")]:
         if path.name not in kept:
             path.unlink()
 
@@ -495,43 +666,82 @@ def _save_progress(out: Path, settings: dict, done: dict[int, dict]) -> None:
     partial.replace(out / PROGRESS)
 
 
-def _map(function, jobs: list, tokenizer_path: Optional[str], workers: int) -> Iterator[dict]:
-    """``function`` over ``jobs`` in ``workers`` processes (in this one for 1), as they finish."""
+def _counter():
+    """The progress counter the workers share: input bytes read, tokens written."""
+    import multiprocessing
+
+    return multiprocessing.get_context("spawn").Array("q", 2)
+
+
+def _map(function, jobs: list, tokenizer_path: Optional[str], workers: int, counter=None) -> Iterator[dict]:
+    """``function`` over ``jobs`` in ``workers`` processes (in this one for 1), as they finish.
+
+    Spawned (no torch or thread state forked into them), and without the main module: a spawned
+    process imports its parent's first (the CLI's: lightning, ~20 s each on a loaded machine)
+    unless ``__main__`` has no spec and no file while it starts."""
     if workers <= 1 or len(jobs) <= 1:
-        _load_worker(tokenizer_path)
+        _load_worker(tokenizer_path, counter)
         yield from map(function, jobs)
         return
     import multiprocessing
+    import types
 
-    context = multiprocessing.get_context("spawn")  # no torch or thread state forked into workers
-    with context.Pool(workers, initializer=_load_worker, initargs=(tokenizer_path,)) as pool:
+    main, sys.modules["__main__"] = sys.modules["__main__"], types.ModuleType("__main__")
+    try:
+        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_load_worker,
+                                                         initargs=(tokenizer_path, counter))
+    finally:
+        sys.modules["__main__"] = main
+    with pool:
         yield from pool.imap_unordered(function, jobs)
 
 
-class _Progress:
-    """parts done, tokens/s and an ETA from the bytes left, on stderr."""
+LOG_EVERY_S = 10.0  # a progress line this often when stderr is not a terminal
 
-    def __init__(self, parts: int, total_bytes: int, done_parts: int, done_bytes: int, show: bool) -> None:
+
+class _Progress:
+    """Input bytes read of the total, tokens/s and an ETA on stderr, from the workers' shared
+    counter: a bar refreshed twice a second on a terminal, a line every ``LOG_EVERY_S`` in a log."""
+
+    def __init__(self, total_bytes: int, done_bytes: int, counter, show: bool) -> None:
         from tqdm import tqdm
 
-        # disable=None: tqdm's own rule, no bar when stderr is not a terminal (a log file, a pipe).
-        self.bar = tqdm(total=parts, initial=done_parts, unit="part", file=sys.stderr, disable=None if show else True,
-                        dynamic_ncols=True, desc="prepare")
-        self.start, self.tokens, self.total, self.bytes, self.first = time.monotonic(), 0, total_bytes, done_bytes, done_bytes
+        self.counter, self.total, self.done, self.start = counter, total_bytes, done_bytes, time.monotonic()
+        self.terminal = show and sys.stderr.isatty()
+        self.bar = tqdm(total=total_bytes, initial=done_bytes, unit="B", unit_scale=True, file=sys.stderr,
+                        disable=not self.terminal, dynamic_ncols=True, desc="prepare")
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="prepare-progress") if show else None
+        if self.thread is not None:
+            self.thread.start()
 
-    def update(self, result: dict) -> None:
-        self.tokens += result["tokens"]
-        self.bytes += result["bytes"]
+    def _run(self) -> None:
+        while not self.stopped.wait(0.5 if self.terminal else LOG_EVERY_S):
+            self.show()
+
+    def show(self) -> None:
+        read, tokens = self.counter[:]
         elapsed = max(time.monotonic() - self.start, 1e-9)
-        rate = (self.bytes - self.first) / elapsed
-        eta = (self.total - self.bytes) / rate if rate > 0 else 0.0
-        self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tokens/s, ETA {eta:,.0f} s")
-        self.bar.update(1)
+        if self.terminal:  # tqdm shows the bytes, their rate and the ETA
+            self.bar.update(self.done + read - self.bar.n)
+            self.bar.set_postfix_str(f"{tokens / elapsed:,.0f} tokens/s")
+            return
+        size = self.bar.format_sizeof
+        left = self.total - self.done - read
+        eta = f"{left / (read / elapsed):,.0f} s" if read else "?"
+        print(f"prepare: {size(self.done + read, 'B')} of {size(self.total, 'B')} "
+              f"({100 * (self.done + read) / max(self.total, 1):.0f}%), {tokens / elapsed:,.0f} tokens/s, ETA {eta}",
+              file=sys.stderr, flush=True)
 
     def close(self, clear: bool = False) -> None:
         """``clear``: erase the bar (an error follows, alone on its line)."""
+        if self.thread is not None:
+            self.stopped.set()
+            self.thread.join()
         if clear:
             self.bar.leave = False
+        elif self.terminal:
+            self.show()
         self.bar.close()
 
 

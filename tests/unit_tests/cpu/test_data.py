@@ -335,3 +335,57 @@ def test_val_split_with_fewer_windows_than_dp_ranks_is_refused():
     datamodule.trainer = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 8, "rank": 0})
     with pytest.raises(ValueError, match="fewer than the 8 data-parallel ranks"):
         datamodule.val_dataloader()
+
+
+# --- prepare: one large file cut into pieces ----------------------------------------------------
+
+
+def test_one_file_is_cut_into_pieces_written_as_one_worker_writes_it_and_resumed(tmp_path, monkeypatch):
+    """JSONL (cut at line ends), text (at <|endoftext|>) and Parquet (by rows) pieces of one part
+    each; their documents copied, in order, into the part's shards: the files of one worker, byte
+    for byte, also after an interruption between pieces."""
+    import json
+
+    from titan_lightning.data import prepare as prepare_module
+    from titan_lightning.data.prepare import plan_parts, prepare, split_part
+
+    docs = reference_documents()[:60]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:30]) + "not json\n")
+    (tmp_path / "b.txt").write_text("\n<|endoftext|>\n".join(docs[30:50]))
+    files = [tmp_path / "a.jsonl", tmp_path / "b.txt"]
+    pq = pytest.importorskip("pyarrow.parquet", reason="Parquet support is the optional [parquet] extra")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"text": docs[50:]}), tmp_path / "c.parquet")  # one row group
+    files.append(tmp_path / "c.parquet")
+    inputs = [str(f) for f in files]
+    prepare(inputs, str(tmp_path / "one"), workers=1, progress=False, shard_tokens=3000)
+    parts = plan_parts(files)
+    assert len(parts) == 3 and all(len(split_part(part, 4)) > 2 for part in parts)
+
+    real_map, real_run, pieces = prepare_module._map, prepare_module._run_part, []
+    # Two workers' jobs, run in this process (cheap, and an interruption can be placed).
+    monkeypatch.setattr(prepare_module, "_map", lambda f, jobs, path, workers, counter: real_map(f, jobs, path, 1,
+                                                                                                  counter))
+    monkeypatch.setattr(prepare_module, "MIN_PIECE_BYTES", 1)
+
+    def interrupted_at_the_sixth(job):
+        pieces.append(job[:3])
+        if len(pieces) == 6:
+            raise KeyboardInterrupt
+        return real_run(job)
+
+    monkeypatch.setattr(prepare_module, "_run_part", interrupted_at_the_sixth)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(inputs, str(tmp_path / "two"), workers=2, progress=False, shard_tokens=3000)
+    assert pieces[0][2] > 2 and pieces[5][0] > 0  # part 0 was cut into pieces, and finished
+    assert list(json.loads((tmp_path / "two" / "progress.json").read_text())["done"]) == ["0"]
+    assert not any(p.name.startswith("piece-") for p in (tmp_path / "two").iterdir())
+    monkeypatch.setattr(prepare_module, "_run_part", real_run)
+    summary = prepare(inputs, str(tmp_path / "two"), workers=2, progress=False, shard_tokens=3000)
+    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert summary["bad_records"] == 1 and summary["first_bad"] == f"{tmp_path / 'a.jsonl'}:31: not a JSON line"
+    assert len([n for n in names if n.endswith(".tokens")]) > 3  # part 0 spans shards
+    assert names == sorted(p.name for p in (tmp_path / "two").iterdir())
+    for name in names:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name

@@ -4,6 +4,7 @@ token, tool definitions and tool calls, --train-on, --max-tokens/--too-long, bad
 the sandbox, and the shards' mask files and index."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -260,6 +261,32 @@ def test_the_output_does_not_depend_on_workers_and_a_resume_renders_the_first_ru
             progress=False, chat=options)
     for name in names:
         assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes(), name
+
+
+def test_one_file_is_shared_by_two_workers_with_progress_by_bytes(folders, tmp_path, monkeypatch, capsys):
+    """A JSONL file of one part cut into pieces for two worker processes: the shards, masks and
+    index of one worker; the workers' shared counter reaches the file's bytes and the tokens
+    written, and a log (stderr not a terminal) gets progress lines with tokens/s and an ETA."""
+    records = [{"messages": [USER, {"role": "assistant", "content": f"answer {i} " * (i % 9 + 1)}]} for i in range(80)]
+    path = _jsonl(tmp_path / "chats.jsonl", records)
+    options = ChatOptions(messages_field="messages")
+    prepare([str(path)], str(tmp_path / "w1"), tokenizer_path=str(folders["qwen"]), workers=1, progress=False,
+            chat=options)
+    monkeypatch.setattr(prepare_module, "MIN_PIECE_BYTES", 1_000)
+    monkeypatch.setattr(prepare_module, "LOG_EVERY_S", 0.01)
+    counters, real_counter = [], prepare_module._counter
+    monkeypatch.setattr(prepare_module, "_counter", lambda: counters.append(real_counter()) or counters[-1])
+    summary = prepare([str(path)], str(tmp_path / "w2"), tokenizer_path=str(folders["qwen"]), workers=2,
+                      progress=True, chat=options)
+    assert len(prepare_module.split_part(prepare_module.plan_parts([path])[0], 4)) == 4
+    names = sorted(p.name for p in (tmp_path / "w1").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "w2").iterdir())
+    for name in names:
+        assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "w2" / name).read_bytes(), name
+    assert counters[0][:] == [path.stat().st_size, summary["tokens"]]
+    lines = capsys.readouterr().err.splitlines()
+    assert lines and all(re.fullmatch(r"prepare: [\d.]+k?B of [\d.]+kB \(\d+%\), [\d,]+ tokens/s, ETA (\S+ s|\?)", line)
+                         for line in lines), lines
 
 
 def test_prompt_response_pairs_through_the_template_or_as_plain_text(folders, tmp_path):
