@@ -44,7 +44,7 @@ from titan_lightning.config import ConfigError
 from titan_lightning.data.chat import compile_template, read_chat_template
 from titan_lightning.data.tokenizer import Tokenizer, load_tokenizer
 from titan_lightning.models.common.decoder import decoder_class
-from titan_lightning.models.common.hf_config import CONFIG_FILE
+from titan_lightning.models.common.hf_config import CONFIG_FILE, read_json_object
 from titan_lightning.models.common.kv_cache import KVCache, cached_attentions
 from titan_lightning.models.common.moe import reset_moe_buffers
 from titan_lightning.pretrained import GENERATION_FILE, read_hf_model
@@ -109,10 +109,10 @@ def read_sampling(folder: Optional[Path], options: argparse.Namespace, fallback_
     eos_token_id, else the tokenizer's end-of-text id), then the command line's flags."""
     settings: dict[str, Any] = {}
     if folder is not None and (folder / GENERATION_FILE).is_file():
-        settings = _read_json(folder / GENERATION_FILE)
+        settings = read_json_object(folder / GENERATION_FILE)
     eos = settings.get("eos_token_id")
     if eos is None and folder is not None and (folder / CONFIG_FILE).is_file():
-        eos = _read_json(folder / CONFIG_FILE).get("eos_token_id")
+        eos = read_json_object(folder / CONFIG_FILE).get("eos_token_id")
     eos = [fallback_eos] if eos is None else eos if isinstance(eos, list) else [eos]
     values = {name: settings.get(name) if settings.get(name) is not None else default
               for name, default in HF_DEFAULTS.items()}
@@ -126,16 +126,6 @@ def read_sampling(folder: Optional[Path], options: argparse.Namespace, fallback_
     if options.max_new_tokens is not None:
         values["max_new_tokens"] = options.max_new_tokens
     return Sampling(**values, eos_ids=frozenset(int(i) for i in eos))
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise GenerateError(f"{path}: not a JSON file ({' '.join(str(err).split())[:200]})") from None
-    if not isinstance(value, dict):
-        raise GenerateError(f"{path}: expected a JSON object, got {type(value).__name__}")
-    return value
 
 
 # -- decoding -------------------------------------------------------------------------------
@@ -338,7 +328,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--prompt", help="the text to continue (required)")
     else:
         parser.add_argument("--system", help="a system message opening the conversation")
-    parser.add_argument("--max-new-tokens", type=int, help=f"(default: generation_config.json's, else {MAX_NEW_TOKENS})")
+    parser.add_argument("--max-new-tokens", type=int,
+                        help=f"(default: generation_config.json's, else {MAX_NEW_TOKENS})")
     parser.add_argument("--temperature", type=float, help="> 0; sets sampling on")
     parser.add_argument("--top-p", type=float, help="in (0, 1]; sets sampling on")
     parser.add_argument("--top-k", type=int, help=">= 0 (0: every token); sets sampling on")
@@ -372,12 +363,21 @@ def main(command: str, argv: list[str], parse_run: Optional[Callable] = None) ->
     found = find_model(options.model, run_argv, parse_run)
     sampling = read_sampling(found.settings_folder, options, found.tokenizer.eot_id)
     generator = torch.Generator().manual_seed(options.seed)
-    if command == "generate":
+    try:
+        if command == "generate":
+            ids = prompt_ids(found.tokenizer, options.prompt)
+            if len(ids) >= found.args.max_seq_len:
+                raise GenerateError(f"--prompt is {len(ids)} tokens; the model takes at most {found.args.max_seq_len} "
+                                    f"(max_position_embeddings), with room for what it generates")
+            found.load(device, dtype)
+            return _generate(found, ids, sampling, generator)
+        render = chat_template(found)
+        render([{"role": "user", "content": "Hi."}])  # a template that fails on the first turn: before the load
         found.load(device, dtype)
-        return _generate(found, options.prompt, sampling, generator)
-    render = chat_template(found)
-    found.load(device, dtype)
-    return chat(found, render, sampling, generator, system=options.system)
+        return chat(found, render, sampling, generator, system=options.system)
+    except KeyboardInterrupt:  # Ctrl-C: the end of the session, not an error
+        _print("\n")
+        return 130
 
 
 def _device(options: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
@@ -391,10 +391,9 @@ def _device(options: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
     return device, dtype
 
 
-def _generate(loaded: Loaded, prompt: str, sampling: Sampling, generator: torch.Generator) -> int:
+def _generate(loaded: Loaded, ids: list[int], sampling: Sampling, generator: torch.Generator) -> int:
+    """Print what follows the prompt's ``ids`` as it comes; its speed on stderr."""
     tokenizer = loaded.tokenizer
-    ids = prompt_ids(tokenizer, prompt)
-    _check_fits(len(ids), loaded.model)
     stream, started, count = TextStream(tokenizer), time.perf_counter(), 0
     with Session(loaded.model) as session:
         for token in generate_tokens(session, ids, sampling, generator):
@@ -429,7 +428,8 @@ def chat_template(found: Loaded) -> Callable[[list[dict]], str]:
         try:
             return compiled.render(messages=messages, add_generation_prompt=True, **special)
         except Exception as err:  # noqa: BLE001 - a template is code from a downloaded folder: any error is its own
-            raise GenerateError(f"chat: the chat template ({origin}) fails: {' '.join(str(err).split())[:200]}") from None
+            message = " ".join(str(err).split())[:200] or type(err).__name__
+            raise GenerateError(f"chat: the chat template ({origin}) fails: {message}") from None
 
     return render
 
@@ -454,7 +454,10 @@ def chat(loaded: Loaded, render: Callable[[list[dict]], str], sampling: Sampling
                 continue
             messages.append({"role": "user", "content": line.rstrip("\n")})
             ids = tokenizer.encode(render(messages))
-            _check_fits(len(ids), loaded.model)
+            if len(ids) >= session.max_len:
+                print(f"titan-lightning: chat: the conversation is {len(ids)} tokens, the model takes "
+                      f"{session.max_len} (max_position_embeddings); start a new chat", file=sys.stderr, flush=True)
+                return 1
             stream, reply = TextStream(tokenizer), []
             for token in generate_tokens(session, ids, sampling, generator):
                 if token in sampling.eos_ids:
@@ -463,12 +466,6 @@ def chat(loaded: Loaded, render: Callable[[list[dict]], str], sampling: Sampling
                 _print(stream.push(token))
             _print(stream.end() + "\n")
             messages.append({"role": "assistant", "content": tokenizer.decode(reply)})
-
-
-def _check_fits(n: int, model: torch.nn.Module) -> None:
-    if n >= model.args.max_seq_len:
-        raise GenerateError(f"the prompt is {n} tokens; the model takes at most {model.args.max_seq_len} "
-                            f"(max_position_embeddings), with room for what it generates")
 
 
 def _print(text: str) -> None:

@@ -31,6 +31,11 @@ def read_config_json(folder: Path) -> dict[str, Any]:
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
         raise ConfigError(f"{path}: no {CONFIG_FILE}; a Hugging Face model folder has one (save_pretrained writes it)")
+    return read_json_object(path)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path`` (config.json, generation_config.json); one-line errors otherwise."""
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as err:
