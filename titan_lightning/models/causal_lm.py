@@ -45,6 +45,13 @@ def _local(loss: torch.Tensor) -> torch.Tensor:
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
+def _label_copies(mesh) -> int:
+    """How many ranks hold each label: the tensor-parallel ones hold the same (context-parallel
+    ranks hold slices, pipeline stages before the last none)."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return next((mesh[name].size() for name in ("tp", "tensor_parallel") if name in names), 1)
+
+
 class CausalLMModule(L.LightningModule):
     """A causal language model trained on {"input_ids", "labels"} batches.
 
@@ -268,7 +275,7 @@ class CausalLMModule(L.LightningModule):
         self._step_losses = [loss]
         self._step_tokens = tokens
         self.log("train/loss", loss)
-        self.log("train/supervised_tokens", tokens.float())
+        self.log("train/supervised_tokens", tokens.float() / _label_copies(self.device_mesh))
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss = _local(self.loss_fn(self.loss_input(batch["input_ids"], batch.get("position_ids")), batch["labels"]))

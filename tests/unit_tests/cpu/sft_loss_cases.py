@@ -1,7 +1,7 @@
 """Loss-masked training (``data.sft``) on any layout: the debug Llama cut small, fed batches whose rows
 hold very different numbers of supervised tokens (3, 59, none, 11 of 64), so that a loss averaged per
 microbatch or per rank would differ from the one-process run. Each rank returns, per step, the
-logged loss and a fingerprint of every parameter's gradient after the step's normalization
+logged loss and supervised token count and a fingerprint of every parameter's gradient after the step's normalization
 (its norm and its dot product with a fixed random tensor). Run in-process for one rank, and on 2
 ranks through titan_lightning.testing.spawn by test_sft_loss.py.
 """
@@ -97,10 +97,12 @@ def sft_run(rank: int = 0, world_size: int = 1, *, degrees: Optional[dict] = Non
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if "train/loss" in trainer.callback_metrics and len(recorded) > len(losses):
                 losses.append(trainer.callback_metrics["train/loss"].item())
+                tokens.append(trainer.callback_metrics["train/supervised_tokens"].item())
 
     losses: list[float] = []
+    tokens: list[float] = []
     trainer.callbacks.append(Losses())
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
-    for entry, loss in zip(recorded, losses, strict=True):
-        entry["loss"] = loss
+    for entry, loss, count in zip(recorded, losses, tokens, strict=True):
+        entry["loss"], entry["supervised_tokens"] = loss, count
     return {"steps": recorded}

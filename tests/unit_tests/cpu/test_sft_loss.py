@@ -6,6 +6,9 @@ The parallel layouts (FSDP2, FSDP2 x TP2, CP2, PP2, EP2, accumulation) are entri
 integration suites (the llama3_sft_* features, qwen3_moe_sft_fsdp2_ep2); sft_loss_cases.sft_run
 also runs on 2 ranks through titan_lightning.testing.spawn for debugging a layout alone."""
 
+import os
+from pathlib import Path
+
 import pytest
 
 import sft_loss_cases as cases
@@ -54,3 +57,19 @@ def test_a_step_without_supervised_tokens_stops_the_run_naming_it():
     step, a checkpoint, the end of training) before any checkpoint of it, saying why."""
     with pytest.raises(ValueError, match="step 1 had no supervised token on any rank"):
         cases.sft_run(spans=[(0, 0)] * cases.ROWS)
+
+
+@pytest.mark.parametrize("degrees", [{"tp": 2}, {"cp": 2}], ids=["tp2", "cp2"])
+def test_the_logged_supervised_tokens_count_each_token_once(one_process, degrees, tmp_path):
+    """TP ranks hold the same labels, CP ranks slices of them: on 2 gloo ranks the logged
+    ``train/supervised_tokens`` (and the loss) are the one-process run's."""
+    from titan_lightning.testing.spawn import run_function
+
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    ranks = run_function("sft_loss_cases:sft_run", 2, out_dir=tmp_path, timeout=300, env={"PYTHONPATH": path},
+                         init_process_group=False, degrees=degrees)
+    want = [step["supervised_tokens"] for step in one_process["steps"]]
+    assert want[0] == sum(b - a for a, b in cases.SPANS)
+    for rank in ranks:
+        assert [step["supervised_tokens"] for step in rank["steps"]] == want
+        _assert_same(rank, one_process)
