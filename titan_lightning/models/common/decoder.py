@@ -192,14 +192,16 @@ class Decoder(nn.Module):
         head_dim = getattr(args, "head_dim", None) or args.dim // args.n_heads
         return matmul, args.n_layers * args.n_heads * 2 * head_dim
 
-    def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None, *,
+                varlen_offsets: Optional[tuple[torch.Tensor, int]] = None) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, vocab_size], in the dtype of the parameters; with
         ``head_in_loss``, the final norm's hidden states [B, S, dim] instead (the loss then calls
         ``output(h, labels=...)``). ``position_ids`` [B, S] (each token's position in its document)
         serve ``args.mask`` / ``args.positions`` (models/common/masking.py); the defaults do not read
         them. A pipeline stage before the last (no ``output``) then hands them on with its hidden
-        states."""
-        documents = documents_for(self.args, position_ids, tokens)
+        states. ``varlen_offsets``: varlen attention's (cu_seqlens, longest document) of the batch,
+        when the caller computed them (on the host: no wait for the device)."""
+        documents = documents_for(self.args, position_ids, tokens, offsets=varlen_offsets)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, **_documents(documents))

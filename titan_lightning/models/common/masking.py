@@ -59,11 +59,13 @@ class Documents(NamedTuple):
     sliding: Any = None  # ... their mask: sdpa [B or 1, 1, S, S] bool, flex a BlockMask
 
 
-def documents_for(args, position_ids: Optional[torch.Tensor], tokens: torch.Tensor) -> Optional[Documents]:
+def documents_for(args, position_ids: Optional[torch.Tensor], tokens: torch.Tensor,
+                  offsets: Optional[tuple[torch.Tensor, int]] = None) -> Optional[Documents]:
     """``Documents`` for model args ``args`` (their ``mask``, ``positions`` and ``attention``) and a
     batch whose first two dims are [B, S] (``tokens``: ids, or a pipeline stage's hidden states);
     None for the causal, global sdpa default. A one-line error when the mask or positions need
-    boundaries the batch does not carry."""
+    boundaries the batch does not carry. ``offsets``: varlen's (cu_seqlens, longest document) of
+    ``position_ids`` already computed (``varlen_offsets`` on the batch's host copy)."""
     block_causal = getattr(args, "mask", "causal") == "block_causal"
     per_document = getattr(args, "positions", "global") == "per_document"
     kernel = getattr(args, "attention", "sdpa")
@@ -86,7 +88,7 @@ def documents_for(args, position_ids: Optional[torch.Tensor], tokens: torch.Tens
         sliding = None if window is None else flex_block_mask(boundaries, B, S, tokens.device, window)
         return documents._replace(block_mask=flex_block_mask(boundaries, B, S, tokens.device), sliding=sliding)
     if kernel == "varlen":
-        cu_seqlens, max_len = varlen_offsets(boundaries, B, S, tokens.device)
+        cu_seqlens, max_len = offsets if offsets is not None else varlen_offsets(boundaries, B, S, tokens.device)
         return documents._replace(cu_seqlens=cu_seqlens, max_len=max_len)
     return documents._replace(mask=block_causal_mask(position_ids) if block_causal else None,
                               sliding=None if window is None else sliding_mask(boundaries, S, window, tokens.device))

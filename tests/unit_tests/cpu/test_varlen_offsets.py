@@ -1,0 +1,49 @@
+"""varlen attention's document offsets come from the batch's host copy (CausalLMModule.
+on_before_batch_transfer), so that the forward does not wait for the device to read them: the
+same cu_seqlens and longest document the device path computes, handed to the model's Documents;
+batches that must not carry them (other kernels and masks, pipeline parallelism) are left alone.
+The kernel itself is CUDA-only: tests/unit_tests/gpu/test_varlen_host_offsets.py runs a step both ways."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from recipes.llama3 import debugmodel
+from titan_lightning.models.common.masking import documents_for
+
+# Row 0: documents of 5, 1, 9 and 17 tokens; row 1: one document filling the window.
+POSITIONS = torch.tensor([list(range(5)) + [0] + list(range(9)) + list(range(17)), list(range(32))])
+
+
+def _module(**model):
+    run = debugmodel()
+    job = run.job
+    job = dataclasses.replace(job, model=dataclasses.replace(job.model, **model))
+    run.set_job(job)
+    return run.module
+
+
+def test_a_varlen_batch_gets_the_offsets_the_device_would_compute():
+    module = _module(attention="varlen", mask="block_causal", positions="per_document")
+    batch = {"input_ids": torch.zeros_like(POSITIONS), "labels": torch.zeros_like(POSITIONS), "position_ids": POSITIONS}
+    out = module.on_before_batch_transfer(batch, 0)
+    assert out["cu_seqlens"].tolist() == [0, 5, 6, 15, 32, 64]
+    assert out["cu_seqlens"].dtype == torch.int32 and out["max_seqlen"] == 32
+    assert set(batch) == {"input_ids", "labels", "position_ids"}  # the loader's batch is not changed
+    on_device = documents_for(module.job.model, POSITIONS, batch["input_ids"])
+    given = documents_for(module.job.model, POSITIONS, batch["input_ids"], offsets=(out["cu_seqlens"], out["max_seqlen"]))
+    assert torch.equal(given.cu_seqlens, on_device.cu_seqlens) and given.max_len == on_device.max_len
+
+
+@pytest.mark.parametrize("model, pp", [
+    (dict(attention="sdpa", mask="block_causal", positions="per_document"), 1),
+    (dict(attention="varlen", mask="causal"), 1),  # one document per row: no host read to save
+    (dict(attention="varlen", mask="block_causal", positions="per_document"), 2),  # the schedule splits batches
+])
+def test_other_batches_are_left_alone(model, pp):
+    module = _module(**model)
+    if pp > 1:
+        module.job = dataclasses.replace(module.job, parallelism=dataclasses.replace(module.job.parallelism, pp=pp))
+    batch = {"input_ids": torch.zeros_like(POSITIONS), "position_ids": POSITIONS}
+    assert module.on_before_batch_transfer(batch, 0) is batch
