@@ -32,16 +32,18 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConfi
 def wsd_lambda(config: LRScheduleConfig, max_steps: int) -> Callable[[int], float]:
     """LR factor for the optimizer step with 0-based index ``step``.
 
-    Warmup rises linearly to 1 over ``warmup_steps`` (never 0, so step 0 trains);
+    Warmup rises linearly to 1 over ``warmup_steps`` (or ``warmup_ratio`` of the steps, rounded;
+    never 0, so step 0 trains);
     the last ``decay_steps`` fall towards ``min_lr_factor`` along the chosen curve (the
     factor reaches it one step after the end, so the last step still trains).
     """
     decay = None if config.decay_ratio is None else round(config.decay_ratio * max_steps)
-    warmup = min(config.warmup_steps, max_steps - (decay or 0))
-    if warmup < config.warmup_steps:
+    wanted = config.warmup_steps if config.warmup_ratio is None else round(config.warmup_ratio * max_steps)
+    warmup = min(wanted, max_steps - (decay or 0))
+    if warmup < wanted:
         # As torchtitan does: a quick debugging run keeps its decay and warms up for less.
         warnings.warn(
-            f"lr_schedule.warmup_steps={config.warmup_steps} plus {decay or 0} decay steps exceed "
+            f"lr_schedule.warmup_steps={wanted} plus {decay or 0} decay steps exceed "
             f"trainer.max_steps={max_steps}; warming up for {warmup} steps instead"
         )
     decay = max_steps - warmup if decay is None else decay

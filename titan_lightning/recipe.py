@@ -203,8 +203,8 @@ def check_inputs(command: str, run: Run, trainer: L.Trainer) -> None:
         check_export(run.module, job.checkpoint.export_format)
     run.ckpt_path = resume_path(run, trainer) if command == "fit" else None
     check = getattr(run.datamodule, "check_inputs", None)
-    if callable(check):  # last: it reads and tokenizes the corpus (kept for setup)
-        check()
+    if callable(check):  # last: it reads and tokenizes the corpus (kept for setup); a run by epochs fills a step
+        check(trainer if command == "fit" else None)
     run.inputs_checked = True
 
 

@@ -18,6 +18,7 @@ from titan_lightning.callbacks.metrics import SourceTokens
 from titan_lightning.callbacks.preemption import PreemptionCheckpoint
 from titan_lightning.callbacks.profiling import ProfileSteps
 from titan_lightning.callbacks.progress import StepProgressBar, StepRichProgressBar
+from titan_lightning.callbacks.validation import FinalValidation
 from titan_lightning.callbacks.weights import ExportWeights, LoadWeights
 from titan_lightning.config import JobConfig, validate_job
 from titan_lightning.config.validation import (
@@ -106,6 +107,8 @@ def build_trainer(run: Run) -> L.Trainer:
         callbacks.append(SourceTokens())
     if job is not None and not any(isinstance(c, PreemptionCheckpoint) for c in callbacks):
         callbacks.append(PreemptionCheckpoint())
+    if job is not None and not any(isinstance(c, FinalValidation) for c in callbacks):
+        callbacks.append(FinalValidation())
     if kwargs.get("enable_checkpointing", True) and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
         callbacks.append(checkpoint_callback(job, folder))
     if job is not None and job.checkpoint.initial_load_path is not None:

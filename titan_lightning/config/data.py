@@ -23,8 +23,13 @@ class DataConfig:
     dataset_path: Optional[str] = None
     # A `tokenizers` JSON file; None is the tokenizer shipped in titan_lightning/assets/tokenizer.
     tokenizer_path: Optional[str] = None
-    # Share of the corpus (its tail) held out for validation.
+    # Share of the corpus held out for validation: the shortest tail of whole documents (whole
+    # conversations of SFT data) holding that share of its tokens, split off before packing, the
+    # same on every run. 0: nothing held out, no validation.
     val_fraction: float = 0.05
+    # A corpus of its own to validate on (a shard set, or a text file), instead of a share of
+    # dataset_path: dataset_path then trains whole.
+    val_dataset_path: Optional[str] = None
     num_workers: int = 0
     # Repeat the training tokens until one window of seq_len + 1 fits: long-context dry
     # runs and benchmarks on a corpus shorter than one sequence (the shipped one is 128k tokens).
@@ -42,8 +47,11 @@ class DataConfig:
     sft_packing: str = "best_fit"
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction={self.val_fraction} must be in [0, 1) (0: no validation)")
+        if self.val_dataset_path is not None and self.sources:
+            raise ValueError(f"data.val_dataset_path={self.val_dataset_path!r} with data.sources: each source holds "
+                             f"out its data.val_fraction; use one or the other")
         if self.sft_packing not in SFT_PACKINGS:
             raise ValueError(f"data.sft_packing={self.sft_packing!r} is not one of {', '.join(SFT_PACKINGS)}")
         if self.num_workers < 0:

@@ -36,6 +36,9 @@ class LRScheduleConfig:
     """Warmup-stable-decay: linear warmup, constant, then decay to ``min_lr_factor * lr``."""
 
     warmup_steps: int = 200
+    # Fraction of all steps spent warming up, instead of warmup_steps (then 0): a run whose steps
+    # come from its data (trainer.max_epochs) warms up for a share of them.
+    warmup_ratio: Optional[float] = None
     # Fraction of all steps spent decaying; None decays over every step after warmup.
     decay_ratio: Optional[float] = None
     decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
@@ -44,6 +47,12 @@ class LRScheduleConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"lr_schedule.warmup_steps={self.warmup_steps!r} must be an integer >= 0")
+        if self.warmup_ratio is not None:
+            if not 0.0 <= self.warmup_ratio < 1.0:
+                raise ValueError(f"lr_schedule.warmup_ratio={self.warmup_ratio} must be in [0, 1), or None")
+            if self.warmup_steps:
+                raise ValueError(f"lr_schedule.warmup_steps={self.warmup_steps} and lr_schedule.warmup_ratio="
+                                 f"{self.warmup_ratio} both set the warmup; set warmup_steps 0 or warmup_ratio null")
         if self.decay_ratio is not None and not 0.0 <= self.decay_ratio <= 1.0:
             raise ValueError(f"lr_schedule.decay_ratio={self.decay_ratio} must be in [0, 1], or None")
         if not 0.0 <= self.min_lr_factor <= 1.0:

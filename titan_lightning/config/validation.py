@@ -420,9 +420,14 @@ def gradient_accumulation_steps(job: JobConfig, world_size: int) -> int:
 
 
 def validate_schedule(job: JobConfig, max_steps: int) -> None:
-    """The schedule is defined in steps; a too-long warmup is shortened (see optim.wsd_lambda)."""
-    if max_steps < 1:
-        raise ConfigError(f"trainer.max_steps={max_steps} must be >= 1")
+    """The schedule is defined in steps; a too-long warmup is shortened (see optim.wsd_lambda).
+    ``max_steps`` -1 (Lightning's unset) is a run by epochs: the data module derives the steps
+    from the data at setup, and a mixture of data.sources has no epochs."""
+    if max_steps == -1 and job.data.sources:
+        raise ConfigError("trainer.max_steps=-1 runs by epochs, and a mixture of data.sources is a weighted stream "
+                          "with no epochs; set trainer.max_steps")
+    if max_steps < 1 and max_steps != -1:
+        raise ConfigError(f"trainer.max_steps={max_steps} must be >= 1, or -1 to run trainer.max_epochs over the data")
 
 
 def validate_estimate(job: JobConfig, world_size: int, rank: int) -> None:

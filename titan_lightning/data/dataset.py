@@ -14,6 +14,12 @@ Data-parallel rank ``r`` of ``n`` reads global samples ``r, r + n, r + 2n, ...``
 training the global order is the concatenation of epochs, epoch ``e`` visiting every
 window once in the permutation seeded by ``(seed, e)``; in validation it is the windows
 in order, cut to a multiple of ``n`` so that every rank runs the same number of batches.
+
+A run limited by steps reads that order as one endless stream (``TrainStream``). A run limited by
+epochs (``EpochStream``) trains whole optimizer steps: each epoch is its permutation's first
+``steps_per_epoch * samples_per_step`` windows, the rest (fewer than one step, a different set each
+epoch as the order is reshuffled) left out, so that every rank runs the same number of microbatches
+and every step holds the same samples on any layout of the same global batch.
 """
 
 from typing import Iterator, Optional, Protocol, Sequence
@@ -171,6 +177,34 @@ class TrainStream(IterableDataset):
                 epoch = position // n
                 order = epoch_order(self.windows, self.seed, epoch)
             yield self.windows[int(order[position % n])]
+
+
+class EpochStream(TrainStream):
+    """One epoch of shuffled training samples of one data-parallel rank per iteration.
+
+    ``epoch_samples`` is the samples this rank trains in an epoch (steps per epoch x microbatches
+    per step x microbatch size); the ``dp_size`` ranks together take the first ``epoch_samples *
+    dp_size`` windows of each epoch's order. An iteration yields from ``start`` (this rank's samples
+    consumed over all epochs) to the end of the epoch it falls in: set ``start`` before each
+    iteration (the data module's loader does) to continue where training is.
+    """
+
+    def __init__(self, windows: TokenWindows, *, epoch_samples: int, **kwargs) -> None:
+        super().__init__(windows, **kwargs)
+        if not 0 < epoch_samples * self.dp_size <= len(windows):
+            raise ValueError(f"epoch_samples={epoch_samples} on {self.dp_size} data-parallel ranks must take "
+                             f"between 1 and the {len(windows)} windows")
+        self.epoch_samples = epoch_samples
+
+    def __len__(self) -> int:
+        return self.epoch_samples
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        epoch = self.start // self.epoch_samples
+        first = epoch * self.epoch_samples
+        order = epoch_order(self.windows, self.seed, epoch)
+        for k in _worker_positions(self.start - first, self.epoch_samples, self.batch_size):
+            yield self.windows[int(order[k * self.dp_size + self.dp_rank])]
 
 
 class ValWindows(IterableDataset):

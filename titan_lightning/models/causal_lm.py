@@ -319,8 +319,10 @@ class CausalLMModule(L.LightningModule):
     def _log_eval(self, prefix: str, prog_bar: bool = False) -> None:
         loss = self.val_loss.compute()
         self.val_loss.reset()
-        self.log(f"{prefix}/loss", loss, prog_bar=prog_bar)
-        self.log(f"{prefix}/ppl", torch.exp(loss))
+        # The metric is already the same on every rank (torchmetrics reduced it); the max over the
+        # ranks returns it unchanged, and tells Lightning it is synchronized (no sync_dist warning).
+        self.log(f"{prefix}/loss", loss, prog_bar=prog_bar, sync_dist=True, reduce_fx="max")
+        self.log(f"{prefix}/ppl", torch.exp(loss), sync_dist=True, reduce_fx="max")
 
     # -- optimization ----------------------------------------------------------------------
 

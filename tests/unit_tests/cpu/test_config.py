@@ -44,7 +44,7 @@ from titan_lightning.config.validation import gradient_accumulation_steps
         (lambda: LRScheduleConfig(warmup_steps=-1), r"lr_schedule.warmup_steps=-1 must be an integer >= 0"),
         (lambda: LRScheduleConfig(decay_ratio=1.5), r"lr_schedule.decay_ratio=1.5 must be in \[0, 1\]"),
         (lambda: LRScheduleConfig(min_lr_factor=2.0), r"lr_schedule.min_lr_factor=2.0 must be in \[0, 1\]"),
-        (lambda: DataConfig(val_fraction=0.0), r"data.val_fraction=0.0 must be in \(0, 1\)"),
+        (lambda: DataConfig(val_fraction=1.0), r"data.val_fraction=1.0 must be in \[0, 1\)"),
         (lambda: DataConfig(num_workers=-1), r"data.num_workers=-1 must be >= 0"),
         (lambda: ParallelismConfig(tp=0), r"parallelism.tp=0 must be an integer >= 1"),
         (lambda: ParallelismConfig(dp_replicate=-1), r"parallelism.dp_replicate=-1 must be an integer >= 1"),
