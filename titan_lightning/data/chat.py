@@ -13,9 +13,14 @@ markers in the template, the text they enclose (one render per conversation). Wi
 the end of the generation prompt (the conversation before the turn rendered with
 ``add_generation_prompt=True``: what the model is given at inference) through the first special
 token after the turn's content (its end of turn: ``<|eot_id|>``, ``<|im_end|>``); the turn's own
-text is found by rendering the prefixes before and up to it. A template without a generation
-prompt starts the span at the content itself. Character spans become token spans through the
-tokenizer's offsets (a token is supervised when any of its characters is).
+text is found by rendering the prefixes before and up to it. A template that adds no generation
+prompt (Mistral's ``[INST] ... [/INST] answer</s>``) gives the model the conversation before the
+turn: all that follows is supervised, the space before the answer included (what TRL's
+completion-only training after ``[/INST]`` supervises, and what {% generation %} markers around
+the whole assistant turn would mark); where it renders the turns before this one otherwise on
+their own (the system message moves to the last user turn), the span starts at the content, with
+the whitespace before it. Character spans become token spans through the tokenizer's offsets (a
+token is supervised when any of its characters is).
 
 Tool definitions (a record's ``tools``: JSON-schema function objects, or a JSON string of them)
 are the template's ``tools`` variable in every render of the conversation, as transformers'
@@ -380,7 +385,9 @@ class ChatRenderer:
             turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
             if self.options.train_on == "last_assistant":
                 turns = turns[-1:]
-            spans = [self._turn(messages, tools, i, text) for i in turns]
+            spans = []
+            for i in turns:
+                spans.append(self._turn(messages, tools, i, text, spans[-1][1] if spans else 0))
         return text, spans[-1:] if self.options.train_on == "last_assistant" else spans
 
     def _render(self, messages: list, tools: Optional[list] = None, generation_prompt: bool = False,
@@ -403,27 +410,34 @@ class ChatRenderer:
             raise TemplateFailure(f"the chat template ({self.spec.origin}) fails"
                                   f"{f' at line {line}' if line else ''}: {message}") from None
 
-    def _turn(self, messages: list, tools: Optional[list], i: int, text: str) -> Span:
+    def _turn(self, messages: list, tools: Optional[list], i: int, text: str, after: int = 0) -> Span:
         """The supervised span of assistant turn ``i`` in ``text`` (a template without markers):
-        from the end of its generation prompt (else from its content) through the end-of-turn token
-        after its content. One render per turn for a template the probe understood; two or three
-        otherwise."""
-        end, start = len(text), None
+        from the end of what the model is given at inference (the conversation before the turn,
+        with the generation prompt when the template adds one) through the end-of-turn token after
+        its content. A template that adds no prompt and renders the turns before this one
+        otherwise on their own (Mistral's puts the system message into the last user turn): from
+        the content, found after ``after`` (the previous turn's end), and the whitespace before it.
+        One render per turn for a template the probe understood; two or three otherwise."""
+        end, start, adds = len(text), None, False
         if self._end_of_turn is None:  # bound the turn by rendering the conversation up to it
             upto = self._render(messages[:i + 1], tools)
             end = len(upto) if text.startswith(upto) else end
         if self._generation_prompt is not False:
             prompt = self._render(messages[:i], tools, generation_prompt=True)
-            adds = self._generation_prompt or prompt != self._render(messages[:i], tools)  # None: the probe failed
+            adds = bool(self._generation_prompt) or prompt != self._render(messages[:i], tools)  # None: no probe
             if adds and text.startswith(prompt) and len(prompt) <= end:
                 start = len(prompt)
-        origin = start
+        origin, loose = start, False
         if origin is None:
             before = self._render(messages[:i], tools)
-            if not text.startswith(before):
+            if text.startswith(before):
+                origin = len(before)
+                start = None if adds else origin  # no generation prompt: all that follows is the model's
+            elif not adds:
+                origin, loose = after, True
+            else:
                 raise BadRecord(f"message {i}: the chat template renders the conversation before it differently "
                                 f"from the start of the whole one; mark what to train on with {{% generation %}}")
-            origin = len(before)
         content = messages[i].get("content", "")  # none: a turn that only calls tools
         content_end = None
         # The content's first occurrence after the generation prompt; without one (the search then
@@ -434,6 +448,8 @@ class ChatRenderer:
             if found >= 0:
                 content_end = found + len(needle)
                 start = found if start is None else start
+                while loose and start > origin and text[start - 1].isspace():
+                    start -= 1
                 break
         if content_end is None:
             if start is None:

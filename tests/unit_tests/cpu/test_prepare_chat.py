@@ -133,6 +133,39 @@ def test_a_template_with_generation_markers_gives_the_mask_of_the_same_template_
                  train_on == "assistant" else ["It is sunny.<|im_end|>"] if conversation == MULTI_TURN else [])
 
 
+def test_a_template_without_a_generation_prompt_supervises_what_the_model_writes_after_the_prompt(tmp_path):
+    """Mistral-style ([INST] ... [/INST] answer</s>, no generation prompt): given "...[/INST]" at
+    inference, the model writes " answer</s>", the space included, in every turn (also where the
+    template moves the system message into the last user turn): the mask of the same template with
+    {% generation %} around the assistant's text, and transformers' assistant mask of that one."""
+    from transformers import AutoTokenizer
+
+    folder = _tokenizer_folder(tmp_path / "mistral", ["<s>", "</s>", "[INST]", "[/INST]"],
+                               {"bos_token": "<s>", "eos_token": "</s>"})
+    template = (TEMPLATES / "mistral_v0.3_like.jinja").read_text()
+    answer = '{{- " " + message["content"]|trim + eos_token }}'
+    marked = template.replace(answer, "{% generation %}" + answer + "{% endgeneration %}")
+    assert marked != template
+    second = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "It is sunny."}]
+    renderer = _renderer(folder, template)
+    assert renderer._generation_prompt is False
+    for conversation in ([USER, ANSWER, *second], [SYSTEM, USER, ANSWER, *second]):
+        text, spans = renderer.render(conversation)  # characters: whatever the tokens are
+        assert [text[a:b] for a, b in spans] == [" 4.</s>", " It is sunny.</s>"]
+    assert _runs(renderer, [SYSTEM, USER, ANSWER]) == [(0, "<s>[INST] You are terse.\n\nWhat is 2+2?[/INST]"),
+                                                       (1, " 4.</s>")]
+    assert _runs(renderer, [SYSTEM, USER, ANSWER, *second]) == [
+        (0, "<s>[INST] What is 2+2?[/INST]"), (1, " 4.</s>"), (0, "[INST] You are terse.\n\nWeather?[/INST]"),
+        (1, " It is sunny.</s>")]
+    hf = AutoTokenizer.from_pretrained(str(folder))
+    for conversation in ([USER, ANSWER], [SYSTEM, USER, ANSWER, *second], [USER, ANSWER, *second]):
+        (ids, mask), = renderer.encode([renderer.render(conversation)])
+        assert _runs(_renderer(folder, marked), conversation) == _runs(renderer, conversation)
+        theirs = hf.apply_chat_template(conversation, chat_template=marked, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+        assert ids.tolist() == list(theirs["input_ids"]) and mask.tolist() == list(theirs["assistant_masks"])
+
+
 def test_the_mask_from_span_ends_equals_the_rule_on_every_token(folders):
     """token_mask (char_to_token at each span's ends) is the every-token rule: a token is
     supervised when any of its characters is; also where a span starts or ends inside a token."""
