@@ -8,12 +8,16 @@ tokenizer, and exports a folder ``from_pretrained`` loads (runs/hf_pretrained/<t
     titan-lightning prepare --chat --input chats.jsonl --tokenizer DIR --output data/sft
     titan-lightning fit --recipe recipes.hf:sft --job.checkpoint.initial_load_path DIR --job.data.dataset_path data/sft
 
-fine-tunes it on chat or instruction data (README "Fine-tuning").
+fine-tunes it on chat or instruction data (README "Fine-tuning"). On a GPU both choose their
+precision, compilation, attention kernel and sizes for the device (titan_lightning/device_defaults.py);
+any field given explicitly is kept.
 """
 
 from dataclasses import replace
 
 from titan_lightning.config import CheckpointConfig, DataConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig
+from titan_lightning.device_defaults import for_device
+from titan_lightning.estimate import estimate
 from titan_lightning.pretrained import read_hf_model
 from titan_lightning.recipe import Run, family_run
 
@@ -26,13 +30,13 @@ def pretrained(initial_load_path: str) -> Run:
     model = read_hf_model(initial_load_path)
     folder = model.folder
     seq_len = min(2048, model.args.max_seq_len)
-    return family_run(
+    return for_device(family_run(
         model.job_class, model.module_class, model.args,
         training=TrainingConfig(seq_len=seq_len, tokens_per_microbatch_per_dp_rank=seq_len),
         optimizer=OptimizerConfig(lr=2e-5), lr_schedule=LRScheduleConfig(warmup_steps=10),
         data=DataConfig(tokenizer_path=str(folder) if (folder / "tokenizer.json").is_file() else None),
         checkpoint=CheckpointConfig(initial_load_path=str(folder), initial_load_format="hf", export_format="hf"),
-    )
+    ), estimate)
 
 
 def sft(initial_load_path: str, dataset_path: str) -> Run:
@@ -46,7 +50,7 @@ def sft(initial_load_path: str, dataset_path: str) -> Run:
     model = read_hf_model(initial_load_path)
     folder = model.folder
     seq_len = min(2048, model.args.max_seq_len)
-    return family_run(
+    return for_device(family_run(
         model.job_class, model.module_class, replace(model.args, mask="block_causal", positions="per_document"),
         training=TrainingConfig(seq_len=seq_len, tokens_per_microbatch_per_dp_rank=seq_len),
         optimizer=OptimizerConfig(lr=2e-5, weight_decay=0.01, decay_norms_and_biases=False),
@@ -54,4 +58,4 @@ def sft(initial_load_path: str, dataset_path: str) -> Run:
         data=DataConfig(dataset_path=dataset_path, sft=True,
                         tokenizer_path=str(folder) if (folder / "tokenizer.json").is_file() else None),
         checkpoint=CheckpointConfig(initial_load_path=str(folder), initial_load_format="hf", export_format="hf"),
-    )
+    ), estimate)

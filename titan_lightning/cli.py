@@ -58,6 +58,7 @@ import lightning as L
 from titan_lightning.checkpoint import CheckpointError
 from titan_lightning.config import ConfigError, JobConfig
 from titan_lightning.data.prepare import main as prepare_main
+from titan_lightning.device_defaults import explicit_line, named_fields
 from titan_lightning.generate import COMMANDS as GENERATE_COMMANDS
 from titan_lightning.generate import main as generate_main
 from titan_lightning.parallel.mesh import release_dtensor_caches
@@ -232,11 +233,15 @@ def parse_run(argv: list[str]) -> Optional[Run]:
         namespace = parser.parse_args(argv)
     except argparse.ArgumentError as err:
         raise UsageError(_describe_parse_error(str(err), run, config)) from None
+    named = named_fields(argv, config.text if config is not None else None)  # (kept by the device's choice)
     if namespace.print_config:
         namespace.print_config = False
         print(parser.dump(namespace, skip_validation=True), end="")
+        if run.device_choice is not None and named:
+            print(explicit_line(named))
         return None
     apply_namespace(run, parser, namespace)
+    run.explicit = named
     return run
 
 

@@ -1,5 +1,5 @@
 """Speed settings chosen for the device a run gets, for the runs whose recipe asks for them
-(``for_device(run)``: recipes.hf:sft and recipes.hf:pretrained). ``build_trainer`` applies the
+(``for_device(run, estimate)``: recipes.hf:sft and recipes.hf:pretrained). ``build_trainer`` applies the
 choice once, when the Trainer knows the device and before the job is validated.
 
 On a CUDA GPU:
@@ -85,10 +85,21 @@ class Choice:
     line: Optional[str]  # what was chosen and why; None where nothing is chosen (not a GPU)
 
 
-def for_device(run):
-    """Let the device ``run`` gets choose its speed settings at launch (``build_trainer``); the
-    run's job as it is now is the recipe's (fields that differ from it at launch are the user's)."""
-    run.device_choice = copy.deepcopy(run.job)
+@dataclass(frozen=True)
+class ForDevice:
+    """A run's leave to its device to choose: the job as the recipe set it, and the estimator that
+    sizes the choice (``titan_lightning.estimate.estimate``: the recipe imports it, so that only runs
+    that choose load it)."""
+
+    recipe: JobConfig
+    estimate: Callable
+
+
+def for_device(run, estimate: Callable):
+    """Let the device ``run`` gets choose its speed settings at launch (``build_trainer``), sized by
+    ``estimate``; the run's job as it is now is the recipe's (fields that differ from it at launch
+    are the user's)."""
+    run.device_choice = ForDevice(copy.deepcopy(run.job), estimate)
     return run
 
 
@@ -232,7 +243,7 @@ def explicit_fields(run) -> set[str]:
             names.update(f for f in FIELDS if given in ("job", f"job.{f}") or f"job.{f}".startswith(given + "."))
     if run.trainer.get("precision") is not None:
         names.update(PRECISION)
-    recipe = run.device_choice
+    recipe = run.device_choice.recipe if run.device_choice is not None else None
     names.update(f for f in FIELDS if recipe is not None and _field(run.job, f) != _field(recipe, f))
     return names
 
@@ -277,11 +288,9 @@ def apply(run, trainer) -> None:
 
 
 def _estimator(run, world_size: int) -> Callable[[JobConfig], int]:
-    from titan_lightning.estimate import estimate  # (start-up time: fake tensors load for a GPU run only)
-
     def peak(job: JobConfig) -> int:
         module = type(run.module)(copy.deepcopy(job))
-        return estimate(dataclasses.replace(run, module=module, datamodule=None, trainer=dict(run.trainer)),
-                        world_size).peak
+        return run.device_choice.estimate(dataclasses.replace(run, module=module, datamodule=None,
+                                                              trainer=dict(run.trainer)), world_size).peak
 
     return peak

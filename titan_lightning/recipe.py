@@ -65,6 +65,11 @@ class Run:
     # Set by check_inputs before launch: the checkpoint fit resumes from (None: a fresh start).
     ckpt_path: Optional[str] = None
     inputs_checked: bool = False
+    # The recipe's leave to the run's device to choose the speed settings (device_defaults.for_device:
+    # the job as the recipe set it; applied by build_trainer); None: the run trains as set everywhere.
+    device_choice: Optional[Any] = None
+    # The fields the command line named (job.training.seq_len, trainer.precision): that choice keeps them.
+    explicit: set[str] = field(default_factory=set)
 
     @property
     def job(self) -> Optional[JobConfig]:

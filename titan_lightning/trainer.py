@@ -13,6 +13,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
+from titan_lightning import device_defaults
 from titan_lightning.callbacks import TrainingMetrics
 from titan_lightning.callbacks.metrics import SourceTokens
 from titan_lightning.callbacks.preemption import PreemptionCheckpoint
@@ -122,6 +123,9 @@ def build_trainer(run: Run) -> L.Trainer:
         callbacks = _progress_bar(callbacks)
     kwargs["callbacks"] = callbacks
     trainer = L.Trainer(**kwargs)
+    if job is not None and run.device_choice is not None:  # (the device is known; the job not yet checked)
+        device_defaults.apply(run, trainer)
+        job = run.job
     if isinstance(trainer.strategy, TitanStrategy):  # (the job with the module, once)
         trainer.strategy.check_module(run.module, max_steps=trainer.max_steps)
     elif job is not None:

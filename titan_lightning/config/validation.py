@@ -59,6 +59,7 @@ def _check_job(job: JobConfig, *, world_size: int, max_steps: Optional[int], fak
         validate_schedule(job, max_steps)
     if device_type is not None:
         validate_attention_kernel(job, device_type)
+        validate_gpu(job, device_type)
         validate_sliding_kernel(job)
         validate_float8_device(job, device_type, fake_pg=fake_pg)
     job.check_family()
@@ -349,6 +350,38 @@ def validate_attention_kernel(job: JobConfig, device_type: str) -> None:
     if kernel == "flex" and device_type == "cpu":
         raise ConfigError("model.attention='flex' cannot train on 'cpu': torch has no FlexAttention backward there; "
                           "use 'sdpa' (block_causal through a dense mask) or a GPU")
+    if kernel == "varlen" and job.training.mixed_precision_param == "float32":
+        raise ConfigError("model.attention='varlen' runs FlashAttention in bf16 only, and "
+                          "training.mixed_precision_param='float32' computes in fp32: add --trainer.precision "
+                          "bf16-mixed, or use model.attention 'flex' or 'sdpa'")
+
+
+def validate_gpu(job: JobConfig, device_type: str, capability: Optional[tuple[int, int]] = None,
+                 triton: Optional[bool] = None) -> None:
+    """bf16 and compiled kernels on a GPU of compute ``capability`` (default: the current CUDA
+    device's) with ``triton`` installed or not (default: whether it is)."""
+    t, c = job.training, job.compile
+    bf16 = "bfloat16" in (t.dtype, t.mixed_precision_param)
+    inductor = c.enable and c.backend == "inductor"
+    if device_type != "cuda" or not (bf16 or inductor):
+        return
+    if capability is None:
+        import torch
+
+        capability = torch.cuda.get_device_capability()
+    if triton is None:
+        import importlib.util
+
+        triton = importlib.util.find_spec("triton") is not None
+    if bf16 and tuple(capability) < (8, 0):
+        field = "training.dtype" if t.dtype == "bfloat16" else "training.mixed_precision_param"
+        raise ConfigError(f"{field}='bfloat16' needs a GPU with bf16 (compute capability 8.0 or newer), this one is "
+                          f"{capability[0]}.{capability[1]}: use --trainer.precision 32-true")
+    if inductor and (not triton or tuple(capability) < (7, 0)):
+        why = "triton is not installed" if not triton else f"this GPU is {capability[0]}.{capability[1]}"
+        raise ConfigError(f"compile.enable=True with compile.backend='inductor' makes Triton kernels, which need "
+                          f"triton and a GPU of compute capability 7.0 or newer, and {why}: set --job.compile.enable "
+                          f"false")
 
 
 def validate_float8_device(job: JobConfig, device_type: str, capability: Optional[tuple[int, int]] = None, *,

@@ -169,7 +169,7 @@ def test_on_cpu_the_sft_recipe_trains_as_the_recipe_set_it(folder, tmp_path, mon
     monkeypatch.delenv(RUN_DIR_ENV, raising=False)
     run = cli.parse_run(sft_argv(folder))
     build_trainer(run)
-    assert run.job == run.device_choice and run.job.training.mixed_precision_param == "float32"
+    assert run.job == run.device_choice.recipe and run.job.training.mixed_precision_param == "float32"
 
 
 def fake_gpu(monkeypatch, device: Device) -> None:
