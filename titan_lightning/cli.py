@@ -43,7 +43,6 @@ import select
 import stat
 import sys
 import traceback
-import types
 import typing
 import warnings
 from contextlib import contextmanager
@@ -59,6 +58,7 @@ from titan_lightning.checkpoint import CheckpointError
 from titan_lightning.config import ConfigError, JobConfig
 from titan_lightning.data.prepare import main as prepare_main
 from titan_lightning.device_defaults import explicit_line, named_fields
+from titan_lightning.flags import OPTIONS, SUBCOMMANDS, section_type
 from titan_lightning.generate import COMMANDS as GENERATE_COMMANDS
 from titan_lightning.generate import main as generate_main
 from titan_lightning.parallel.mesh import release_dtensor_caches
@@ -66,8 +66,6 @@ from titan_lightning.pretrained import check_initial_hf_weights
 from titan_lightning.recipe import RECIPE_PARAMETERS, Run, RecipeError, build_run, check_inputs, execute
 from titan_lightning.trainer import build_trainer
 
-SUBCOMMANDS = ("fit", "validate", "test", "estimate", "prepare", *GENERATE_COMMANDS)
-OPTIONS = ("--recipe", "--config", "--print_config", "--job", "--trainer")
 # Trainer arguments that hold objects: a recipe sets them, the command line does not.
 # (`strategy` is on the command line as a registry name or a class path, see build_parser.)
 _OBJECT_ARGS = ("plugins",)
@@ -525,23 +523,11 @@ def _check_section(config: ConfigFile, key: str, value: Any, current: Any, cls: 
         if field.name not in value:
             continue
         child = getattr(current, field.name, None)
-        child_cls, child_optional = _section_type(hints.get(field.name))
+        child_cls, child_optional = section_type(hints.get(field.name))
         if dataclasses.is_dataclass(child) and not isinstance(child, type):
             child_cls = type(child)  # a family narrows a field's type (job.model)
         if child_cls is not None:
             _check_section(config, f"{key}.{field.name}", value[field.name], child, child_cls, child_optional)
-
-
-def _section_type(hint: Any) -> tuple[Optional[type], bool]:
-    """(the dataclass a field holds, whether it may be None), or (None, False) for other fields."""
-    optional = False
-    if typing.get_origin(hint) in (Union, types.UnionType):
-        members = [a for a in typing.get_args(hint) if a is not type(None)]
-        optional = len(members) < len(typing.get_args(hint))
-        hint = members[0] if len(members) == 1 else None
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return hint, optional
-    return None, False
 
 
 def _yaml_value(value: Any) -> str:

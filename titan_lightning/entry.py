@@ -1,15 +1,22 @@
 """The ``titan-lightning`` console script. ``prepare`` runs without loading torch or Lightning (it
 needs neither: tokenizers, Jinja2 and numpy), which saves the ~10 s a 2-core machine spends
-importing them; every other command, and a ``prepare`` that fails, go through
-titan_lightning/cli.py (the same messages and exit statuses)."""
+importing them, and a bad flag of any command is refused before they load (titan_lightning/flags.py);
+every other command, and a ``prepare`` that fails, go through titan_lightning/cli.py (the same
+messages and exit statuses)."""
 
 import os
 import sys
 from typing import Optional, Sequence
 
+from titan_lightning.flags import refusal
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    message = refusal(args)
+    if message is not None:  # (cli._report's line, without the imports behind it)
+        print(f"titan-lightning: error: {message}", file=sys.stderr, flush=True)
+        return 2
     if not args or args[0] != "prepare":
         from titan_lightning.cli import main as cli_main  # start-up time: torch and Lightning only when training
 
