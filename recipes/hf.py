@@ -13,9 +13,12 @@ precision, compilation, attention kernel and sizes for the device (titan_lightni
 any field given explicitly is kept.
 """
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 from titan_lightning.config import CheckpointConfig, DataConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig
+from titan_lightning.data.shards import INDEX
 from titan_lightning.device_defaults import for_device
 from titan_lightning.estimate import estimate
 from titan_lightning.pretrained import read_hf_model
@@ -39,23 +42,46 @@ def pretrained(initial_load_path: str) -> Run:
     ), estimate)
 
 
+# Passes over the conversations of recipes.hf:sft, as TRL's SFTTrainer (num_train_epochs=3) and
+# the Alpaca and Vicuna fine-tunes: a small instruction set needs several; the held-out loss,
+# validated through the run, shows when a set overfits (--trainer.max_epochs 1 for a large one).
+SFT_EPOCHS = 3
+# The held-out share of recipes.hf:sft (data.val_fraction: the tail of whole conversations holding
+# 5% of the tokens, at least one), none for a set of fewer than SFT_VAL_MIN_CONVERSATIONS.
+SFT_VAL_FRACTION, SFT_VAL_MIN_CONVERSATIONS = 0.05, 20
+
+
 def sft(initial_load_path: str, dataset_path: str) -> Run:
     """Supervised fine-tuning of the model in ``initial_load_path`` on the chat or instruction shard
     set ``dataset_path`` (``titan-lightning prepare --chat`` with the folder's tokenizer): the loss on
     what the assistant says only, conversations packed whole into windows of min(2048,
     max_position_embeddings) tokens, each attending only to itself (``block_causal``, RoPE positions
-    per conversation); lr 2e-5 after 20 warmup steps, cosine decay to 10%; weight decay 0.01, none on
-    norms and biases; 1000 steps; an hf export at the end, with the folder's chat template and
+    per conversation); 3 epochs (SFT_EPOCHS), the steps derived from the data; lr 2e-5 after a
+    warmup of 3% of the steps, cosine decay to 10%; weight decay 0.01, none on norms and biases; 5%
+    of the conversations held out and validated 10 times through the run and after its last step
+    (none held out from fewer than 20); an hf export at the end, with the folder's chat template and
     generation settings (README "Fine-tuning")."""
     model = read_hf_model(initial_load_path)
     folder = model.folder
     seq_len = min(2048, model.args.max_seq_len)
-    return for_device(family_run(
+    run = family_run(
         model.job_class, model.module_class, replace(model.args, mask="block_causal", positions="per_document"),
         training=TrainingConfig(seq_len=seq_len, tokens_per_microbatch_per_dp_rank=seq_len),
         optimizer=OptimizerConfig(lr=2e-5, weight_decay=0.01, decay_norms_and_biases=False),
-        lr_schedule=LRScheduleConfig(warmup_steps=20, decay_type="cosine", min_lr_factor=0.1),
-        data=DataConfig(dataset_path=dataset_path, sft=True,
+        lr_schedule=LRScheduleConfig(warmup_steps=0, warmup_ratio=0.03, decay_type="cosine", min_lr_factor=0.1),
+        data=DataConfig(dataset_path=dataset_path, sft=True, val_fraction=_sft_val_fraction(dataset_path),
                         tokenizer_path=str(folder) if (folder / "tokenizer.json").is_file() else None),
         checkpoint=CheckpointConfig(initial_load_path=str(folder), initial_load_format="hf", export_format="hf"),
-    ), estimate)
+    )
+    run.trainer = {"max_epochs": SFT_EPOCHS}  # the data module derives max_steps from the data's size
+    return for_device(run, estimate)
+
+
+def _sft_val_fraction(dataset_path: str) -> float:
+    """SFT_VAL_FRACTION, or 0 (nothing held out) for a set of fewer than SFT_VAL_MIN_CONVERSATIONS
+    (a folder that is not a shard set is refused before launch, naming data.dataset_path)."""
+    try:
+        conversations = json.loads((Path(dataset_path) / INDEX).read_text())["documents"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return SFT_VAL_FRACTION
+    return SFT_VAL_FRACTION if conversations >= SFT_VAL_MIN_CONVERSATIONS else 0.0
