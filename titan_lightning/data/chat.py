@@ -34,7 +34,9 @@ tokenizer adds one), the mask on the response and EOS.
 
 import hashlib
 import json
+import math
 import re
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import datetime
@@ -45,7 +47,7 @@ import jinja2
 import numpy as np
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 from titan_lightning.data.tokenizer import read_tokenizer_config, tokenizer_file
 
@@ -55,6 +57,8 @@ TOO_LONG = ("truncate", "drop")
 PLAIN_SEPARATOR = "\n\n"  # between prompt and response without a chat template; also joins prompt fields
 _MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 Span = tuple[int, int]
+RENDER_SECONDS = 2.0  # one render of a conversation at most (a real template takes milliseconds)
+RENDER_CHARS = 2**26  # characters one render writes at most
 
 
 class BadRecord(ValueError):
@@ -184,6 +188,49 @@ def resolve(options: ChatOptions, tokenizer_path: Optional[str]) -> ChatSpec:
     return ChatSpec(options, template, origin, datetime.now().isoformat(timespec="seconds"))
 
 
+class RenderBound(Exception):
+    """A render went over ``RENDER_SECONDS`` or ``RENDER_CHARS``."""
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox with a bound on a render's time (checked at each call the template makes and
+    every 1024 steps of a ``range`` loop: nested loops that never end) and size (a string or list
+    multiplied past ``RENDER_CHARS``); ``arm`` starts the clock of a render (none: no bound)."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.deadline = math.inf
+        self.globals["range"] = self._range
+
+    def arm(self) -> None:
+        self.deadline = time.monotonic() + RENDER_SECONDS
+
+    def check_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise RenderBound(f"it renders for over {RENDER_SECONDS:g} s (a loop that does not end?)")
+
+    def _range(self, *args: int):
+        for k, value in enumerate(safe_range(*args)):
+            if k % 1024 == 1023:
+                self.check_time()
+            yield value
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja's own signature
+        __self.check_time()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def call_binop(self, context, operator: str, left, right):
+        if operator == "*" and any(isinstance(a, (str, list, tuple)) for a in (left, right)):
+            length, times = (len(left), right) if isinstance(left, (str, list, tuple)) else (len(right), left)
+            if isinstance(times, int) and length * times > RENDER_CHARS:
+                raise RenderBound(f"it makes a sequence of {length * times:,} items (over {RENDER_CHARS:,})")
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 1000:
+            raise RenderBound(f"it raises to the power {right} (over 1000)")
+        return super().call_binop(context, operator, left, right)
+
+
 class GenerationSpans(Extension):
     """The ``{% generation %}`` tag (as transformers defines it): records the character span, in the
     output rendered so far, of the text it encloses."""
@@ -220,8 +267,7 @@ def compile_template(source: str, origin: str, now: Optional[str] = None):
     def strftime_now(fmt: str) -> str:
         return (datetime.fromisoformat(now) if now else datetime.now()).strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationSpans, loopcontrols])
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationSpans, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     try:
@@ -393,17 +439,25 @@ class ChatRenderer:
     def _render(self, messages: list, tools: Optional[list] = None, generation_prompt: bool = False,
                 spans: Optional[list[Span]] = None) -> str:
         variables = dict(self._variables, messages=messages, tools=tools, add_generation_prompt=generation_prompt)
+        environment = self.template.environment
         try:
-            if spans is None:
-                return self.template.render(variables)
             blocks: list[str] = []
-            self._spans.blocks, self._spans.spans = blocks, spans
+            if spans is not None:
+                self._spans.blocks, self._spans.spans = blocks, spans
+            environment.arm()
             try:
+                written = 0
                 for block in self.template.generate(variables):
                     blocks.append(block)
+                    written += len(block)
+                    if written > RENDER_CHARS:
+                        raise RenderBound(f"it writes over {RENDER_CHARS:,} characters")
             finally:
+                environment.deadline = math.inf
                 self._spans.blocks = self._spans.spans = None
             return "".join(blocks)
+        except RenderBound as err:
+            raise TemplateFailure(f"the chat template ({self.spec.origin}) stops: {err}") from None
         except Exception as err:  # noqa: BLE001 - a template is code from a downloaded folder: any error is its own
             line = _template_line(err)
             message = " ".join(str(err).split())[:200] or type(err).__name__

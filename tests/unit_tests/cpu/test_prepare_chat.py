@@ -6,6 +6,7 @@ the sandbox, and the shards' mask files and index."""
 import json
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -164,6 +165,35 @@ def test_a_template_without_a_generation_prompt_supervises_what_the_model_writes
         theirs = hf.apply_chat_template(conversation, chat_template=marked, tokenize=True, return_dict=True,
                                         return_assistant_tokens_mask=True)
         assert ids.tolist() == list(theirs["input_ids"]) and mask.tolist() == list(theirs["assistant_masks"])
+
+
+def test_a_template_that_loops_makes_a_bad_record_named_in_bounded_time(folders, tmp_path, monkeypatch):
+    """Nested loops that never end (on one record), or a string multiplied past the output bound:
+    the record is bad (named file:line), skipped and counted or stopping the run, within the
+    render bound (cut to 0.2 s here)."""
+    from titan_lightning.data import chat as chat_module
+
+    monkeypatch.setattr(chat_module, "RENDER_SECONDS", 0.2)
+    loop = ("{% for m in messages %}{% if m.content == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+            "{% endfor %}{% endfor %}{% endif %}{{ m.role }}: {{ m.content }}<|im_end|>{% endfor %}")
+    (tmp_path / "loop.jinja").write_text(loop)
+    (tmp_path / "huge.jinja").write_text(loop.replace("{% for i in range(100000) %}{% for j in range(100000) %}"
+                                                      "{% endfor %}{% endfor %}", "{{ 'x' * 10 ** 9 }}"))
+    records = [{"messages": [USER, ANSWER]}, {"messages": [{"role": "user", "content": "loop"}, ANSWER]},
+               {"messages": [USER, ANSWER]}]
+    path = _jsonl(tmp_path / "chats.jsonl", records)
+    start = time.monotonic()
+    for name, why in (("loop", "it renders for over 0.2 s"), ("huge", "it makes a sequence of 1,000,000,000 items")):
+        options = ChatOptions(messages_field="messages", template=str(tmp_path / f"{name}.jinja"))
+        summary = prepare([str(path)], str(tmp_path / name), tokenizer_path=str(folders["qwen"]), workers=1,
+                          progress=False, chat=options)
+        assert summary["sft"]["conversations"] == 2 and summary["bad_records"] == 1
+        assert summary["first_bad"].startswith(f"{path}:2: the chat template (--chat-template ") and why in \
+            summary["first_bad"]
+        with pytest.raises(PrepareError, match=rf"^{path}:2: the chat template .* stops: {why}.*\(--bad-records stop\)$"):
+            prepare([str(path)], str(tmp_path / f"{name}-stop"), tokenizer_path=str(folders["qwen"]), workers=1,
+                    progress=False, chat=options, bad_records="stop")
+    assert time.monotonic() - start < 20
 
 
 def test_the_mask_from_span_ends_equals_the_rule_on_every_token(folders):
