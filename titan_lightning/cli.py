@@ -305,7 +305,7 @@ def build_parser(run: Optional[Run]) -> ArgumentParser:
 
 def apply_namespace(run: Run, parser: ArgumentParser, namespace) -> None:
     """Turn the parsed namespace back into the run's job config and Trainer kwargs."""
-    init = parser.instantiate(namespace)
+    init = _instantiate(parser, namespace)
     if run.job is not None:
         run.set_job(init.job)
     defaults = _trainer_signature_defaults()
@@ -320,6 +320,53 @@ def apply_namespace(run: Run, parser: ArgumentParser, namespace) -> None:
         elif key not in _ADDED_ARGS and (key in run.trainer or value != defaults[key]):
             trainer[key] = value
     run.trainer = trainer
+
+
+def _instantiate(parser: ArgumentParser, namespace):
+    """``parser.instantiate``; a class on the command line that cannot be built for want of a
+    package (``--trainer.logger WandbLogger`` without wandb) is one line naming the package."""
+    try:
+        return parser.instantiate(namespace)
+    except ValueError as err:
+        missing = _missing_import(err)
+        if missing is None:
+            raise
+        class_path, error = missing
+        option = next((f"trainer.{key}" for key in _ADDED_ARGS
+                       if class_path in _class_paths(namespace.get(f"trainer.{key}"))), "trainer.logger")
+        what = f"--{option} {class_path.rsplit('.', 1)[-1]}"
+        package = _package_named(error)
+        if package is None:
+            raise UsageError(f"{what}: {_one_line(error)}") from None
+        raise UsageError(f"{what} needs the {package} package: pip install {package}") from None
+
+
+def _missing_import(err: BaseException) -> Optional[tuple[str, ImportError]]:
+    """(the class path, the ImportError its construction raised) in jsonargparse's chain of
+    errors, if there is one."""
+    class_path, seen = None, set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        named = re.search(r"Problem with given class_path '([^']+)'", str(err))
+        class_path = named.group(1) if named else class_path
+        if isinstance(err, ImportError) and class_path is not None:
+            return class_path, err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _class_paths(value) -> list:
+    return [getattr(item, "class_path", None) for item in _as_list(value)]
+
+
+def _package_named(error: ImportError) -> Optional[str]:
+    """The package an ImportError asks for: its module (``No module named 'wandb'``), or the
+    requirement Lightning's loggers name (``Requirement 'wandb>=0.12.10' not met``)."""
+    if error.name:
+        return error.name.split(".")[0]
+    named = re.search(r"Requirement '([A-Za-z0-9_.-]+)|No module named '([A-Za-z0-9_-]+)|Module not found: '([A-Za-z0-9_-]+)",
+                      str(error))
+    return next((group for group in named.groups() if group), None) if named else None
 
 
 def _as_list(value) -> list:
