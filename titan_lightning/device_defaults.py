@@ -31,6 +31,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Optional
 
+import torch
+
 from titan_lightning.config import ConfigError, JobConfig, validate_job
 from titan_lightning.config.job import KERNEL_ATTENTIONS
 
@@ -64,8 +66,6 @@ class Device:
     def of(cls, device: Any, world_size: int) -> "Device":
         if device.type != "cuda":
             return cls(type=device.type, world_size=world_size)
-        import torch
-
         props = torch.cuda.get_device_properties(device)
         capability = (props.major, props.minor)
         varlen = importlib.util.find_spec("torch.nn.attention.varlen") is not None
@@ -168,19 +168,19 @@ def _sizes(job: JobConfig, device: Device, explicit: set, peak: Callable[[JobCon
         return replace(job, training=replace(t, seq_len=seq_len, tokens_per_microbatch_per_dp_rank=k * seq_len),
                        activation_checkpoint=replace(ac, mode=mode))
 
+    # The first (window, checkpointing) whose fewest sequences fit, then the most sequences that
+    # fit between those and the most considered (the peak is linear in them).
     low = None
-    for seq_len in lengths:
-        counts = _counts(t, seq_len, dp, explicit)
-        if not counts:
-            continue
-        for mode in modes:
+    try:
+        for seq_len, mode in ((s, m) for s in lengths for m in modes):
+            counts = _counts(t, seq_len, dp, explicit)
+            if not counts:  # (the recipe's tokens per step is no multiple of one window per rank)
+                continue
             try:
                 at(seq_len, counts[-1], mode).check_family()  # (a family may bound the window: LongRoPE)
-                low = peak(at(seq_len, counts[-1], mode))
             except ConfigError:
-                break
-            except Exception as err:  # noqa: BLE001 - what the estimator cannot model: say so, keep the sizes
-                return job, f"sizes as the recipe set them (the estimator: {' '.join(str(err).split())[:160]})"
+                continue
+            low = peak(at(seq_len, counts[-1], mode))
             if low > limit:
                 continue
             k, high = counts[-1], low
@@ -189,18 +189,23 @@ def _sizes(job: JobConfig, device: Device, explicit: set, peak: Callable[[JobCon
                 per = (top - low) / (counts[0] - counts[-1])
                 k = max(c for c in counts if c == counts[-1] or low + per * (c - counts[-1]) <= limit)
                 high = top if k == counts[0] else low + per * (k - counts[-1])
-            chosen = at(seq_len, k, mode)
-            what = (f"seq_len {seq_len} x {k} per microbatch, {'no' if mode == 'none' else mode} activation "
-                    f"checkpointing (estimated peak {high / GiB:.0f} GiB of {device.memory / GiB:.0f})")
-            before = t.tokens_per_microbatch_per_dp_rank
-            if k * seq_len != before and t.tokens_per_step is None:
-                what += (f"; {k * seq_len} tokens per step per data-parallel rank, the recipe's "
-                         f"{before // t.seq_len} x {t.seq_len} = {before}")
-            return chosen, what
+            return at(seq_len, k, mode), _said(t, seq_len, k, mode, high, device)
+    except Exception as err:  # noqa: BLE001 - what the estimator cannot model: say so, keep the sizes
+        return job, f"sizes as the recipe set them (the estimator: {' '.join(str(err).split())[:160]})"
     where = "" if low is None else (f": estimated peak {low / GiB:.1f} GiB > {limit / GiB:.1f} "
                                     f"({MEMORY_FRACTION:.0%} of {device.memory / GiB:.0f})")
     return job, (f"sizes as the recipe set them, which do not fit one device{where} even at one sequence per "
                  f"microbatch with full activation checkpointing; add GPUs (FSDP shards the model over them)")
+
+
+def _said(t, seq_len: int, k: int, mode: str, peak: float, device: Device) -> str:
+    what = (f"seq_len {seq_len} x {k} per microbatch, {'no' if mode == 'none' else mode} activation "
+            f"checkpointing (estimated peak {peak / GiB:.0f} GiB of {device.memory / GiB:.0f})")
+    before = t.tokens_per_microbatch_per_dp_rank
+    if k * seq_len != before and t.tokens_per_step is None:
+        what += (f"; {k * seq_len} tokens per step per data-parallel rank, the recipe's "
+                 f"{before // t.seq_len} x {t.seq_len} = {before}")
+    return what
 
 
 def _counts(t, seq_len: int, dp: int, explicit: set) -> list[int]:
@@ -282,6 +287,9 @@ def apply(run, trainer) -> None:
     validate_job(choose(run.job, device, explicit=explicit).job, world_size=trainer.world_size,
                  max_steps=trainer.max_steps, fake_pg=getattr(trainer.strategy, "fake_pg", False), device_type="cuda")
     choice = choose(run.job, device, explicit=explicit, peak=_estimator(run, trainer.world_size))
+    # The estimates compiled the blocks on fake tensors at other shapes: the run compiles afresh, as
+    # in a new process (no dimension marked dynamic by their recompiles).
+    torch._dynamo.reset()
     run.set_job(choice.job)
     if trainer.global_rank == 0 and choice.line is not None:
         log.info(choice.line)

@@ -121,6 +121,15 @@ def test_a_model_that_does_not_fit_keeps_the_recipes_sizes_and_says_so():
     assert "do not fit one device" in choice.line and "add GPUs" in choice.line
 
 
+def test_what_the_estimator_cannot_model_keeps_the_sizes_and_says_why():
+    def cannot(job):
+        raise ValueError("estimate cannot model Transformer: an op reads tensor values")
+
+    choice = choose(sft_job(), H200, peak=cannot)
+    assert choice.job.training == replace(sft_job().training, mixed_precision_param="bfloat16")
+    assert "sizes as the recipe set them (the estimator: estimate cannot model Transformer" in choice.line
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A Qwen 2 folder of 8192 positions, with its tokenizer."""
