@@ -456,6 +456,7 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = N
             spec = resolve(chat, tokenizer_path)
         except ValueError as err:
             raise PrepareError(str(err)) from None
+        _check_tools_field(files, chat)
         for path in files:
             _check_first_record(path, spec, tokenizer)
     out = Path(output)
@@ -541,6 +542,40 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = N
     return {"tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
             "shards": len(shards), "bad_records": sum(r["bad"] for r in bad),
             "first_bad": bad[0]["first_bad"] if bad else None, **({"sft": sft} if sft else {})}
+
+
+def _check_tools_field(files: list[Path], chat: ChatOptions) -> None:
+    """A ``--tools-field`` given by name (not the default ``tools``) that no record has: most likely
+    misspelled, an error before any work (a JSONL file without the quoted name anywhere has no
+    record with it; a Parquet file, no such column)."""
+    name = chat.tools_field
+    if chat.messages_field is None or name in (None, ChatOptions.tools_field):
+        return
+    import mmap
+
+    for path in files:
+        if KINDS[path.suffix] == "parquet":
+            import pyarrow.parquet as pq
+
+            if name in pq.ParquetFile(path).schema_arrow.names:
+                return
+        elif KINDS[path.suffix] == "jsonl":
+            with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                if data.find(json.dumps(name).encode()) >= 0:
+                    return
+    raise PrepareError(f"--tools-field {name!r}: no record has this field; the records have: "
+                       f"{', '.join(_record_fields(files[0]))}")
+
+
+def _record_fields(path: Path) -> list[str]:
+    """The fields of the first record of a JSONL file, the columns of a Parquet file."""
+    if KINDS[path.suffix] == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).schema_arrow.names
+    with path.open("rb") as f:
+        record = json.loads(next(line for line in f if line.strip()))
+    return list(record) if isinstance(record, dict) else []
 
 
 def _check_first_record(path: Path, spec: ChatSpec, tokenizer) -> None:
@@ -639,6 +674,10 @@ def _check_every_file_has_documents(files: list[Path], parts: list[Part], done: 
     for path in files:
         if documents[str(path)]:
             continue
+        if chat is not None and dropped[str(path)] and chat.too_long == "truncate":
+            raise PrepareError(f"{path}: all its {dropped[str(path)]} conversations that are not bad records have no "
+                               f"supervised token in their first --max-tokens {chat.max_tokens} (--too-long truncate "
+                               f"drops a conversation left with nothing to train on); raise --max-tokens")
         if chat is not None and dropped[str(path)]:
             raise PrepareError(f"{path}: all its {dropped[str(path)]} conversations that are not bad records are "
                                f"longer than --max-tokens {chat.max_tokens} (--too-long drop); raise --max-tokens "
@@ -797,10 +836,15 @@ def main(argv: list[str]) -> int:
               f"{summary['shards']} shard(s){skipped}")
         return 0
     sft = summary["sft"]
-    limit = f" (over --max-tokens {sft['max_tokens']})" if sft["max_tokens"] is not None else ""
+    limit = sft["max_tokens"]
+    fitted = (f"{sft['truncated']:,} truncated, {sft['dropped']:,} dropped" if limit is None else
+              f"{sft['truncated']:,} truncated, {sft['dropped']:,} dropped (over --max-tokens {limit})"
+              if sft["too_long"] == "drop" else
+              f"{sft['truncated']:,} truncated to --max-tokens {limit}, {sft['dropped']:,} dropped (nothing "
+              f"supervised in their first {limit} tokens)")
     print(f"{options.output}: {summary['tokens']:,} tokens ({sft['supervised_tokens']:,} supervised, "
           f"--train-on {sft['train_on']}), {sft['conversations']:,} conversations in {summary['shards']} shard(s); "
-          f"{sft['truncated']:,} truncated, {sft['dropped']:,} dropped{limit}{skipped}")
+          f"{fitted}{skipped}")
     return 0
 
 

@@ -432,6 +432,11 @@ def test_bad_records_are_skipped_and_counted_or_stop_the_run(folders, tmp_path):
     (["--chat", "--train-on", "user"], "prepare: argument --train-on: invalid choice: 'user'"),
     (["--chat", "--messages-field", "turns", "--tokenizer", "{qwen}"],
      "{d}/c.jsonl:1: no list field 'turns' (--messages-field); the record has: messages"),
+    (["--chat", "--tools-field", "functons", "--tokenizer", "{qwen}"],
+     "--tools-field 'functons': no record has this field; the records have: messages"),
+    (["--chat", "--tokenizer", "{qwen}", "--max-tokens", "2", "--too-long", "truncate"],
+     "{d}/c.jsonl: all its 1 conversations that are not bad records have no supervised token in their first "
+     "--max-tokens 2 (--too-long truncate drops a conversation left with nothing to train on); raise --max-tokens"),
 ])
 def test_bad_input_is_one_line_before_any_work(folders, tmp_path, args, message):
     d = tmp_path
@@ -475,8 +480,8 @@ def test_the_cli_prints_the_summary_and_reads_parquet_conversations(folders, tmp
     ids, masks, index = _read(tmp_path / "out")
     line = capsys.readouterr().out.strip()
     assert line == (f"{tmp_path / 'out'}: {sum(map(len, ids)):,} tokens ({index['sft']['supervised_tokens']:,} "
-                    f"supervised, --train-on assistant), 3 conversations in 1 shard(s); 1 truncated, 0 dropped "
-                    f"(over --max-tokens 150)")
+                    f"supervised, --train-on assistant), 3 conversations in 1 shard(s); 1 truncated to --max-tokens "
+                    f"150, 0 dropped (nothing supervised in their first 150 tokens)")
     assert len(ids[1]) == 150 and masks[1][-1] == 1
     renderer = _renderer(folders["llama"])
     for k, conversation in enumerate([[USER, ANSWER], with_tool]):
@@ -553,7 +558,8 @@ def test_bad_tools_and_null_contents_are_bad_records(folders, tmp_path):
 
 def test_parquet_tools_as_structs_or_strings_and_files_without_them(folders, tmp_path):
     """Parquet structs give each tool every key any row's tools have (null where it has none):
-    rendered as the tools themselves. A file without the tools column reads its conversations."""
+    rendered as the tools themselves. A file without the tools column reads its conversations (but
+    a --tools-field named that no input has is an error: misspelled)."""
     pa = pytest.importorskip("pyarrow", reason="Parquet support is the optional [parquet] extra")
     import pyarrow.parquet as pq
 
@@ -570,10 +576,18 @@ def test_parquet_tools_as_structs_or_strings_and_files_without_them(folders, tmp
     renderer = _renderer(folders["qwen"])
     expected = renderer.encode([renderer.render(renderer.messages(r), r["fns"]) for r in records])
     for name in ("structs", "strings", "none"):
-        assert main(["--chat", "--tools-field", "fns", "--input", str(tmp_path / f"{name}.parquet"), "--output",
+        field = ["--tools-field", "fns"] if name != "none" else []  # the default field, absent: no tools
+        assert main(["--chat", *field, "--input", str(tmp_path / f"{name}.parquet"), "--output",
                      str(tmp_path / name), "--tokenizer", str(folders["qwen"]), "--workers", "1",
                      "--no-progress"]) == 0
         ids, masks, _ = _read(tmp_path / name)
         want = expected if name != "none" else expected[2:]
         assert [i.tolist() for i in ids] == [i.tolist() for i, _ in want]
         assert [m.tolist() for m in masks] == [m.tolist() for _, m in want]
+    with pytest.raises(PrepareError, match=r"^--tools-field 'fns': no record has this field; the records have: "
+                                           r"messages$"):
+        main(["--chat", "--tools-field", "fns", "--input", str(tmp_path / "none.parquet"), "--output",
+              str(tmp_path / "none-fns"), "--tokenizer", str(folders["qwen"]), "--workers", "1", "--no-progress"])
+    assert main(["--chat", "--tools-field", "fns", "--input", str(tmp_path / "none.parquet"), "--input",
+                 str(tmp_path / "strings.parquet"), "--output", str(tmp_path / "both"), "--tokenizer",
+                 str(folders["qwen"]), "--workers", "1", "--no-progress"]) == 0
