@@ -6,8 +6,10 @@ How: the fake process group makes this process rank ``rank`` of ``world_size``; 
 estimate builds the same mesh and applies the same parallelisms as a real run
 (``parallel.parallelize``: PP split, TP, CP, EP, activation checkpointing, compile, FSDP), on
 fake tensors (``FakeTensorMode``: shapes, dtypes and storages, no data). Then two training
-steps run on a fake batch of the recipe's shape (``training.microbatch_size`` sequences of
-``training.seq_len`` tokens, each CP rank keeping its slice), in the module's order: forward
+steps run on a batch of the recipe's shape (``training.microbatch_size`` sequences of
+``training.seq_len`` tokens, each packed with ``DOCUMENTS_PER_ROW`` documents, prepared by the
+module's ``on_before_batch_transfer`` as a run prepares it, each CP rank keeping its slice;
+fake tensors to the model), in the module's order: forward
 and loss, backward, optimizer step, ``zero_grad`` (CausalLMModule frees the gradients right
 after the step, so none are alive during the next forward). The first step creates the
 optimizer state and compiles; during the second, a dispatch mode adds up the bytes of every live storage, and its maximum is
@@ -39,6 +41,9 @@ Assumed, where a real run depends on values fake tensors do not have:
     rank's experts); the load-balancing bias keeps real runs near balanced, not at it;
   - the routed experts run as on a Hopper-class GPU: ``torch._grouped_mm`` for bf16 tokens,
     the per-expert loop otherwise (the dtype rule of moe.py's ``grouped_mm_available``);
+  - ``model.attention = "flex"`` (a GPU kernel: torch has no FlexAttention backward on CPU) is
+    estimated as ``varlen``, which saves the same output and log-sum-exp per token (the block
+    mask's few bytes aside); as ``sdpa`` with attention sinks or under PP;
   - the all-gather CP attention attends each run of local queries to all the keys before
     its end without the ``causal_lower_right`` mask (a tensor subclass fake tensors refuse):
     the same shapes and the same saved output and logsumexp as SDPA's masked flash kernel.
@@ -146,7 +151,7 @@ def estimate(run: Run, world_size: int, rank: int = 0) -> MemoryEstimate:
     validate_estimate(job, world_size, rank)
     if dist.is_initialized():
         raise RuntimeError("estimate() runs its own fake process group; a process group is already initialized")
-    backend, float8 = job.compile.backend, job.quantize.float8.enable
+    backend, float8, attention = job.compile.backend, job.quantize.float8.enable, getattr(job.model, "attention", None)
     job.compile.backend = COMPILE_BACKEND
     job.quantize.float8.enable = False  # (not modeled: see the module's docstring)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -160,6 +165,8 @@ def estimate(run: Run, world_size: int, rank: int = 0) -> MemoryEstimate:
         raise EstimateError(_unsupported(type(getattr(module, "model", module)).__name__, cause)) from None
     finally:
         job.compile.backend, job.quantize.float8.enable = backend, float8
+        if attention is not None:
+            job.model.attention = attention
         if dist.is_initialized():
             dist.destroy_process_group()
         release_dtensor_caches()
@@ -171,6 +178,9 @@ def _estimate(run: Run, world_size: int, rank: int, fake_mode) -> MemoryEstimate
     mesh = ParallelDims.from_config(job.parallelism, world_size).build_mesh("cpu")
     with torch.device("meta"):
         module.model = module.build_model()
+    if getattr(job.model, "attention", None) == "flex":  # (no FlexAttention backward on CPU: module docstring)
+        sinks = any(getattr(m, "sinks", None) is not None for m in module.model.modules())
+        job.model.attention = "sdpa" if sinks or job.parallelism.pp > 1 else "varlen"
     # The model is sharded on the meta device (as in a real run) and materialized as fake
     # tensors, without the init (fake tensors hold no values, and some init laws read values);
     # device meshes stay real (FSDP builds some while sharding).
@@ -186,10 +196,12 @@ def _estimate(run: Run, world_size: int, rank: int, fake_mode) -> MemoryEstimate
     cp = applied.cp
     if cp is not None:  # CP reads its slices' positions on the host: compute them for real
         cp.runs(t.seq_len // job.parallelism.cp, CPU)
+    # The batch as the data module hands it over (on the host, with values), then as the module
+    # prepares it before the transfer (varlen's document offsets) and CP slices it.
+    batch = module.on_before_batch_transfer(host_batch(t.microbatch_size, t.seq_len), 0)
+    batch = batch if cp is None else {key: cp.shard(value) if key in SEQUENCES else value for key, value in batch.items()}
     with fake_mode:
         optimizer = build_optimizer(module.model.parameters(), job.optimizer, CPU)
-        tokens = torch.zeros(t.microbatch_size, t.seq_len, dtype=torch.long)
-        batch = {key: tokens if cp is None else cp.shard(tokens) for key in ("input_ids", "labels")}
         step = _TrainingStep(module, optimizer, applied.loss_parallel)
         step(batch)  # creates the optimizer state, compiles
         with _LiveBytes(fake_mode) as live:
@@ -198,6 +210,21 @@ def _estimate(run: Run, world_size: int, rank: int, fake_mode) -> MemoryEstimate
             step(batch)
     return _result(module, step.memory, live, mesh, world_size, rank,
                    f"{t.microbatch_size} x {t.seq_len} tokens per microbatch")
+
+
+DOCUMENTS_PER_ROW = 4
+SEQUENCES = ("input_ids", "labels", "position_ids")  # a batch's [B, S] tensors, which CP slices
+
+
+def host_batch(rows: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """A microbatch of ``rows`` windows of ``seq_len`` tokens as the data module hands one over, on
+    the host: token ids, labels and ``position_ids``, each row packed with ``DOCUMENTS_PER_ROW``
+    documents (what ``block_causal`` masks, ``per_document`` positions and varlen's document offsets
+    read; the bytes of the masks and kernels do not depend on where the boundaries fall). Under the
+    fake mode the step's ops take it as fake tensors."""
+    tokens = torch.zeros(rows, seq_len, dtype=torch.long)
+    positions = (torch.arange(seq_len) % -(-seq_len // DOCUMENTS_PER_ROW)).expand(rows, seq_len).contiguous()
+    return {"input_ids": tokens, "labels": tokens, "position_ids": positions}
 
 
 def _result(module, held: dict[str, int], live, mesh: Mesh, world_size: int, rank: int, batch: str) -> MemoryEstimate:
@@ -242,10 +269,12 @@ def _estimate_pipeline(run: Run, mesh: Mesh, split: PipelineSplit, world_size: i
     held = in_flight(p.pp_schedule, pp_rank, pp, split.local, p.pp_microbatches)
     # What travels between stages: the residual stream, in the dtype the blocks compute in.
     hidden = getattr(torch, t.mixed_precision_param if fsdp else t.dtype)
+    m = job.model  # each stage takes the microbatch's document boundaries when the model reads them
+    positions = host_batch(rows, t.seq_len)["position_ids"] if (m.mask, m.positions) != ("causal", "global") else None
     with fake_mode:
         optimizer = build_optimizer(module.model.parameters(), job.optimizer, CPU)
         step = _PipelineStep(module, optimizer, split.stages, split.local, len(split.names), held, rows, t.seq_len,
-                             job.model.dim, hidden)
+                             job.model.dim, hidden, positions)
         with stage_autocast(t, fsdp, CPU.type):  # what the strategy runs the schedule under
             step()  # creates the optimizer state, compiles
             with _LiveBytes(fake_mode) as live:
@@ -264,8 +293,9 @@ class _PipelineStep:
 
     live: Optional["_LiveBytes"] = None  # set for the measured step
 
-    def __init__(self, module, optimizer, stages, local, num_stages, held, rows, seq_len, dim, hidden) -> None:
-        self.module, self.optimizer, self.stages = module, optimizer, stages
+    def __init__(self, module, optimizer, stages, local, num_stages, held, rows, seq_len, dim, hidden,
+                 positions: Optional[torch.Tensor] = None) -> None:
+        self.module, self.optimizer, self.stages, self.positions = module, optimizer, stages, positions
         self.local, self.last, self.held = local, num_stages - 1, held
         self.shape, self.hidden = (rows, seq_len), (rows, seq_len, dim, hidden)
 
@@ -278,7 +308,8 @@ class _PipelineStep:
                 else:
                     *shape, dtype = self.hidden
                     x = torch.zeros(shape, dtype=dtype, requires_grad=True)
-                out = stage(x)
+                out = stage(x) if self.positions is None else stage(x, self.positions)
+                out = out[0] if isinstance(out, tuple) else out  # (hidden states, position_ids) to the next stage
                 if stage_id == self.last:
                     out = self.module.loss_fn(out, torch.zeros(self.shape, dtype=torch.long))
                 pending.append(out)
@@ -391,7 +422,7 @@ class _TrainingStep:
 
     def __call__(self, batch: dict) -> None:
         with self.context():
-            loss = self.module.loss_fn(self.module.loss_input(batch["input_ids"]), batch["labels"])
+            loss = self.module.loss_fn(self.module._batch_input(batch), batch["labels"])
             loss.backward()
         del loss
         self.memory = _optimizer_step(self.module, self.optimizer, self.live)

@@ -1,6 +1,9 @@
 """titan-lightning estimate: per-rank memory of a training step on fake tensors and the fake group."""
 
+import importlib
+import inspect
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,8 @@ from titan_lightning.estimate import estimate, in_flight, materialized_nodes
 from titan_lightning.models.causal_lm import cross_entropy_loss
 from titan_lightning.models.llama3.model import Transformer
 from titan_lightning.optim import build_optimizer
-from titan_lightning.recipe import build_run
+from titan_lightning.config import ConfigError, validate_job
+from titan_lightning.recipe import RECIPE_PARAMETERS, build_run
 
 
 @pytest.fixture(autouse=True)
@@ -316,3 +320,99 @@ def test_pipeline_with_fsdp_shards_each_stage():
     sharded = estimate(debug_run("pp2_fsdp2"), world_size=4, rank=0)
     assert sharded.parameters == whole.parameters // 2
     assert sharded.activations < whole.activations  # half the microbatch rows per rank
+
+
+# -- every shipped recipe ----------------------------------------------------------------------
+
+RECIPES = Path(__file__).parents[3] / "recipes"
+# What the estimator refuses by design (config/validation.py validate_estimate), in one line.
+REFUSED = {"recipes.llama3:pp2_tp2": "the estimator models pipeline stages with data parallelism",
+           "recipes.llama3:pp2_fsdp2_tp2": "the estimator models pipeline stages with data parallelism"}
+
+
+def shipped_recipes() -> list[str]:
+    """Every recipe function of recipes/*.py: a public function defined there whose parameters the
+    command line can fill (none, or recipe.RECIPE_PARAMETERS: recipes.hf's)."""
+    names = []
+    for path in sorted(RECIPES.glob("*.py")):
+        module = importlib.import_module(f"recipes.{path.stem}")
+        for name, function in inspect.getmembers(module, inspect.isfunction):
+            required = [p for p, parameter in inspect.signature(function).parameters.items()
+                        if parameter.default is inspect.Parameter.empty]
+            if function.__module__ == module.__name__ and not name.startswith("_") and \
+                    set(required) <= set(RECIPE_PARAMETERS):
+                names.append(f"{module.__name__}:{name}")
+    return names
+
+
+def smallest_world_size(run) -> int:
+    """The smallest world size the recipe's degrees fit (``dp_shard=-1`` takes what is left)."""
+    for world_size in range(1, 257):
+        try:
+            validate_job(run.job, world_size=world_size, max_steps=run.trainer.get("max_steps"))
+            return world_size
+        except ConfigError:
+            continue
+    raise AssertionError(f"no world size up to 256 fits {run.name}'s degrees")
+
+
+def fewer_layers(run, keep: int = 2) -> None:
+    """Cut the model to ``keep`` layers (an MoE one after DeepSeek's dense ones; one of each attention
+    kind ``layer_types`` lists): the estimate runs the same code per layer, and the sweep stays cheap.
+    Pipeline recipes keep their layers (their split needs them)."""
+    model = run.job.model
+    if run.job.parallelism.pp > 1:
+        return
+    n = min(model.n_layers, max(keep, getattr(model, "n_dense_layers", 0) + 1))
+    types = getattr(model, "layer_types", None)
+    if types is not None:
+        kinds = list(dict.fromkeys(types))
+        n = min(model.n_layers, max(n, len(kinds)))
+        model.layer_types = (kinds + [types[-1]] * n)[:n]
+    model.n_layers = n
+
+
+@pytest.fixture(scope="module")
+def hf_recipe_values(tmp_path_factory):
+    """recipes.hf's parameters: a tiny Qwen 3 folder and a prepared SFT shard set."""
+    pytest.importorskip("transformers", reason="tiny Hugging Face folders are saved by transformers")
+    from tests.hf_folders import save_hf_model
+    from titan_lightning.testing.sft_shards import cached_synthetic_set
+
+    folder = tmp_path_factory.mktemp("hf")
+    save_hf_model(folder, "qwen3")
+    return {"initial_load_path": str(folder), "dataset_path": str(cached_synthetic_set())}
+
+
+def test_sft_estimate_models_document_masking_as_the_run_trains(hf_recipe_values):
+    """recipes.hf:sft trains block_causal with per-document positions: the fake batch carries document
+    boundaries. sdpa holds a dense [B, 1, S, S] mask that varlen never builds; flex (no backward on
+    CPU) is estimated as varlen's kernel, which saves the same output and log-sum-exp."""
+    activations = {}
+    for attention in ("sdpa", "varlen", "flex"):
+        run = build_run("recipes.hf:sft", hf_recipe_values)
+        assert (run.job.model.mask, run.job.model.positions) == ("block_causal", "per_document")
+        run.job.model.attention = attention
+        activations[attention] = estimate(run, 1).activations
+        assert run.job.model.attention == attention  # the job is left as it was
+    t = run.job.training
+    assert activations["sdpa"] - activations["varlen"] >= t.microbatch_size * t.seq_len**2  # the bool mask
+    assert activations["flex"] == activations["varlen"]
+
+
+@pytest.mark.slow  # ~60 s of CPU for the whole sweep on 2 idle cores (0.4-2 s per recipe)
+@pytest.mark.parametrize("recipe", shipped_recipes())
+def test_estimate_runs_on_every_shipped_recipe(recipe, request):
+    """At the smallest world size the recipe's degrees fit, with its attention, masking, MoE, CP, PP,
+    activation checkpointing and compile settings as shipped (recipes.hf:sft: block_causal with
+    per-document positions, and varlen / flex as a GPU run would set them)."""
+    values = request.getfixturevalue("hf_recipe_values") if recipe.startswith("recipes.hf:") else None
+    run = build_run(recipe, values)
+    fewer_layers(run)
+    world_size = smallest_world_size(run)
+    if recipe in REFUSED:
+        with pytest.raises(ConfigError, match=REFUSED[recipe]):
+            estimate(run, world_size)
+        return
+    result = estimate(run, world_size)
+    assert result.parameters > 0 and result.activations > 0 and result.peak >= result.static - result.gradients

@@ -233,6 +233,17 @@ def varlen_offsets(position_ids: Optional[torch.Tensor], B: int, S: int, device)
     return offsets, int(lengths.max())
 
 
+@functools.lru_cache(maxsize=1)
+def _varlen_takes_enable_gqa() -> bool:
+    """torch 2.13's varlen_attn refuses fewer K/V heads than query heads unless ``enable_gqa=True``;
+    torch 2.11's has no such argument and serves them as they are."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
 def _varlen(q, k, v, documents: Documents, scale, window: Optional[int] = None):
     """varlen FlashAttention over [B, S, H, D] (k, v may have fewer heads: GQA, which the kernel
     serves itself, as flash-attn does: torch 2.11's equals repeated heads bitwise in the forward on an
@@ -247,7 +258,8 @@ def _varlen(q, k, v, documents: Documents, scale, window: Optional[int] = None):
     flat = lambda t: t.reshape(B * S, t.shape[2], t.shape[-1])  # noqa: E731
     cu, n = documents.cu_seqlens, documents.max_len
     left = -1 if window is None else window - 1
-    y = varlen_attn(flat(q), flat(k), flat(v), cu, cu, n, n, scale=scale, window_size=(left, 0))
+    gqa = {"enable_gqa": True} if k.shape[2] != H and _varlen_takes_enable_gqa() else {}  # (torch 2.13 asks)
+    y = varlen_attn(flat(q), flat(k), flat(v), cu, cu, n, n, scale=scale, window_size=(left, 0), **gqa)
     return y[..., :Dv].reshape(B, S, H, Dv)
 
 
