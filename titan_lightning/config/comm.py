@@ -1,4 +1,5 @@
-"""How long a collective may wait before the run is called hung (parallel/watchdog.py), as torchtitan's ``comm``."""
+"""How long a collective may wait before the run is called hung (parallel/watchdog.py), as torchtitan's
+``comm``, and how long a rank on another host may be silent before it is called dead (parallel/heartbeat.py)."""
 
 import math
 from dataclasses import dataclass
@@ -15,9 +16,12 @@ class CommConfig:
     # Entries of torch's flight recorder per rank (TORCH_FR_BUFFER_SIZE): the collectives the watchdog
     # reads. 0 turns the recorder and the watchdog off (a hang then ends at the process group's timeout).
     trace_buf_size: int = 20000
+    # A rank on another host whose heartbeat is silent this long is called dead (a rank on this host
+    # is called dead only once its process is gone: silence alone, a stopped or swapping process, never).
+    heartbeat_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("init_timeout_s", "train_timeout_s"):
+        for name in ("init_timeout_s", "train_timeout_s", "heartbeat_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"comm.{name}={value!r} must be a number of seconds > 0")

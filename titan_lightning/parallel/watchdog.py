@@ -7,11 +7,14 @@ process group, the collectives a rank enqueued and those that completed; the wat
 reads those counters once a second (a few microseconds). When a collective of this rank has
 waited longer than ``comm.init_timeout_s`` (before the first optimizer step) or
 ``comm.train_timeout_s`` (after), the first rank to see it asks every rank, through the
-rendezvous store, for its account: the last collective it entered in that group, the ones it
-waits in, where its main thread is. Each rank writes its Python stacks (faulthandler) and its
-flight recorder to ``<dump_dir>/rank<r>_stacks.txt`` and ``rank<r>_flight_recorder.json``. One
-line names the rank(s) that never entered the collective, the collective, how long it waited
-and where the stuck rank is; every rank exits with status 1, rank 0 last (it hosts the store
+rendezvous store, for its account: the last collective it entered in that group, the one it
+entered under that sequence number, the ones it waits in, where its main thread is. Each rank
+writes its Python stacks (faulthandler) and its flight recorder to ``<dump_dir>/rank<r>_stacks.txt``
+and ``rank<r>_flight_recorder.json``. One line names the rank(s) that never entered the
+collective, or, when every rank entered one under that number but not the same one (a rank that
+called a collective its peers did not: torch's flight-recorder analyzer compares the same way),
+the ranks and their two collectives; with how long it waited and where the stuck rank is. Every
+rank exits with status 1, rank 0 last (it hosts the store
 under env:// launches; under Lightning's launcher its exit is the run's, and ``on_hang`` keeps
 the launcher from reporting the others' exit).
 
@@ -25,7 +28,6 @@ import faulthandler
 import json
 import math
 import os
-import socket
 import sys
 import threading
 import time
@@ -37,23 +39,37 @@ import torch.distributed as dist
 
 from titan_lightning._compat import flight_recorders, process_group_names
 from titan_lightning.config.comm import CommConfig
-from titan_lightning.parallel.heartbeat import death_reported, output_target, run_prefix
+from titan_lightning.parallel.heartbeat import death_reported, error, run_prefix, store_gone, whereabouts
 
 BACKSTOP_S = 60.0
 
 
-def set_comm_environment(comm: CommConfig, dump_dir: Path, backend: Optional[str]) -> None:
+def set_comm_environment(comm: CommConfig, dump_dir: Path, backend: Optional[str]) -> dict[str, Optional[str]]:
     """Before the process group exists: the flight recorder's size and, under NCCL, torchtitan's
-    settings (dump the recorder when a collective times out; tear the process down on an error)."""
-    os.environ["TORCH_FR_BUFFER_SIZE"] = str(comm.trace_buf_size)
-    if backend is None or "nccl" not in backend:
-        return
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # 1 aborts before the recorder is dumped
-    if comm.trace_buf_size > 0:
-        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        if "TORCH_FR_DUMP_TEMP_FILE" not in os.environ:
-            dump_dir.mkdir(parents=True, exist_ok=True)
-            os.environ["TORCH_FR_DUMP_TEMP_FILE"] = str(dump_dir / "nccl_timeout_rank")
+    settings (dump the recorder when a collective times out; tear the process down on an error).
+    Returns what they replaced, for ``restore_environment`` once the run is over (none is left behind)."""
+    wanted = {"TORCH_FR_BUFFER_SIZE": str(comm.trace_buf_size)}
+    if backend is not None and "nccl" in backend:
+        wanted["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"  # 1 aborts before the recorder is dumped
+        if comm.trace_buf_size > 0:
+            wanted["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+            wanted["TORCH_FR_DUMP_TEMP_FILE"] = str(dump_dir / "nccl_timeout_rank")
+    previous = {name: os.environ.get(name) for name in wanted}
+    for name, value in wanted.items():
+        if name == "TORCH_FR_BUFFER_SIZE" or name not in os.environ:  # (the user's NCCL settings win)
+            os.environ[name] = value
+    if "TORCH_FR_DUMP_TEMP_FILE" in wanted and previous["TORCH_FR_DUMP_TEMP_FILE"] is None:
+        dump_dir.mkdir(parents=True, exist_ok=True)
+    return previous
+
+
+def restore_environment(previous: dict[str, Optional[str]]) -> None:
+    """The environment as ``set_comm_environment`` found it."""
+    for name, value in previous.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def process_group_timeout(comm: CommConfig) -> timedelta:
@@ -101,27 +117,30 @@ class Watchdog:
     def __init__(self, rank: int, world_size: int, host: str, port: int, *, init_timeout_s: float,
                  train_timeout_s: float, dump_dir: Path, steps: Callable[[], int] = lambda: 0,
                  ignore: Iterable[Any] = (), on_hang: Callable[[], None] = lambda: None, interval_s: float = 1.0,
-                 answer_s: float = 5.0) -> None:
+                 answer_s: float = 5.0, fields: tuple[str, str] = ("comm.init_timeout_s", "comm.train_timeout_s"),
+                 progress_bar: bool = False) -> None:
         self.rank, self.world_size = rank, world_size
         self._keys = run_prefix("watchdog")
         self.init_timeout_s, self.train_timeout_s = init_timeout_s, train_timeout_s
+        self.fields = fields  # what the verdict calls the two timeouts (where the user sets them)
+        self.progress_bar = progress_bar  # (a progress bar may share the screen: the verdict starts a new line)
         self.dump_dir, self.interval_s, self.answer_s = Path(dump_dir), interval_s, answer_s
         self._steps, self._on_hang = steps, on_hang
         self._ignore = {group.group_name for group in ignore if group is not None}
         self._ignored: set[tuple[str, str]] = set()  # (recorder, pg id) of ignored groups
         self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10),
                                     wait_for_workers=False)
-        self._store.set(f"{self._keys}/where/{rank}", json.dumps(
-            {"host": socket.gethostname(), "pid": os.getpid(), "output": output_target()}))
+        self._store.set(f"{self._keys}/where/{rank}", json.dumps(whereabouts()))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="titan-lightning-watchdog")
         self._thread.start()
 
     @classmethod
     def from_env(cls, comm: CommConfig, dump_dir: Path, steps: Callable[[], int], ignore: Iterable[Any] = (),
-                 on_hang: Callable[[], None] = lambda: None) -> Optional["Watchdog"]:
+                 on_hang: Callable[[], None] = lambda: None, **options: Any) -> Optional["Watchdog"]:
         """For an env:// launch of several ranks with the flight recorder on; else None. ``steps``: the
-        optimizer steps done; ``on_hang``: called on rank 0 once a hang is found, before any rank leaves."""
+        optimizer steps done; ``on_hang``: called on rank 0 once a hang is found, before any rank leaves;
+        ``options``: the constructor's (``fields``, ``progress_bar``)."""
         if comm.trace_buf_size == 0 or not (dist.is_available() and dist.is_initialized()):
             return None
         host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -130,7 +149,7 @@ class Watchdog:
         try:
             return cls(dist.get_rank(), dist.get_world_size(), host, int(port), init_timeout_s=comm.init_timeout_s,
                        train_timeout_s=comm.train_timeout_s, dump_dir=dump_dir, steps=steps, ignore=ignore,
-                       on_hang=on_hang)
+                       on_hang=on_hang, **options)
         except (RuntimeError, ValueError, OSError):
             return None  # no store to reach: the process groups' timeout alone
 
@@ -145,6 +164,8 @@ class Watchdog:
     def _run(self) -> None:
         pending: dict[tuple[str, str], tuple[int, float]] = {}  # (recorder, pg id) -> (oldest open seq, seen since)
         while not self._stop.wait(self.interval_s):
+            if store_gone():
+                return  # (the heartbeat names rank 0)
             try:
                 if self._store.check([f"{self._keys}/request"]):
                     return self._leaving(self._answer)
@@ -159,8 +180,8 @@ class Watchdog:
                             pending.pop(key, None)
                         elif pending.get(key, (None,))[0] != done + 1:
                             pending[key] = (done + 1, now)
-                timeout_s, field = ((self.train_timeout_s, "comm.train_timeout_s") if self._steps_done() > 0
-                                    else (self.init_timeout_s, "comm.init_timeout_s"))
+                timeout_s, field = ((self.train_timeout_s, self.fields[1]) if self._steps_done() > 0
+                                    else (self.init_timeout_s, self.fields[0]))
                 for key, (seq, since) in pending.items():
                     if key in self._ignored or now - since <= timeout_s:
                         continue
@@ -219,7 +240,7 @@ class Watchdog:
                     answers[rank] = json.loads(self._store.get(f"{self._keys}/answer/{rank}"))
             time.sleep(0.1)
         line = self._verdict(request, answers)
-        print(f"titan-lightning: error: [rank {self.rank}] {line}", file=sys.stderr, flush=True)
+        error(f"[rank {self.rank}] {line}", fresh_line=self.progress_bar)
         self._store.set(f"{self._keys}/verdict", line)
 
     def _answer(self) -> None:
@@ -233,17 +254,18 @@ class Watchdog:
         coordinator = json.loads(self._store.get(f"{self._keys}/answer/{request['rank']}"))
         if coordinator["output"] != mine["output"] and self._store.check([f"{self._keys}/verdict"]):
             line = self._store.get(f"{self._keys}/verdict").decode()  # (torchrun --log-dir: a log per rank)
-            print(f"titan-lightning: error: [rank {self.rank}] {line}", file=sys.stderr, flush=True)
+            error(f"[rank {self.rank}] {line}", fresh_line=self.progress_bar)
 
     def _account(self, request: dict) -> dict:
         """This rank's stacks and flight recorder to files; for the store: the last collective it
-        entered in the request's group, those it waits in, where its main thread is."""
+        entered in the request's group, the one it entered under the request's sequence number (its
+        name and sizes), those it waits in, where its main thread is."""
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         with open(self.dump_dir / f"rank{self.rank}_stacks.txt", "w") as out:
             faulthandler.dump_traceback(out, all_threads=True)
         traces = {source: json.loads(dump(True)) for source, dump in _recorders().items()}
         (self.dump_dir / f"rank{self.rank}_flight_recorder.json").write_text(json.dumps(traces))
-        entered, waiting, now_ns = 0, [], time.time_ns()
+        entered, called, waiting, now_ns = 0, None, [], time.time_ns()
         for trace in traces.values():
             entries = [e for e in trace.get("entries", []) if not e["is_p2p"]]
             ids = {str(e["pg_id"]) for e in entries if e["process_group"][0] == request["group"]}
@@ -251,12 +273,15 @@ class Watchdog:
                 status = trace.get("pg_status", {}).get(pg_id, {})
                 entered = max(entered, int(status.get("last_enqueued_collective", 0)))
             for e in entries:
+                if e["process_group"][0] == request["group"] and e["collective_seq_id"] == request["seq"]:
+                    called = {"op": e["profiling_name"], "sizes": _sizes(e)}
+            for e in entries:
                 if not e["retired"] and e["state"] != "completed":
                     waiting.append(f"{e['profiling_name']} #{e['collective_seq_id']} of process group "
                                    f"{_group_label(e['process_group'])} for {(now_ns - e['time_created_ns']) / 1e9:.0f} s")
         where = json.loads(self._store.get(f"{self._keys}/where/{self.rank}"))
-        return {**where, "rank": self.rank, "step": self._steps_done(), "entered": entered, "waiting": waiting,
-                "at": _main_thread_at()}
+        return {**where, "rank": self.rank, "step": self._steps_done(), "entered": entered, "called": called,
+                "waiting": waiting, "at": _main_thread_at()}
 
     def _verdict(self, request: dict, answers: dict[int, dict]) -> str:
         op = f"{request['op']} #{request['seq']} of process group {_group_label([request['group'], request['desc']])}"
@@ -276,16 +301,56 @@ class Watchdog:
                          f"within {self.answer_s:g} s (its process is stopped, or a thread holds the GIL); "
                          f"the others wait in {op}, {waited}")
         if not parts:
+            parts = self._mismatch(request, answers)
+        if not parts:
             parts.append(f"every rank of process group {_group_label([request['group'], request['desc']])} "
                          f"(ranks {', '.join(map(str, ranks))}) entered {request['op']} #{request['seq']} and it has "
                          f"not completed ({waited}): the network or the backend hangs, not a rank")
         return f"hung collective: {'; '.join(parts)}. Python stacks and flight recorder of every rank: {self.dump_dir}"
+
+    @staticmethod
+    def _mismatch(request: dict, answers: dict[int, dict]) -> list[str]:
+        """Every rank entered a collective under the request's number: those whose collective (its name,
+        else its sizes) differs from the most common one's, each with where it is; [] when all agree."""
+        calls = {r: answers[r]["called"] for r in request["ranks"] if r in answers and answers[r].get("called")}
+        if len(calls) < 2:
+            return []
+        key = {r: (c["op"], c["sizes"]) for r, c in calls.items()}
+        groups: dict[tuple, list[int]] = {}
+        for r, k in key.items():
+            groups.setdefault(k, []).append(r)
+        if len(groups) == 1:
+            return []
+        # The most common collective is taken as the program's (ties: the one rank 0, or the lowest rank, called).
+        common = max(groups, key=lambda k: (len(groups[k]), -min(groups[k])))
+        ranks = groups[common]
+        label = _group_label([request["group"], request["desc"]])
+        op, seq = common[0], request["seq"]
+        parts = []
+        for k, odd in groups.items():
+            if k == common:
+                continue
+            what = k[0] if k[0] != op else f"{k[0]} with sizes {k[1]}"
+            theirs = op if k[0] != op else f"{op} with sizes {common[1]}"
+            for r in odd:
+                a = answers[r]
+                parts.append(f"rank {r} (pid {a['pid']} on {a['host']}) entered {what} #{seq} of process group {label} "
+                             f"where rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} entered {theirs} "
+                             f"#{seq} (mismatched collectives; waited {math.floor(request['waited_s'])} s, "
+                             f"{request['field']}={request['timeout_s']:g}); rank {r} is at step {a['step']} in {a['at']}; "
+                             f"rank {ranks[0]} is at step {answers[ranks[0]]['step']} in {answers[ranks[0]]['at']}")
+        return parts
 
     def _where(self, rank: int) -> dict:
         try:
             return json.loads(self._store.get(f"{self._keys}/where/{rank}"))
         except Exception:  # noqa: BLE001
             return {}
+
+
+def _sizes(entry: dict) -> str:
+    """A collective's tensor sizes as the flight recorder has them: ``[4, 8] -> [2, 4, 8]``."""
+    return f"{entry.get('input_sizes')} -> {entry.get('output_sizes')}"
 
 
 def _group_label(process_group: list) -> str:

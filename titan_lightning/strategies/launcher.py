@@ -1,23 +1,28 @@
 """How TitanStrategy starts its ranks and hears of their failures: Lightning's launcher (rank 0
 starts ranks 1..n-1 as copies of its command), whose watch over the ranks it started says in one
 line which rank died, how, and where its output went, then stops every rank; and the settings of
-the process groups (``job.comm``: timeouts, where a hang's traces go) that the watchdog
-(parallel/watchdog.py) and the heartbeat (parallel/heartbeat.py) work with."""
+the process groups that the watchdog (parallel/watchdog.py) and the heartbeat (parallel/heartbeat.py)
+work with: a module's ``job.comm`` (the recipes: torchtitan's timeouts), or for a LightningModule
+without a job the strategy's ``timeout`` (Lightning's, 30 minutes by default), which then governs
+the hang watchdog and, with a backstop, the process groups."""
 
 import os
 import signal
 import sys
+from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import lightning as L
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from titan_lightning._compat import ChildProcessObserver as _ChildProcessObserver
 from titan_lightning._compat import SubprocessScriptLauncher as _SubprocessScriptLauncher
 from titan_lightning._compat import set_num_threads_if_needed as _set_num_threads_if_needed
 from titan_lightning.config import CommConfig
 from titan_lightning.parallel.heartbeat import Heartbeat, output_target
-from titan_lightning.parallel.watchdog import Watchdog, set_comm_environment
+from titan_lightning.parallel.watchdog import Watchdog, process_group_timeout, restore_environment, set_comm_environment
 
 
 class _Launcher(_SubprocessScriptLauncher):
@@ -81,31 +86,70 @@ def stop_watching(launcher: Any) -> None:
         launcher._observer.stopped = True
 
 
-def set_comm(module: L.LightningModule, backend: str) -> tuple[CommConfig, Path]:
-    """Before the process group starts: the environment of the module's ``job.comm`` (torchtitan's
-    defaults without a job) for ``backend``; returns it and where a hang's traces go."""
+@dataclass
+class Comm:
+    """A run's process-group settings: ``comm``, what the hang verdict calls its two timeouts, the
+    process groups' own timeout, where a hang's traces go, and the environment they replaced."""
+
+    comm: CommConfig
+    fields: tuple[str, str]
+    timeout: timedelta
+    traces: Path
+    replaced: dict[str, Optional[str]]
+
+
+def set_comm(module: L.LightningModule, backend: str, timeout: Optional[timedelta], owner: str) -> Comm:
+    """Before the process group starts: the settings of the module's ``job.comm`` (a ``timeout``
+    passed to the strategy replaces only the process groups' backstop) or, without a job, of the
+    strategy's ``timeout`` (the watchdog's timeouts; the backstop comes ``BACKSTOP_S`` later), and
+    their environment for ``backend`` (``restore_comm`` puts it back)."""
     job = getattr(module, "job", None)
     try:
         root = Path(module.trainer.default_root_dir)
     except RuntimeError:  # not attached to a Trainer
         root = Path.cwd()
-    comm, traces = (job.comm if job is not None else CommConfig()), root / "comm_traces"
-    set_comm_environment(comm, traces, backend)
-    return comm, traces
+    if job is not None:
+        comm, fields = job.comm, ("comm.init_timeout_s", "comm.train_timeout_s")
+        pg_timeout = process_group_timeout(comm) if timeout in (None, default_pg_timeout) else timeout
+    else:
+        seconds = (timeout or default_pg_timeout).total_seconds()
+        comm, fields = replace(CommConfig(), init_timeout_s=seconds, train_timeout_s=seconds), (f"{owner}.timeout",) * 2
+        pg_timeout = process_group_timeout(comm)
+    traces = root / "comm_traces"
+    return Comm(comm, fields, pg_timeout, traces, set_comm_environment(comm, traces, backend))
 
 
-def watch(module: L.LightningModule, comm: CommConfig, traces: Path, *, ignore: list,
+def restore_comm(comm: Optional[Comm]) -> None:
+    """The run is over: the environment as ``set_comm`` found it."""
+    if comm is not None:
+        restore_environment(comm.replaced)
+
+
+def watch(module: L.LightningModule, comm: Comm, *, ignore: list,
           launcher: Callable[[], Any]) -> tuple[Optional[Heartbeat], Optional[Watchdog]]:
     """Once the process group is up: the heartbeat, which names a rank that dies
     (parallel/heartbeat.py), and the watchdog, which names a hung rank (parallel/watchdog.py) and
     makes every rank leave (no news for ``launcher()``'s watch); None where they cannot run."""
-    heartbeat = Heartbeat.from_env()
-    return heartbeat, Watchdog.from_env(comm, traces, steps=lambda: module.trainer.global_step, ignore=ignore,
-                                        on_hang=lambda: stop_watching(launcher()))
+    bar = _progress_bar(module)
+    heartbeat = Heartbeat.from_env(comm.comm.heartbeat_timeout_s, progress_bar=bar)
+    return heartbeat, Watchdog.from_env(comm.comm, comm.traces, steps=lambda: module.trainer.global_step,
+                                        ignore=ignore, on_hang=lambda: stop_watching(launcher()),
+                                        fields=comm.fields, progress_bar=bar)
 
 
-def stop_watch(heartbeat: Optional[Heartbeat], watchdog: Optional[Watchdog], *, failed: bool) -> None:
-    if heartbeat is not None and not failed:
-        heartbeat.stop()  # (after a failure it beats on: the peers are told who really died)
+def _progress_bar(module: L.LightningModule) -> bool:
+    """Whether the run draws a progress bar (rank 0's, on the screen the ranks may share)."""
+    try:
+        bar = module.trainer.progress_bar_callback
+    except RuntimeError:  # not attached to a Trainer
+        return False
+    return bar is not None and bool(bar.is_enabled)
+
+
+def stop_watch(heartbeat: Optional[Heartbeat], watchdog: Optional[Watchdog]) -> None:
+    """The run ended, or failed: no thread of ours outlives it (after a failure, the heartbeat's
+    ``explain()`` still names a rank that died)."""
+    if heartbeat is not None:
+        heartbeat.stop()
     if watchdog is not None:
         watchdog.stop()

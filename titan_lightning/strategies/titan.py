@@ -33,9 +33,9 @@ from titan_lightning.parallel.contracts import check_contracts
 from titan_lightning.parallel.heartbeat import Heartbeat
 from titan_lightning.parallel.mesh import Mesh, ParallelDims
 from titan_lightning.parallel.tensor import FUSED, check_tp_plan
-from titan_lightning.parallel.watchdog import Watchdog, process_group_timeout
+from titan_lightning.parallel.watchdog import Watchdog
 from titan_lightning.strategies import checkpoint_io, sharding, step_hooks
-from titan_lightning.strategies.launcher import launcher, set_comm, stop_watch, watch
+from titan_lightning.strategies.launcher import Comm, launcher, restore_comm, set_comm, stop_watch, watch
 from titan_lightning.strategies.logs import StepLogs
 from titan_lightning.strategies.pipeline import PipelineRunner, clip_across_stages
 
@@ -47,6 +47,9 @@ class TitanStrategy(ModelParallelStrategy):
         parallelism: degrees and options; mutually exclusive with keyword degrees.
         mixed_precision_param, mixed_precision_reduce: FSDP dtypes for modules without a
             ``job`` (titan_lightning modules take them from ``job.training``).
+        timeout: for a module without a ``job``, how long a collective may wait before the run is
+            ended as hung, naming the rank it waits for (the process groups' own timeout comes 60 s
+            later); with a job, ``job.comm`` says that and this replaces the process groups' timeout.
         **degrees: fields of ``ParallelismConfig`` (``dp_shard=2, tp=2``).
     """
 
@@ -82,6 +85,8 @@ class TitanStrategy(ModelParallelStrategy):
         self._checked = None  # the module check_module validated
         self.step_logs = StepLogs()
         self._checkpoint_writer = ckpt.CheckpointWriter()
+        self._given_timeout = timeout  # (self._timeout becomes the process groups' own)
+        self._comm: Optional[Comm] = None
         self.heartbeat: Optional[Heartbeat] = None
         self.watchdog: Optional[Watchdog] = None
 
@@ -149,15 +154,14 @@ class TitanStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         module, self._failed = self.lightning_module, False  # (a strategy may run again after a fit that raised)
         self.check_module(module)  # (done already when build_trainer built the Trainer)
-        comm, traces = set_comm(module, self._get_process_group_backend())
-        if self._timeout == default_pg_timeout:  # (a timeout passed to the strategy wins)
-            self._timeout = process_group_timeout(comm)
+        self._comm = set_comm(module, self._get_process_group_backend(), self._given_timeout, type(self).__name__)
+        self._timeout = self._comm.timeout
         self._setup_distributed()
         self.dims, self.mesh = sharding.setup_mesh(module, self.parallelism(), self.world_size, self.root_device.type,
                                                    lightning_names=self._lightning_sizes is not None)
         self._device_mesh = module._device_mesh = self.mesh.device_mesh
         self._checkpoint_writer = ckpt.CheckpointWriter(ckpt.checkpoint_group())
-        self.heartbeat, self.watchdog = watch(module, comm, traces, ignore=[self._checkpoint_writer.group],
+        self.heartbeat, self.watchdog = watch(module, self._comm, ignore=[self._checkpoint_writer.group],
                                               launcher=lambda: self._launcher)
         if getattr(module, "job", None) is not None:  # (only modules with a job, as ours, say how to seed)
             self._determinism = sharding.seed(module.job, self.mesh, self.root_device.type)
@@ -292,7 +296,8 @@ class TitanStrategy(ModelParallelStrategy):
         failed = getattr(self, "_failed", False)
         if not failed:
             self._checkpoint_writer.wait()  # an asynchronous save still being written
-        stop_watch(getattr(self, "heartbeat", None), getattr(self, "watchdog", None), failed=failed)
+        stop_watch(getattr(self, "heartbeat", None), getattr(self, "watchdog", None))
+        restore_comm(getattr(self, "_comm", None))
         super().teardown()
         if getattr(self, "_determinism", None) is not None:
             self._determinism.restore()

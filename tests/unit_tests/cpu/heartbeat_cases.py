@@ -1,6 +1,8 @@
 """Rank functions for test_heartbeat.py (run by titan_lightning.testing.spawn on gloo ranks)."""
 
+import json
 import os
+import signal
 import time
 
 import torch
@@ -8,11 +10,11 @@ import torch.distributed as dist
 
 from titan_lightning.parallel.heartbeat import Heartbeat
 
-QUICK = dict(interval_s=0.2, stall_s=0.6)
+QUICK = dict(interval_s=0.2, timeout_s=0.6)
 
 
 def _heartbeat(rank: int, world_size: int, **timing) -> Heartbeat:
-    return Heartbeat(rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), **QUICK, **timing)
+    return Heartbeat(rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), **{**QUICK, **timing})
 
 
 def blocked_survivor(rank: int, world_size: int) -> None:
@@ -30,8 +32,8 @@ def blocked_survivor(rank: int, world_size: int) -> None:
 
 
 def early_finisher(rank: int, world_size: int) -> str:
-    """Rank 1 ends its heartbeat normally and waits while rank 0 is busy for longer than the stall
-    and the grace: nobody is taken for dead."""
+    """Rank 1 ends its heartbeat normally and waits while rank 0 is busy for longer than the
+    timeout and the grace: nobody is taken for dead."""
     heartbeat = _heartbeat(rank, world_size, grace_s=0.5)
     dist.barrier()
     if rank == 1:
@@ -40,3 +42,40 @@ def early_finisher(rank: int, world_size: int) -> str:
     if rank != 1:
         heartbeat.stop()
     return "finished"
+
+
+def stopped_rank(rank: int, world_size: int, stop_s: float, elsewhere: bool) -> str:
+    """Rank 0 stops rank 1 (SIGSTOP) for ``stop_s``, many times the heartbeat's timeout and grace,
+    then continues it (SIGCONT), and both meet in an all-reduce. ``elsewhere``: rank 1 says it runs
+    on another host (its pid is not visible to rank 0), as a rank of a multi-node run does."""
+    heartbeat = _heartbeat(rank, world_size, grace_s=1.0)
+    if elsewhere and rank == 1:  # (its whereabouts as a peer on another host would have written them)
+        key = f"{heartbeat._keys}/where/{rank}"
+        heartbeat._store.set(key, json.dumps({**json.loads(heartbeat._store.get(key)), "space": "another host"}))
+    pids = [None] * world_size
+    dist.all_gather_object(pids, os.getpid())
+    time.sleep(0.5)  # a few beats each
+    if rank == 0:
+        os.kill(pids[1], signal.SIGSTOP)
+        time.sleep(stop_s)
+        os.kill(pids[1], signal.SIGCONT)
+    dist.all_reduce(torch.ones(1))
+    heartbeat.stop()
+    return "finished"
+
+
+def killed_rank(rank: int, world_size: int) -> dict:
+    """Rank 1 kills itself (SIGKILL); rank 0's next collective fails and, as the command line does,
+    it asks its heartbeat (default timing: a beat a second, 60 s for a silent peer elsewhere) who died."""
+    heartbeat = Heartbeat(rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    killed_at = [None] * world_size
+    dist.all_gather_object(killed_at, time.time())
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        dist.barrier()
+    except RuntimeError:
+        pass
+    heartbeat.stop()  # (as teardown does after a failed fit)
+    account = heartbeat.explain()
+    return {"account": account, "seconds": time.time() - killed_at[1]}

@@ -1,5 +1,6 @@
-"""The heartbeat names a dead rank even on a survivor whose collective never fails, and takes a
-rank that ended normally for nothing worse."""
+"""The heartbeat names a dead rank even on a survivor whose collective never fails, within seconds
+on the same host; takes a rank that ended normally, or that is alive but stopped, for nothing
+worse; and calls a silent rank on another host dead after its timeout."""
 
 import os
 from pathlib import Path
@@ -21,9 +22,38 @@ def test_a_survivor_blocked_on_a_live_peer_names_the_dead_rank_and_exits(tmp_pat
     assert result.returncodes[2] == 1
     lines = [line for line in result.log(2).splitlines() if "titan-lightning: error:" in line]
     assert len(lines) == 1, lines
-    assert f"[rank 2] rank 1 (pid {result.pids[1]} on " in lines[0] and "stopped: no heartbeat" in lines[0]
+    assert f"[rank 2] rank 1 (pid {result.pids[1]} on " in lines[0] and ") is gone: its process ended" in lines[0]
+
+
+def test_a_killed_rank_is_named_within_5_seconds(tmp_path):
+    with pytest.raises(LaunchFailed) as failed:  # (rank 1 is gone: the closing barrier fails)
+        run_function("heartbeat_cases:killed_rank", 2, out_dir=tmp_path, timeout=60, env=CASES_ENV)
+    result = failed.value.result
+    told = result.ranks[0]["result"]
+    assert told["account"].startswith(f"rank 1 (pid {result.pids[1]} on "), told
+    assert "is gone: its process ended (killed, out of memory or crashed)" in told["account"], told
+    assert told["seconds"] < 5, told
 
 
 def test_a_rank_that_stopped_its_heartbeat_normally_is_not_taken_for_dead(tmp_path):
     results = run_function("heartbeat_cases:early_finisher", 3, out_dir=tmp_path, timeout=60, env=CASES_ENV)
     assert results == ["finished"] * 3
+
+
+def test_a_rank_stopped_and_continued_on_the_same_host_finishes_the_run(tmp_path):
+    # 3 s stopped: five times the heartbeat's timeout (0.6 s) plus its grace (1 s) in these cases.
+    results = run_function("heartbeat_cases:stopped_rank", 2, out_dir=tmp_path, timeout=60, env=CASES_ENV,
+                           stop_s=3.0, elsewhere=False)
+    assert results == ["finished"] * 2
+
+
+def test_a_rank_on_another_host_silent_for_longer_than_the_timeout_is_called_dead(tmp_path):
+    with pytest.raises(LaunchFailed) as failed:
+        run_function("heartbeat_cases:stopped_rank", 2, out_dir=tmp_path, timeout=60, env=CASES_ENV,
+                     stop_s=3.0, elsewhere=True)
+    result = failed.value.result
+    assert result.returncodes[0] == 1
+    lines = [line for line in result.log(0).splitlines() if "titan-lightning: error:" in line]
+    assert len(lines) == 1, result.log_tails()
+    assert f"[rank 0] rank 1 (pid {result.pids[1]} on " in lines[0], lines
+    assert "stopped: no heartbeat for 1 s (comm.heartbeat_timeout_s=0.6; " in lines[0], lines

@@ -1,8 +1,11 @@
 """A rank stuck in its step (alive, beating) while its peers wait in a collective: after the
-timeout one line names it, the collective and where it is; every rank's stacks and flight
-recorder are written; no watchdog or heartbeat thread outlives ``trainer.fit``."""
+timeout one line names it, the collective and where it is (or, when the ranks wait in different
+collectives, both); every rank's stacks and flight recorder are written; a plain LightningModule's
+timeout is the strategy's; no watchdog or heartbeat thread, nor the flight recorder's variable,
+outlives ``trainer.fit``, also one that failed."""
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -44,17 +47,57 @@ def test_a_rank_slower_than_its_peer_but_within_the_timeout_is_left_alone(tmp_pa
 
 
 @pytest.mark.multi_process
-def test_no_thread_of_ours_outlives_fit(tmp_path):
-    for threads in run_function("watchdog_cases:threads_after_fit", 2, out_dir=tmp_path, timeout=110, env=CASES_ENV,
-                                root=str(tmp_path)):
-        assert {"titan-lightning-heartbeat", "titan-lightning-watchdog"} <= set(threads["in_step"]), threads
-        assert not [name for name in threads["after_fit"] if name.startswith("titan-lightning")], threads
+def test_ranks_in_different_collectives_under_one_number_are_named_with_both_collectives(tmp_path):
+    dumps = tmp_path / "traces"
+    with pytest.raises(LaunchFailed) as failed:
+        run_function("watchdog_cases:mismatched_collective", 2, out_dir=tmp_path, timeout=50, env=CASES_ENV,
+                     dump_dir=str(dumps), timeout_s=2.0)
+    result = failed.value.result
+    lines = [line for rank in (0, 1) for line in result.log(rank).splitlines() if "titan-lightning: error:" in line]
+    assert lines, result.log_tails()
+    line = lines[0]
+    assert line.startswith("titan-lightning: error: [rank "), line  # (not after the progress bar's unended line)
+    assert (f"hung collective: rank 1 (pid {result.pids[1]} on " in line and " entered gloo:all_reduce #2 of process "
+            "group 0 (default_pg) where rank 0 entered gloo:all_gather #2 (mismatched collectives; waited 2 s, "
+            "comm.init_timeout_s=2); rank 1 is at step 0 in all_reduce (" in line), line
+    assert "the network" not in line, line
+    calls = {rank: int(re.search(rf"rank {rank} is at step 0 in [^;]*<- mismatched_collective \([^)]*watchdog_cases.py:(\d+)\)",
+                                 line).group(1)) for rank in (0, 1)}
+    assert calls[1] == calls[0] - 1, line  # (rank 1's extra all_reduce, the line before the all_gather)
+
+
+@pytest.mark.multi_process
+def test_a_plain_module_s_rank_working_alone_longer_than_the_strategy_timeout_is_named(tmp_path):
+    with pytest.raises(LaunchFailed) as failed:
+        run_function("watchdog_cases:solo_rank", 2, out_dir=tmp_path, timeout=110, env=CASES_ENV,
+                     init_process_group=False, root=str(tmp_path), timeout_s=2.0, solo_s=60.0)
+    result = failed.value.result
+    lines = [line for rank in (0, 1) for line in result.log(rank).splitlines() if "titan-lightning: error:" in line]
+    assert lines, result.log_tails()
+    assert f"hung collective: rank 0 (pid {result.pids[0]} on " in lines[0], lines
+    assert "has waited 2 s (TitanStrategy.timeout=2); rank 0 is at step 1 in on_train_batch_end (" in lines[0], lines
+
+
+@pytest.mark.multi_process
+def test_the_strategy_timeout_governs_a_plain_module_and_no_thread_or_variable_outlives_fit(tmp_path):
+    # Rank 0 works alone 3 s after step 1 (in a real run: a 130 s evaluation); the strategy's
+    # timeout, not comm.train_timeout_s (a plain module has no job), is the watchdog's.
+    for rank in run_function("watchdog_cases:solo_rank", 2, out_dir=tmp_path, timeout=110, env=CASES_ENV,
+                             init_process_group=False, root=str(tmp_path), timeout_s=20.0, solo_s=3.0):
+        fit, failed = rank["after_fit"], rank["after_failed_fit"]
+        assert fit["watchdog"] == [20.0, 20.0, ["TitanStrategy.timeout"] * 2], fit
+        assert fit["process_group_s"] == 80.0, fit  # (the backstop: 60 s after the watchdog)
+        assert {"titan-lightning-heartbeat", "titan-lightning-watchdog"} <= set(fit["in_step"]), fit
+        for after in (fit, failed):
+            assert not [name for name in after["threads"] if name.startswith("titan-lightning")], after
+            assert after["environment"] is False, after
 
 
 @pytest.mark.parametrize("override, message", [
     (["--job.comm.train_timeout_s", "0"], "comm.train_timeout_s=0.0 must be a number of seconds > 0"),
     (["--job.comm.init_timeout_s", "-5"], "comm.init_timeout_s=-5.0 must be a number of seconds > 0"),
     (["--job.comm.trace_buf_size", "-1"], "comm.trace_buf_size=-1 must be an integer >= 0"),
+    (["--job.comm.heartbeat_timeout_s", "-1"], "comm.heartbeat_timeout_s=-1.0 must be a number of seconds > 0"),
 ])
 def test_bad_comm_settings_fail_before_launch_in_one_line(override, message, tmp_path, monkeypatch, capsys):
     from titan_lightning import cli

@@ -1,8 +1,10 @@
 """Rank functions for test_watchdog.py (run by titan_lightning.testing.spawn on gloo ranks)."""
 
 import os
+import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -27,27 +29,71 @@ def sleepy_rank(rank: int, world_size: int, dump_dir: str, timeout_s: float, sle
     return "finished"
 
 
+def mismatched_collective(rank: int, world_size: int, dump_dir: str, timeout_s: float) -> str:
+    """Both ranks meet in one all-reduce; then rank 1 calls an all-reduce of its own while rank 0
+    goes on to an all-gather: both wait, each in another collective under the same number. A
+    progress bar's unended line is on each rank's screen."""
+    watchdog = Watchdog(rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                        init_timeout_s=timeout_s, train_timeout_s=timeout_s, dump_dir=Path(dump_dir),
+                        progress_bar=True, **QUICK)
+    dist.all_reduce(torch.ones(4))
+    sys.stderr.write("Epoch 0:  50%|#####     | 1/2")
+    sys.stderr.flush()
+    if rank == 1:
+        dist.all_reduce(torch.ones(4))
+    dist.all_gather([torch.zeros(4) for _ in range(world_size)], torch.ones(4))
+    watchdog.stop()
+    return "finished"
+
+
 def _threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive())
 
 
-class _ThreadsInStep(L.Callback):
+class _Seen(L.Callback):
+    """What a fit looks like from inside: the threads in a step, the watchdog's timeouts; rank 0
+    works alone for ``solo_s`` after the first optimizer step (an evaluation, a large save)."""
+
+    def __init__(self, solo_s: float = 0.0) -> None:
+        self.solo_s, self.threads, self.watchdog = solo_s, [], None
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.names = _threads()
+        self.threads = _threads()
+        watchdog = trainer.strategy.watchdog
+        self.watchdog = [watchdog.init_timeout_s, watchdog.train_timeout_s, list(watchdog.fields)]
+        if trainer.global_rank == 0 and trainer.global_step == 1:
+            time.sleep(self.solo_s)
 
 
-def threads_after_fit(rank: int, world_size: int, root: str) -> dict[str, list[str]]:
-    """A 2-step fit under TitanStrategy: the names of the threads alive in a step, and once fit has returned."""
-    from lightning_styles import SubmoduleModule
+class _Failing(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        raise ValueError("the user's code fails on every rank")
 
+
+def _trainer(world_size: int, root: str, callback: L.Callback, **strategy) -> L.Trainer:
     from titan_lightning import TitanStrategy
 
-    seen = _ThreadsInStep()
-    trainer = L.Trainer(strategy=TitanStrategy(dp_shard=world_size), devices=world_size, accelerator="cpu",
-                        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, default_root_dir=root, callbacks=[seen])
+    return L.Trainer(strategy=TitanStrategy(dp_shard=world_size, **strategy), devices=world_size, accelerator="cpu",
+                     max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, limit_val_batches=0, default_root_dir=root, callbacks=[callback])
+
+
+def solo_rank(rank: int, world_size: int, root: str, timeout_s: float, solo_s: float) -> dict:
+    """A plain LightningModule under ``TitanStrategy(timeout=timeout_s)`` whose rank 0 works alone
+    for ``solo_s`` after the first step; then, in the same processes, a fit that fails on every
+    rank. What each fit leaves behind: threads, the flight recorder's variable."""
+    from lightning_styles import SubmoduleModule
+
+    seen = _Seen(solo_s)
+    trainer = _trainer(world_size, root, seen, timeout=timedelta(seconds=timeout_s))
     trainer.fit(SubmoduleModule(batch_size=4))
-    after = _threads()
+    after = {"in_step": seen.threads, "watchdog": seen.watchdog, "process_group_s": trainer.strategy._timeout.total_seconds(),
+             "threads": _threads(), "environment": "TORCH_FR_BUFFER_SIZE" in os.environ}
+    try:
+        _trainer(world_size, root, _Failing()).fit(SubmoduleModule(batch_size=4))
+    except ValueError:
+        pass
+    failed = {"threads": _threads(), "environment": "TORCH_FR_BUFFER_SIZE" in os.environ}
     if not dist.is_initialized():  # (teardown destroyed the default group: spawn's closing barrier needs one)
         dist.init_process_group("gloo", init_method=f"file://{root}/rejoin", rank=rank, world_size=world_size)
-    return {"in_step": seen.names, "after_fit": after}
+    return {"after_fit": after, "after_failed_fit": failed}
