@@ -78,14 +78,11 @@ class Sampling:
     eos_ids: frozenset[int] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise GenerateError(f"--temperature={self.temperature}: must be > 0 (use --greedy for greedy decoding)")
-        if not 0 < self.top_p <= 1:
-            raise GenerateError(f"--top-p={self.top_p}: must be in (0, 1]")
-        if self.top_k < 0:
-            raise GenerateError(f"--top-k={self.top_k}: must be >= 0 (0 keeps every token)")
-        if self.max_new_tokens < 1:
-            raise GenerateError(f"--max-new-tokens={self.max_new_tokens}: must be >= 1")
+        problem = sampling_problem(self.temperature, self.top_k, self.top_p) if self.do_sample else None
+        if problem is None and self.max_new_tokens < 1:
+            problem = f"max_new_tokens={self.max_new_tokens}: must be >= 1"
+        if problem is not None:
+            raise GenerateError(problem)
 
     def pick(self, logits: torch.Tensor, generator: Optional[torch.Generator] = None) -> int:
         """The next token of ``logits`` [vocab]."""
@@ -102,6 +99,27 @@ class Sampling:
             logits = logits.index_put((order[drop],), torch.tensor(float("-inf"), device=logits.device))
         probs = logits.softmax(-1)
         return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def sampling_problem(temperature: Optional[float], top_k: Optional[int], top_p: Optional[float]) -> Optional[str]:
+    """What is wrong with these settings (None: each is unset or valid)."""
+    if temperature is not None and not temperature > 0:
+        return f"temperature={temperature}: must be > 0 (greedy decoding is --greedy, or do_sample false)"
+    if top_k is not None and top_k < 0:
+        return f"top_k={top_k}: must be >= 0 (0 keeps every token)"
+    if top_p is not None and not 0 < top_p <= 1:
+        return f"top_p={top_p}: must be in (0, 1]"
+    return None
+
+
+def check_flags(options: argparse.Namespace) -> None:
+    """The sampling flags' ranges, before anything is read; one line naming the flag."""
+    problem = sampling_problem(options.temperature, options.top_k, options.top_p)
+    if problem is None and options.max_new_tokens is not None and options.max_new_tokens < 1:
+        problem = f"max_new_tokens={options.max_new_tokens}: must be >= 1"
+    if problem is not None:
+        name, rest = problem.split("=", 1)
+        raise GenerateError(f"--{name.replace('_', '-')}={rest}")
 
 
 def read_sampling(folder: Optional[Path], options: argparse.Namespace, fallback_eos: int) -> Sampling:
@@ -125,7 +143,10 @@ def read_sampling(folder: Optional[Path], options: argparse.Namespace, fallback_
         values["do_sample"] = False
     if options.max_new_tokens is not None:
         values["max_new_tokens"] = options.max_new_tokens
-    return Sampling(**values, eos_ids=frozenset(int(i) for i in eos))
+    try:
+        return Sampling(**values, eos_ids=frozenset(int(i) for i in eos))
+    except (GenerateError, TypeError) as err:  # (the flags are checked first: this is the folder's setting)
+        raise GenerateError(f"{folder / GENERATION_FILE}: {err}; override it with the flag or --greedy") from None
 
 
 # -- decoding -------------------------------------------------------------------------------
@@ -359,7 +380,7 @@ def main(command: str, argv: list[str], parse_run: Optional[Callable] = None) ->
     if unknown:
         raise GenerateError(f"{command}: unknown option {unknown[0]!r}; see titan-lightning {command} --help")
     device, dtype = _device(options)
-    read_sampling(None, options, 0)  # the flags' ranges, before anything loads
+    check_flags(options)
     found = find_model(options.model, run_argv, parse_run)
     sampling = read_sampling(found.settings_folder, options, found.tokenizer.eot_id)
     generator = torch.Generator().manual_seed(options.seed)

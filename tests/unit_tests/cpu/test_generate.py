@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from titan_lightning import cli
-from titan_lightning.generate import (Sampling, Session, build_parser, chat_template, find_model, generate_tokens,
-                                      prompt_ids, read_sampling)
+from titan_lightning.generate import (GenerateError, Sampling, Session, build_parser, chat_template, find_model,
+                                      generate_tokens, prompt_ids, read_sampling)
 
 from tests.hf_folders import save_hf_folder, save_hf_model
 
@@ -79,6 +79,12 @@ def test_sampling_follows_generation_config_then_flags(chat_folder, tmp_path):
     assert sampling("--top-k", "3") == Sampling(do_sample=True, top_k=3, eos_ids=frozenset({11}))
     (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": None}))
     assert sampling().eos_ids == {0}  # none in either file: the tokenizer's end of text
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.0}))
+    assert not sampling().do_sample  # (a setting greedy decoding does not read is not checked)
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.0}))
+    with pytest.raises(GenerateError, match=r"generation_config.json: temperature=0.0: must be > 0"):
+        sampling()
+    assert not sampling("--greedy").do_sample
 
 
 def test_sampling_is_seeded_and_cut_to_top_k_and_top_p(chat_folder):
