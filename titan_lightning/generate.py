@@ -7,7 +7,7 @@ CPU or one GPU, with no export.
 
 ``PATH`` is a Hugging Face folder (config.json, safetensors, tokenizer files), a run folder
 (``runs/<name>/<time>``, or ``runs/<name>`` for its newest run: the run's Hugging Face export when
-it wrote one, else its newest checkpoint), or a checkpoint folder. A checkpoint holds weights, not
+it wrote one, else its sharded export, else its newest checkpoint), or a checkpoint folder. A checkpoint holds weights, not
 the model they belong to: its job comes from the run's own options, given after ours
 (``--recipe recipes.hf:sft --job.checkpoint.initial_load_path DIR ...``, or ``--config run.yaml``),
 as when resuming it.
@@ -29,7 +29,6 @@ ends at ``/exit`` or the end of its input.
 """
 
 import argparse
-import json
 import sys
 import time
 import warnings
@@ -179,7 +178,9 @@ class Session:
             raise GenerateError(f"{len(ids)} tokens do not fit the model's {self.max_len} positions")
         start = 0
         if self.attentions is not None:  # (else: the whole sequence again, every step)
-            start = next((i for i, (a, b) in enumerate(zip(self.fed, ids)) if a != b), min(len(self.fed), len(ids)))
+            start = len(self.fed)  # the common prefix: usually all that was fed (one more token, a next turn)
+            if list(ids[:start]) != self.fed:
+                start = next((i for i, (a, b) in enumerate(zip(self.fed, ids)) if a != b), min(start, len(ids)))
             start = min(start, len(ids) - 1)
             for attention in self.attentions:
                 attention.kv_cache.rewind(start)
@@ -275,11 +276,13 @@ def resolve_model_path(path: str) -> tuple[str, Path]:
     for run in runs:
         if (run / "export_hf" / CONFIG_FILE).is_file():
             return "hf", run / "export_hf"
+        if (run / "export" / DCP_METADATA).is_file():  # a sharded export (checkpoint.export_format=dcp)
+            return "checkpoint", run / "export"
         newest = latest_checkpoint(run / "checkpoints") if (run / "checkpoints").is_dir() else None
         if newest is not None:
             return "checkpoint", newest
     raise GenerateError(f"--model={path!r} holds no config.json (a Hugging Face folder), no {DCP_METADATA} (a "
-                        f"checkpoint) and no run's export_hf/ or complete checkpoints/")
+                        f"checkpoint) and no run's export_hf/, export/ or complete checkpoints/")
 
 
 def find_model(path: str, run_argv: Sequence[str] = (), parse_run: Optional[Callable] = None) -> Loaded:
