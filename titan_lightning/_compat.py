@@ -24,6 +24,8 @@ callbacks/progress.py), ``nn.Module``'s hook dicts read in parallel/fsdp.py, and
 from __future__ import annotations
 
 import importlib
+import logging
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -40,7 +42,7 @@ from torch.utils._pytree import tree_leaves
 __all__ = [
     "ChildProcessObserver", "SubprocessScriptLauncher", "set_num_threads_if_needed", "distributed_is_initialized",
     "materialize_distributed_module", "optimizers_to_device", "lightning_rank", "logs_this_step",
-    "mark_checkpoint_saved",
+    "mark_checkpoint_saved", "hide_expected_lightning_output",
     "default_group", "resolve_process_group", "process_group_names", "funcol", "StridedShard",
     "compute_local_shape_and_global_offset", "TorchDispatchMode", "tree_leaves", "FakeTensor", "FakeTensorMode",
     "unset_fake_temporarily", "FAKE_TENSOR_ERRORS", "dynamo_disable", "dynamo_config", "list_backends",
@@ -86,6 +88,39 @@ def mark_checkpoint_saved(callback: Any, global_step: int) -> None:
     attribute it reads to skip a step it already saved); nothing where it has no such attribute."""
     if hasattr(callback, "_last_global_step_saved"):
         callback._last_global_step_saved = global_step
+
+
+# What Lightning prints that a titan-lightning run cannot act on, each with why it is expected.
+# The command line hides them (cli.main); a program that builds its own Trainer keeps them.
+# (Lightning's "IterableDataset has __len__" is hidden where our datasets are made:
+# data/datamodule.py says why their lengths are exact.)
+EXPECTED_LIGHTNING_WARNINGS = (
+    # torch 2.10 deprecated isinstance(x, LeafSpec); Lightning 2.6's utilities/_pytree.py still asks
+    # it of every batch it moves to the device; nothing of ours calls it.
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+    # CausalLMModule.on_before_batch_transfer prepares varlen batches on the host; our datamodules
+    # have no such hook, so Lightning runs the module's, as meant, and says so on every run.
+    (UserWarning, r"You have overridden `on_before_batch_transfer` in `LightningModule` but have passed in a "
+                  r"`LightningDataModule`"),
+)
+# Lightning's advertisements on its INFO log ("💡 Tip: ... try installing litlogger / litmodels"),
+# printed whatever the run's loggers and checkpoints are.
+LIGHTNING_TIP = "💡 Tip:"
+LIGHTNING_RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+
+
+def _not_a_tip(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(LIGHTNING_TIP)
+
+
+def hide_expected_lightning_output() -> None:
+    """Hide EXPECTED_LIGHTNING_WARNINGS and Lightning's tips, for the rest of the process."""
+    for category, message in EXPECTED_LIGHTNING_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    for name in LIGHTNING_RANK_ZERO_LOGGERS:  # (rank_zero_info logs to one of them, the last imported)
+        logger = logging.getLogger(name)
+        if _not_a_tip not in logger.filters:
+            logger.addFilter(_not_a_tip)
 
 
 # -- torch.distributed -------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 
 import lightning as L
 
+from titan_lightning._compat import hide_expected_lightning_output
 from titan_lightning.checkpoint import CheckpointError
 from titan_lightning.config import ConfigError, JobConfig
 from titan_lightning.data.prepare import main as prepare_main
@@ -87,6 +88,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Bad input (found before launch): one line on stderr, exit 2, nothing written. A known
     failure of the run itself (a checkpoint that cannot be written, ...): one line, exit 1.
     A reader that stops early (``titan-lightning fit --help | head``): exit 1, nothing printed."""
+    hide_expected_lightning_output()
     try:
         try:
             return _main(list(sys.argv[1:] if argv is None else argv))
