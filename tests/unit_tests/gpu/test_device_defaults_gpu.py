@@ -8,20 +8,22 @@ the measured tokens/s, MFU and peak memory of the last steps.
 
 import csv
 
+import numpy as np
 import pytest
 import torch
 
 from titan_lightning import cli, device_defaults
+from titan_lightning.data.shards import tokenizer_identity
+from titan_lightning.data.tokenizer import load_tokenizer
 from titan_lightning.recipe import execute
 from titan_lightning.testing.sft_shards import synthetic_conversations, write_sft_shards
 from titan_lightning.trainer import RUN_DIR_ENV
 
-from tests.hf_folders import save_hf_model
+from tests.hf_folders import save_hf_folder
 
 pytestmark = pytest.mark.gpu
 
-# A Qwen 2 folder of ~0.25B parameters and 8192 positions, without a tokenizer (the run then reads
-# the shipped one, which the synthetic conversations use).
+# A Qwen 2 folder of ~0.25B parameters and 8192 positions, with a small trained tokenizer.
 SHAPE = dict(vocab_size=32768, hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=2,
              intermediate_size=2816, max_position_embeddings=8192)
 
@@ -30,8 +32,13 @@ SHAPE = dict(vocab_size=32768, hidden_size=1024, num_hidden_layers=12, num_atten
 def test_the_sft_recipe_chooses_for_the_gpu_and_trains_within_its_estimate(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(RUN_DIR_ENV, raising=False)
-    save_hf_model(tmp_path / "model", "qwen2", **SHAPE)
-    write_sft_shards(tmp_path / "sft", synthetic_conversations(3000, seed=0, mean_turn=120, max_turns=3))
+    folder = save_hf_folder(tmp_path / "model", "qwen2", **SHAPE)
+    tokenizer = load_tokenizer(str(folder))
+    identity = tokenizer_identity(folder / "tokenizer.json", tokenizer.vocab_size, tokenizer.eot_id,
+                                  tokenizer.bos_id if tokenizer.add_bos else None)
+    conversations = [(np.where(t == 0, tokenizer.eot_id, t % (tokenizer.vocab_size - 1)), m)
+                     for t, m in synthetic_conversations(3000, seed=0, mean_turn=120, max_turns=3)]
+    write_sft_shards(tmp_path / "sft", conversations, tokenizer=identity)
     argv = ["fit", "--recipe", "recipes.hf:sft", "--job.checkpoint.initial_load_path", str(tmp_path / "model"),
             "--job.data.dataset_path", str(tmp_path / "sft"), "--trainer.accelerator", "gpu",
             "--trainer.devices", "1", "--trainer.max_steps", "12", "--trainer.log_every_n_steps", "1",
