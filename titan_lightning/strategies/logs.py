@@ -1,11 +1,16 @@
 """What a step logs when Lightning's one ``self.log`` per step is not enough: with several
-microbatches per optimizer step (gradient accumulation, or pipeline microbatches), the module's
-``self.log`` calls are recorded, averaged over the microbatches and replayed once, at the step's
-last, so the progress bar, loggers, checkpoint monitors and golden numerics see the step's value,
-as with one big batch. Under pipeline parallelism the last stage records and every rank replays."""
+microbatches per optimizer step (pipeline microbatches, or gradient accumulation in a titan_lightning
+module, one with a ``job``), the module's ``self.log`` calls are recorded, averaged over the
+microbatches and replayed once, at the step's last, so the progress bar, loggers, checkpoint
+monitors and golden numerics see the step's value, as with one big batch. Under pipeline
+parallelism the last stage records and every rank replays. A LightningModule of one's own under
+gradient accumulation (no pipeline) logs as under Lightning's strategies: nothing is recorded."""
 
+import inspect
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
+
+from lightning.pytorch import LightningModule
 
 import torch
 from torch import Tensor
@@ -33,20 +38,23 @@ def record_logs(records: list):
     """A stand-in for ``LightningModule.log`` that appends (name, value, options) to ``records``."""
 
     def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if args:
-            raise TypeError("pass self.log options as keywords when steps are averaged (PP or accumulation)")
-        records.append((name, value, kwargs))
+        options = _LOG_SIGNATURE.bind(None, name, value, *args, **kwargs).arguments  # (positional options too)
+        records.append((name, value, {k: v for k, v in options.items() if k not in ("self", "name", "value")}))
 
     return record
 
 
-def average_records(records: list[Record]) -> list[Record]:
-    """One (name, value, options) per logged name: the mean over the microbatches that logged it."""
+_LOG_SIGNATURE = inspect.signature(LightningModule.log)
+
+
+def average_records(records: list[Record], *, pipeline: bool = True) -> list[Record]:
+    """One (name, value, options) per logged name: the mean over the microbatches that logged it (a
+    torchmetrics Metric: the last, which holds the step's state; under a pipeline, refused)."""
     from torchmetrics import Metric
 
     grouped: dict[str, tuple[list, dict]] = {}
     for name, value, kwargs in records:
-        if isinstance(value, Metric):
+        if isinstance(value, Metric) and pipeline:
             raise TypeError(
                 f"self.log({name!r}, <{type(value).__name__}>) under pipeline parallelism: the metric lives on the "
                 f"last stage only; log its computed value instead"
@@ -75,9 +83,9 @@ class StepLogs:
 
     def add(self, records: list[Record], module: Any, device: torch.device, *, ends_step: bool) -> None:
         """One microbatch's records; at the step's last microbatch, the step's mean is logged."""
-        self._window += average_records(records)
+        self._window += average_records(records, pipeline=False)
         if ends_step:
-            window, self._window = average_records(self._window), []
+            window, self._window = average_records(self._window, pipeline=False), []
             replay_records(module, window, device)
 
 

@@ -19,15 +19,17 @@ _CONTEXTS = {"training_step": "train_step_context", "validation_step": "val_step
 
 
 def training_step(strategy: Any, args: tuple, kwargs: dict) -> Any:
-    """The module's training_step; with several microbatches per optimizer step (gradient
-    accumulation, or PP microbatches), what it logs is logged once, at the step's last."""
-    trainer, sharded = strategy.lightning_module.trainer, strategy.sharded
+    """The module's training_step; with several microbatches per optimizer step (PP microbatches,
+    or gradient accumulation in a module with a ``job``), what it logs is logged once, at the step's
+    last. A module of one's own under accumulation logs every microbatch, as Lightning's strategies do."""
+    module, sharded = strategy.lightning_module, strategy.sharded
+    trainer = module.trainer
     batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
     ends_step = ends_optimizer_step(trainer, trainer.fit_loop.epoch_loop.batch_idx if batch_idx is None else batch_idx)
     # parallelism.fsdp_sync_last_microbatch_only: FSDP reduces gradients on a window's last microbatch only.
     for root in sharded.sync_last_roots if batch_idx is not None else ():
         root.set_requires_gradient_sync(ends_step)
-    if trainer.accumulate_grad_batches == 1 and sharded.pipeline is None:
+    if sharded.pipeline is None and (trainer.accumulate_grad_batches == 1 or getattr(module, "job", None) is None):
         return step(strategy, "training_step", args, kwargs)
     records: list = []
     loss = step(strategy, "training_step", args, kwargs, records=records)
