@@ -163,7 +163,14 @@ class Watchdog:
 
     def _run(self) -> None:
         pending: dict[tuple[str, str], tuple[int, float]] = {}  # (recorder, pg id) -> (oldest open seq, seen since)
+        last = time.monotonic()
         while not self._stop.wait(self.interval_s):
+            # This process did not run for a while (stopped, swapped out, starved): that time is not
+            # its peers' delay, and its collectives' waits exclude it.
+            now = time.monotonic()
+            gap, last = now - last - self.interval_s, now
+            if gap > max(2.0, 2 * self.interval_s):
+                pending = {key: (seq, since + gap) for key, (seq, since) in pending.items()}
             if store_gone():
                 return  # (the heartbeat names rank 0)
             try:

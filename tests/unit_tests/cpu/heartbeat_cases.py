@@ -4,11 +4,13 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from titan_lightning.parallel.heartbeat import Heartbeat
+from titan_lightning.parallel.watchdog import Watchdog
 
 QUICK = dict(interval_s=0.2, timeout_s=0.6)
 
@@ -44,22 +46,27 @@ def early_finisher(rank: int, world_size: int) -> str:
     return "finished"
 
 
-def stopped_rank(rank: int, world_size: int, stop_s: float, elsewhere: bool) -> str:
-    """Rank 0 stops rank 1 (SIGSTOP) for ``stop_s``, many times the heartbeat's timeout and grace,
-    then continues it (SIGCONT), and both meet in an all-reduce. ``elsewhere``: rank 1 says it runs
-    on another host (its pid is not visible to rank 0), as a rank of a multi-node run does."""
+def stopped_rank(rank: int, world_size: int, stop_s: float, elsewhere: bool, dump_dir: str) -> str:
+    """Rank 1 waits in an all-reduce; rank 0 stops it (SIGSTOP) for ``stop_s``, longer than the
+    heartbeat's timeout and grace and the watchdog's timeout, continues it (SIGCONT) and joins the
+    all-reduce. ``elsewhere``: rank 1 says it runs on another host (its pid is not visible to rank 0),
+    as a rank of a multi-node run does."""
     heartbeat = _heartbeat(rank, world_size, grace_s=1.0)
+    watchdog = Watchdog(rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), init_timeout_s=2.0,
+                        train_timeout_s=2.0, dump_dir=Path(dump_dir), interval_s=0.2)
     if elsewhere and rank == 1:  # (its whereabouts as a peer on another host would have written them)
         key = f"{heartbeat._keys}/where/{rank}"
         heartbeat._store.set(key, json.dumps({**json.loads(heartbeat._store.get(key)), "space": "another host"}))
     pids = [None] * world_size
     dist.all_gather_object(pids, os.getpid())
-    time.sleep(0.5)  # a few beats each
     if rank == 0:
+        time.sleep(0.5)  # (rank 1 is in the all-reduce, its watchdog counting)
         os.kill(pids[1], signal.SIGSTOP)
         time.sleep(stop_s)
         os.kill(pids[1], signal.SIGCONT)
+        time.sleep(0.5)  # (rank 1's watchdog looks at its wait before the all-reduce can end)
     dist.all_reduce(torch.ones(1))
+    watchdog.stop()
     heartbeat.stop()
     return "finished"
 

@@ -1,6 +1,7 @@
 """The heartbeat names a dead rank even on a survivor whose collective never fails, within seconds
 on the same host; takes a rank that ended normally, or that is alive but stopped, for nothing
-worse; and calls a silent rank on another host dead after its timeout."""
+worse (nor does the stopped rank's watchdog count the time it was stopped); and calls a silent
+rank on another host dead after its timeout."""
 
 import os
 from pathlib import Path
@@ -41,16 +42,18 @@ def test_a_rank_that_stopped_its_heartbeat_normally_is_not_taken_for_dead(tmp_pa
 
 
 def test_a_rank_stopped_and_continued_on_the_same_host_finishes_the_run(tmp_path):
-    # 3 s stopped: five times the heartbeat's timeout (0.6 s) plus its grace (1 s) in these cases.
+    # 3 s stopped: five times the heartbeat's timeout (0.6 s) plus its grace (1 s) in these cases,
+    # and longer than the watchdog's (2 s) over the collective the stopped rank waits in.
     results = run_function("heartbeat_cases:stopped_rank", 2, out_dir=tmp_path, timeout=60, env=CASES_ENV,
-                           stop_s=3.0, elsewhere=False)
+                           stop_s=3.0, elsewhere=False, dump_dir=str(tmp_path / "traces"))
     assert results == ["finished"] * 2
+    assert not (tmp_path / "traces").exists()
 
 
 def test_a_rank_on_another_host_silent_for_longer_than_the_timeout_is_called_dead(tmp_path):
     with pytest.raises(LaunchFailed) as failed:
         run_function("heartbeat_cases:stopped_rank", 2, out_dir=tmp_path, timeout=60, env=CASES_ENV,
-                     stop_s=3.0, elsewhere=True)
+                     stop_s=3.0, elsewhere=True, dump_dir=str(tmp_path / "traces"))
     result = failed.value.result
     assert result.returncodes[0] == 1
     lines = [line for line in result.log(0).splitlines() if "titan-lightning: error:" in line]
