@@ -540,3 +540,18 @@ class ChatRenderer:
         if self.options.too_long == "drop" or not mask[:limit].any():
             return None, "dropped"
         return (ids[:limit], mask[:limit]), "truncated"
+
+
+def check_supervised(index: dict[str, Any], field: str, path: str) -> None:
+    """Before launch: an SFT shard set (``index``: its index.json) whose loss masks supervise no
+    token has nothing to train on."""
+    if not index.get("loss_mask"):
+        return
+    sft, shards = index.get("sft") or {}, index.get("shards", [])
+    supervised = sft.get("supervised_tokens")
+    if not isinstance(supervised, int) and all("supervised" in s for s in shards):
+        supervised = sum(s["supervised"] for s in shards)
+    if supervised == 0:
+        raise ValueError(f"{field}={path!r}: its loss masks supervise none of its {index.get('total_tokens')} tokens "
+                         f"(prepared with --train-on {sft.get('train_on', '?')}); prepare it again with the chat "
+                         f"template that renders the assistant's turns, or --train-on all")

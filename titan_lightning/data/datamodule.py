@@ -23,7 +23,9 @@ from titan_lightning.data.dataset import (
 from titan_lightning.data.mixture import ConcatWindows, MixtureSchedule, MixtureStream
 from titan_lightning.data.sft import ConversationWindows, TrimPadding, check_loss_mask, sequence_multiple
 from titan_lightning.data.shards import ShardSet, TokenSpan, is_shard_set, tokenizer_identity
-from titan_lightning.data.tokenizer import CORPUS_PATH, Tokenizer, load_tokenizer, shipped_asset, tokenizer_file
+from titan_lightning.data.chat import check_supervised
+from titan_lightning.data.tokenizer import (CORPUS_PATH, Tokenizer, load_tokenizer, scan_token_ids, shipped_asset,
+                                            tokenizer_file)
 
 
 # What a run by epochs that leaves Lightning's logging and validation defaults gets (``setup``):
@@ -434,11 +436,13 @@ def shard_splits(path: Path, tokenizer_path: Optional[str], val_fraction: float,
     shards = ShardSet(path, field)
     if sft is not None:
         check_loss_mask(shards.has_mask, sft, field, str(path))
+        check_supervised(shards.index, field, str(path))
     bos = tokenizer.bos_id if tokenizer.add_bos else None
     shards.check_tokenizer(tokenizer_identity(tokenizer_file(tokenizer_path), tokenizer.vocab_size,
                                               tokenizer.eot_id, bos))
     if vocab_size is not None:
         shards.check_vocab(vocab_size, field)
+        scan_token_ids(shards)
     if not val_fraction:
         return {"train": TokenSpan(shards, 0, len(shards)), "val": None}
     split = shards.document_end_before(int(len(shards) * (1 - val_fraction)))

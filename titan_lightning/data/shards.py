@@ -32,6 +32,8 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from titan_lightning.data.tokenizer import check_token_ids
+
 FORMAT = "titan-lightning-tokens"
 VERSION = 1
 INDEX = "index.json"
@@ -223,6 +225,9 @@ class ShardSet:
             lo = start + filled - self.offsets[k]
             take = min(self.offsets[k + 1] - self.offsets[k] - lo, len(out) - filled)
             out[filled:filled + take] = self._map(k, kind)[lo:lo + take]
+            if kind == "tokens":  # the ids its index vouches for (an edited file: named, not an IndexError)
+                check_token_ids(out[filled:filled + take], self.index.get("max_id"),
+                                self.folder / f"{self.names[k]}.tokens", lo)
             filled, k = filled + take, k + 1
         return out
 

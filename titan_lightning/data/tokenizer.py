@@ -170,3 +170,26 @@ def build_assets(corpus_path: Path = CORPUS_PATH, tokenizer_path: Path = TOKENIZ
 if __name__ == "__main__":
     build_assets()
     print(f"wrote {CORPUS_PATH} and {TOKENIZER_PATH} from Python {platform.python_version()}'s pydoc_data")
+
+
+def check_token_ids(ids: np.ndarray, largest: Optional[int], file: Path, offset: int = 0) -> None:
+    """Token ids read from a shard (``file``, from its token ``offset``) are at most ``largest``,
+    the largest id its index records (checked against the model's vocabulary before launch): a
+    file changed after prepare is named here, not met as an IndexError in the embedding."""
+    if largest is None or not len(ids):
+        return
+    top = int(ids.max())
+    if top > largest:
+        raise ValueError(f"{file} holds token id {top} (its token {offset + int(np.argmax(ids))}), above the largest "
+                         f"id its index.json records ({largest}): the file changed after prepare; prepare the shard "
+                         f"set again")
+
+
+def scan_token_ids(shards, tokens: int = 2**24) -> None:
+    """Before launch: ``tokens`` of the ``ShardSet`` (the first of each shard, all of a small set)
+    read, so that the check of every read (``check_token_ids``) names an edited file before the run."""
+    each = max(tokens // max(len(shards.names), 1), 1)
+    for k in range(len(shards.names)):
+        stop = min(shards.offsets[k + 1], shards.offsets[k] + each)
+        for start in range(shards.offsets[k], stop, 2**22):
+            shards.read(start, min(start + 2**22, stop))

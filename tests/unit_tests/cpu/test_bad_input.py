@@ -116,6 +116,25 @@ def _files(root: Path) -> None:
     _hf_weights(root / "hf_longrope", longrope, longrope)
     weights = root / "hf_truncated" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
+    _sft_and_chat_files(root)
+
+
+def _sft_and_chat_files(root: Path) -> None:
+    """An SFT set whose masks supervise nothing, a set whose tokens file was edited after prepare
+    (an id over the vocabulary its index does not record), chat templates: a plain one, one that loops."""
+    import numpy as np
+
+    from titan_lightning.testing.sft_shards import write_sft_shards
+
+    ids, zeros = (np.arange(3000) % 2000 + 1).astype(np.int64), np.zeros(1500, np.uint8)
+    write_sft_shards(root / "unsupervised_sft_shards", [(ids[:1500], zeros), (ids[1500:], zeros)])
+    write_sft_shards(root / "edited_shards", [(ids[:1500], zeros), (ids[1500:], zeros)], loss_mask=False)
+    tokens = np.fromfile(root / "edited_shards" / "part-00000-00000.tokens", "<u2")
+    tokens[2000] = 5000
+    tokens.tofile(root / "edited_shards" / "part-00000-00000.tokens")
+    (root / "plain.jinja").write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    (root / "loop.jinja").write_text("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                                     "{% endfor %}")
 
 
 def _hf_weights(folder: Path, saved: dict, config: dict) -> None:
@@ -441,6 +460,25 @@ CASES = [
     ("initial weights of another model size", [*D, "--job.checkpoint.initial_load_path", "ckpt_small"],
      "checkpoint.initial_load_path='ckpt_small': model.tok_embeddings.weight is (2048, 64) there, (2048, 256)"),
     ("verify_checksums not a bool", [*D, "--job.checkpoint.verify_checksums", "maybe"], "verify_checksums"),
+    ("SFT shards supervising no token", [*D, "--job.data.dataset_path", "unsupervised_sft_shards", "--job.data.sft",
+                                         "true", "--job.data.sft_packing", "padded"],
+     "data.dataset_path='unsupervised_sft_shards': its loss masks supervise none of its 3000 tokens (prepared with "
+     "--train-on assistant); prepare it again with the chat template that renders the assistant's turns, or "
+     "--train-on all"),
+    ("token shard edited after prepare", [*D, "--job.data.dataset_path", "edited_shards"],
+     "edited_shards/part-00000-00000.tokens holds token id 5000 (its token 2000), above the largest id its "
+     "index.json records (2000): the file changed after prepare; prepare the shard set again"),
+    ("prepare chat template that loops", ["prepare", "--chat", "--input", "chat.jsonl", "--chat-template", "loop.jinja",
+                                          "--output", "out"],
+     "chat.jsonl:1: the chat template (--chat-template loop.jinja) stops: it renders for over 2 s"),
+    ("prepare --too-long truncate leaving nothing supervised", [
+        "prepare", "--chat", "--input", "chat.jsonl", "--chat-template", "plain.jinja", "--max-tokens", "2",
+        "--too-long", "truncate", "--output", "out"],
+     "chat.jsonl: all its 1 conversations that are not bad records have no supervised token in their first "
+     "--max-tokens 2 (--too-long truncate drops a conversation left with nothing to train on); raise --max-tokens"),
+    ("prepare --tools-field no record has", ["prepare", "--chat", "--input", "chat.jsonl", "--chat-template",
+                                             "plain.jinja", "--tools-field", "functons", "--output", "out"],
+     "--tools-field 'functons': no record has this field; the records have: messages"),
 ]
 
 

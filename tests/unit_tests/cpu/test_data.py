@@ -389,3 +389,28 @@ def test_one_file_is_cut_into_pieces_written_as_one_worker_writes_it_and_resumed
     assert names == sorted(p.name for p in (tmp_path / "two").iterdir())
     for name in names:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+
+
+def test_a_token_shard_edited_after_prepare_is_named_by_the_read_that_meets_it(tmp_path):
+    """The index records the largest id (checked against the model before launch); every read of
+    the tokens checks them against it: an id written into the file later is named with its shard,
+    before launch when the scan's sample holds it, else by the batch that reads it."""
+    from titan_lightning.data.shards import ShardSet
+    from titan_lightning.data.tokenizer import scan_token_ids
+    from titan_lightning.testing.sft_shards import write_sft_shards
+
+    ids = np.arange(1, 3001, dtype=np.int64) % 2000 + 1
+    folder = write_sft_shards(tmp_path / "set", [(ids[:1500], ids[:1500] * 0), (ids[1500:], ids[1500:] * 0)],
+                              loss_mask=False)
+    file = folder / "part-00000-00000.tokens"
+    tokens = np.fromfile(file, "<u2")
+    tokens[2500] = 4000
+    tokens.tofile(file)
+    shards = ShardSet(folder)
+    assert shards.max_id() == 2000 and shards.read(0, 2500).max() <= 2000
+    scan_token_ids(shards, tokens=1000)  # the first 1000 tokens: not the edited one
+    message = rf"^{file} holds token id 4000 \(its token 2500\), above the largest id its index.json records \(2000\)"
+    with pytest.raises(ValueError, match=message):
+        shards.tokens[2400:2600]
+    with pytest.raises(ValueError, match=message):
+        scan_token_ids(shards)
