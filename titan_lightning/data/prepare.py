@@ -856,9 +856,11 @@ chat and instruction data:
   chat_template in tokenizer_config.json; --chat-template FILE overrides) and written with a
   loss mask: 1 on what the assistant says, its end-of-turn token included; 0 on system, user
   and tool turns and on the template's headers. A template with {% generation %} markers says
-  itself what is supervised. Prompt/response pairs with a tokenizer that has no chat template
-  are plain text: the prompt, a blank line, the response and EOS, the mask on the response and
-  EOS. --max-tokens with --too-long drop|truncate; the summary counts what was truncated and
+  itself what is supervised; one without a generation prompt (Mistral's [INST] ... [/INST])
+  supervises all that follows the conversation before the turn. Prompt/response pairs with a
+  tokenizer that has no chat template are plain text: the prompt, a blank line, the response and
+  EOS, the mask on the response and EOS. --max-tokens with --too-long drop|truncate (truncate
+  drops a conversation left with nothing supervised); the summary counts what was truncated and
   dropped. A record's tool definitions (--tools-field, default tools: a list of JSON-schema
   function objects, or a JSON string of one) are the template's `tools` in every render of it;
   an assistant turn that only calls tools (tool_calls, null content) is supervised as the
