@@ -6,11 +6,11 @@ CPU or one GPU, with no export.
     titan-lightning chat --model PATH [--system "You are ..."]
 
 ``PATH`` is a Hugging Face folder (config.json, safetensors, tokenizer files), a run folder
-(``runs/<name>/<time>``, or ``runs/<name>`` for its newest run: the run's Hugging Face export when
-it wrote one, else its sharded export, else its newest checkpoint), or a checkpoint folder. A checkpoint holds weights, not
-the model they belong to: its job comes from the run's own options, given after ours
-(``--recipe recipes.hf:sft --job.checkpoint.initial_load_path DIR ...``, or ``--config run.yaml``),
-as when resuming it.
+(``runs/<name>/<time>``, or ``runs/<name>`` for its newest run: the run's Hugging Face export
+when it wrote one, else its sharded export, else its newest checkpoint), or a checkpoint folder.
+A checkpoint holds weights, not the model they belong to: its job comes from the run's own
+options, given after ours (``--recipe recipes.hf:sft --job.checkpoint.initial_load_path DIR
+...``, or ``--config run.yaml``), as when resuming it.
 
 Sampling follows the folder's generation_config.json (``do_sample``, ``temperature``, ``top_k``,
 ``top_p``, ``max_new_tokens``, ``eos_token_id``), with transformers' defaults for what it leaves out
@@ -346,7 +346,9 @@ def _tokenizer(path: Optional[str]) -> Tokenizer:
 
 def build_parser(command: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"titan-lightning {command}", allow_abbrev=False, exit_on_error=False,
-                                     description=__doc__.split("\n\n")[0])
+                                     description=__doc__.split("\n\n")[0].replace("``", ""),
+                                     epilog="\n\n".join(__doc__.split("\n\n")[2:4]).replace("``", ""),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a Hugging Face folder, a run folder or a checkpoint folder (required)")
     if command == "generate":
         parser.add_argument("--prompt", help="the text to continue (required)")
