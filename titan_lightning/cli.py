@@ -237,8 +237,8 @@ def parse_run(argv: list[str]) -> Optional[Run]:
     if namespace.print_config:
         namespace.print_config = False
         print(parser.dump(namespace, skip_validation=True), end="")
-        if run.device_choice is not None and named:
-            print(explicit_line(named))
+        if explicit_line(run, named):
+            print(explicit_line(run, named))
         return None
     apply_namespace(run, parser, namespace)
     run.explicit = named

@@ -240,17 +240,20 @@ def _mask(job: JobConfig) -> str:
 def explicit_fields(run) -> set[str]:
     """The FIELDS the user set: named on the command line or by a --print_config file
     (``run.explicit``), set by ``trainer.precision``, or changed since the recipe (``for_device``)."""
-    names = set()
-    for given in run.explicit:
-        if given == "trainer.precision":
-            names.update(PRECISION)
-        elif given == "job" or given.startswith("job."):
-            names.update(f for f in FIELDS if given in ("job", f"job.{f}") or f"job.{f}".startswith(given + "."))
+    names = set().union(*(_covered(given) for given in run.explicit))
     if run.trainer.get("precision") is not None:
         names.update(PRECISION)
     recipe = run.device_choice.recipe if run.device_choice is not None else None
     names.update(f for f in FIELDS if recipe is not None and _field(run.job, f) != _field(recipe, f))
     return names
+
+
+def _covered(given: str) -> set[str]:
+    """The FIELDS an option sets: ``job.training.seq_len`` one, ``job.training`` every training
+    one, ``trainer.precision`` the dtypes."""
+    if given == "trainer.precision":
+        return set(PRECISION)
+    return {f for f in FIELDS if given in ("job", f"job.{f}") or f"job.{f}".startswith(given + ".")}
 
 
 def _field(job: JobConfig, name: str) -> Any:
@@ -270,10 +273,11 @@ def named_fields(argv: list[str], config_text: Optional[str]) -> set[str]:
     return names
 
 
-def explicit_line(names: Iterable[str]) -> str:
-    """What --print_config adds for a run that lets the device choose: the fields the command
-    line named, so that ``--config`` reproduces their being kept."""
-    return EXPLICIT_LINE + " ".join(sorted(names))
+def explicit_line(run, names: Iterable[str]) -> Optional[str]:
+    """What --print_config adds for a run that lets the device choose: the options of the command
+    line that set FIELDS, so that ``--config`` reproduces their being kept (None: nothing to add)."""
+    kept = sorted(name for name in names if _covered(name))
+    return EXPLICIT_LINE + " ".join(kept) if run.device_choice is not None and kept else None
 
 
 def apply(run, trainer) -> None:

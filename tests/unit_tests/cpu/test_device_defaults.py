@@ -158,8 +158,9 @@ def test_the_command_line_names_explicit_fields_and_print_config_keeps_them(fold
     assert "compile.enable" not in explicit_fields(run)
     assert cli.parse_run(sft_argv(folder, "--job.training.seq_len", "2048", "--print_config")) is None
     saved = capsys.readouterr().out
-    assert saved.rstrip().endswith("# explicit: job.checkpoint.initial_load_path job.data.dataset_path "
-                                   "job.training.seq_len")
+    assert saved.rstrip().endswith("\n# explicit: job.training.seq_len")
+    assert cli.parse_run(sft_argv(folder, "--print_config")) is None
+    assert "# explicit" not in capsys.readouterr().out  # (the recipe's folder and data choose nothing)
     (tmp_path / "run.yaml").write_text(saved.replace("enable: false", "enable: true", 1))
     again = cli.parse_run(["--config", "run.yaml"])
     assert {"training.seq_len", "compile.enable"} <= explicit_fields(again)  # listed; changed in the file
