@@ -36,8 +36,10 @@ def test_a_rank_hung_in_its_step_is_named_within_the_timeout(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    text = output.decode(errors="replace").replace("\r", "\n")
+    raw = output.decode(errors="replace")
+    text = raw.replace("\r", "\n")
     assert proc.returncode == 1, text[-3000:]
+    assert "\ntitan-lightning: error:" in raw, raw[-3000:]  # (a line of its own, not the progress bar's end)
     errors = [line for line in text.splitlines() if "titan-lightning: error:" in line]
     assert len(errors) == 1, errors
     line = errors[0]
