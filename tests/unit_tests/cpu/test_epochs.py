@@ -166,3 +166,32 @@ def test_recipes_hf_sft_trains_by_epochs_and_validates_by_default(tmp_path, monk
     assert len(validated) >= 2 and validated[-1] == steps  # through the run and after its last step
     assert sum(1 for r in rows if r.get("train/loss")) == steps  # every step logged
     assert json.loads((data / "index.json").read_text())["documents"] == 40  # >= 20: 5% held out
+
+
+def test_a_held_out_set_of_its_own_validates_and_the_whole_dataset_trains(data, tmp_path):
+    held_out = write_sft_shards(tmp_path / "val", _conversations(30)[24:])  # 6 conversations of their own
+    job = features.llama3_small().job
+    job.data.dataset_path, job.data.val_dataset_path = str(data), str(held_out)
+    job.data.sft, job.data.sft_packing, job.model.mask, job.model.positions = True, "padded", "causal", "rope"
+    module = TextDataModule(job)
+    module.setup("fit")
+    assert len(module._train) == 24  # no share of dataset_path held out
+    val = sorted(int(b["input_ids"][i, 0]) - FIRST for b in module.val_dataloader() for i in range(len(b["input_ids"])))
+    assert val == list(range(24, 30))  # held_out's conversations, every one
+
+
+@pytest.mark.parametrize("name, extra, message", [
+    ("fewer windows than a step", ["--trainer.max_epochs", "1", "--job.training.tokens_per_step", "8192"],
+     "fewer than one optimizer step takes (1 data-parallel rank(s) x 32 microbatch(es) x 4 sequence(s) = 128)"),
+    ("a mixture by epochs", ["--trainer.max_steps", "-1", "--job.data.sources", '[{"path": "DATA"}]',
+                             "--job.data.dataset_path", "null"],
+     "trainer.max_steps=-1 runs by epochs, and a mixture of data.sources is a weighted stream with no epochs"),
+])
+def test_a_run_by_epochs_the_data_cannot_fill_is_one_line_before_launch(name, extra, message, data, tmp_path,
+                                                                          capfd, monkeypatch):
+    from tests.unit_tests.cpu.test_bad_input import assert_refused
+
+    argv = ["fit", "--recipe", "recipes.tests.features:llama3_small", "--job.data.dataset_path", str(data),
+            "--job.data.sft", "true", "--job.data.sft_packing", "padded", "--trainer.accelerator", "cpu",
+            *[a.replace("DATA", str(data)) for a in extra]]
+    assert_refused(name, argv, message, tmp_path, capfd, monkeypatch)
