@@ -1,9 +1,13 @@
 """Speed settings chosen for the device a run gets, for the runs whose recipe asks for them
-(``for_device(run, estimate)``: recipes.hf:sft and recipes.hf:pretrained). ``build_trainer`` applies the
-choice once, when the Trainer knows the device and before the job is validated.
+(``for_device(run, estimate)``: recipes.hf:sft and recipes.hf:pretrained). ``build_trainer``
+applies the choice once, when the Trainer knows the device and before the job is validated.
+
+The family presets (recipes.llama3:llama3_8b, ...) do not ask: they are the published
+configurations the benchmarks compare at fixed settings; the debug recipes are CPU runs with goldens.
 
 On a CUDA GPU:
-  - bf16 mixed precision (fp32 parameters, bf16 compute) where the GPU has bf16 (8.0+);
+  - bf16 mixed precision (fp32 parameters, bf16 compute) where the GPU has bf16 (8.0+); fp32 where
+    it has none;
   - compiled blocks (``compile.enable``) where inductor makes kernels (triton, 7.0+);
   - the fastest attention kernel that is exact for the mask: causal: ``sdpa`` (flash or cuDNN);
     ``block_causal`` or a sliding window: ``varlen`` (FlashAttention over the documents), else
@@ -111,9 +115,11 @@ def choose(job: JobConfig, device: Device, *, explicit: Iterable[str] = (),
     if device.type != "cuda":
         return Choice(job, None)
     explicit = set(explicit)
-    t, notes = job.training, []
+    t = job.training
     if not explicit & set(PRECISION) and device.bf16 and t.mixed_precision_param == "float32":
         job = replace(job, training=replace(t, mixed_precision_param="bfloat16"))
+    elif not explicit & set(PRECISION) and not device.bf16:  # (a recipe's bf16, where the GPU has none)
+        job = replace(job, training=replace(t, dtype="float32", mixed_precision_param="float32"))
     if "compile.enable" not in explicit and device.compiles and not job.compile.enable:
         job = replace(job, compile=replace(job.compile, enable=True))
     if "model.attention" not in explicit and job.model.attention in KERNEL_ATTENTIONS:

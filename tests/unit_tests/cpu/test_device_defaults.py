@@ -79,6 +79,10 @@ def test_a_card_without_bf16_stays_fp32_and_masks_with_flex():
     assert choice.job.training.mixed_precision_param == "float32"  # (varlen's FlashAttention is bf16 only)
     assert choice.job.model.attention == "flex" and choice.job.compile.enable
     assert "fp32 (no bf16 on this GPU)" in choice.line
+    bf16 = sft_job(dtype="bfloat16", mixed_precision_param="bfloat16")  # a recipe's bf16 becomes fp32 there ...
+    assert choose(bf16, NO_BF16).job.training.dtype == "float32"
+    kept = choose(bf16, NO_BF16, explicit=device_defaults.PRECISION).job  # ... unless given (then refused)
+    assert kept.training.dtype == "bfloat16"
 
 
 def test_cpu_changes_nothing():
