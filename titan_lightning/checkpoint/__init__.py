@@ -41,7 +41,12 @@ instrumentation point of a save, for tests), ``errors`` (one-line failures).
 """
 
 from titan_lightning.checkpoint.dcp import check_checkpoint, check_model_shapes, load_sharded, read_dcp_metadata
-from titan_lightning.checkpoint.errors import CheckpointError, _describe  # noqa: F401 (the strategy's save errors)
+from titan_lightning.checkpoint.errors import (  # noqa: F401 (the strategy's save errors)
+    CheckpointError,
+    CheckpointIsADirectoryError,
+    NotACheckpointError,
+    _describe,
+)
 from titan_lightning.checkpoint.files import (DCP_METADATA, FORMAT, MANIFEST, META, PARTIAL, load_meta,
                                               load_rank_state, rank_file)
 from titan_lightning.checkpoint.manifest import (check_files, is_complete, is_lightning_sharded, latest_checkpoint,

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from titan_lightning._compat import flatten_state_dict, set_element
-from titan_lightning.checkpoint.errors import _FAILURES, CheckpointError, _describe
+from titan_lightning.checkpoint.errors import _FAILURES, CheckpointError, NotACheckpointError, _describe
 from titan_lightning.checkpoint.files import DCP_METADATA, PARTIAL
 from titan_lightning.checkpoint.placements import _dtensor_slots, _one_chunk_placements
 
@@ -93,9 +93,9 @@ def check_checkpoint(path: Path, state: dict[str, Any]) -> None:
     from torch.distributed.tensor import DTensor
 
     if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist")
+        raise NotACheckpointError(f"checkpoint {path} does not exist")
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} is a file; TitanStrategy checkpoints are folders (sharded)")
+        raise NotACheckpointError(f"checkpoint {path} is a file; TitanStrategy checkpoints are folders (sharded)")
     absent = [name for name in (DCP_METADATA,) if not (path / name).is_file()]
     if absent or path.name.endswith(PARTIAL):
         raise CheckpointError(

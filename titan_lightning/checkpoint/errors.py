@@ -15,6 +15,14 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be saved or loaded; the message is one line naming the folder or file."""
 
 
+class NotACheckpointError(CheckpointError, ValueError):
+    """A path to load that holds no checkpoint (Lightning's ModelParallelStrategy raises ValueError)."""
+
+
+class CheckpointIsADirectoryError(CheckpointError, IsADirectoryError):
+    """A full checkpoint's path is a folder that is no checkpoint (ModelParallelStrategy: IsADirectoryError)."""
+
+
 _FAILURES = (Exception, CheckpointException)
 
 

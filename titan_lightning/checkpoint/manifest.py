@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from titan_lightning.checkpoint.dcp import _check_shards, read_dcp_metadata
-from titan_lightning.checkpoint.errors import CheckpointError
+from titan_lightning.checkpoint.errors import CheckpointError, NotACheckpointError
 from titan_lightning.checkpoint.files import DCP_METADATA, FORMAT, MANIFEST, META, PARTIAL, load_meta, rank_file
 
 # A manifest is a few hundred bytes; anything much larger is not ours and is not parsed.
@@ -97,14 +97,14 @@ def verify(path: Path, *, what: Optional[str] = None, ranks: bool = True) -> dic
     returns its manifest. ``ranks``: also check every rank file the manifest lists."""
     what = what or f"checkpoint {path}"
     if not path.is_dir():
-        raise CheckpointError(f"{what} is a file; TitanStrategy checkpoints are folders (sharded)")
+        raise NotACheckpointError(f"{what} is a file; TitanStrategy checkpoints are folders (sharded)")
     manifest = read_manifest(path)
     if manifest is None:
         inner = latest_checkpoint(path)
         hint = (f"; it holds checkpoints, the newest is {inner}" if inner is not None
                 else "; a save that did not finish leaves such a folder (.partial)" if (path / META).exists()
                 else "")
-        raise CheckpointError(f"{what} is not a complete checkpoint (no valid {MANIFEST}){hint}")
+        raise NotACheckpointError(f"{what} is not a complete checkpoint (no valid {MANIFEST}){hint}")
     names = [DCP_METADATA, META] + ([rank_file(r) for r in range(manifest["world_size"])] if ranks else [])
     for name in names:
         if not (path / name).is_file():

@@ -19,7 +19,7 @@ import weakref
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -167,23 +167,29 @@ class CheckpointWriter:
 
     def agree(self, action: Callable[[], Any], fail: Optional[Callable[[BaseException], str]] = None) -> Any:
         """Run ``action`` on every rank and return its result; if it raised anywhere, every rank
-        raises CheckpointError with the first failure's message (no rank is left in a collective)."""
+        raises CheckpointError (a CheckpointError's own subclass and message where one was raised)
+        with the first failure's message (no rank is left in a collective)."""
         try:
             result, error = action(), None
         except _FAILURES as caught:
             result = None
-            error = fail(caught) if fail else str(caught) if isinstance(caught, CheckpointError) else _describe(caught)
+            if isinstance(caught, CheckpointError) and type(caught) is not CheckpointError:
+                error = (str(caught), type(caught))
+            else:
+                error = fail(caught) if fail else str(caught) if isinstance(caught, CheckpointError) else _describe(caught)
         self._agree(error)
         return result
 
-    def _agree(self, error: Optional[str]) -> None:
+    def _agree(self, error: Union[str, tuple[str, type], None]) -> None:
+        """``error``: this rank's message, or (message, CheckpointError subclass to raise)."""
         errors = [error]
         if _distributed():
             errors = [None] * dist.get_world_size(self.group)
             dist.all_gather_object(errors, error, group=self.group)
-        for rank, message in enumerate(errors):
-            if message is not None:
-                raise CheckpointError(message if message == error else f"{message} (on rank {rank})")
+        for rank, failure in enumerate(errors):
+            if failure is not None:
+                message, kind = failure if isinstance(failure, tuple) else (failure, CheckpointError)
+                raise kind(message if failure == error else f"{message} (on rank {rank})")
 
 
 def say(message: str) -> None:

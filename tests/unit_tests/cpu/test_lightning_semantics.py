@@ -1,9 +1,12 @@
-"""What a LightningModule logs under TitanStrategy is what Lightning logs: a module of one's own
-under gradient accumulation logs each microbatch (the step's last value reaches the logger), a
-torchmetrics Metric and positional ``self.log`` options included. (A titan_lightning module, one
-with a ``job``, logs the step's mean: test_training_metrics.py, test_pipeline.py.)"""
+"""A LightningModule of one's own sees Lightning's semantics under TitanStrategy, as under
+ModelParallelStrategy: what it logs under gradient accumulation (each microbatch; the step's last
+value reaches the logger; a torchmetrics Metric and positional ``self.log`` options included; a
+titan_lightning module, one with a ``job``, logs the step's mean: test_training_metrics.py,
+test_pipeline.py), and the exception types a bad checkpoint path raises."""
 
 import csv
+
+import pytest
 
 import lightning as L
 import torch
@@ -12,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
 
+from titan_lightning.checkpoint import CheckpointError
 from titan_lightning.strategies import TitanStrategy
 from titan_lightning.strategies.logs import record_logs
 
@@ -53,3 +57,22 @@ def test_recorded_logs_keep_positional_options_by_name():
     records: list = []
     record_logs(records)("loss", 1.0, True, False, reduce_fx="max")
     assert records == [("loss", 1.0, {"prog_bar": True, "logger": False, "reduce_fx": "max"})]
+
+
+def _trainer(**strategy) -> L.Trainer:
+    return L.Trainer(strategy=TitanStrategy(**strategy), accelerator="cpu", devices=1, max_steps=1, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def test_checkpoint_paths_that_are_no_checkpoint_raise_model_parallel_strategys_types(tmp_path):
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    trainer = _trainer(save_distributed_checkpoint=False)
+    trainer.fit(LogsEachMicrobatch())
+    with pytest.raises(IsADirectoryError, match=r"notes is a folder that is not a checkpoint") as saving:
+        trainer.save_checkpoint(folder)
+    with pytest.raises(ValueError, match=r"notes is not a complete checkpoint") as loading:
+        _trainer().fit(LogsEachMicrobatch(), ckpt_path=folder)
+    assert isinstance(saving.value, CheckpointError) and isinstance(loading.value, CheckpointError)
+    assert (folder / "notes.txt").read_text() == "mine"
