@@ -8,7 +8,6 @@ the hang watchdog and, with a backstop, the process groups."""
 
 import os
 import signal
-import sys
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -21,7 +20,7 @@ from titan_lightning._compat import ChildProcessObserver as _ChildProcessObserve
 from titan_lightning._compat import SubprocessScriptLauncher as _SubprocessScriptLauncher
 from titan_lightning._compat import set_num_threads_if_needed as _set_num_threads_if_needed
 from titan_lightning.config import CommConfig
-from titan_lightning.parallel.heartbeat import Heartbeat, output_target
+from titan_lightning.parallel.heartbeat import Heartbeat, error, output_target
 from titan_lightning.parallel.watchdog import Watchdog, process_group_timeout, restore_environment, set_comm_environment
 
 
@@ -35,6 +34,7 @@ class _Launcher(_SubprocessScriptLauncher):
             self._call_children_scripts()
             self._observer = _RankObserver(main_pid=os.getpid(), child_processes=self.procs, sleep_period=1)
             self._observer.first_rank = self.cluster_environment.node_rank() * self.num_processes + 1
+            self._observer.progress_bar = trainer is not None and _progress_bar(trainer)
             self._observer.start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
@@ -48,6 +48,7 @@ class _Launcher(_SubprocessScriptLauncher):
 class _RankObserver(_ChildProcessObserver):
     first_rank = 1  # the global rank of the first process it watches (local rank 1 of this node)
     stopped = False  # set when rank 0 itself stops the ranks (it failed, or was interrupted)
+    progress_bar = False  # rank 0 draws one: the error starts a line of its own
 
     def _run(self) -> bool:
         if self.stopped:
@@ -61,8 +62,8 @@ class _RankObserver(_ChildProcessObserver):
                 code = proc.returncode
                 how = (f"was killed by {signal.Signals(-code).name} (the out-of-memory killer, a scheduler or a user)"
                        if code < 0 else f"exited with status {code} (its error is above)")
-                print(f"titan-lightning: error: rank {rank} (pid {proc.pid}) {how}; its output: {output_target()}; "
-                      f"stopping every rank", file=sys.stderr, flush=True)
+                error(f"rank {rank} (pid {proc.pid}) {how}; its output: {output_target()}; stopping every rank",
+                      fresh_line=self.progress_bar)
                 self._terminate_all()
                 return True
         return False
@@ -130,19 +131,19 @@ def watch(module: L.LightningModule, comm: Comm, *, ignore: list,
     """Once the process group is up: the heartbeat, which names a rank that dies
     (parallel/heartbeat.py), and the watchdog, which names a hung rank (parallel/watchdog.py) and
     makes every rank leave (no news for ``launcher()``'s watch); None where they cannot run."""
-    bar = _progress_bar(module)
+    try:
+        bar = _progress_bar(module.trainer)
+    except RuntimeError:  # not attached to a Trainer
+        bar = False
     heartbeat = Heartbeat.from_env(comm.comm.heartbeat_timeout_s, progress_bar=bar)
     return heartbeat, Watchdog.from_env(comm.comm, comm.traces, steps=lambda: module.trainer.global_step,
                                         ignore=ignore, on_hang=lambda: stop_watching(launcher()),
                                         fields=comm.fields, progress_bar=bar)
 
 
-def _progress_bar(module: L.LightningModule) -> bool:
+def _progress_bar(trainer: L.Trainer) -> bool:
     """Whether the run draws a progress bar (rank 0's, on the screen the ranks may share)."""
-    try:
-        bar = module.trainer.progress_bar_callback
-    except RuntimeError:  # not attached to a Trainer
-        return False
+    bar = trainer.progress_bar_callback
     return bar is not None and bool(bar.is_enabled)
 
 
