@@ -176,8 +176,8 @@ def split_part(part: Part, pieces: int) -> list[Part]:
 
         rows = pq.ParquetFile(part.path).metadata.row_group(part.start).num_rows
         cuts = sorted({rows * k // pieces for k in range(pieces + 1)})
-        share = lambda row: part.size * row // max(rows, 1)  # noqa: E731 - the pieces' sizes add up to the part's
-        return [dataclasses.replace(part, size=share(b) - share(a), rows=(a, b)) for a, b in zip(cuts, cuts[1:])]
+        return [dataclasses.replace(part, size=_share(part.size, b, rows) - _share(part.size, a, rows), rows=(a, b))
+                for a, b in zip(cuts, cuts[1:])]
     cuts = [part.start]
     with open(part.path, "rb") as f:
         for k in range(1, pieces):
@@ -186,6 +186,11 @@ def split_part(part: Part, pieces: int) -> list[Part]:
                 cuts.append(at)
     cuts.append(part.stop)
     return [dataclasses.replace(part, start=a, stop=b, size=b - a) for a, b in zip(cuts, cuts[1:])]
+
+
+def _share(size: int, row: int, rows: int) -> int:
+    """The bytes of ``size`` that its first ``row`` of ``rows`` rows stand for (shares that add up)."""
+    return size * row // max(rows, 1)
 
 
 def _boundary(f, offset: int, stop: int, kind: str) -> int:
@@ -243,9 +248,8 @@ def _records(part: Part, fields: list[str], bad_records: str, bad: list,
         file = pq.ParquetFile(part.path)
         table = file.read_row_group(part.start, columns=_columns(file, fields, optional))
         first, last = part.rows or (0, table.num_rows)
-        share = lambda row: part.size * (row - first) // max(last - first, 1)  # noqa: E731
         for row, record in enumerate(table.slice(first, last - first).to_pylist(), first):
-            _progress(share(row + 1) - share(row))
+            _progress(_share(part.size, row + 1 - first, last - first) - _share(part.size, row - first, last - first))
             yield f"{part.path}: row group {part.start} row {row}", record
         return
     with open(part.path, "rb") as f:
@@ -273,12 +277,12 @@ class _Line:
         self.path, self.start, self.line = path, start, line
 
     def __str__(self) -> str:
-        return f"{self.path}:{_lines_before(self.path, self.start) + self.line}"
+        return f"{self.path}:{_lines_before(self.path, self.start, os.stat(self.path).st_mtime_ns) + self.line}"
 
 
 @lru_cache(maxsize=64)
-def _lines_before(path: str, offset: int) -> int:
-    """Lines before byte ``offset`` of the file."""
+def _lines_before(path: str, offset: int, mtime_ns: int) -> int:
+    """Lines before byte ``offset`` of the file (as it was at ``mtime_ns``)."""
     count, read = 0, 0
     with open(path, "rb") as f:
         while read < offset:
