@@ -150,21 +150,25 @@ class TextDataModule(L.LightningDataModule):
         streams = self._read()
         if "sources" in streams:
             self._setup_sources(streams["sources"], stage)
-            return
-        self._train = self.train_windows()
-        if streams["val"] is not None:  # (None: data.val_fraction 0, nothing held out)
-            if not self._fills_window(streams["val"]):
-                path = CORPUS_PATH if self.job.data.dataset_path is None else Path(self.job.data.dataset_path)
-                self._short_split = self._too_short("val", len(streams["val"]), path)
-                if self._will_validate(stage):
-                    raise ValueError(self._short_split)
-            self._val = None if self._short_split else self._windows(streams["val"])
-            if self._will_validate(stage):
-                self._check_val_covers_dp()
-        elif self.trainer is not None:
-            self.trainer.limit_val_batches = 0  # nothing to validate on: Lightning asks for no val loader
+        else:
+            self._setup_corpus(streams, stage)
         if stage in (None, "fit") and self.trainer is not None and by_epochs(self.trainer):
             self._schedule_epochs(self.trainer)
+
+    def _setup_corpus(self, streams: dict[str, Any], stage: Optional[str]) -> None:
+        self._train = self.train_windows()
+        if streams["val"] is None:  # data.val_fraction 0: nothing held out
+            if self.trainer is not None:
+                self.trainer.limit_val_batches = 0  # nothing to validate on: Lightning asks for no val loader
+            return
+        if not self._fills_window(streams["val"]):
+            path = CORPUS_PATH if self.job.data.dataset_path is None else Path(self.job.data.dataset_path)
+            self._short_split = self._too_short("val", len(streams["val"]), path)
+            if self._will_validate(stage):
+                raise ValueError(self._short_split)
+        self._val = None if self._short_split else self._windows(streams["val"])
+        if self._will_validate(stage):
+            self._check_val_covers_dp()
 
     def train_windows(self) -> TokenWindows | ConversationWindows:
         """The train split's windows (for SFT data the packing is computed here), built once per read."""

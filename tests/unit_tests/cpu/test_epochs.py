@@ -17,6 +17,7 @@ from recipes.tests import features
 from titan_lightning.data.dataset import EpochStream, TokenWindows
 from titan_lightning.data.datamodule import TextDataModule
 from titan_lightning.recipe import RUN_DIR_ENV, build_trainer, check_inputs, execute
+from titan_lightning.steps import ends_optimizer_step
 from titan_lightning.testing.sft_shards import write_sft_shards
 
 from tests.hf_folders import VOCAB, save_hf_folder
@@ -47,7 +48,7 @@ class Seen(L.Callback):
         self.totals.add((trainer.current_epoch, trainer.progress_bar_callback.train_progress_bar.total))
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        if "train/loss" in trainer.callback_metrics and not trainer.fit_loop.epoch_loop._should_accumulate():
+        if ends_optimizer_step(trainer, batch_idx):
             self.losses.append(float(trainer.callback_metrics["train/loss"]))
 
 
