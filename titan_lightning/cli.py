@@ -157,7 +157,8 @@ class RankLost(RuntimeError):
 
 
 # Failures of a launched run that explain themselves in one line; anything else keeps its traceback.
-RUN_FAILURES = (ConfigError, CheckpointError, RecipeError)
+# (FloatingPointError: the module's non-finite stop, "non-finite gradient norm nan at step 2; ...".)
+RUN_FAILURES = (ConfigError, CheckpointError, RecipeError, FloatingPointError)
 
 
 def _report(err: BaseException, rank: Optional[int] = None) -> None:

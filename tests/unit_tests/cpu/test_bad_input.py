@@ -585,6 +585,21 @@ def test_resume_latest_with_nothing_saved_starts_fresh_in_one_line(tmp_path, cap
     assert "checkpoint.resume_from='latest': no complete checkpoint under" in err and "starting from step 0" in err
 
 
+def test_a_diverging_run_ends_in_one_line(tmp_path, capfd, monkeypatch):
+    """``--job.optimizer.lr 1e30``: the module's non-finite stop (test_causal_lm.py) is one line and exit 1,
+    no traceback (the fit itself stands in here: a real diverging run costs a minute on 2 cores)."""
+    def diverge(command, run, trainer):
+        raise FloatingPointError("non-finite gradient norm nan at step 2; stopping before step 3's optimizer step")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "runs" / "now"))
+    monkeypatch.setattr(cli, "execute", diverge)
+    assert cli.main([*D, "--job.optimizer.lr", "1e30", "--trainer.enable_progress_bar", "false"]) == 1
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and err.count("titan-lightning: error:") == 1, err
+    assert "non-finite gradient norm nan at step 2; stopping before step 3's optimizer step" in err.splitlines()[-1]
+
+
 CONSOLE_CASES = [
     (["fit", "--recipe", "recipes.llama3:nope"], "has no recipe function 'nope'"),
     # Needs the Trainer (the world size): Lightning's banner must not come first.
