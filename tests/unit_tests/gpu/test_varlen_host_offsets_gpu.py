@@ -1,6 +1,8 @@
 """varlen attention with the document offsets computed on the host (CausalLMModule.
-on_before_batch_transfer) trains exactly as with the offsets computed on the device: the same loss
-and gradients, bitwise, for a grouped-query model in bf16 autocast (the kernel serves GQA itself)."""
+on_before_batch_transfer) trains as with the offsets computed on the device, for a grouped-query
+model in bf16 autocast (the kernel serves GQA itself): the same loss bitwise (the forward is
+deterministic), and gradients that differ from the device path's by no more than two runs of the
+device path differ from each other (FlashAttention's backward may accumulate in another order)."""
 
 import dataclasses
 
@@ -38,5 +40,8 @@ def test_host_offsets_train_as_device_offsets():
     device = lambda b: {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in b.items()}  # noqa: E731
     host = module.on_before_batch_transfer(batch, 0)
     assert "cu_seqlens" in host
-    for a, b in zip(step(device(batch)), step(device(host))):
-        assert torch.equal(a, b)
+    reference, again, ours = step(device(batch)), step(device(batch)), step(device(host))
+    assert torch.equal(ours[0], reference[0])
+    for a, b, c in zip(reference[1:], again[1:], ours[1:]):
+        noise = (a - b).abs().max()
+        assert (c - a).abs().max() <= max(2 * noise, 1e-6 * a.abs().max())
