@@ -344,10 +344,11 @@ class TextDataModule(L.LightningDataModule):
     def _check_val_covers_dp(self) -> None:
         val, dp_size = self._require_setup(self._val), self._dp()[0]
         if len(val) < dp_size:
-            raise ValueError(
-                f"the val split has {len(val)} windows of training.seq_len={self.job.training.seq_len}, fewer than "
-                f"the {dp_size} data-parallel ranks; raise data.val_fraction={self.job.data.val_fraction}"
-            )
+            data = self.job.data
+            fix = (f"give data.val_dataset_path={data.val_dataset_path!r} more data" if data.val_dataset_path else
+                   f"raise data.val_fraction={data.val_fraction} (or 0: no validation)")
+            raise ValueError(f"the val split has {len(val)} windows of training.seq_len={self.job.training.seq_len}, "
+                             f"fewer than the {dp_size} data-parallel ranks; {fix}")
 
     def _dp(self) -> tuple[int, int]:
         kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
