@@ -114,6 +114,12 @@ def _files(root: Path) -> None:
                 "rope_theta": 10000.0, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8,
                                                         "long_factor": [2.0] * 8}}
     _hf_weights(root / "hf_longrope", longrope, longrope)
+    (root / "hf_phi3_yarn").mkdir()  # transformers 5's rope_parameters and a legacy yarn rope_scaling
+    (root / "hf_phi3_yarn" / "model.safetensors").write_bytes(b"")
+    (root / "hf_phi3_yarn" / "config.json").write_text(json.dumps({
+        **{k: v for k, v in longrope.items() if k not in ("rope_theta", "rope_scaling")},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}))
     weights = root / "hf_truncated" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     _sft_and_chat_files(root)
@@ -479,6 +485,11 @@ CASES = [
     ("prepare --tools-field no record has", ["prepare", "--chat", "--input", "chat.jsonl", "--chat-template",
                                              "plain.jinja", "--tools-field", "functons", "--output", "out"],
      "--tools-field 'functons': no record has this field; the records have: messages"),
+    ("phi3 rope_parameters with a legacy yarn rope_scaling", ["fit", "--recipe", "recipes.hf:pretrained",
+                                                              "--job.checkpoint.initial_load_path", "hf_phi3_yarn"],
+     'hf_phi3_yarn/config.json: rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64} '
+     'next to rope_parameters={"rope_type": "default", "rope_theta": 10000.0}: transformers reads the legacy '
+     'rope_scaling (yarn) and refuses it: Phi3 takes default or longrope RoPE; keep one of the two'),
 ]
 
 

@@ -136,6 +136,7 @@ class Phi3StateDictAdapter(StateDictAdapter):
         partial = config.get("partial_rotary_factor", default=1.0)
         if isinstance(params, dict):  # transformers 5 keeps its copy there; that one wins, as in transformers
             partial = params.get("partial_rotary_factor", partial)
+            _check_legacy_rope_scaling(params, config.values.get("rope_scaling"), config.source)
         theta, scaling = config.rope()
         dim, heads = config.get("hidden_size"), config.get("num_attention_heads")
         head_dim = config.get("head_dim", default=dim // heads)
@@ -176,6 +177,26 @@ class Phi3StateDictAdapter(StateDictAdapter):
             # changes no logits (it keeps that row's gradient at zero in transformers' training).
             pad_token_id=None,
         )
+
+
+def _check_legacy_rope_scaling(params: dict[str, Any], legacy: Any, source: str) -> None:
+    """A legacy ``rope_scaling`` next to ``rope_parameters``: transformers builds Phi3's RoPE from the legacy
+    one (and refuses any but LongRoPE), so a scaling that differs from rope_parameters' is refused by name."""
+    if not isinstance(legacy, dict) or not legacy:
+        return
+
+    def kind(scaling: dict[str, Any]) -> str:
+        return scaling.get("rope_type", scaling.get("type", "default"))
+
+    def fields(scaling: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in scaling.items() if k not in ("type", "rope_type", "rope_theta", "partial_rotary_factor")}
+
+    if kind(legacy) == kind(params) and all(params.get(k) == v for k, v in fields(legacy).items()):
+        return  # the same scaling twice
+    refusal = "and refuses it: Phi3 takes default or longrope RoPE" if kind(legacy) not in ("default", "longrope", "su") \
+        else "over rope_parameters"
+    raise ConfigError(f"{source}: rope_scaling={json.dumps(legacy)} next to rope_parameters={json.dumps(params)}: "
+                      f"transformers reads the legacy rope_scaling ({kind(legacy)}) {refusal}; keep one of the two")
 
 
 def _longrope(scaling: dict[str, Any], original: int, max_seq_len: int, source: str) -> LongRope:
