@@ -47,6 +47,7 @@ PRECISION = ("training.dtype", "training.mixed_precision_param")
 # The job fields the choice sets (dotted as on the command line, without "job.").
 FIELDS = (*PRECISION, "compile.enable", "model.attention", "training.seq_len",
           "training.tokens_per_microbatch_per_dp_rank", "activation_checkpoint.mode")
+SIZES = ("training.seq_len", "training.tokens_per_microbatch_per_dp_rank", "activation_checkpoint.mode")
 SEQ_LEN = 4096  # the longest window chosen (never beyond the model's positions, never below the recipe's)
 TOKENS_PER_MICROBATCH = 16384  # per data-parallel rank: 51.7% MFU on a Qwen 2.5 1.5B shape, one H200
 MEMORY_FRACTION = 0.85  # of the device's memory the estimated peak may take (CUDA context, NCCL, fragments)
@@ -127,6 +128,8 @@ def choose(job: JobConfig, device: Device, *, explicit: Iterable[str] = (),
     p = job.parallelism
     if peak is None:
         sizes = "sizes as the recipe set them"
+    elif set(SIZES) <= explicit:
+        sizes = "sizes as given"  # (nothing to choose: no estimate)
     elif p.pp > 1 or p.cp > 1:
         sizes = "sizes as the recipe set them (pipeline or context parallel)"
     else:

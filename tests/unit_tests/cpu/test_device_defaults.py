@@ -112,6 +112,15 @@ def test_explicit_fields_are_kept():
     assert kept.training.tokens_per_microbatch_per_dp_rank == 2048 and kept.training.seq_len == 2048
 
 
+def test_sizes_all_given_are_not_estimated():
+    def never(job):
+        raise AssertionError("estimated")
+
+    choice = choose(sft_job(), H200, explicit=device_defaults.SIZES, peak=never)
+    assert choice.job.training == replace(sft_job().training, mixed_precision_param="bfloat16")
+    assert "sizes as given" in choice.line
+
+
 def test_the_recipes_tokens_per_step_is_kept():
     job = choose(sft_job(tokens_per_step=8192), H200, peak=fake_peak).job
     assert job.training.tokens_per_step == 8192
