@@ -110,6 +110,14 @@ def test_an_epoch_leaves_out_its_last_partial_step_and_reshuffles_what_it_leaves
     assert all(len(set(e)) == 24 for e in epochs) and epochs[0] != epochs[1]
     assert len(epoch(0, 0)) == 12 and epoch(1, 1, start=5) == epoch(1, 1)[5:]  # a start mid-epoch continues
 
+    def steps(dp, batch):  # each step's windows, on dp ranks of `batch` samples each (4 samples a step)
+        ranks = [[int(s["input_ids"][0]) // 4 for s in EpochStream(windows, epoch_samples=6 * batch, seed=3, dp_rank=r,
+                                                                  dp_size=dp, batch_size=batch, start=6 * batch)]
+                 for r in range(dp)]
+        return [sorted(w for rank in ranks for w in rank[k * batch:(k + 1) * batch]) for k in range(6)]
+
+    assert steps(1, 4) == steps(2, 2) == steps(4, 1)  # the same steps on every layout of the same global batch
+
 
 def test_a_run_by_epochs_resumed_mid_epoch_trains_the_same_batches_and_losses(data, tmp_path, monkeypatch):
     straight, seen, _ = _fit(tmp_path, monkeypatch, data, "straight", max_epochs=2, checkpoint=2)
