@@ -5,14 +5,22 @@ before a run starts from it."""
 from __future__ import annotations
 
 import json
+import logging
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from lightning_utilities.core.rank_zero import rank_zero_only
+
 from titan_lightning.checkpoint.dcp import _check_shards, read_dcp_metadata
 from titan_lightning.checkpoint.errors import CheckpointError, NotACheckpointError
 from titan_lightning.checkpoint.files import DCP_METADATA, FORMAT, MANIFEST, META, PARTIAL, load_meta, rank_file
+
+log = logging.getLogger(__name__)
+
+# What a load without the crc32 check risks (said where a check is skipped and where one fails).
+UNCHECKED = "a flipped bit in a weight or in optimizer state would be trained on, unnoticed"
 
 # A manifest is a few hundred bytes; anything much larger is not ours and is not parsed.
 _MANIFEST_MAX_BYTES = 1 << 20
@@ -117,7 +125,9 @@ def check_files(path: Path, manifest: Optional[dict[str, Any]], *, what: Optiona
     """Fail with one line naming the first file of the checkpoint ``path`` that is missing, of
     another size than saved, or (``checksums``) of another crc32; then read its .metadata (no code
     run) and check that every shard it points into is there and long enough. A manifest without
-    ``files`` (saved before checksums were recorded) or None (an export) gets the last part only."""
+    ``files`` (saved before checksums were recorded) or None (an export) gets the last part only.
+    A checkpoint whose crc32 is not checked (``checksums`` off, or a manifest without them) is said
+    so in one warning line once its files pass."""
     what = what or f"checkpoint {path}"
     files = _listed_files(manifest, what) if manifest is not None else {}
     for name, (size, _) in files.items():
@@ -137,10 +147,15 @@ def check_files(path: Path, manifest: Optional[dict[str, Any]], *, what: Optiona
             if crc != files[name][1]:
                 raise CheckpointError(
                     f"{what}: {name} is corrupt (crc32 {crc:08x}, {files[name][1]:08x} when saved); use another "
-                    f"checkpoint, or load it anyway with checkpoint.verify_checksums=false")
+                    f"checkpoint (checkpoint.verify_checksums=false loads it as it is: the damaged bytes are "
+                    f"trained on)")
     if not (path / DCP_METADATA).is_file():
         raise CheckpointError(f"{what}: {DCP_METADATA} is missing")
     _check_shards(path, read_dcp_metadata(path, what), what)
+    if manifest is not None and (not checksums or not files) and getattr(rank_zero_only, "rank", 0) == 0:
+        why = "checkpoint.verify_checksums=false" if files else "its manifest records no checksums (an older save)"
+        log.warning(f"titan-lightning: {what}: loaded without a crc32 check ({why}); files checked for presence "
+                    f"and size only: {UNCHECKED}")
 
 
 

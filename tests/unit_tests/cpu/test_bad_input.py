@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from lightning_utilities.core.rank_zero import rank_zero_only
 
 from titan_lightning import cli
 from titan_lightning.data.shards import tokenizer_identity
@@ -594,6 +595,32 @@ def test_resume_latest_with_nothing_saved_starts_fresh_in_one_line(tmp_path, cap
     assert run.ckpt_path is None and run.inputs_checked
     err = capfd.readouterr().err
     assert "checkpoint.resume_from='latest': no complete checkpoint under" in err and "starting from step 0" in err
+
+
+def test_a_checkpoint_loaded_without_its_crc32_check_is_said_once(inputs, tmp_path, capfd, monkeypatch):
+    """checkpoint.verify_checksums=false, or a manifest from before checksums: one warning line at the
+    load's check, saying what goes unnoticed; the corrupt-checkpoint error says what turning it off does."""
+    import shutil
+
+    from titan_lightning.checkpoint import CheckpointError, resolve_resume
+    from titan_lightning.checkpoint.files import MANIFEST
+
+    monkeypatch.setattr(rank_zero_only, "rank", 0)  # (said on rank 0 only; an earlier test may have left another)
+    with pytest.raises(CheckpointError, match=r"verify_checksums=false loads it as it is: the damaged bytes are trained on"):
+        resolve_resume(str(inputs / "ckpt_bitflip"), tmp_path)
+    assert resolve_resume(str(inputs / "ckpt_small"), tmp_path) is not None
+    assert capfd.readouterr().err == ""
+    assert resolve_resume(str(inputs / "ckpt_bitflip"), tmp_path, checksums=False) is not None
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and f"checkpoint.resume_from='{inputs / 'ckpt_bitflip'}': loaded without" in err, err
+    assert "loaded without a crc32 check (checkpoint.verify_checksums=false)" in err and "unnoticed" in err, err
+    old = shutil.copytree(inputs / "ckpt_small", tmp_path / "old")
+    manifest = json.loads((old / MANIFEST).read_text())
+    del manifest["files"]
+    (old / MANIFEST).write_text(json.dumps(manifest))
+    assert resolve_resume(str(old), tmp_path) is not None
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "its manifest records no checksums" in err, err
 
 
 def test_a_diverging_run_ends_in_one_line(tmp_path, capfd, monkeypatch):
