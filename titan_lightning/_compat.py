@@ -102,6 +102,10 @@ EXPECTED_LIGHTNING_WARNINGS = (
     # have no such hook, so Lightning runs the module's, as meant, and says so on every run.
     (UserWarning, r"You have overridden `on_before_batch_transfer` in `LightningModule` but have passed in a "
                   r"`LightningDataModule`"),
+    # Lightning doubts the length of any IterableDataset under several DataLoader workers; ours hand
+    # whole batches to the workers in turn (data/dataset.py, _worker_positions): exact with any
+    # data.num_workers (the val loaders, and the train loader of a run by epochs).
+    (UserWarning, r"Your `IterableDataset` has `__len__` defined"),
 )
 # Lightning's advertisements on its INFO log ("💡 Tip: ... try installing litlogger / litmodels"),
 # printed whatever the run's loggers and checkpoints are.

@@ -1,7 +1,6 @@
 """The LightningDataModule a run trains on: the corpus as next-token windows, resumable."""
 
 import math
-import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -140,11 +139,6 @@ class TextDataModule(L.LightningDataModule):
                 f"{tokens} tokens, fewer than one window of training.seq_len + 1 = {seq_len + 1}")
 
     def setup(self, stage: Optional[str] = None) -> None:
-        # Lightning warns that the length of an IterableDataset may be wrong under several DataLoader
-        # workers; ours hand whole batches to the workers in turn (dataset.py, _worker_positions), so
-        # the length of every loader here is exact with any data.num_workers. (Here, not at import:
-        # the command line imports this module inside a warnings.catch_warnings, which drops it.)
-        warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
         if self._train is not None:
             return
         streams = self._read()
