@@ -389,7 +389,7 @@ def _sft(run: Run) -> Run:
 
     job = run.job
     # next-fit packing (conversations in corpus order) as when the goldens were written; best_fit, the
-    # default, is run by tests/integration_tests/test_sft.py (recipes.hf:sft) and test_sft_data.py
+    # default, is run by tests/unit_tests/cpu/test_readme.py (recipes.hf:sft) and test_sft_data.py
     run.set_job(replace(job, data=replace(job.data, dataset_path=str(cached_synthetic_set()), sft=True,
                                           sft_packing="packed"),
                         model=replace(job.model, mask="block_causal", positions="per_document")))
