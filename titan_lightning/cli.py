@@ -59,7 +59,7 @@ from titan_lightning.checkpoint import CheckpointError
 from titan_lightning.config import ConfigError, JobConfig
 from titan_lightning.data.prepare import main as prepare_main
 from titan_lightning.device_defaults import explicit_line, named_fields
-from titan_lightning.flags import OPTIONS, SUBCOMMANDS, section_type
+from titan_lightning.flags import OPTIONS, RECIPE_REQUIRED, SUBCOMMANDS, recipe_arg, section_type, unknown_command
 from titan_lightning.generate import COMMANDS as GENERATE_COMMANDS
 from titan_lightning.generate import main as generate_main
 from titan_lightning.parallel.mesh import release_dtensor_caches
@@ -207,7 +207,7 @@ def prepare(argv: list[str]) -> Optional[tuple[str, Run, L.Trainer]]:
         return None
     command, rest = argv[0], argv[1:]
     if command not in SUBCOMMANDS:
-        raise UsageError(f"unknown command {command!r}; expected one of {', '.join(SUBCOMMANDS)}")
+        raise UsageError(unknown_command(command))
     if command == "estimate":
         raise UsageError("estimate builds no Trainer; run it with main() or estimate_command()")
     run = parse_run(rest)
@@ -221,7 +221,7 @@ def prepare(argv: list[str]) -> Optional[tuple[str, Run, L.Trainer]]:
 
 def parse_run(argv: list[str]) -> Optional[Run]:
     """The recipe's run with the command line's overrides applied; None when only printing."""
-    if {"-h", "--help"} & set(argv) and _recipe_arg(argv) is None and _config_path(argv) is None:
+    if {"-h", "--help"} & set(argv) and recipe_arg(argv) is None and _config_path(argv) is None:
         build_parser(None).print_help()  # every option, with JobConfig's and Trainer's defaults
         return None
     argv, config = read_config(argv)
@@ -398,23 +398,14 @@ def _int_or_float_args() -> dict:
 
 
 def _recipe_spec(argv: list[str], config: Optional["ConfigFile"]) -> str:
-    spec = _recipe_arg(argv)
+    spec = recipe_arg(argv)
     if spec is not None:
         return spec
     if config is not None:
         if isinstance(config.data.get("recipe"), str) and config.data["recipe"]:
             return config.data["recipe"]
         raise UsageError(f"{config.where} names no recipe; add 'recipe: package.module:function'")
-    raise UsageError("--recipe is required (e.g. --recipe recipes.llama3:debugmodel)")
-
-
-def _recipe_arg(argv: list[str]) -> Optional[str]:
-    for i, arg in enumerate(argv):
-        if arg == "--recipe" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--recipe="):
-            return arg.split("=", 1)[1]
-    return None
+    raise UsageError(RECIPE_REQUIRED)
 
 
 def _option_value(argv: list[str], option: str, config: Optional["ConfigFile"]) -> Optional[str]:

@@ -59,7 +59,7 @@ def refusal(argv: Sequence[str]) -> Optional[str]:
         return None
     command, rest = argv[0], list(argv[1:])
     if command not in SUBCOMMANDS:
-        return f"unknown command {command!r}; expected one of {', '.join(SUBCOMMANDS)}"
+        return unknown_command(command)
     if command in OWN_OPTIONS:
         return None
     if command == "estimate":
@@ -68,10 +68,17 @@ def refusal(argv: Sequence[str]) -> Optional[str]:
             return None
     if {"-h", "--help"} & set(rest) or any(a == "--config" or a.startswith("--config=") for a in rest):
         return None  # help, or a --config file whose text comes first
-    spec = _recipe_arg(rest)
+    spec = recipe_arg(rest)
     if spec is None:
-        return "--recipe is required (e.g. --recipe recipes.llama3:debugmodel)"
+        return RECIPE_REQUIRED
     return _recipe_refusal(spec) or _option_refusal(rest)
+
+
+RECIPE_REQUIRED = "--recipe is required (e.g. --recipe recipes.llama3:debugmodel)"
+
+
+def unknown_command(command: str) -> str:
+    return f"unknown command {command!r}; expected one of {', '.join(SUBCOMMANDS)}"
 
 
 def section_type(hint: Any) -> tuple[Optional[type], bool]:
@@ -109,8 +116,8 @@ def _without_estimate_options(argv: list[str]) -> Optional[list[str]]:
     return rest
 
 
-def _recipe_arg(argv: list[str]) -> Optional[str]:
-    """The first ``--recipe`` value, as cli._recipe_arg reads it."""
+def recipe_arg(argv: Sequence[str]) -> Optional[str]:
+    """The first ``--recipe`` value."""
     for i, arg in enumerate(argv):
         if arg == "--recipe" and i + 1 < len(argv):
             return argv[i + 1]
