@@ -7,7 +7,8 @@ module that is not there, an option outside ``OPTIONS``, a ``--job.SECTION.FIELD
 field of the config dataclasses, a ``--trainer.ARG`` that is not a ``lightning.Trainer`` argument,
 and a word where a Trainer argument takes an integer. Where the answer needs the recipe's run
 (``job.model``'s fields belong to the family, the recipe's values make the examples, a ``--config``
-file holds the rest) it says nothing and the full command line decides.
+file holds the rest) it says nothing and the full command line decides. The keys known are
+JobConfig's (a family's job narrows only ``model``) and those of the pinned Lightning's Trainer.
 tests/unit_tests/cpu/test_fast_refusal.py holds both to the same messages.
 
 Imports here: the standard library and titan_lightning.config (dataclasses only).
@@ -28,6 +29,7 @@ SUBCOMMANDS = ("fit", "validate", "test", "estimate", "prepare", "generate", "ch
 OPTIONS = ("--recipe", "--config", "--print_config", "--job", "--trainer")
 # Commands whose options are their own (titan_lightning/data/prepare.py, generate.py).
 OWN_OPTIONS = ("prepare", "generate", "chat")
+RECIPE_REQUIRED = "--recipe is required (e.g. --recipe recipes.llama3:debugmodel)"
 
 # lightning.Trainer's arguments, in its signature's order (a test keeps this equal to
 # inspect.signature(lightning.Trainer)); the ones annotated a plain int.
@@ -72,9 +74,6 @@ def refusal(argv: Sequence[str]) -> Optional[str]:
     if spec is None:
         return RECIPE_REQUIRED
     return _recipe_refusal(spec) or _option_refusal(rest)
-
-
-RECIPE_REQUIRED = "--recipe is required (e.g. --recipe recipes.llama3:debugmodel)"
 
 
 def unknown_command(command: str) -> str:
