@@ -23,6 +23,7 @@ and the "someone died" counter), not O(world size^2).
 """
 
 import json
+import math
 import os
 import select
 import signal
@@ -175,9 +176,10 @@ class Heartbeat:
                 self._report_stuck()
                 return
 
-    def _judge(self, rank: int, now: float) -> str:
-        """ALIVE, DEAD (marked in the store) or SILENT (on another host, quiet for less than ``timeout_s``
-        since this rank began to watch it) for ``rank``: see the module's docstring."""
+    def _judge(self, rank: int, now: float, beat_after: float = -math.inf) -> str:
+        """ALIVE, DEAD (marked in the store) or SILENT for ``rank`` (see the module's docstring). A rank
+        on another host is SILENT until its count is seen to change after ``beat_after``, DEAD once
+        it has stood still for ``timeout_s``."""
         if self._store.check([f"{self._keys}/dead/{rank}"]):
             return DEAD
         if self._store.check([f"{self._keys}/done/{rank}"]):
@@ -191,10 +193,10 @@ class Heartbeat:
             count = self._store.add(f"{self._keys}/beat/{rank}", 0)
             seen, since, changed = self._counts.get(rank, (None, now, False))
             if count != seen:
-                self._counts[rank] = (count, now, seen is not None)
-                return ALIVE if seen is not None else SILENT
+                seen, since, changed = count, now, seen is not None
+                self._counts[rank] = (seen, since, changed)
             if now - since <= self.timeout_s:
-                return ALIVE if changed else SILENT
+                return ALIVE if changed and since > beat_after else SILENT
             how = (f"stopped: no heartbeat for {now - since:.0f} s (comm.heartbeat_timeout_s={self.timeout_s:g}; "
                    f"killed, out of memory, crashed, or its host is unreachable)")
         else:
@@ -261,13 +263,15 @@ class Heartbeat:
         return self._account(self.timeout_s + 2 * self.interval_s if wait_s is None else wait_s)
 
     def _account(self, wait_s: float) -> Optional[str]:
-        deadline = time.monotonic() + wait_s
+        start = time.monotonic()
+        deadline = start + wait_s
         while True:
             try:
                 if self._store_gone():
                     raise ConnectionError(self.address)
                 now = time.monotonic()
-                verdicts = {r: self._judge(r, now) for r in range(self.world_size) if r != self.rank}
+                # (a rank elsewhere is alive if it beats now: one that beat a moment ago may have just died)
+                verdicts = {r: self._judge(r, now, beat_after=start) for r in range(self.world_size) if r != self.rank}
                 dead = [r for r, verdict in verdicts.items() if verdict == DEAD]
                 if dead:
                     self._defer_to_launcher(dead)

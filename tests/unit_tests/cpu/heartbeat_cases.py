@@ -52,11 +52,10 @@ def stopped_rank(rank: int, world_size: int, stop_s: float, elsewhere: bool, dum
     all-reduce. ``elsewhere``: rank 1 says it runs on another host (its pid is not visible to rank 0),
     as a rank of a multi-node run does."""
     heartbeat = _heartbeat(rank, world_size, grace_s=1.0)
+    if elsewhere and rank == 1:
+        _elsewhere(heartbeat)
     watchdog = Watchdog(rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), init_timeout_s=2.0,
                         train_timeout_s=2.0, dump_dir=Path(dump_dir), interval_s=0.2)
-    if elsewhere and rank == 1:  # (its whereabouts as a peer on another host would have written them)
-        key = f"{heartbeat._keys}/where/{rank}"
-        heartbeat._store.set(key, json.dumps({**json.loads(heartbeat._store.get(key)), "space": "another host"}))
     pids = [None] * world_size
     dist.all_gather_object(pids, os.getpid())
     if rank == 0:
@@ -71,18 +70,49 @@ def stopped_rank(rank: int, world_size: int, stop_s: float, elsewhere: bool, dum
     return "finished"
 
 
-def killed_rank(rank: int, world_size: int) -> dict:
-    """Rank 1 kills itself (SIGKILL); rank 0's next collective fails and, as the command line does,
-    it asks its heartbeat (default timing: a beat a second, 60 s for a silent peer elsewhere) who died."""
-    heartbeat = Heartbeat(rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+def _elsewhere(heartbeat: Heartbeat) -> None:
+    """This rank's whereabouts as a rank on another host writes them: its pid is not visible to its peers."""
+    key = f"{heartbeat._keys}/where/{heartbeat.rank}"
+    heartbeat._store.set(key, json.dumps({**json.loads(heartbeat._store.get(key)), "space": "another host"}))
+
+
+def killed_peer(rank: int, world_size: int, timeout_s: float, elsewhere: bool) -> dict:
+    """The heartbeats of ``world_size`` ranks and of a peer, the last rank, that rank 0 starts. The
+    peer's process is killed (SIGKILL); its watcher, rank ``world_size - 1`` (a beat a second;
+    ``timeout_s`` for a silent peer elsewhere), asks its heartbeat who died, as the command line does
+    after a failed collective. ``elsewhere``: the peer says it runs on another host."""
+    if rank == 0:
+        beating, told = os.pipe()
+        pid = os.fork()  # (torch is imported already: a fork starts in no time)
+        if pid == 0:
+            _peer(world_size, elsewhere, told)
+        assert os.read(beating, 1) == b"1"
+    dist.barrier()
+    heartbeat = Heartbeat(rank, world_size + 1, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          timeout_s=timeout_s, grace_s=30.0)
+    time.sleep(2.5)  # (a few of the peer's beats seen by its watcher)
+    if rank == 0:
+        os.kill(pid, signal.SIGKILL)
     killed_at = [None] * world_size
     dist.all_gather_object(killed_at, time.time())
-    if rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
+    told = {"pid": pid} if rank == 0 else {}
+    if rank == world_size - 1:
+        told.update(account=heartbeat.explain(), seconds=time.time() - killed_at[0])
+    dist.barrier()
+    heartbeat.stop()
+    if rank == 0:
+        os.waitpid(pid, 0)
+    return told
+
+
+def _peer(rank: int, elsewhere: bool, told: int) -> None:
+    """``killed_peer``'s peer: a heartbeat of rank ``rank`` (that takes no peer for dead) until it is killed."""
     try:
-        dist.barrier()
-    except RuntimeError:
-        pass
-    heartbeat.stop()  # (as teardown does after a failed fit)
-    account = heartbeat.explain()
-    return {"account": account, "seconds": time.time() - killed_at[1]}
+        heartbeat = Heartbeat(rank, rank + 1, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              timeout_s=600.0)
+        if elsewhere:
+            _elsewhere(heartbeat)
+        os.write(told, b"1")
+        time.sleep(120)
+    finally:
+        os._exit(0)

@@ -57,9 +57,10 @@ def test_ranks_in_different_collectives_under_one_number_are_named_with_both_col
     assert lines, result.log_tails()
     line = lines[0]
     assert line.startswith("titan-lightning: error: [rank "), line  # (not after the progress bar's unended line)
-    assert (f"hung collective: rank 1 (pid {result.pids[1]} on " in line and " entered gloo:all_reduce #2 of process "
-            "group 0 (default_pg) where rank 0 entered gloo:all_gather #2 (mismatched collectives; waited 2 s, "
-            "comm.init_timeout_s=2); rank 1 is at step 0 in all_reduce (" in line), line
+    assert f"hung collective: rank 1 (pid {result.pids[1]} on " in line, line
+    assert re.search(r"\) entered gloo:all_reduce #2 of process group 0 \(default_pg\) where rank 0 entered "
+                     r"gloo:all_gather #2 \(mismatched collectives; waited \d+ s, comm.init_timeout_s=2\); rank 1 is at "
+                     r"step 0 in all_reduce \(", line), line
     assert "the network" not in line, line
     calls = {rank: int(re.search(rf"rank {rank} is at step 0 in [^;]*<- mismatched_collective \([^)]*watchdog_cases.py:(\d+)\)",
                                  line).group(1)) for rank in (0, 1)}
@@ -75,7 +76,8 @@ def test_a_plain_module_s_rank_working_alone_longer_than_the_strategy_timeout_is
     lines = [line for rank in (0, 1) for line in result.log(rank).splitlines() if "titan-lightning: error:" in line]
     assert lines, result.log_tails()
     assert f"hung collective: rank 0 (pid {result.pids[0]} on " in lines[0], lines
-    assert "has waited 2 s (TitanStrategy.timeout=2); rank 0 is at step 1 in on_train_batch_end (" in lines[0], lines
+    assert re.search(r"has waited \d+ s \(TitanStrategy.timeout=2\); rank 0 is at step 1 in on_train_batch_end \(",
+                     lines[0]), lines
 
 
 @pytest.mark.multi_process
