@@ -97,3 +97,33 @@ def solo_rank(rank: int, world_size: int, root: str, timeout_s: float, solo_s: f
     if not dist.is_initialized():  # (teardown destroyed the default group: spawn's closing barrier needs one)
         dist.init_process_group("gloo", init_method=f"file://{root}/rejoin", rank=rank, world_size=world_size)
     return {"after_fit": after, "after_failed_fit": failed}
+
+
+def nccl_ranks(rank: int, world_size: int, dump_dir: str, timeout_s: float, case: str) -> str:
+    """The watchdog over NCCL's flight recorder (one GPU per rank; test_watchdog_nccl_gpu.py): after one
+    all-reduce together, rank 1 sleeps past the timeout before the next (``case="sleepy"``) or calls an
+    all-reduce of its own while rank 0 goes on to an all-gather (``case="mismatch"``)."""
+    from titan_lightning.config import CommConfig
+    from titan_lightning.parallel.watchdog import restore_environment, set_comm_environment
+
+    comm = CommConfig(init_timeout_s=timeout_s, train_timeout_s=timeout_s)
+    replaced = set_comm_environment(comm, Path(dump_dir), "nccl")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    watchdog = Watchdog.from_env(comm, Path(dump_dir), steps=lambda: 0)
+    assert watchdog is not None
+    x = torch.ones(4, device="cuda")
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    if rank == 1 and case == "sleepy":
+        time.sleep(60)
+    if rank == 1 and case == "mismatch":
+        dist.all_reduce(x)
+    if case == "mismatch":
+        dist.all_gather([torch.zeros(4, device="cuda") for _ in range(world_size)], x)
+    else:
+        dist.all_reduce(x)
+    torch.cuda.synchronize()
+    watchdog.stop()
+    restore_environment(replaced)
+    return "finished"
