@@ -9,8 +9,10 @@ pause, under a debugger) is never called dead for its silence. A neighbour on an
 called dead when its count has stood still for ``timeout_s`` (``comm.heartbeat_timeout_s``, tens
 of seconds). The dead rank is marked in the store. ``explain()``, called by a rank whose
 collective failed, looks at every rank the same way (the survivors' own heartbeats have stopped
-by then) and names the dead one, its host and pid, and where its output went. If the store
-itself is gone, its host (rank 0 under env:// launches) died.
+by then) and names the dead one, its host and pid, how it ended (a zombie's exit status: "was
+killed by SIGKILL") and where its output went; a rank this process started (Lightning's launcher)
+is left to the launcher's own watch, which says the same. If the store itself is gone, its host
+(rank 0 under env:// launches) died.
 
 A survivor may never see its collective fail: blocked on a peer that is alive (a ring step
 waiting for rank 0), it would fail only when that peer leaves, and with rank 0 the store goes
@@ -18,8 +20,8 @@ too. So every rank's heartbeat also reads one "someone died" counter, and a rank
 thread has not called ``explain()`` within ``grace_s`` of a mark reports it itself (the same
 one line) and exits with status 1.
 
-Store traffic is O(world size) per second (one write and two reads per rank: its neighbour's count
-and the "someone died" counter), not O(world size^2).
+Store traffic is O(world size) per second (a few calls per rank: its beat, its neighbour's marks and
+count, the "someone died" counter), not O(world size^2).
 """
 
 import json

@@ -6,7 +6,9 @@ group's timeout. torch's flight recorder (``TORCH_FR_BUFFER_SIZE``, gloo and NCC
 process group, the collectives a rank enqueued and those that completed; the watchdog thread
 reads those counters once a second (a few microseconds). When a collective of this rank has
 waited longer than ``comm.init_timeout_s`` (before the first optimizer step) or
-``comm.train_timeout_s`` (after), the first rank to see it asks every rank, through the
+``comm.train_timeout_s`` (after; for a LightningModule without a job both are the strategy's
+``timeout``), not counting time this process itself did not run (stopped, swapped out), the
+first rank to see it asks every rank, through the
 rendezvous store, for its account: the last collective it entered in that group, the one it
 entered under that sequence number, the ones it waits in, where its main thread is. Each rank
 writes its Python stacks (faulthandler) and its flight recorder to ``<dump_dir>/rank<r>_stacks.txt``
@@ -14,9 +16,9 @@ and ``rank<r>_flight_recorder.json``. One line names the rank(s) that never ente
 collective, or, when every rank entered one under that number but not the same one (a rank that
 called a collective its peers did not: torch's flight-recorder analyzer compares the same way),
 the ranks and their two collectives; with how long it waited and where the stuck rank is. Every
-rank exits with status 1, rank 0 last (it hosts the store
-under env:// launches; under Lightning's launcher its exit is the run's, and ``on_hang`` keeps
-the launcher from reporting the others' exit).
+rank exits with status 1, rank 0 last (it hosts the store under env:// launches; under
+Lightning's launcher its exit is the run's, and ``on_hang`` keeps the launcher from reporting
+the others' exit).
 
 The process groups' own timeout comes ``BACKSTOP_S`` later (``process_group_timeout``): it ends
 the run, with torch's error (under NCCL, torch's flight-recorder dump), only if the watchdog
