@@ -24,10 +24,10 @@ def _fit(recipe: str, world_size: int, out: Path, **env) -> list[dict]:
     return launch(argv, world_size, out_dir=out, timeout=TIMEOUT, env={**ENV, **env}).ranks
 
 
-def _assert_matches(ranks: list[dict], reference: dict, steps: int = 5) -> None:
+def _assert_matches(ranks: list[dict], reference: dict, steps: int = 5, numbers=("losses", "grad_norms")) -> None:
     for rank in ranks:
         assert rank["steps"] == reference["steps"] and len(rank["steps"]) == steps
-        for what in ("losses", "grad_norms"):
+        for what in numbers:
             for got, want in zip(rank[what], reference[what], strict=True):
                 assert abs(got - want) <= 1e-5 * max(abs(want), 1e-12), (what, rank[what], reference[what])
 
@@ -48,7 +48,11 @@ def test_training_step_calling_a_submodule_matches_one_process(recipe, submodule
     gradient accumulation."""
     reference, _ = submodule_reference
     ranks = _fit(recipe, 2, tmp_path)
-    _assert_matches(ranks, reference)
+    # Under accumulation the logged loss is, as under Lightning's strategies, the step's last microbatch's
+    # (test_lightning_semantics.py), which one process with the whole batch does not compute: the steps
+    # are compared by their gradients.
+    _assert_matches(ranks, reference, numbers=("grad_norms",) if recipe == "submodule_accumulate_fsdp2" else
+                    ("losses", "grad_norms"))
     for rank in ranks if recipe != "submodule_accumulate_fsdp2" else []:  # (validation at step 3; smaller batches there)
         assert abs(rank["metrics"]["val/loss"] - reference["metrics"]["val/loss"]) <= 1e-5 * reference["metrics"]["val/loss"]
 
