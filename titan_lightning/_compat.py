@@ -98,10 +98,6 @@ EXPECTED_LIGHTNING_WARNINGS = (
     # torch 2.10 deprecated isinstance(x, LeafSpec); Lightning 2.6's utilities/_pytree.py still asks
     # it of every batch it moves to the device; nothing of ours calls it.
     (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
-    # CausalLMModule.on_before_batch_transfer prepares varlen batches on the host; our datamodules
-    # have no such hook, so Lightning runs the module's, as meant, and says so on every run.
-    (UserWarning, r"You have overridden `on_before_batch_transfer` in `LightningModule` but have passed in a "
-                  r"`LightningDataModule`"),
     # Lightning doubts the length of any IterableDataset under several DataLoader workers; ours hand
     # whole batches to the workers in turn (data/dataset.py, _worker_positions): exact with any
     # data.num_workers (the val loaders, and the train loader of a run by epochs).

@@ -8,7 +8,7 @@ estimate builds the same mesh and applies the same parallelisms as a real run
 fake tensors (``FakeTensorMode``: shapes, dtypes and storages, no data). Then two training
 steps run on a batch of the recipe's shape (``training.microbatch_size`` sequences of
 ``training.seq_len`` tokens, each packed with ``DOCUMENTS_PER_ROW`` documents, prepared by the
-module's ``on_before_batch_transfer`` as a run prepares it, each CP rank keeping its slice;
+module's ``prepare_batch_on_host`` as a run prepares it, each CP rank keeping its slice;
 fake tensors to the model), in the module's order: forward
 and loss, backward, optimizer step, ``zero_grad`` (CausalLMModule frees the gradients right
 after the step, so none are alive during the next forward). The first step creates the
@@ -198,7 +198,7 @@ def _estimate(run: Run, world_size: int, rank: int, fake_mode) -> MemoryEstimate
         cp.runs(t.seq_len // job.parallelism.cp, CPU)
     # The batch as the data module hands it over (on the host, with values), then as the module
     # prepares it before the transfer (varlen's document offsets) and CP slices it.
-    batch = module.on_before_batch_transfer(host_batch(t.microbatch_size, t.seq_len), 0)
+    batch = module.prepare_batch_on_host(host_batch(t.microbatch_size, t.seq_len))
     batch = batch if cp is None else {key: cp.shard(value) if key in SEQUENCES else value for key, value in batch.items()}
     with fake_mode:
         optimizer = build_optimizer(module.model.parameters(), job.optimizer, CPU)

@@ -138,6 +138,12 @@ class TextDataModule(L.LightningDataModule):
         return (f"the {split} split of {field}={str(path)!r}{share} has "
                 f"{tokens} tokens, fewer than one window of training.seq_len + 1 = {seq_len + 1}")
 
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """The module's own preparation of a batch on the host, if it has one (CausalLMModule's
+        ``prepare_batch_on_host``: varlen's document offsets), before Lightning moves it to the device."""
+        prepare = getattr(getattr(self.trainer, "lightning_module", None), "prepare_batch_on_host", None)
+        return prepare(batch) if callable(prepare) else batch
+
     def setup(self, stage: Optional[str] = None) -> None:
         if self._train is not None:
             return

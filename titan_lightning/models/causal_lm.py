@@ -160,7 +160,7 @@ class CausalLMModule(L.LightningModule):
                    varlen_offsets: Optional[tuple[torch.Tensor, int]] = None) -> torch.Tensor:
         """What ``loss_fn`` takes: the logits, or with ``training.loss_chunks`` the final norm's
         hidden states (the loss applies the head, chunk by chunk). ``varlen_offsets``: the batch's
-        documents for varlen attention, computed on the host (``on_before_batch_transfer``)."""
+        documents for varlen attention, computed on the host (``prepare_batch_on_host``)."""
         m = self.job.model
         extra = (position_ids,) if (m.mask, m.positions) != ("causal", "global") else ()
         offsets = {} if varlen_offsets is None else {"varlen_offsets": varlen_offsets}
@@ -168,14 +168,16 @@ class CausalLMModule(L.LightningModule):
             return self.model(input_ids, *extra, **offsets)
 
     def _batch_input(self, batch: dict[str, Any]) -> torch.Tensor:
-        """``loss_input`` of a batch (its document offsets too, when ``on_before_batch_transfer`` made them)."""
+        """``loss_input`` of a batch (its document offsets too, when ``prepare_batch_on_host`` made them)."""
         offsets = (batch["cu_seqlens"], batch["max_seqlen"]) if "cu_seqlens" in batch else None
         return self.loss_input(batch["input_ids"], batch.get("position_ids"), offsets)
 
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+    def prepare_batch_on_host(self, batch: Any) -> Any:
         """With varlen attention over documents (``model.mask`` block_causal), the batch's document
         offsets (``cu_seqlens``) and its longest document (``max_seqlen``) are computed here, on the
-        host, before the batch goes to the device. Computed on the device, reading the document count
+        host, before the batch goes to the device (``TextDataModule.on_before_batch_transfer`` calls
+        this; a LightningModule overriding that hook itself makes Lightning warn on every run that
+        passes a data module). Computed on the device, reading the document count
         and the longest one would make the host wait for the device before every forward: on an H200
         the device then idled ~7% of a Qwen 2.5 1.5B SFT step. Not under pipeline parallelism (its
         schedule splits the batch into microbatches)."""

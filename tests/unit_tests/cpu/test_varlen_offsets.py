@@ -1,8 +1,11 @@
 """varlen attention's document offsets come from the batch's host copy (CausalLMModule.
-on_before_batch_transfer), so that the forward does not wait for the device to read them: the
-same cu_seqlens and longest document the device path computes, handed to the model's Documents;
-batches that must not carry them (other kernels and masks, pipeline parallelism) are left alone.
-The kernel itself is CUDA-only: tests/unit_tests/gpu/test_varlen_host_offsets.py runs a step both ways."""
+prepare_batch_on_host, which TextDataModule.on_before_batch_transfer calls), so that the forward does
+not wait for the device to read them: the same cu_seqlens and longest document the device path
+computes, handed to the model's Documents; batches that must not carry them (other kernels and
+masks, pipeline parallelism) are left alone. The kernel itself is CUDA-only:
+tests/unit_tests/gpu/test_varlen_host_offsets_gpu.py runs a step both ways."""
+
+from types import SimpleNamespace
 
 import dataclasses
 
@@ -27,13 +30,25 @@ def _module(**model):
 def test_a_varlen_batch_gets_the_offsets_the_device_would_compute():
     module = _module(attention="varlen", mask="block_causal", positions="per_document")
     batch = {"input_ids": torch.zeros_like(POSITIONS), "labels": torch.zeros_like(POSITIONS), "position_ids": POSITIONS}
-    out = module.on_before_batch_transfer(batch, 0)
+    out = module.prepare_batch_on_host(batch)
     assert out["cu_seqlens"].tolist() == [0, 5, 6, 15, 32, 64]
     assert out["cu_seqlens"].dtype == torch.int32 and out["max_seqlen"] == 32
     assert set(batch) == {"input_ids", "labels", "position_ids"}  # the loader's batch is not changed
     on_device = documents_for(module.job.model, POSITIONS, batch["input_ids"])
     given = documents_for(module.job.model, POSITIONS, batch["input_ids"], offsets=(out["cu_seqlens"], out["max_seqlen"]))
     assert torch.equal(given.cu_seqlens, on_device.cu_seqlens) and given.max_len == on_device.max_len
+
+
+def test_the_data_module_hands_batches_to_the_module_before_the_transfer():
+    """Lightning calls the data module's hook (the module defines none: Lightning would warn on every
+    run that passes a data module); it hands the batch to the module's host-side preparation."""
+    run = debugmodel()
+    run.set_job(dataclasses.replace(run.job, model=dataclasses.replace(
+        run.job.model, attention="varlen", mask="block_causal", positions="per_document")))
+    run.datamodule.trainer = SimpleNamespace(lightning_module=run.module)
+    batch = {"input_ids": torch.zeros_like(POSITIONS), "position_ids": POSITIONS}
+    assert run.datamodule.on_before_batch_transfer(batch, 0)["max_seqlen"] == 32
+    assert "on_before_batch_transfer" not in vars(type(run.module))
 
 
 @pytest.mark.parametrize("model, pp", [
@@ -46,4 +61,4 @@ def test_other_batches_are_left_alone(model, pp):
     if pp > 1:
         module.job = dataclasses.replace(module.job, parallelism=dataclasses.replace(module.job.parallelism, pp=pp))
     batch = {"input_ids": torch.zeros_like(POSITIONS), "position_ids": POSITIONS}
-    assert module.on_before_batch_transfer(batch, 0) is batch
+    assert module.prepare_batch_on_host(batch) is batch

@@ -1,5 +1,5 @@
 """varlen attention with the document offsets computed on the host (CausalLMModule.
-on_before_batch_transfer) trains as with the offsets computed on the device, for a grouped-query
+prepare_batch_on_host) trains as with the offsets computed on the device, for a grouped-query
 model in bf16 autocast (the kernel serves GQA itself): the same loss bitwise (the forward is
 deterministic), and gradients that differ from the device path's by no more than two runs of the
 device path differ from each other (FlashAttention's backward may accumulate in another order)."""
@@ -38,7 +38,7 @@ def test_host_offsets_train_as_device_offsets():
         return [loss.detach()] + [p.grad.clone() for p in module.parameters()]
 
     device = lambda b: {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in b.items()}  # noqa: E731
-    host = module.on_before_batch_transfer(batch, 0)
+    host = module.prepare_batch_on_host(batch)
     assert "cu_seqlens" in host
     reference, again, ours = step(device(batch)), step(device(batch)), step(device(host))
     assert torch.equal(ours[0], reference[0])
