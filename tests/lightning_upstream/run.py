@@ -82,7 +82,8 @@ def cases(test_file: Path, env: dict) -> list[str]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lightning", type=Path, required=True, help="a git checkout of Lightning-AI/pytorch-lightning")
+    parser.add_argument("--lightning", type=Path, required=True,
+                        help="a git checkout of Lightning-AI/pytorch-lightning")
     parser.add_argument("--ref", help="the tag or commit to take the tests from (default: the installed version's)")
     parser.add_argument("--control", action="store_true", help="run them with ModelParallelStrategy itself")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per case")

@@ -176,7 +176,8 @@ class CheckpointWriter:
             if isinstance(caught, CheckpointError) and type(caught) is not CheckpointError:
                 error = (str(caught), type(caught))
             else:
-                error = fail(caught) if fail else str(caught) if isinstance(caught, CheckpointError) else _describe(caught)
+                error = (fail(caught) if fail else str(caught) if isinstance(caught, CheckpointError)
+                         else _describe(caught))
         self._agree(error)
         return result
 

@@ -46,5 +46,6 @@ def test_the_copy_differs_from_lightnings_file_in_the_import_alone(tmp_path):
 def test_a_file_without_the_import_is_refused(tmp_path):
     run = _runner()
     repo = _checkout(tmp_path / "lightning", "from lightning.pytorch.strategies import FSDPStrategy\n")
-    with pytest.raises(SystemExit, match="expected the line 'from lightning.pytorch.strategies import ModelParallelStrategy' once"):
+    with pytest.raises(SystemExit, match="expected the line 'from lightning.pytorch.strategies import "
+                                         "ModelParallelStrategy' once"):
         run.extract(repo, "2.6.0", tmp_path / "build", control=False)

@@ -189,12 +189,13 @@ def _check_legacy_rope_scaling(params: dict[str, Any], legacy: Any, source: str)
         return scaling.get("rope_type", scaling.get("type", "default"))
 
     def fields(scaling: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in scaling.items() if k not in ("type", "rope_type", "rope_theta", "partial_rotary_factor")}
+        return {k: v for k, v in scaling.items()
+                if k not in ("type", "rope_type", "rope_theta", "partial_rotary_factor")}
 
     if kind(legacy) == kind(params) and all(params.get(k) == v for k, v in fields(legacy).items()):
         return  # the same scaling twice
-    refusal = "and refuses it: Phi3 takes default or longrope RoPE" if kind(legacy) not in ("default", "longrope", "su") \
-        else "over rope_parameters"
+    supported = kind(legacy) in ("default", "longrope", "su")
+    refusal = "over rope_parameters" if supported else "and refuses it: Phi3 takes default or longrope RoPE"
     raise ConfigError(f"{source}: rope_scaling={json.dumps(legacy)} next to rope_parameters={json.dumps(params)}: "
                       f"transformers reads the legacy rope_scaling ({kind(legacy)}) {refusal}; keep one of the two")
 
