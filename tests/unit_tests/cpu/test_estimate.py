@@ -356,10 +356,11 @@ def smallest_world_size(run) -> int:
     raise AssertionError(f"no world size up to 256 fits {run.name}'s degrees")
 
 
-def fewer_layers(run, keep: int = 2) -> None:
-    """Cut the model to ``keep`` layers (an MoE one after DeepSeek's dense ones; one of each attention
-    kind ``layer_types`` lists): the estimate runs the same code per layer, and the sweep stays cheap.
-    Pipeline recipes keep their layers (their split needs them)."""
+def fewer_layers(run, keep: int = 1) -> None:
+    """Cut the model to ``keep`` layers, more where its layers differ (an MoE one after DeepSeek's
+    dense ones; one of each attention kind ``layer_types`` lists): the estimate runs the same code for
+    every layer of a kind, and the sweep stays cheap. Pipeline recipes keep their layers (their split
+    needs them)."""
     model = run.job.model
     if run.job.parallelism.pp > 1:
         return
@@ -400,7 +401,7 @@ def test_sft_estimate_models_document_masking_as_the_run_trains(hf_recipe_values
     assert activations["flex"] == activations["varlen"]
 
 
-@pytest.mark.slow  # ~60 s of CPU for the whole sweep on 2 idle cores (0.4-2 s per recipe)
+@pytest.mark.slow  # the sweep: ~25 s of CPU for its 85 recipes (0.1-1.5 s each), out of the inner loop
 @pytest.mark.parametrize("recipe", shipped_recipes())
 def test_estimate_runs_on_every_shipped_recipe(recipe, request):
     """At the smallest world size the recipe's degrees fit, with its attention, masking, MoE, CP, PP,
