@@ -14,8 +14,9 @@ The Fine-tuning path (prepare --chat -> fit recipes.hf:sft on 2 ranks -> chat / 
 the folder and its checkpoint -> transformers on the export) runs on a tiny Qwen 3 folder with a
 ChatML template and sampling settings, and checks what the README promises: the loss goes down, and
 the export holds our logits, the trained weights, the chat template and the generation settings.
-Cost on 2 CPU cores: the marker check well under a second; the Quickstart's debug fit ~15 s; the
-Fine-tuning path ~25 s (51 steps of 3 epochs, 2 ranks), both marked slow (end-to-end runs).
+Cost on 2 CPU cores: the marker checks well under a second; the Quickstart's debug fit ~14 s; the
+Fine-tuning path ~17 s (51 steps of 3 epochs on 2 ranks, then chat, generate and transformers), both
+marked slow (end-to-end runs).
 """
 
 import contextlib
@@ -35,7 +36,7 @@ import torch
 from titan_lightning.recipe import RUN_DIR_ENV
 from titan_lightning.testing.launch import launch
 
-from tests.hf_folders import VOCAB, save_hf_folder
+from tests.hf_folders import VOCAB, load_ours, save_hf_folder
 
 README = Path(__file__).parents[3] / "README.md"
 MARKER = re.compile(r"^<!-- test: (?P<name>[\w-]+) -->\n(?P<fence>```(?P<lang>\w*)\n(?P<code>.*?)^```$)?", re.M | re.S)
@@ -257,15 +258,9 @@ def test_fine_tuning_as_the_readme_walks_it(tmp_path):
     assert answer.endswith("\n") and "What is 2+2?" not in answer  # the new tokens only
 
     theirs = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
-    from titan_lightning.models.common.decoder import decoder_class
-    from titan_lightning.pretrained import read_hf_model
-
-    model = read_hf_model(export)
-    ours = decoder_class(type(model.args))(model.args)
-    model.module_class.hf_adapter(model.args).load_into(ours, export)
     tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(load_ours(export)(tokens), theirs(tokens).logits, rtol=0, atol=1e-5)
     initial = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     assert not torch.equal(theirs.model.layers[0].mlp.down_proj.weight, initial.model.layers[0].mlp.down_proj.weight)
 
