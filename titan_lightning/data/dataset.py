@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.data.text import DOC_SEPARATOR, EOT, format_corpus, read_documents, split_documents  # noqa: F401
 
 class _Encoder(Protocol):
@@ -210,24 +211,34 @@ class EpochStream(TrainStream):
 class ValWindows(IterableDataset):
     """Validation samples of one data-parallel rank: windows ``r, r + n, ...``, in order, finite.
 
-    The windows are cut to a multiple of ``dp_size`` so that every rank has ``len(self)`` samples.
+    Every rank has ``len(self)`` samples (each rank runs the same forwards: sharded models gather
+    their parameters together): the last ranks' missing ones are copies of window 0 with every label
+    ignored, which add nothing to the loss nor to its token count. So every held-out window is
+    validated on any number of ranks, and a held-out set smaller than the ranks works.
     """
 
     def __init__(self, windows: TokenWindows, *, dp_rank: int = 0, dp_size: int = 1, batch_size: int = 1) -> None:
         _check_shard(dp_rank, dp_size)
-        if len(windows) < dp_size:
-            raise ValueError(f"{len(windows)} validation windows cannot give one to each of {dp_size} dp ranks")
+        if len(windows) == 0:
+            raise ValueError("no validation windows")
         self.windows = windows
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.batch_size = batch_size
 
     def __len__(self) -> int:
-        return len(self.windows) // self.dp_size
+        return -(-len(self.windows) // self.dp_size)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for k in _worker_positions(0, len(self), self.batch_size):
-            yield self.windows[k * self.dp_size + self.dp_rank]
+            index = k * self.dp_size + self.dp_rank
+            yield self.windows[index] if index < len(self.windows) else _ignored(self.windows[0])
+
+
+def _ignored(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sample`` with every label ignored (a rank's filler validation sample)."""
+    return {name: torch.full_like(value, IGNORE_INDEX) if name == "labels" else value.clone()
+            for name, value in sample.items()}
 
 
 def _check_shard(dp_rank: int, dp_size: int) -> None:

@@ -311,8 +311,11 @@ class CausalLMModule(L.LightningModule):
         self.log("train/supervised_tokens", tokens.float() / _label_copies(self.device_mesh))
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss = _local(self.loss_fn(self._batch_input(batch), batch["labels"]))
-        self.val_loss.update(loss, weight=(batch["labels"] != IGNORE_INDEX).sum())
+        """The loss summed over the batch's supervised tokens and their count: the metric's weighted
+        mean is the mean over every held-out token (a filler batch, all labels ignored, adds nothing)."""
+        loss_sum = _local(self.sum_loss_fn(self._batch_input(batch), batch["labels"]))
+        tokens = (batch["labels"] != IGNORE_INDEX).sum()
+        self.val_loss.update(loss_sum / tokens.clamp(min=1), weight=tokens)
 
     def on_validation_epoch_end(self) -> None:
         self._log_eval("val", prog_bar=True)

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from titan_lightning.config import DataConfig, JobConfig, TrainingConfig
 from titan_lightning.data.datamodule import TextDataModule
+from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.data.dataset import (
     TokenWindows,
     TrainStream,
@@ -169,11 +170,14 @@ def test_train_stream_resumes_exactly_at_start_across_epochs(start):
 
 
 def test_val_windows_are_finite_in_order_and_equal_per_rank():
+    """Every window is validated once; a rank short of one gets window 0 with every label ignored."""
     windows = numbered_windows(11)
-    ranks = [window_ids(ValWindows(windows, dp_rank=r, dp_size=3)) for r in range(3)]
-    assert ranks == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]
-    assert len(ValWindows(windows, dp_rank=0, dp_size=3)) == 3
+    ranks = [list(ValWindows(windows, dp_rank=r, dp_size=3)) for r in range(3)]
+    assert [window_ids(samples) for samples in ranks] == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 0]]
+    assert (ranks[2][-1]["labels"] == IGNORE_INDEX).all() and not (ranks[2][0]["labels"] == IGNORE_INDEX).any()
+    assert len(ValWindows(windows, dp_rank=0, dp_size=3)) == 4
     assert window_ids(ValWindows(windows)) == list(range(11))
+    assert [window_ids(ValWindows(numbered_windows(1), dp_rank=r, dp_size=4)) for r in range(4)] == [[0]] * 4
 
 
 @pytest.mark.parametrize("dataset", ["train", "val"])
@@ -329,12 +333,14 @@ def test_missing_shipped_asset_names_the_path_and_the_rebuild_command(tmp_path):
         shipped_asset(tmp_path / "gone.json")
 
 
-def test_val_split_with_fewer_windows_than_dp_ranks_is_refused():
+def test_val_split_with_fewer_windows_than_dp_ranks_gives_every_rank_the_same_count():
     datamodule = TextDataModule(job(seq_len=2048, batch_size=1))
     datamodule.setup()
-    datamodule.trainer = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 8, "rank": 0})
-    with pytest.raises(ValueError, match="fewer than the 8 data-parallel ranks"):
-        datamodule.val_dataloader()
+    counts = set()
+    for rank in range(8):
+        datamodule.trainer = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 8, "rank": rank})
+        counts.add(len(list(datamodule.val_dataloader())))
+    assert counts == {1}
 
 
 # --- prepare: one large file cut into pieces ----------------------------------------------------
