@@ -44,6 +44,9 @@ import torch.distributed as dist
 _RUNS = {"heartbeat": 0}
 
 ALIVE, DEAD, SILENT = "alive", "dead", "silent"  # what a rank's watcher knows of it
+# After a failure, how long the first store call waits for the store's connection to close: a dying
+# rank 0 closes its sockets one by one, its peers' (which failed the collective) before the store's.
+SETTLE_S = 0.25
 _RUNNING: list[Optional["Heartbeat"]] = [None]  # this process's running heartbeat
 
 
@@ -219,30 +222,33 @@ class Heartbeat:
         error(f"[rank {self.rank}] {account}", fresh_line=self.progress_bar)
         os._exit(1)
 
-    def stop(self) -> None:
-        """This rank's fit ended (normally, or it failed and the rank is leaving): its watcher must
-        not take the silence for a death. The thread ends before this returns (none outlives
+    def stop(self, failed: bool = False) -> None:
+        """This rank's fit ended (normally, or it ``failed`` and the rank is leaving): its watcher
+        must not take the silence for a death. The thread ends before this returns (none outlives
         ``trainer.fit``); ``explain()`` still works."""
-        try:
-            if not self._store_gone():
-                self._store.set(f"{self._keys}/done/{self.rank}", "1")
-        except Exception:  # noqa: BLE001 - the store's host already left at the end of the run
-            pass
         self._stop.set()
         if _RUNNING[0] is self:
             _RUNNING[0] = None
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval_s + 15)  # (a store call in flight times out in 10 s)
-        self._sentinel.close()
+        try:
+            if not self._store_gone(settle_s=SETTLE_S if failed else 0.0):
+                self._store.set(f"{self._keys}/done/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - the store's host already left at the end of the run
+            pass
+        if not failed:  # (after a failure explain() reads it: a new connection could reach a dying host)
+            self._sentinel.close()
 
-    def _store_gone(self) -> bool:
-        """The store's host has died: the sentinel connection reads end-of-file and a new connection
-        is refused (a store that merely closed the sentinel gets a new one)."""
+    def _store_gone(self, settle_s: float = 0.0) -> bool:
+        """The store's host has died: the sentinel connection reads end-of-file (waited for up to
+        ``settle_s``) and a new connection is refused (a store that merely closed the sentinel gets
+        a new one)."""
         with self._sentinel_lock:
             try:
-                readable, _, _ = select.select([self._sentinel], [], [], 0)
+                readable, _, _ = select.select([self._sentinel], [], [], settle_s)
                 if not readable or self._sentinel.recv(1, socket.MSG_PEEK):
                     return False
+                time.sleep(0.1)  # (end-of-file: a dying host closes its listening socket a moment later)
             except (OSError, ValueError):  # (ValueError: closed by stop())
                 pass
             host, port = self.address.rsplit(":", 1)
@@ -266,14 +272,15 @@ class Heartbeat:
 
     def _account(self, wait_s: float) -> Optional[str]:
         start = time.monotonic()
-        deadline = start + wait_s
+        deadline, settle_s = start + wait_s, SETTLE_S
         while True:
             try:
-                if self._store_gone():
+                if self._store_gone(settle_s):
                     raise ConnectionError(self.address)
                 now = time.monotonic()
                 # (a rank elsewhere is alive if it beats now: one that beat a moment ago may have just died)
                 verdicts = {r: self._judge(r, now, beat_after=start) for r in range(self.world_size) if r != self.rank}
+                settle_s = 0.0
                 dead = [r for r, verdict in verdicts.items() if verdict == DEAD]
                 if dead:
                     self._defer_to_launcher(dead)

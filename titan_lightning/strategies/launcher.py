@@ -147,10 +147,10 @@ def _progress_bar(trainer: L.Trainer) -> bool:
     return bar is not None and bool(bar.is_enabled)
 
 
-def stop_watch(heartbeat: Optional[Heartbeat], watchdog: Optional[Watchdog]) -> None:
-    """The run ended, or failed: no thread of ours outlives it (after a failure, the heartbeat's
+def stop_watch(heartbeat: Optional[Heartbeat], watchdog: Optional[Watchdog], *, failed: bool) -> None:
+    """The run ended, or ``failed``: no thread of ours outlives it (after a failure, the heartbeat's
     ``explain()`` still names a rank that died)."""
-    if heartbeat is not None:
-        heartbeat.stop()
     if watchdog is not None:
         watchdog.stop()
+    if heartbeat is not None:
+        heartbeat.stop(failed=failed)

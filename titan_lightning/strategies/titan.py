@@ -296,7 +296,7 @@ class TitanStrategy(ModelParallelStrategy):
         failed = getattr(self, "_failed", False)
         if not failed:
             self._checkpoint_writer.wait()  # an asynchronous save still being written
-        stop_watch(getattr(self, "heartbeat", None), getattr(self, "watchdog", None))
+        stop_watch(getattr(self, "heartbeat", None), getattr(self, "watchdog", None), failed=failed)
         restore_comm(getattr(self, "_comm", None))
         super().teardown()
         if getattr(self, "_determinism", None) is not None:
