@@ -114,7 +114,8 @@ def process_ended(where: dict) -> Optional[str]:
         if state not in "ZXx":
             return ""
         if status is not None and status & 0x7F:
-            return f"was killed by {signal.Signals(status & 0x7F).name} (the out-of-memory killer, a scheduler or a user)"
+            name = signal.Signals(status & 0x7F).name
+            return f"was killed by {name} (the out-of-memory killer, a scheduler or a user)"
         if status is not None:
             return f"exited with status {status >> 8} without ending its run"
     return "is gone: its process ended (killed, out of memory or crashed)"

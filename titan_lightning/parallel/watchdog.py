@@ -346,7 +346,8 @@ class Watchdog:
                 parts.append(f"rank {r} (pid {a['pid']} on {a['host']}) entered {what} #{seq} of process group {label} "
                              f"where rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} entered {theirs} "
                              f"#{seq} (mismatched collectives; waited {math.floor(request['waited_s'])} s, "
-                             f"{request['field']}={request['timeout_s']:g}); rank {r} is at step {a['step']} in {a['at']}; "
+                             f"{request['field']}={request['timeout_s']:g}); "
+                             f"rank {r} is at step {a['step']} in {a['at']}; "
                              f"rank {ranks[0]} is at step {answers[ranks[0]]['step']} in {answers[ranks[0]]['at']}")
         return parts
 

@@ -59,11 +59,11 @@ def test_ranks_in_different_collectives_under_one_number_are_named_with_both_col
     assert line.startswith("titan-lightning: error: [rank "), line  # (not after the progress bar's unended line)
     assert f"hung collective: rank 1 (pid {result.pids[1]} on " in line, line
     assert re.search(r"\) entered gloo:all_reduce #2 of process group 0 \(default_pg\) where rank 0 entered "
-                     r"gloo:all_gather #2 \(mismatched collectives; waited \d+ s, comm.init_timeout_s=2\); rank 1 is at "
-                     r"step 0 in all_reduce \(", line), line
+                     r"gloo:all_gather #2 \(mismatched collectives; waited \d+ s, comm.init_timeout_s=2\); "
+                     r"rank 1 is at step 0 in all_reduce \(", line), line
     assert "the network" not in line, line
-    calls = {rank: int(re.search(rf"rank {rank} is at step 0 in [^;]*<- mismatched_collective \([^)]*watchdog_cases.py:(\d+)\)",
-                                 line).group(1)) for rank in (0, 1)}
+    at = r"is at step 0 in [^;]*<- mismatched_collective \([^)]*watchdog_cases.py:(\d+)\)"
+    calls = {rank: int(re.search(rf"rank {rank} {at}", line).group(1)) for rank in (0, 1)}
     assert calls[1] == calls[0] - 1, line  # (rank 1's extra all_reduce, the line before the all_gather)
 
 

@@ -87,8 +87,9 @@ def solo_rank(rank: int, world_size: int, root: str, timeout_s: float, solo_s: f
     seen = _Seen(solo_s)
     trainer = _trainer(world_size, root, seen, timeout=timedelta(seconds=timeout_s))
     trainer.fit(SubmoduleModule(batch_size=4))
-    after = {"in_step": seen.threads, "watchdog": seen.watchdog, "process_group_s": trainer.strategy._timeout.total_seconds(),
-             "threads": _threads(), "environment": "TORCH_FR_BUFFER_SIZE" in os.environ}
+    after = {"in_step": seen.threads, "watchdog": seen.watchdog,
+             "process_group_s": trainer.strategy._timeout.total_seconds(), "threads": _threads(),
+             "environment": "TORCH_FR_BUFFER_SIZE" in os.environ}
     try:
         _trainer(world_size, root, _Failing()).fit(SubmoduleModule(batch_size=4))
     except ValueError:
