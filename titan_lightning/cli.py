@@ -120,10 +120,11 @@ def _main(argv: list[str]) -> int:
         return 0
     command, run, trainer = prepared
     rank = trainer.global_rank if trainer.world_size > 1 else None
+    bar = trainer.progress_bar_callback is not None  # (its line may be unfinished: errors start a new one)
     try:
         execute(command, run, trainer)
     except RUN_FAILURES as err:
-        _report(err, rank=rank)
+        _report(err, rank=rank, fresh_line=bar)
         _end_process_group(failed=True)
         return 1
     except Exception as err:
@@ -132,7 +133,7 @@ def _main(argv: list[str]) -> int:
         if lost is None:
             _end_process_group(failed=True)
             raise
-        _report(RankLost(lost), rank=rank)
+        _report(RankLost(lost), rank=rank, fresh_line=bar)
         os._exit(1)  # a peer is gone: leave without the backend's shutdown, which would wait for it
     _end_process_group()
     return 0
@@ -161,11 +162,14 @@ class RankLost(RuntimeError):
 RUN_FAILURES = (ConfigError, CheckpointError, RecipeError, FloatingPointError)
 
 
-def _report(err: BaseException, rank: Optional[int] = None) -> None:
+def _report(err: BaseException, rank: Optional[int] = None, fresh_line: bool = False) -> None:
+    """The one error line; ``fresh_line``: on a line of its own (after a launch, a progress bar may
+    have left its line unfinished)."""
     if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
         traceback.print_exception(err)
     where = f"[rank {rank}] " if rank is not None else ""
-    print(f"titan-lightning: error: {where}{_one_line(err)}", file=sys.stderr, flush=True)
+    print(f"{chr(10) if fresh_line else ''}titan-lightning: error: {where}{_one_line(err)}", file=sys.stderr,
+          flush=True)
 
 
 @contextmanager

@@ -638,6 +638,22 @@ def test_a_diverging_run_ends_in_one_line(tmp_path, capfd, monkeypatch):
     assert "non-finite gradient norm nan at step 2; stopping before step 3's optimizer step" in err.splitlines()[-1]
 
 
+
+def test_a_run_failure_starts_its_own_line_under_a_progress_bar(tmp_path, capfd, monkeypatch):
+    """After launch a progress bar may have left its line unended: the error line starts a new one."""
+    def fail(command, run, trainer):
+        print("Epoch 0, step 3/10: 30%", end="", file=sys.stderr, flush=True)  # a bar mid-line
+        raise FloatingPointError("non-finite training loss nan at step 3")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "runs" / "now"))
+    monkeypatch.setattr(cli, "execute", fail)
+    assert cli.main(D) == 1
+    err = capfd.readouterr().err
+    bar, line = err.splitlines()
+    assert bar == "Epoch 0, step 3/10: 30%" and line.startswith("titan-lightning: error: "), repr(err)
+    assert "non-finite training loss nan at step 3" in line
+
 CONSOLE_CASES = [
     (["fit", "--recipe", "recipes.llama3:nope"], "has no recipe function 'nope'"),
     # Needs the Trainer (the world size): Lightning's banner must not come first.
