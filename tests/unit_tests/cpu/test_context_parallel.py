@@ -132,7 +132,8 @@ def test_the_long_context_recipe_validates_at_world_size_64_and_its_data_fits_on
     assert (p.dp_shard, p.cp, run.job.training.seq_len, run.job.model.attention) == (8, 8, 131072, "allgather")
     from types import SimpleNamespace
 
-    run.datamodule.trainer = SimpleNamespace(limit_val_batches=run.trainer["limit_val_batches"])
+    # (max_epochs -1: what Lightning sets for a run limited by max_steps, as this recipe is)
+    run.datamodule.trainer = SimpleNamespace(limit_val_batches=run.trainer["limit_val_batches"], max_epochs=-1)
     run.datamodule.setup("fit")  # the train split is repeated to one 131,073-token window; no val split
     assert len(run.datamodule._train) >= 1
 
