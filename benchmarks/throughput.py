@@ -384,7 +384,21 @@ def device_busy(profiler, wall_s: float, steps: int) -> dict[str, float]:
     spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
                    if e.get("ph") == "X" and e.get("cat") in DEVICE_EVENT_CATEGORIES)
     busy = union_length_us(spans) / 1e3 / steps if spans else None  # None: no device events (CPU)
-    return {"wall_ms": 1e3 * wall_s / steps, "busy_ms": busy, **kernel_breakdown(events, steps)}
+    return {"wall_ms": 1e3 * wall_s / steps, "busy_ms": busy, **kernel_breakdown(events, steps),
+            "host_top": host_breakdown(events, steps)}
+
+
+def host_breakdown(events: list[dict[str, Any]], steps: int, top: int = 15) -> list[dict[str, Any]]:
+    """Per step: the host calls that took longest in total (the CUDA runtime's included: a
+    synchronize or a blocking copy there is where the host waited for the device)."""
+    totals: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "python_function", "user_annotation"):
+            entry = totals.setdefault(f'{e["cat"]}: {e.get("name", "?")[:80]}', [0.0, 0])
+            entry[0] += e.get("dur", 0) / 1e3 / steps
+            entry[1] += 1 / steps
+    return [{"name": k, "ms": round(v[0], 3), "calls": round(v[1], 1)}
+            for k, v in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]]
 
 
 # Kernel families by name (first match wins): where a step's device time goes.
