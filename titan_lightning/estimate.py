@@ -89,7 +89,7 @@ from titan_lightning.parallel.fake import init_fake_process_group, memory_report
 from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_caches
 from titan_lightning.parallel.parallelize import parallelize
 from titan_lightning.parallel.pipeline import PipelineSplit, describe_split, stage_autocast
-from titan_lightning.recipe import Run
+from titan_lightning.run import Run
 
 log = logging.getLogger(__name__)
 GiB = 2**30

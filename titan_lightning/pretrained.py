@@ -39,8 +39,8 @@ from titan_lightning.models.phi3 import Phi3Job, Phi3Module
 from titan_lightning.models.qwen2 import Qwen2Job, Qwen2Module
 from titan_lightning.models.qwen3 import Qwen3Job, Qwen3Module
 
-if TYPE_CHECKING:  # a Run's type only: recipe.py imports this module (through callbacks/weights.py)
-    from titan_lightning.recipe import Run
+if TYPE_CHECKING:  # a Run's type only
+    from titan_lightning.run import Run
 
 # Tokenizer files copied into an export next to the weights, when the tokenizer's folder has them.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")

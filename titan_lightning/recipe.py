@@ -1,5 +1,5 @@
-"""What a recipe returns, how one is loaded and run, and what recipes share (how a run becomes a
-Trainer: trainer.py).
+"""What a recipe returns (``Run``, whose home is run.py), how one is loaded and run, and what
+recipes share (how a run becomes a Trainer: trainer.py).
 
 A recipe is a plain function with no arguments returning a ``Run``::
 
@@ -22,7 +22,7 @@ import importlib
 import logging
 import os
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -31,10 +31,11 @@ import lightning as L
 from titan_lightning.callbacks.progress import StepProgressBar  # noqa: F401 (re-exported: its home before)
 from titan_lightning.callbacks.weights import check_export, check_initial_weights, model_shapes
 from titan_lightning.checkpoint import check_model_shapes, resolve_resume, unfinished_checkpoints
-from titan_lightning.config import ConfigError, JobConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig, validate_job
+from titan_lightning.config import ConfigError, LRScheduleConfig, OptimizerConfig, TrainingConfig, validate_job
 from titan_lightning.config.job import CP_ATTENTIONS
 from titan_lightning.config.parallelism import CP_LOAD_BALANCERS
 from titan_lightning.data.datamodule import TextDataModule
+from titan_lightning.run import RecipeError, Run  # (their home: run.py; users' recipes import them here)
 from titan_lightning.trainer import (  # noqa: F401 (re-exported: their home before trainer.py)
     RUN_DIR_ENV,
     build_trainer,
@@ -43,43 +44,6 @@ from titan_lightning.trainer import (  # noqa: F401 (re-exported: their home bef
 )
 
 log = logging.getLogger(__name__)
-
-
-class RecipeError(ValueError):
-    """A recipe that cannot be loaded or does not return a Run; the message is one line."""
-
-
-@dataclass(kw_only=True)
-class Run:
-    """One training run: the module, its data, and the keyword arguments of ``lightning.Trainer``.
-
-    Modules that read a ``JobConfig`` keep it as ``.job``; the module and the data
-    module of a run share the same object, so changing a field changes the run.
-    """
-
-    module: L.LightningModule
-    datamodule: Optional[L.LightningDataModule] = None
-    trainer: dict[str, Any] = field(default_factory=dict)
-    # Folder name under trainer.default_root_dir; the CLI sets it from the recipe name.
-    name: str = "run"
-    # Set by check_inputs before launch: the checkpoint fit resumes from (None: a fresh start).
-    ckpt_path: Optional[str] = None
-    inputs_checked: bool = False
-    # The recipe's leave to the run's device to choose the speed settings (device_defaults.for_device:
-    # the job as the recipe set it; applied by build_trainer); None: the run trains as set everywhere.
-    device_choice: Optional[Any] = None
-    # The fields the command line named (job.training.seq_len, trainer.precision): that choice keeps them.
-    explicit: set[str] = field(default_factory=set)
-
-    @property
-    def job(self) -> Optional[JobConfig]:
-        return getattr(self.module, "job", None)
-
-    def set_job(self, job: JobConfig) -> None:
-        """Give the module and the data module a new job config (after overrides)."""
-        for part in (self.module, self.datamodule):
-            if part is not None and hasattr(part, "job"):
-                part.job = job
 
 
 def load_recipe(spec: str) -> Callable[[], Run]:

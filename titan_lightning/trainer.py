@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar
@@ -29,10 +29,8 @@ from titan_lightning.config.validation import (
     validate_trainer_args,
     validate_vocab,
 )
+from titan_lightning.run import Run
 from titan_lightning.strategies import TitanStrategy
-
-if TYPE_CHECKING:  # (recipe.py imports this module: a Run is only read here)
-    from titan_lightning.recipe import Run
 
 
 RUN_DIR_ENV = "TITAN_LIGHTNING_RUN_DIR"
