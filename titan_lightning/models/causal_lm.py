@@ -19,8 +19,8 @@ from titan_lightning.models.common.masking import varlen_offsets
 from titan_lightning.models.common.moe import update_expert_bias
 from titan_lightning.optim import build_lr_scheduler, build_optimizer
 from titan_lightning.parallel.compile import compile_loss
+from titan_lightning.parallel.contracts import PipelinePlan
 from titan_lightning.parallel.grad_norm import clip_grads_, global_grad_norm
-from titan_lightning.parallel.pipeline import PipelinePlan
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -12,15 +12,13 @@ at setup). A missing part is a ``ContractError``: one line naming the attribute 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Union, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, Union, runtime_checkable
 
 from torch import Tensor, nn
 
 from titan_lightning.config import ConfigError, ParallelismConfig
 from titan_lightning.config.job import CP_ATTENTIONS
-
-if TYPE_CHECKING:  # (pipeline.py imports this module: its checks are here)
-    from titan_lightning.parallel.pipeline import PipelinePlan
 
 
 class ContractError(ConfigError):
@@ -66,6 +64,22 @@ class MoELayer(Protocol):
     moe_layer: bool  # True: the marker
     experts: GroupedExperts
     etp: Any  # None; the expert-TP group once applied
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Where a LightningModule's model keeps what a pipeline splits (parallel/pipeline.py splits it).
+
+    ``model``: the LightningModule attribute holding the model; ``layers``: the model's
+    ModuleDict of blocks, run in order; ``first`` / ``last``: modules that run before / after
+    the blocks (the first / last stage keeps them, the others set them to None, and the
+    model's forward must skip a None module and then take / return hidden states).
+    """
+
+    model: str = "model"
+    layers: str = "layers"
+    first: tuple[str, ...] = ("tok_embeddings",)
+    last: tuple[str, ...] = ("norm", "output")
 
 
 @runtime_checkable
@@ -173,7 +187,7 @@ def check_contracts(module: nn.Module, p: ParallelismConfig, *, built: bool) -> 
         raise ContractError(
             f"parallelism.pp={p.pp} needs a pipeline plan, and {type(module).__name__} declares none: give it a "
             f"`pipeline_plan = PipelinePlan(model=..., layers=..., first=..., last=...)` attribute "
-            f"(see titan_lightning/parallel/pipeline.py)"
+            f"(see titan_lightning/parallel/contracts.py)"
         )
     if not built:
         return

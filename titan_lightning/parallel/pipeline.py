@@ -24,23 +24,8 @@ from torch import nn
 from titan_lightning.config import ConfigError, ParallelismConfig, TrainingConfig
 from titan_lightning.config.parallelism import V_PP_SCHEDULES
 from titan_lightning.config.validation import validate_stage_count
-from titan_lightning.parallel.contracts import pipeline_layers, pipeline_model
-
-
-@dataclass(frozen=True)
-class PipelinePlan:
-    """Where a LightningModule's model keeps what a pipeline splits.
-
-    ``model``: the LightningModule attribute holding the model; ``layers``: the model's
-    ModuleDict of blocks, run in order; ``first`` / ``last``: modules that run before / after
-    the blocks (the first / last stage keeps them, the others set them to None, and the
-    model's forward must skip a None module and then take / return hidden states).
-    """
-
-    model: str = "model"
-    layers: str = "layers"
-    first: tuple[str, ...] = ("tok_embeddings",)
-    last: tuple[str, ...] = ("norm", "output")
+# PipelinePlan lives with the contracts; users import it from here too.
+from titan_lightning.parallel.contracts import PipelinePlan, pipeline_layers, pipeline_model
 
 
 # -- split points ------------------------------------------------------------------------
