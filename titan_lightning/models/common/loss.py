@@ -2,7 +2,8 @@
 
 ``linear_cross_entropy(h, weight, labels, chunks=n)`` equals ``F.cross_entropy((h @ weight.T).float(),
 labels, ignore_index=IGNORE_INDEX)`` (the mean over the labelled tokens; with ``reduction="sum"`` their sum, what
-loss-masked fine-tuning divides by the supervised tokens of a whole step; with ``softcap``, of the logits
+loss-masked fine-tuning divides by the supervised tokens of a whole step; with ``reduction="none"`` each token's,
+0 where unlabelled, what preference losses sum per sequence; with ``softcap``, of the logits
 ``tanh(logits / softcap) * softcap``, Gemma's) and its gradients, but holds one
 chunk of ``N / n`` token rows' logits at a time. The forward computes each chunk's logits in the
 compute dtype, their fp32 log-sum-exp and the chunk's loss, and keeps only the log-sum-exp (4 bytes
@@ -37,7 +38,7 @@ from titan_lightning.parallel.collectives import all_gather
 IGNORE_INDEX = -100  # a label the loss skips (padding, a document's last token)
 
 
-REDUCTIONS = ("mean", "sum")
+REDUCTIONS = ("mean", "sum", "none")
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunks: int,
@@ -45,7 +46,8 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
                          softcap: Optional[float] = None) -> torch.Tensor:
     """Cross entropy of ``h @ weight.T`` [..., V] (soft-capped to ``tanh(. / softcap) * softcap`` when
     ``softcap`` is set) against ``labels`` [...] over the tokens whose label is not ``ignore_index``
-    (their mean, or with ``reduction="sum"`` their sum), computed ``chunks`` token rows at a time; fp32, 0-d."""
+    (their mean, or with ``reduction="sum"`` their sum), computed ``chunks`` token rows at a time; fp32, 0-d
+    (``reduction="none"``: each token's [...], 0 where the label is ``ignore_index``)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"linear_cross_entropy: reduction={reduction!r} is not one of {', '.join(REDUCTIONS)}")
     group, vocab_start = None, 0
@@ -70,8 +72,9 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         dtype = torch.get_autocast_dtype(device_type)
     else:
         dtype = torch.promote_types(h.dtype, weight.dtype)
-    return _LinearCrossEntropy.apply(h.flatten(0, -2), weight, labels.flatten(), chunks, dtype, group,
-                                     vocab_start, ignore_index, reduction == "sum", softcap)
+    loss = _LinearCrossEntropy.apply(h.flatten(0, -2), weight, labels.flatten(), chunks, dtype, group,
+                                     vocab_start, ignore_index, reduction, softcap)
+    return loss.view(labels.shape) if reduction == "none" else loss
 
 
 def _chunk_bounds(n_tokens: int, chunks: int) -> list[tuple[int, int]]:
@@ -81,15 +84,17 @@ def _chunk_bounds(n_tokens: int, chunks: int) -> list[tuple[int, int]]:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """Forward: each chunk's logits, their log-sum-exp (kept: [tokens] fp32) and the loss. Backward:
-    each chunk's logits again, then (softmax - one-hot) / labelled tokens into both gradients."""
+    each chunk's logits again, then (softmax - one-hot) / labelled tokens into both gradients (per
+    token: times each token's gradient, for ``reduction="none"``)."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, chunks, dtype, group, vocab_start, ignore_index, summed, softcap):
+    def forward(ctx, h, weight, labels, chunks, dtype, group, vocab_start, ignore_index, reduction, softcap):
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(dtype), weight.to(dtype)
             valid = labels != ignore_index
             lse_all = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
             loss = torch.zeros((), dtype=torch.float32, device=h.device)
+            losses = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device) if reduction == "none" else None
             chunk_forward = _kernels(h.is_cuda)[0]
             for first, last in _chunk_bounds(h.shape[0], chunks):
                 lse, target = chunk_forward(hc[first:last], wc, labels[first:last], vocab_start, softcap)
@@ -97,11 +102,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     parts = all_gather(torch.stack([lse, target]).unsqueeze(0), 0, group)  # [tp, 2, rows]
                     lse, target = torch.logsumexp(parts[:, 0], dim=0), parts[:, 1].sum(dim=0)
                 lse_all[first:last] = lse
-                loss = loss + torch.where(valid[first:last], lse - target, 0.0).sum()
+                token_losses = torch.where(valid[first:last], lse - target, 0.0)
+                if losses is not None:
+                    losses[first:last] = token_losses
+                else:
+                    loss = loss + token_losses.sum()
         ctx.save_for_backward(h, weight, labels, lse_all)
         ctx.chunks, ctx.dtype, ctx.vocab_start, ctx.ignore_index = chunks, dtype, vocab_start, ignore_index
-        ctx.summed, ctx.softcap = summed, softcap
-        return loss if summed else loss / valid.sum()
+        ctx.reduction, ctx.softcap = reduction, softcap
+        if reduction == "none":
+            return losses
+        return loss if reduction == "sum" else loss / valid.sum()
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -109,7 +120,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dtype = ctx.dtype
         hc, wc = h.to(dtype), weight.to(dtype)
         valid = labels != ctx.ignore_index
-        scale = grad_loss if ctx.summed else grad_loss / valid.sum()
+        scale = grad_loss / valid.sum() if ctx.reduction == "mean" else grad_loss
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None
@@ -117,7 +128,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         slices = _chunk_bounds(weight.shape[0], WEIGHT_SLICES)
         for first, last in _chunk_bounds(h.shape[0], ctx.chunks):
             x = hc[first:last]
-            grad = chunk_grad(x, wc, lse_all[first:last], labels[first:last], scale, ctx.vocab_start,
+            rows = scale[first:last] if ctx.reduction == "none" else scale
+            grad = chunk_grad(x, wc, lse_all[first:last], labels[first:last], rows, ctx.vocab_start,
                               ctx.ignore_index, ctx.softcap)
             if grad_h is not None:
                 grad_h[first:last] = grad @ wc
@@ -148,8 +160,8 @@ def _chunk_forward(x, w, labels, vocab_start: int, softcap: Optional[float] = No
 
 
 def _chunk_grad(x, w, lse, labels, scale, vocab_start: int, ignore_index: int, softcap: Optional[float] = None):
-    """d loss / d logits of one chunk, (softmax - one-hot) x scale on labelled rows (times the soft
-    cap's derivative 1 - tanh^2), in x's dtype."""
+    """d loss / d logits of one chunk, (softmax - one-hot) x scale (a number, or one per row) on
+    labelled rows (times the soft cap's derivative 1 - tanh^2), in x's dtype."""
     if softcap is None:
         grad = ((x @ w.T).float() - lse.unsqueeze(1)).exp()
     else:
