@@ -41,7 +41,7 @@ class _LastStepCounts(L.Callback):
 
 def run(steps: int, coeff) -> torch.Tensor:
     import recipes.qwen3 as qwen3
-    from titan_lightning.recipe import RUN_DIR_ENV, build_trainer
+    from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
     import os
 
     run = qwen3.debugmodel_moe()

@@ -11,8 +11,8 @@ import pytest
 from titan_lightning.testing.faults import FAULT_ENV
 from titan_lightning.data.prepare import prepare
 from titan_lightning.data.tokenizer import reference_documents
-from titan_lightning.recipe import RUN_DIR_ENV
 from titan_lightning.testing.launch import LaunchFailed, launch
+from titan_lightning.trainer import RUN_DIR_ENV
 
 pytestmark = [pytest.mark.multi_process, pytest.mark.slow]
 

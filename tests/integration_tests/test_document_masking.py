@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from titan_lightning.recipe import RUN_DIR_ENV
 from titan_lightning.testing.launch import launch
+from titan_lightning.trainer import RUN_DIR_ENV
 
 pytestmark = pytest.mark.multi_process
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from titan_lightning.recipe import RUN_DIR_ENV
 from titan_lightning.testing.launch import free_port, rank_env
+from titan_lightning.trainer import RUN_DIR_ENV
 
 pytestmark = pytest.mark.multi_process
 

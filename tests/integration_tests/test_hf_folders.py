@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from titan_lightning.recipe import RUN_DIR_ENV
 from titan_lightning.testing.launch import launch
+from titan_lightning.trainer import RUN_DIR_ENV
 
 from tests.hf_folders import VOCAB, save_hf_folder
 

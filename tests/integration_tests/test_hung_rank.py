@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration_tests.test_faults import _wait_gone
-from titan_lightning.recipe import RUN_DIR_ENV
+from titan_lightning.trainer import RUN_DIR_ENV
 
 pytestmark = pytest.mark.multi_process
 

@@ -15,9 +15,9 @@ import uuid
 import pytest
 
 from titan_lightning.checkpoint import PARTIAL, CheckpointError, check_checkpoint, check_files, latest_checkpoint, verify
-from titan_lightning.recipe import RUN_DIR_ENV
 from titan_lightning.testing.faults import FAULT_ENV
 from titan_lightning.testing.launch import LaunchFailed, launch
+from titan_lightning.trainer import RUN_DIR_ENV
 
 # Each test is a save-then-resume pair of multi-rank runs: tens of seconds on 2 cores.
 pytestmark = [pytest.mark.multi_process, pytest.mark.slow]

@@ -19,9 +19,9 @@ from typing import Optional
 from titan_lightning.callbacks.golden import check_header, comparable, hardware_class, read_golden
 from titan_lightning.data.tokenizer import ASSETS_DIR
 from titan_lightning.parallel.mesh import ParallelDims
-from titan_lightning.recipe import RUN_DIR_ENV
 from titan_lightning.testing.entries import EXECUTION_MODES, TestEntry, validate_fake_pg_compatibility
 from titan_lightning.testing.launch import launch
+from titan_lightning.trainer import RUN_DIR_ENV
 
 GOLDEN_ROOT = ASSETS_DIR / "losses"
 ACCELERATORS = {"cpu": "cpu", "cuda": "gpu", "rocm": "gpu"}  # --gpu_arch_type -> Lightning accelerator

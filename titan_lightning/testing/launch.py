@@ -97,7 +97,7 @@ def rank_env(rank: int, world_size: int, *, port: int, out_dir: Path, env: Optio
     CPU kernels pinned to AVX2 (``PORTABLE_CPU_ENV``: goldens hold across x86 CPUs), and
     one run folder under ``out_dir`` for all ranks. The rank's variables always win.
     """
-    from titan_lightning.recipe import RUN_DIR_ENV  # here: importing the launcher costs no torch/lightning
+    from titan_lightning.trainer import RUN_DIR_ENV  # here: importing the launcher costs no torch/lightning
 
     ranks = {
         "MASTER_ADDR": "127.0.0.1",
@@ -244,7 +244,7 @@ def launch_nodes(
     (torchrun starts each rank in a session of its own: the ranks are found by a variable only this
     launch's processes carry, even a rank whose launcher died first).
     """
-    from titan_lightning.recipe import RUN_DIR_ENV  # here: importing the launcher costs no torch/lightning
+    from titan_lightning.trainer import RUN_DIR_ENV  # here: importing the launcher costs no torch/lightning
 
     if nnodes < 1 or nproc_per_node < 1:
         raise ValueError(f"nnodes={nnodes} and nproc_per_node={nproc_per_node} must be >= 1")

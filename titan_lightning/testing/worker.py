@@ -34,11 +34,12 @@ import torch.distributed as dist  # noqa: E402
 
 from titan_lightning.cli import prepare  # noqa: E402
 from titan_lightning.callbacks.golden import GoldenNumerics  # noqa: E402
-from titan_lightning.recipe import RUN_DIR_ENV, execute  # noqa: E402
+from titan_lightning.recipe import execute  # noqa: E402
 from titan_lightning.testing.faults import install_from_env  # noqa: E402
 from titan_lightning.testing.launch import THREADS_ENV  # noqa: E402
 from titan_lightning.testing.record import RecordSteps  # noqa: E402
 from titan_lightning.testing.seed_checkpoint import LoadSeedCheckpoint  # noqa: E402
+from titan_lightning.trainer import RUN_DIR_ENV  # noqa: E402
 
 USAGE = (
     "usage: python -m titan_lightning.testing.worker --out DIR [--golden PATH --golden-mode compare|export "

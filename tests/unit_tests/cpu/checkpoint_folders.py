@@ -23,7 +23,8 @@ def small_checkpoint() -> Path:
     if _SAVED:
         return _SAVED[0]
     from recipes.llama3 import debugmodel
-    from titan_lightning.recipe import RUN_DIR_ENV, build_trainer, execute
+    from titan_lightning.recipe import execute
+    from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
 
     root = Path(tempfile.mkdtemp(prefix="titan_small_checkpoint_"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)

@@ -10,8 +10,8 @@ from recipes.tests import features
 from titan_lightning.config import ActivationCheckpointConfig
 from titan_lightning.models.llama3 import Llama3Module
 from titan_lightning.parallel.activation_checkpoint import apply_activation_checkpointing
-from titan_lightning.recipe import RUN_DIR_ENV, build_trainer
 from titan_lightning.testing.record import RecordSteps
+from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
 
 
 @pytest.fixture(autouse=True)

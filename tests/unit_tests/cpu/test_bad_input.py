@@ -19,7 +19,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 from titan_lightning import cli
 from titan_lightning.data.shards import tokenizer_identity
 from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
-from titan_lightning.recipe import RUN_DIR_ENV
+from titan_lightning.trainer import RUN_DIR_ENV
 
 from tests.unit_tests.cpu.checkpoint_folders import SMALL_MODEL, damaged_copies
 

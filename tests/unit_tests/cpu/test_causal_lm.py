@@ -9,8 +9,8 @@ import torch
 from recipes.tests import features
 from titan_lightning.config import ConfigError
 from titan_lightning.models.causal_lm import IGNORE_INDEX, cross_entropy_loss
-from titan_lightning.recipe import RUN_DIR_ENV, build_trainer
 from titan_lightning.testing.record import RecordSteps
+from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
 
 
 @pytest.fixture(autouse=True)

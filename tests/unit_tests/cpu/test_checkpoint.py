@@ -184,7 +184,7 @@ def test_checkpoint_config_names_bad_values(kwargs, message):
 
 
 def test_keep_latest_k_ranks_checkpoints_by_step(tmp_path):
-    from titan_lightning.recipe import checkpoint_callback
+    from titan_lightning.trainer import checkpoint_callback
     from recipes.tests import features
 
     job = features.llama3_debugmodel().job
@@ -197,7 +197,8 @@ def test_keep_latest_k_ranks_checkpoints_by_step(tmp_path):
 def test_keep_latest_k_leaves_the_newest_checkpoints_of_a_run(tmp_path, monkeypatch):
     """One process, 6 steps, a checkpoint every 2 steps, the newest 2 kept (the older folders removed)."""
     from recipes.tests import features
-    from titan_lightning.recipe import RUN_DIR_ENV, build_trainer, execute
+    from titan_lightning.recipe import execute
+    from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
 
     monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
     run = features.llama3_debugmodel()
@@ -216,7 +217,8 @@ def test_model_export_in_bf16_and_hugging_face(tmp_path, monkeypatch):
     from torch.distributed.checkpoint import FileSystemReader
 
     from recipes.tests import features
-    from titan_lightning.recipe import RUN_DIR_ENV, build_trainer, execute
+    from titan_lightning.recipe import execute
+    from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
 
     for fmt in ("dcp", "hf"):
         monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / fmt))
@@ -289,7 +291,9 @@ def test_sigterm_saves_one_checkpoint_and_the_resumed_run_logs_and_shows_its_ste
     import lightning as L
 
     from recipes.llama3 import debugmodel
-    from titan_lightning.recipe import RUN_DIR_ENV, StepProgressBar, build_trainer, execute
+    from titan_lightning.callbacks.progress import StepProgressBar
+    from titan_lightning.recipe import execute
+    from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
     from titan_lightning.testing.record import SignalAtStep
 
     class BarTotals(L.Callback):

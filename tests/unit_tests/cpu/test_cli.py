@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from titan_lightning import cli
-from titan_lightning.recipe import RUN_DIR_ENV, build_run
+from titan_lightning.recipe import build_run
+from titan_lightning.trainer import RUN_DIR_ENV
 
 REPO = Path(__file__).resolve().parents[3]
 

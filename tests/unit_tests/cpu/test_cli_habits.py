@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from titan_lightning import cli
-from titan_lightning.recipe import RUN_DIR_ENV
+from titan_lightning.trainer import RUN_DIR_ENV
 
 TIMEOUT = 120
 

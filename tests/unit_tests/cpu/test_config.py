@@ -175,7 +175,7 @@ def test_compile_settings_are_validated_by_name():
 ])
 def test_lightning_precision_flag_maps_onto_the_job_without_a_second_autocast(precision, expected):
     from recipes.tests import features
-    from titan_lightning.recipe import build_trainer
+    from titan_lightning.trainer import build_trainer
 
     run = features.llama3_debugmodel()
     run.trainer["precision"] = precision
@@ -188,7 +188,7 @@ def test_lightning_precision_flag_maps_onto_the_job_without_a_second_autocast(pr
 def test_lightning_precision_flag_names_what_is_not_supported_or_contradicts():
     from recipes.tests import features
     from titan_lightning.config import ConfigError
-    from titan_lightning.recipe import build_trainer
+    from titan_lightning.trainer import build_trainer
 
     run = features.llama3_debugmodel()
     run.trainer["precision"] = "16-mixed"
@@ -205,7 +205,7 @@ def test_profiling_traces_the_chosen_step(tmp_path, monkeypatch):
 
     from recipes.tests import features
     from titan_lightning.config import ProfilingConfig
-    from titan_lightning.recipe import RUN_DIR_ENV, build_trainer
+    from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
 
     with pytest.raises(ValueError, match=r"profiling.trace_steps has \[0\]; steps are integers >= 1"):
         ProfilingConfig(trace_steps=[0])

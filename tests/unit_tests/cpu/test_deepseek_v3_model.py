@@ -17,8 +17,8 @@ from titan_lightning.models.deepseek_v3 import (
     yarn_rope_cache,
 )
 from titan_lightning.parallel.context import ContextParallel
-from titan_lightning.recipe import RUN_DIR_ENV, build_trainer
 from titan_lightning.testing.record import RecordSteps
+from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
 
 # DeepSeek's published totals (without the 671B's multi-token-prediction layer) and active
 # parameters per token: DeepSeek-V3 671B / 37B, DeepSeek-V2-Lite (our 16B) 15.7B / 2.4B.

@@ -16,9 +16,10 @@ import pytest
 from recipes.tests import features
 from titan_lightning.data.dataset import EpochStream, TokenWindows
 from titan_lightning.data.datamodule import TextDataModule
-from titan_lightning.recipe import RUN_DIR_ENV, build_trainer, check_inputs, execute
+from titan_lightning.recipe import check_inputs, execute
 from titan_lightning.steps import ends_optimizer_step
 from titan_lightning.testing.sft_shards import write_sft_shards
+from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
 
 from tests.hf_folders import VOCAB, save_hf_folder
 

@@ -84,7 +84,7 @@ def test_ep_and_moe_settings_are_validated_by_name():
 def test_a_235b_scale_layout_runs_a_step_under_the_fake_process_group(tmp_path, monkeypatch, capsys):
     # World 256 in one process: FSDP64 x TP4 dense, EP64 (one expert per rank, efsdp 4).
     from titan_lightning import cli
-    from titan_lightning.recipe import RUN_DIR_ENV
+    from titan_lightning.trainer import RUN_DIR_ENV
 
     monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
     argv = ["fit", "--recipe", "recipes.qwen3:moe_235b_a22b_layout", "--trainer.strategy", "FakePGStrategy",

@@ -9,9 +9,9 @@ import torch.distributed as dist
 
 from recipes.tests import features
 from titan_lightning.config import ConfigError
-from titan_lightning.recipe import RUN_DIR_ENV, build_trainer
 from titan_lightning.strategies import FakePGStrategy
 from titan_lightning.testing.record import RecordSteps
+from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,8 @@ import pytest
 
 from titan_lightning import cli, flags
 from titan_lightning.generate import COMMANDS as GENERATE_COMMANDS
-from titan_lightning.recipe import RUN_DIR_ENV, build_run
+from titan_lightning.recipe import build_run
+from titan_lightning.trainer import RUN_DIR_ENV
 
 D = ["fit", "--recipe", "recipes.llama3:debugmodel"]
 

@@ -29,10 +29,11 @@ from titan_lightning.config import ConfigError, Float8Config, JobConfig, validat
 from titan_lightning.config.validation import validate_float8_device
 from titan_lightning.parallel.fake import init_fake_process_group
 from titan_lightning.parallel.float8 import convert_to_float8, float8_filter
-from titan_lightning.recipe import RUN_DIR_ENV, build_trainer, on_layout
+from titan_lightning.recipe import on_layout
 from titan_lightning.strategies import FakePGStrategy
 from titan_lightning.testing.launch import launch
 from titan_lightning.testing.record import RecordSteps
+from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
 
 pytest.importorskip("torchao", reason='quantize.float8 needs torchao: pip install -e ".[float8]"')
 

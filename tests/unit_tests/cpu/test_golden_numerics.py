@@ -11,8 +11,8 @@ import torch
 from recipes.tests import features
 from titan_lightning.callbacks.golden import GoldenNumerics, check_header, cpu_vendor, read_golden, write_golden
 from titan_lightning.parallel.mesh import ParallelDims
-from titan_lightning.recipe import RUN_DIR_ENV, build_trainer
 from titan_lightning.testing.record import RecordSteps
+from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from titan_lightning import cli
-from titan_lightning.recipe import RUN_DIR_ENV
+from titan_lightning.trainer import RUN_DIR_ENV
 
 # What a warning looks like on stderr: Python's and Lightning's "file.py:12: ..." lines, a category
 # ("UserWarning: ..."), torch's C++ "W1204 12:00:00.000 ..." lines, Lightning's tips.

@@ -21,8 +21,8 @@ from titan_lightning.models.qwen3 import (
 )
 from titan_lightning.models.qwen3.parallelize import TP_PLAN
 from titan_lightning.parallel.tensor import _match
-from titan_lightning.recipe import RUN_DIR_ENV, build_trainer
 from titan_lightning.testing.record import RecordSteps
+from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
 
 # The model cards' "Number of Parameters" (total, non-embedding; MoE also activated), rounded
 # as published. 0.6B, 1.7B and 4B tie lm_head to the embeddings there; we never tie, so our

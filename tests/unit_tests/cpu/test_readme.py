@@ -33,8 +33,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_lightning.recipe import RUN_DIR_ENV
 from titan_lightning.testing.launch import launch
+from titan_lightning.trainer import RUN_DIR_ENV
 
 from tests.hf_folders import VOCAB, load_ours, save_hf_folder
 

@@ -13,8 +13,8 @@ from titan_lightning.parallel.contracts import (Blocks, ContractError, CPAttenti
                                                 PipelineModel, TitanModule, TitanStrategyView,
                                                 check_contracts, expert_modules, moe_layers)
 from titan_lightning.parallel.pipeline import PipelinePlan
-from titan_lightning.recipe import RUN_DIR_ENV, build_trainer
 from titan_lightning.strategies import FakePGStrategy, FSDP2Strategy, TensorParallelStrategy, TitanStrategy
+from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
 from user_module import UserModule
 
 
