@@ -1,0 +1,1 @@
+"""What a training step minimizes beyond next-token cross entropy: ``preference`` (DPO, IPO, SimPO)."""
