@@ -8,6 +8,7 @@ from titan_lightning.config.checkpoint import CheckpointConfig
 from titan_lightning.config.comm import CommConfig
 from titan_lightning.config.compile import CompileConfig
 from titan_lightning.config.data import DataConfig
+from titan_lightning.config.lora import LoRAConfig
 from titan_lightning.config.optimizer import LRScheduleConfig, OptimizerConfig
 from titan_lightning.config.parallelism import ParallelismConfig
 from titan_lightning.config.profiling import ProfilingConfig
@@ -100,6 +101,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
 
