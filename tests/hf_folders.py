@@ -138,12 +138,25 @@ def load_ours(folder: Path):
     return model.eval()
 
 
-def export_to_transformers(model, adapter_class: type, folder: Path):
+def export_hf(model, adapter_class: type, folder: Path) -> Path:
     """``model`` saved through ``adapter_class`` (in several shards, with an index) with the config.json
-    an export writes, then loaded by transformers (fp32, eval)."""
-    import transformers
-
+    an export writes; the folder."""
     adapter = adapter_class(model.args)
     adapter.save_from(model, folder, max_shard_bytes=60_000)
     (folder / "config.json").write_text(json.dumps(adapter.hf_config(model.args)))
+    return folder
+
+
+def load_in_transformers(folder: Path):
+    """The folder's model as transformers loads it (fp32, eval)."""
+    import transformers
+
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def assert_transformers_agrees(export: Path, ours, tokens: torch.Tensor, *, rtol: float, atol: float):
+    """``export`` loaded by transformers computes our model's logits of ``tokens``; the transformers model."""
+    theirs = load_in_transformers(export)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(input_ids=tokens).logits, rtol=rtol, atol=atol)
+    return theirs

@@ -1,8 +1,8 @@
 """A Hugging Face Gemma 3 text folder (tiny, random fp32 weights: a sliding and a global layer, each
 with its RoPE base, the global one linearly scaled; queries scaled by query_pre_attn_scalar), read
 through config.json and our adapter, gives the logits transformers computes from it (tied and
-untied, with and without a final soft cap); our export loads in transformers with our logits; a
-multimodal gemma3 folder reads as its text model; what Gemma 3 does not model is refused by name."""
+untied, with and without a final soft cap); a multimodal gemma3 folder reads as its text model and
+exports as one (the export of each family: test_export_hf_parity.py); what Gemma 3 does not model is refused by name."""
 
 import dataclasses
 import json
@@ -14,7 +14,7 @@ from titan_lightning.config import ConfigError
 from titan_lightning.models.gemma3 import Gemma3StateDictAdapter
 from titan_lightning.pretrained import read_hf_model
 
-from tests.hf_folders import VOCAB, export_to_transformers, load_ours, save_hf_model
+from tests.hf_folders import VOCAB, export_hf, load_in_transformers, load_ours, save_hf_model
 
 TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
 
@@ -44,19 +44,6 @@ def test_flex_attention_gives_the_same_logits(tmp_path):
     flex.load_state_dict(ours.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(flex.eval()(TOKENS), reference(input_ids=TOKENS).logits, rtol=1e-5, atol=1e-5)
-
-
-def test_our_export_loads_in_transformers(tmp_path):
-    pytest.importorskip("transformers", reason="the reference implementation; a test-only extra")
-    save_hf_model(tmp_path / "hf", "gemma3_text", tie=True, final_logit_softcapping=3.0)
-    ours = load_ours(tmp_path / "hf")
-    with torch.no_grad():  # weights of our own (an output apart from the embeddings), so the export is not the input
-        for p in ours.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    theirs = export_to_transformers(ours, Gemma3StateDictAdapter, tmp_path / "export")
-    assert not theirs.config.tie_word_embeddings and theirs.config.final_logit_softcapping == 3.0
-    with torch.no_grad():
-        torch.testing.assert_close(ours(TOKENS), theirs(input_ids=TOKENS).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_the_chunked_loss_caps_the_logits_as_the_head_does():
@@ -134,7 +121,7 @@ def test_a_multimodal_folder_reads_as_its_text_model(tmp_path, capsys):
     converted = Gemma3StateDictAdapter(ours.args, tie_word_embeddings=True).from_hf(in_memory)
     assert converted.keys() == ours.state_dict().keys()
     assert all(torch.equal(converted[k], v) for k, v in ours.state_dict().items())
-    theirs = export_to_transformers(ours, Gemma3StateDictAdapter, tmp_path / "export")
+    theirs = load_in_transformers(export_hf(ours, Gemma3StateDictAdapter, tmp_path / "export"))
     assert theirs.config.model_type == "gemma3_text"
     with torch.no_grad():
         torch.testing.assert_close(theirs(input_ids=TOKENS).logits, expected, rtol=1e-5, atol=1e-5)

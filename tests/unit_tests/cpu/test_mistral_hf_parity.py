@@ -1,7 +1,7 @@
 """A Hugging Face Mistral / Mixtral folder (tiny, random fp32 weights; Mistral with head_dim !=
 dim / n_heads as Nemo), read through config.json and our adapter, gives the logits transformers
-computes from it, with and without a sliding window shorter than the tokens; our export loads in
-transformers with our logits."""
+computes from it, with and without a sliding window shorter than the tokens, and its export loads in
+transformers with our logits (the export of each family: test_export_hf_parity.py)."""
 
 import dataclasses
 import json
@@ -13,7 +13,7 @@ from titan_lightning.config import ConfigError
 from titan_lightning.models.mistral import MistralStateDictAdapter
 from titan_lightning.pretrained import read_hf_model
 
-from tests.hf_folders import VOCAB, export_to_transformers, load_ours, save_hf_model
+from tests.hf_folders import VOCAB, assert_transformers_agrees, export_hf, load_ours, save_hf_model
 
 TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
 
@@ -27,20 +27,6 @@ def test_logits_match_transformers(tmp_path, model_type, tie):
         expected = reference(input_ids=TOKENS).logits
         assert expected.std() > 0.5
         torch.testing.assert_close(load_ours(tmp_path)(TOKENS), expected, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("model_type", ["mistral", "mixtral"])
-def test_our_export_loads_in_transformers(tmp_path, model_type):
-    pytest.importorskip("transformers", reason="the reference implementation; a test-only extra")
-    save_hf_model(tmp_path / "hf", model_type)
-    ours = load_ours(tmp_path / "hf")
-    with torch.no_grad():  # weights of our own, so the export is not the input
-        for p in ours.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    theirs = export_to_transformers(ours, MistralStateDictAdapter, tmp_path / "export")
-    assert theirs.config.model_type == model_type
-    with torch.no_grad():
-        torch.testing.assert_close(ours(TOKENS), theirs(input_ids=TOKENS).logits, rtol=1e-5, atol=1e-5)
 
 
 def _config(tmp_path, model_type="mistral", **fields):
@@ -75,10 +61,9 @@ def test_a_sliding_window_reads_exports_and_matches_transformers(tmp_path, model
         full = type(ours)(dataclasses.replace(ours.args, sliding_window=None))  # the same weights, no window
         full.load_state_dict(ours.state_dict())
         assert (full.eval()(TOKENS) - expected).abs().max() > 1e-2
-    theirs = export_to_transformers(ours, MistralStateDictAdapter, tmp_path / "export")
+    export = export_hf(ours, MistralStateDictAdapter, tmp_path / "export")
+    theirs = assert_transformers_agrees(export, ours, TOKENS, rtol=1e-5, atol=1e-5)
     assert theirs.config.sliding_window == 6
-    with torch.no_grad():
-        torch.testing.assert_close(ours(TOKENS), theirs(input_ids=TOKENS).logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("model_type, fields, message", [

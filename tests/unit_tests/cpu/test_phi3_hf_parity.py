@@ -1,7 +1,8 @@
 """A Hugging Face Phi3 folder (tiny, random fp32 weights; fused qkv_proj and gate_up_proj, RoPE on 3/4
 of each head as Phi-4-mini), read through config.json and our adapter, gives the logits transformers
 computes from it: tied and untied, with a sliding window, with LongRoPE's short factors and its long
-ones; our export loads in transformers with our logits; what Phi3 does not model is refused by name."""
+ones, and then exported to transformers (the export of each family: test_export_hf_parity.py); what Phi3
+does not model is refused by name."""
 
 import dataclasses
 import json
@@ -15,7 +16,7 @@ from titan_lightning.models.common.safetensors_io import HFTensors
 from titan_lightning.models.phi3 import Phi3StateDictAdapter
 from titan_lightning.pretrained import read_hf_model
 
-from tests.hf_folders import VOCAB, export_to_transformers, load_ours, save_hf_model
+from tests.hf_folders import VOCAB, assert_transformers_agrees, export_hf, load_ours, save_hf_model
 
 TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
 # LongRoPE on a 16-token original length: 24 tokens take the long factors, 12 the short ones.
@@ -61,22 +62,9 @@ def test_longrope_factors_and_a_sliding_window_match_transformers(tmp_path, leng
             model = type(ours)(wrong)
             model.load_state_dict(ours.state_dict())
             assert (model.eval()(tokens) - expected).abs().max() > 1e-2
-    theirs = export_to_transformers(ours, Phi3StateDictAdapter, tmp_path / "export")
+    theirs = assert_transformers_agrees(export_hf(ours, Phi3StateDictAdapter, tmp_path / "export"), ours, tokens,
+                                        rtol=1e-5, atol=1e-5)
     assert theirs.config.sliding_window == 6 and theirs.config.rope_parameters["rope_type"] == "longrope"
-    with torch.no_grad():
-        torch.testing.assert_close(ours(tokens), theirs(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
-
-
-def test_our_export_loads_in_transformers(tmp_path):
-    pytest.importorskip("transformers", reason="the reference implementation; a test-only extra")
-    save_hf_model(tmp_path / "hf", "phi3")
-    ours = load_ours(tmp_path / "hf")
-    with torch.no_grad():  # weights of our own, so the export is not the input
-        for p in ours.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    theirs = export_to_transformers(ours, Phi3StateDictAdapter, tmp_path / "export")
-    with torch.no_grad():
-        torch.testing.assert_close(ours(TOKENS), theirs(input_ids=TOKENS).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_an_export_fuses_a_layers_parts_together_and_refuses_a_part_alone():

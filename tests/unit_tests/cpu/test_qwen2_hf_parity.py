@@ -1,6 +1,7 @@
 """A Hugging Face Qwen2 folder (tiny, random fp32 weights, q/k/v biases), read through config.json
-and our adapter, gives the logits transformers computes from it (tied and untied embeddings); our
-export loads in transformers with our logits; a config.json that slides its attention is refused."""
+and our adapter, gives the logits transformers computes from it (tied and untied embeddings); with
+sliding layers, its export too (the export of each family: test_export_hf_parity.py); a config.json
+that slides its attention is refused."""
 
 import json
 
@@ -11,7 +12,7 @@ from titan_lightning.config import ConfigError
 from titan_lightning.models.qwen2 import Qwen2StateDictAdapter
 from titan_lightning.pretrained import read_hf_model
 
-from tests.hf_folders import VOCAB, export_to_transformers, load_ours, save_hf_model
+from tests.hf_folders import VOCAB, assert_transformers_agrees, export_hf, load_ours, save_hf_model
 
 TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
 
@@ -25,18 +26,6 @@ def test_logits_match_transformers(tmp_path, tie):
         expected = reference(input_ids=TOKENS).logits
         assert expected.std() > 0.5
         torch.testing.assert_close(load_ours(tmp_path)(TOKENS), expected, rtol=1e-5, atol=1e-5)
-
-
-def test_our_export_loads_in_transformers(tmp_path):
-    pytest.importorskip("transformers", reason="the reference implementation; a test-only extra")
-    save_hf_model(tmp_path / "hf", "qwen2")
-    ours = load_ours(tmp_path / "hf")
-    with torch.no_grad():  # weights of our own, biases included, so the export is not the input
-        for p in ours.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    theirs = export_to_transformers(ours, Qwen2StateDictAdapter, tmp_path / "export")
-    with torch.no_grad():
-        torch.testing.assert_close(ours(TOKENS), theirs(input_ids=TOKENS).logits, rtol=1e-5, atol=1e-5)
 
 
 def _config(tmp_path, **fields):
@@ -61,10 +50,9 @@ def test_sliding_layers_from_max_window_layers_read_export_and_match_transformer
     assert (ours.args.sliding_window, ours.args.layer_types) == (6, ["full_attention", "sliding_attention"])
     with torch.no_grad():
         torch.testing.assert_close(ours(TOKENS), reference(input_ids=TOKENS).logits, rtol=1e-5, atol=1e-5)
-    theirs = export_to_transformers(ours, Qwen2StateDictAdapter, tmp_path / "export")
+    export = export_hf(ours, Qwen2StateDictAdapter, tmp_path / "export")
+    theirs = assert_transformers_agrees(export, ours, TOKENS, rtol=1e-5, atol=1e-5)
     assert theirs.config.layer_types == ["full_attention", "sliding_attention"]
-    with torch.no_grad():
-        torch.testing.assert_close(ours(TOKENS), theirs(input_ids=TOKENS).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_sliding_fields_read_as_transformers_reads_them(tmp_path):
