@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from titan_lightning.config import ConfigError, JobConfig
+from titan_lightning.lora import add_adapters, check_lora_job, lora_targets, store_frozen_in
 from titan_lightning.models.common.decoder import Decoder, decoder_class
 from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.models.common.masking import varlen_offsets
@@ -105,6 +106,9 @@ class CausalLMModule(L.LightningModule):
                               f"window ({decoder.__module__}); leave model.sliding_window unset (None)")
         if cls.hf_adapter is not None:
             cls.hf_adapter.check_config(job)
+        if job.lora.enabled and decoder is not None:
+            with torch.device("meta"):
+                check_lora_job(job, decoder(job.model), cls.hf_adapter(job.model) if cls.hf_adapter else None)
 
     def build_model(self) -> torch.nn.Module:
         if self.decoder_class is None:
@@ -114,6 +118,10 @@ class CausalLMModule(L.LightningModule):
             )
         model = self.decoder_class(self.job.model)
         model.head_in_loss = self.job.training.loss_chunks is not None
+        lora = self.job.lora
+        if lora.enabled:  # (the model as it trains: a checkpoint's and a load's names see its adapters)
+            targets = lora_targets(model, self.state_dict_adapter(), lora)
+            add_adapters(model, list(targets), rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
         return model
 
     # -- model lifecycle ---------------------------------------------------------------
@@ -135,6 +143,8 @@ class CausalLMModule(L.LightningModule):
     def materialize(self, device: torch.device) -> None:
         # Cast before init: init_weights keeps its fp32 buffers (RoPE) in fp32.
         self.model.to(getattr(torch, self.job.training.dtype))
+        if self.job.lora.enabled:
+            store_frozen_in(self.model, getattr(torch, self.job.training.mixed_precision_param))
         self.model.to_empty(device=device)
         self.model.init_weights(self.job.training.seed)
 
@@ -337,7 +347,9 @@ class CausalLMModule(L.LightningModule):
     # -- optimization ----------------------------------------------------------------------
 
     def configure_optimizers(self) -> dict[str, Any]:
-        optimizer = build_optimizer(self.model.parameters(), self.job.optimizer, self.device)
+        # (the trainable ones: with LoRA the adapters alone, no optimizer state for a frozen base)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = build_optimizer(trainable, self.job.optimizer, self.device)
         max_steps = self.trainer.max_steps
         if max_steps is None or max_steps < 1:
             raise ValueError(f"trainer.max_steps={max_steps} must be >= 1: the LR schedule is defined in steps")

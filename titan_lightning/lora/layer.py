@@ -1,0 +1,137 @@
+"""The LoRA layer and what a model with adapters needs: adding them, their init, a frozen base
+in the compute dtype, and views of the model without them (its base) or with them switched off.
+
+A target ``nn.Linear`` becomes a ``LoRALinear``: the same module (its ``weight`` and ``bias`` keep
+their names, so a base checkpoint loads as it is) with two children, ``lora_a`` [rank, in] and
+``lora_b`` [out, rank], PEFT's ``lora_A`` / ``lora_B``. Children, not extra parameters, so a
+tensor-parallel style record can shard them with their base (parallel/tensor_styles.py: under
+colwise A replicated and B colwise, under rowwise A rowwise and B replicated).
+"""
+
+import math
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ADAPTER_NAMES = ("lora_a", "lora_b")
+_CHILDREN = (*ADAPTER_NAMES, "lora_dropout")
+
+
+class LoRALinear(nn.Linear):
+    """``x W^T + b + lora_b(lora_a(dropout(x))) * alpha / rank``; ``adapters_on`` False: the base alone."""
+
+    def __init__(self, in_features: int, out_features: int, *, rank: int, alpha: float, dropout: float = 0.0,
+                 bias: bool = False, device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.lora_a = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
+        self.lora_b = nn.Linear(rank, out_features, bias=False, device=device, dtype=dtype)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.scaling = alpha / rank
+        self.adapters_on = True
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, rank: int, alpha: float, dropout: float = 0.0) -> "LoRALinear":
+        """``linear``'s own parameters (no copy) with new adapters on their device."""
+        w = linear.weight
+        lora = cls(linear.in_features, linear.out_features, rank=rank, alpha=alpha, dropout=dropout,
+                   device="meta", dtype=w.dtype)
+        lora.weight, lora.bias = w, linear.bias
+        lora.lora_a.to_empty(device=w.device)
+        lora.lora_b.to_empty(device=w.device)
+        return lora
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = F.linear(x, self.weight, self.bias)
+        if not self.adapters_on:
+            return base
+        return base + self.lora_b(self.lora_a(self.lora_dropout(x))) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.lora_a.out_features}, scaling={self.scaling:g}"
+
+
+def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+    return ((name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear))
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return any(True for _ in lora_layers(model))
+
+
+class _InitWithAdapters:
+    """A decoder's init law (``Decoder.init_param``) and the adapters': A as PEFT draws it
+    (``kaiming_uniform_(a=sqrt(5))``, ``init_lora_weights=True``), B zero, so step 1 computes the
+    base model; each from (seed, name) like every other parameter (models/common/init.py)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, fqn: str, w: torch.Tensor, g: torch.Generator) -> None:
+        if fqn.endswith(".lora_a.weight"):
+            nn.init.kaiming_uniform_(w, a=math.sqrt(5), generator=g)
+        elif fqn.endswith(".lora_b.weight"):
+            nn.init.zeros_(w)
+        else:
+            type(self.model).init_param(self.model, fqn, w, g)
+
+
+def add_adapters(model: nn.Module, targets: list[str], *, rank: int, alpha: float, dropout: float = 0.0) -> None:
+    """Swap the linears named ``targets`` (module names within ``model``) for ``LoRALinear``s and
+    freeze every other parameter: only the adapters train."""
+    for name in targets:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        setattr(owner, child, LoRALinear.from_linear(getattr(owner, child), rank=rank, alpha=alpha, dropout=dropout))
+    adapters = {id(p) for _, layer in lora_layers(model) for p in (layer.lora_a.weight, layer.lora_b.weight)}
+    for param in model.parameters():
+        param.requires_grad_(id(param) in adapters)
+    if hasattr(model, "init_param"):  # (a Decoder: init_weights draws every parameter by its name)
+        model.init_param = _InitWithAdapters(model)
+
+
+def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """The frozen floating-point parameters in ``dtype`` (the compute dtype: no fp32 master copy of
+    a base that never steps); trainable ones and buffers keep theirs. Before materializing: under
+    FSDP2 only trainable parameters must share a dtype (its reduce-scatter), the all-gather casts
+    all of them to the compute dtype."""
+    model._apply(lambda t: t.to(dtype) if isinstance(t, nn.Parameter) and not t.requires_grad
+                 and t.is_floating_point() else t)
+
+
+@contextmanager
+def base_only(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` as its base checkpoint holds it: the adapters detached from their layers (a state
+    dict, a load, an init see the base's names alone); put back on exit."""
+    detached = [(layer, {name: layer._modules.pop(name) for name in _CHILDREN}) for _, layer in lora_layers(model)]
+    try:
+        yield model
+    finally:
+        for layer, children in detached:
+            layer._modules.update(children)
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` computing its base alone (a preference run's reference model, ``reference: adapters_off``)."""
+    layers = [layer for _, layer in lora_layers(model)]
+    for layer in layers:
+        layer.adapters_on = False
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.adapters_on = True
+
+
+@torch.no_grad()
+def merged_weight(layer: LoRALinear) -> torch.Tensor:
+    """``W + scaling * B A`` (full tensors: a DTensor's are gathered), in W's dtype, computed in fp32."""
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    w = full(layer.weight)
+    delta = full(layer.lora_b.weight).float() @ full(layer.lora_a.weight).float()
+    return (w.float() + delta * layer.scaling).to(w.dtype)

@@ -1,0 +1,35 @@
+"""What a LoRA run's job may combine, checked before launch (``CausalLMModule.check_config``)."""
+
+from typing import Any, Optional
+
+from torch import nn
+
+from titan_lightning.config import ConfigError
+from titan_lightning.lora.targets import lora_targets
+
+
+def check_lora_job(job: Any, model: nn.Module, adapter: Optional[Any]) -> None:
+    """One-line ConfigError for an unknown target or a combination adapters do not have yet;
+    ``model``: the job's model built on the meta device, ``adapter``: its family's state-dict adapter."""
+    lora = job.lora
+    if not lora.enabled:
+        return
+    p = job.parallelism
+    for name in ("tp", "pp", "ep"):
+        if getattr(p, name) > 1:
+            raise ConfigError(f"lora.rank={lora.rank} with parallelism.{name}={getattr(p, name)}: adapters compose "
+                              f"with dp_shard, dp_replicate and cp for now; set parallelism.{name}=1")
+    if job.quantize.float8.enable:
+        raise ConfigError(f"lora.rank={lora.rank} with quantize.float8.enable=True: float8 base linears with "
+                          f"adapters are not built; set quantize.float8.enable=False")
+    if lora.quantize_base is not None:
+        raise ConfigError(f"lora.quantize_base={lora.quantize_base!r}: an NF4 base (QLoRA) is not built yet; "
+                          f"set lora.quantize_base=None")
+    c = job.checkpoint
+    if c.initial_load_path is not None and c.initial_load_format != "hf":
+        raise ConfigError(f"lora.rank={lora.rank} with checkpoint.initial_load_format={c.initial_load_format!r}: "
+                          f"adapters start from a Hugging Face base folder; set initial_load_format=hf")
+    try:
+        lora_targets(model, adapter, lora)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
