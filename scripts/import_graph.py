@@ -11,6 +11,7 @@ An arrow runs up when it goes to a room on a later line of LAYERS (below: the ro
 """
 
 import ast
+import functools
 import sys
 from pathlib import Path
 from typing import Iterator, NamedTuple, Optional
@@ -24,7 +25,7 @@ NAME = PACKAGE.name
 LAYERS: list[tuple[str, ...]] = [
     ("config", "_compat", "steps", "flags", "run"),  # dataclasses and rules; Lightning's private names; a Run
     ("parallel", "checkpoint", "optim"),  # one file per parallelism and the contracts; checkpoint files; AdamW
-    ("models.common",),  # a model's building blocks (CP attention and the loss use parallel/)
+    ("models.common", "lora"),  # a model's building blocks (CP attention and the loss use parallel/); adapters
     ("data",),  # tokenizer and datasets
     ("models", "objectives"),  # the families and their LightningModule; losses beyond next-token (preference)
     ("pretrained",),  # Hugging Face folders
@@ -45,6 +46,11 @@ def modules(package: Path = PACKAGE) -> dict[str, Path]:
         parts = list(path.relative_to(package).with_suffix("").parts)
         found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
+
+
+@functools.cache
+def parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
 
 
 def _is_type_checking(node: ast.If) -> bool:
@@ -112,7 +118,7 @@ def graph(known: Optional[dict[str, Path]] = None) -> dict[str, dict[str, Arrow]
     edges: dict[str, dict[str, Arrow]] = {}
     for module, path in known.items():
         edges[module] = {}
-        for node, where in statements(ast.parse(path.read_text())):
+        for node, where in statements(parse(path)):
             if where == "function":
                 continue
             for target, named in targets(node, module, path.name == "__init__.py", known).items():

@@ -1,114 +1,29 @@
-"""The package's imports, read statically (ast, nothing imported): no module of titan_lightning
-imports itself back through others at module level, and an import of titan_lightning inside a
-function says why it is there (a comment on its line or just above: an optional dependency, the
-start-up time of a light entry point, ...)."""
+"""The package's imports, read statically by scripts/import_graph.py (ast, nothing imported): no
+circle and no arrow running up the rooms' order, type-only imports counted; and an import of
+titan_lightning inside a function says why it is there (a comment on its line or just above: an
+optional dependency, the start-up time of a light entry point, ...)."""
 
 import ast
-import functools
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
-import titan_lightning
+import pytest
 
-PACKAGE = Path(titan_lightning.__file__).parent
-NAME = PACKAGE.name
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "import_graph.py"
+_spec = importlib.util.spec_from_file_location("import_graph", SCRIPT)
+import_graph = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(import_graph)
 
-
-def _modules() -> dict[str, tuple[Path, bool]]:
-    """Dotted name -> (file, is a package's __init__)."""
-    modules = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        is_package = parts[-1] == "__init__"
-        modules[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
-    return modules
+MODULES = import_graph.modules()
+GRAPH = import_graph.graph(MODULES)
 
 
-MODULES = _modules()
-
-
-def _known(name: str) -> str:
-    while name not in MODULES and "." in name:
-        name = name.rsplit(".", 1)[0]
-    return name
-
-
-def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -> list[str]:
-    """The first-party modules an import statement runs: each named module and the packages above
-    it that ``module`` does not already sit in (those are importing already)."""
-    if isinstance(node, ast.Import):
-        names = [alias.name for alias in node.names]
-    else:
-        base = node.module or ""
-        if node.level:
-            package = module.split(".") if is_package else module.split(".")[:-1]
-            base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
-        names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
-    own = {module.rsplit(".", n)[0] for n in range(1, module.count(".") + 1)}
-    targets = []
-    for name in names:
-        if name != NAME and not name.startswith(NAME + "."):
-            continue
-        name = _known(name)
-        while name != NAME:
-            if name not in own and name != module:
-                targets.append(name)
-            name = name.rsplit(".", 1)[0]
-    return targets
-
-
-def _is_type_checking(node: ast.If) -> bool:
-    return ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-
-
-@functools.cache
-def _imports(module: str) -> tuple[frozenset[str], list[tuple[int, ast.stmt]]]:
-    """(first-party modules imported at module level, first-party import statements inside functions)."""
-    path, is_package = MODULES[module]
-    top: set[str] = set()
-    inner: list[tuple[int, ast.stmt]] = []
-
-    def visit(node: ast.AST, in_function: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.Import, ast.ImportFrom)):
-                targets = _targets(child, module, is_package)
-                if in_function and targets:
-                    inner.append((child.lineno, child))
-                elif not in_function:
-                    top.update(targets)
-            elif isinstance(child, ast.If) and _is_type_checking(child) and not in_function:
-                for statement in child.orelse:  # the body never runs
-                    visit(ast.Module(body=[statement], type_ignores=[]), in_function)
-            else:
-                visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
-
-    visit(ast.parse(path.read_text()), False)
-    return frozenset(top), inner
-
-
-GRAPH = {module: set(_imports(module)[0]) for module in MODULES}
-
-
-def _cycle() -> list[str] | None:
-    """One cycle of GRAPH as the list of modules around it (the first repeated at the end), or None."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def walk(module: str) -> list[str] | None:
-        state[module] = 1
-        path.append(module)
-        for target in sorted(GRAPH[module]):
-            if state.get(target) == 1:
-                return path[path.index(target):] + [target]
-            if target not in state and (found := walk(target)):
-                return found
-        path.pop()
-        state[module] = 2
-        return None
-
-    for module in sorted(GRAPH):
-        if module not in state and (found := walk(module)):
-            return found
-    return None
+@pytest.fixture
+def edges():
+    """A copy of GRAPH a test may add arrows to."""
+    return {module: dict(targets) for module, targets in GRAPH.items()}
 
 
 def _has_reason(lines: list[str], node: ast.stmt) -> bool:
@@ -123,36 +38,85 @@ def _has_reason(lines: list[str], node: ast.stmt) -> bool:
 
 def test_the_import_graph_is_read_from_every_module():
     # The reader sees what it must: a sample of known module-level imports, relative ones included.
-    assert "titan_lightning.config.validation" in GRAPH["titan_lightning.config"]
-    assert "titan_lightning.parallel.contracts" in GRAPH["titan_lightning.models.causal_lm"]
-    assert "titan_lightning.callbacks.weights" in GRAPH["titan_lightning.recipe"]
+    assert "config.validation" in GRAPH["config"]
+    assert "parallel.contracts" in GRAPH["models.causal_lm"]
+    assert "callbacks.weights" in GRAPH["recipe"]
     assert len(GRAPH) > 80
 
 
-def test_no_module_imports_itself_back_at_module_level():
-    cycle = _cycle()
-    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+def test_imports_are_read_with_where_they_run(tmp_path):
+    package = tmp_path / "titan_lightning"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "low.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "typed.py").write_text("")
+    (package / "sub" / "late.py").write_text("")
+    (package / "sub" / "high.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from .. import low\n"
+        "if TYPE_CHECKING:\n"
+        "    from titan_lightning.sub.typed import Name\n"
+        "def f():\n"
+        "    from titan_lightning.sub import late\n"
+    )
+    read = import_graph.graph(import_graph.modules(package))["sub.high"]
+    assert read == {"low": import_graph.Arrow(type_only=False, named=True),
+                    "sub.typed": import_graph.Arrow(type_only=True, named=True)}
+    # The function's import is listed for test_every_import_of_the_package_inside_a_function_says_why.
+    where = [w for _, w in import_graph.statements(ast.parse((package / "sub" / "high.py").read_text()))]
+    assert where == ["module", "module", "type-only", "function"]
 
 
-def test_a_cycle_is_found_and_named():
-    saved = GRAPH["titan_lightning.config.job"]
-    GRAPH["titan_lightning.config.job"] = saved | {"titan_lightning.recipe"}
-    try:
-        cycle = _cycle()
-    finally:
-        GRAPH["titan_lightning.config.job"] = saved
-    assert cycle is not None and cycle[0] == cycle[-1]
-    assert "titan_lightning.config.job" in cycle and "titan_lightning.recipe" in cycle
+def test_no_circle_and_no_arrow_running_up_type_only_imports_counted():
+    assert import_graph.circles(GRAPH) == []
+    assert import_graph.upward(GRAPH) == []
+
+
+def test_a_circle_is_found_and_named(edges):
+    edges["config.job"]["recipe"] = import_graph.Arrow(type_only=True, named=True)
+    found = import_graph.circles(edges)
+    assert len(found) == 1 and {"config.job", "recipe"} <= set(found[0])
+
+
+def test_an_arrow_running_up_is_found_and_named(edges):
+    edges["parallel.mesh"]["strategies.titan"] = import_graph.Arrow(type_only=True, named=True)
+    assert [(a, b) for a, b, _ in import_graph.upward(edges)] == [("parallel.mesh", "strategies.titan")]
+
+
+def test_a_module_in_no_room_is_named():
+    with pytest.raises(ValueError, match=r"titan_lightning\.newroom\.x is in no room of LAYERS"):
+        import_graph.layer("newroom.x")
+
+
+def test_the_script_prints_the_counts_and_fails_on_either(tmp_path, capsys):
+    assert import_graph.main([]) == 0
+    assert capsys.readouterr().out.startswith("0 circle(s), 0 upward arrow(s), type-only imports counted")
+
+    package = tmp_path / "titan_lightning"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "config.py").write_text("from titan_lightning import recipe\n")
+    (package / "recipe.py").write_text("from titan_lightning import config\n")
+    done = subprocess.run([sys.executable, str(SCRIPT), str(package)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.splitlines() == [
+        "circle: titan_lightning.config <-> titan_lightning.recipe",
+        "upward: titan_lightning.config -> titan_lightning.recipe",
+        "1 circle(s), 1 upward arrow(s), type-only imports counted (2 arrows among 3 modules)",
+    ]
 
 
 def test_every_import_of_the_package_inside_a_function_says_why():
     unexplained, count = [], 0
-    for module, (path, _) in MODULES.items():
+    for module, path in MODULES.items():
         lines = path.read_text().splitlines()
-        for lineno, node in _imports(module)[1]:
+        for node, where in import_graph.statements(import_graph.parse(path)):
+            if where != "function" or not import_graph.targets(node, module, path.name == "__init__.py", MODULES):
+                continue
             count += 1
             if not _has_reason(lines, node):
-                unexplained.append(f"{path.relative_to(PACKAGE.parent)}:{lineno}: {ast.unparse(node)}")
+                unexplained.append(f"{path.relative_to(import_graph.PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}")
     assert not unexplained, ("a first-party import inside a function needs a comment saying why (an optional "
                              "dependency, start-up time, a cycle that needs a redesign: name it), or belongs "
                              "at the top:\n" + "\n".join(unexplained))
