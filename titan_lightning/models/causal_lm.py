@@ -1,4 +1,5 @@
-"""The LightningModule every model family shares: next-token loss, optimizer, schedule."""
+"""The LightningModule every model family shares: the model, its objective (models/objectives/), optimizer,
+schedule, gradient clipping and the finiteness check."""
 
 import functools
 import math
@@ -10,7 +11,6 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from titan_lightning.config import ConfigError, JobConfig
 from titan_lightning.lora import add_adapters, check_lora_job, lora_targets, store_frozen_in
@@ -18,6 +18,7 @@ from titan_lightning.models.common.decoder import Decoder, decoder_class
 from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.models.common.masking import varlen_offsets
 from titan_lightning.models.common.moe import update_expert_bias
+from titan_lightning.models.objectives import MicrobatchTokenMean, Objective, Record, StepTokenMean
 from titan_lightning.optim import build_lr_scheduler, build_optimizer
 from titan_lightning.parallel.compile import compile_loss
 from titan_lightning.parallel.contracts import PipelinePlan
@@ -43,15 +44,15 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     )
 
 
-def _local(loss: torch.Tensor) -> torch.Tensor:
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each token's cross entropy, in fp32, shaped as ``labels``; 0 where the label is IGNORE_INDEX."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(labels.shape)
 
 
-def _label_copies(mesh) -> int:
-    """How many ranks hold each label: the tensor-parallel ones hold the same (context-parallel
-    ranks hold slices, pipeline stages before the last none)."""
-    names = getattr(mesh, "mesh_dim_names", None) or ()
-    return next((mesh[name].size() for name in ("tp", "tensor_parallel") if name in names), 1)
+# The plain cross entropy of each reduction ``CausalLMModule.token_loss`` takes.
+_PLAIN_LOSSES = {"mean": cross_entropy_loss, "sum": cross_entropy_sum, "none": token_cross_entropy}
 
 
 class CausalLMModule(L.LightningModule):
@@ -75,12 +76,11 @@ class CausalLMModule(L.LightningModule):
         self.model: Optional[torch.nn.Module] = None
         self.val_loss = torchmetrics.MeanMetric()
         self.last_grad_norm: Optional[torch.Tensor] = None
-        # This optimizer step's microbatch losses, checked for finiteness with the grad norm.
-        self._step_losses: list[torch.Tensor] = []
+        self._objective: Optional[Objective] = None
+        # The cross entropy of each reduction, built on first use (token_loss).
+        self._token_losses: dict[str, Any] = {}
         # The last clipped step's losses and norm, not yet read on the host (check_finite).
         self._unchecked: Optional[_Unchecked] = None
-        # With ``data.sft``: this step's microbatch (loss sum, supervised tokens), fp64.
-        self._step_sums: list[torch.Tensor] = []
 
     @property
     def loss_over_step_tokens(self) -> bool:
@@ -168,19 +168,31 @@ class CausalLMModule(L.LightningModule):
 
     def loss_input(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                    varlen_offsets: Optional[tuple[torch.Tensor, int]] = None) -> torch.Tensor:
-        """What ``loss_fn`` takes: the logits, or with ``training.loss_chunks`` the final norm's
+        """What ``token_loss`` takes: the logits, or with ``training.loss_chunks`` the final norm's
         hidden states (the loss applies the head, chunk by chunk). ``varlen_offsets``: the batch's
         documents for varlen attention, computed on the host (``prepare_batch_on_host``)."""
+        return self._run_model(*self._model_args(input_ids, position_ids, varlen_offsets))
+
+    def model_input(self, batch: dict[str, Any]) -> tuple[tuple, dict]:
+        """The arguments ``self.model`` is called with for ``batch``: its token ids, the document
+        boundaries when ``model.mask`` / ``model.positions`` use them, and the document offsets when
+        ``prepare_batch_on_host`` made them. What the first pipeline stage takes."""
+        offsets = (batch["cu_seqlens"], batch["max_seqlen"]) if "cu_seqlens" in batch else None
+        return self._model_args(batch["input_ids"], batch.get("position_ids"), offsets)
+
+    def _model_args(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
+                    varlen_offsets: Optional[tuple[torch.Tensor, int]]) -> tuple[tuple, dict]:
         m = self.job.model
         extra = (position_ids,) if (m.mask, m.positions) != ("causal", "global") else ()
-        offsets = {} if varlen_offsets is None else {"varlen_offsets": varlen_offsets}
-        with self._autocast(input_ids.device.type):
-            return self.model(input_ids, *extra, **offsets)
+        return (input_ids, *extra), ({} if varlen_offsets is None else {"varlen_offsets": varlen_offsets})
+
+    def _run_model(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        with self._autocast(args[0].device.type):
+            return self.model(*args, **kwargs)
 
     def _batch_input(self, batch: dict[str, Any]) -> torch.Tensor:
         """``loss_input`` of a batch (its document offsets too, when ``prepare_batch_on_host`` made them)."""
-        offsets = (batch["cu_seqlens"], batch["max_seqlen"]) if "cu_seqlens" in batch else None
-        return self.loss_input(batch["input_ids"], batch.get("position_ids"), offsets)
+        return self._run_model(*self.model_input(batch))
 
     def prepare_batch_on_host(self, batch: Any) -> Any:
         """With varlen attention over documents (``model.mask`` block_causal), the batch's document
@@ -230,27 +242,42 @@ class CausalLMModule(L.LightningModule):
         """The family's Hugging Face state-dict adapter for ``job.model``, or None."""
         return self.hf_adapter(self.job.model) if self.hf_adapter is not None else None
 
-    @property
-    def loss_fn(self):
-        """(what ``forward`` returned, labels) -> the mean cross entropy: on the logits, compiled when
-        ``compile.enable`` and "loss" in ``compile.components``; with ``training.loss_chunks``, the
-        head's own chunked loss on the hidden states (eager: it holds no full logits to fuse away)."""
-        if getattr(self, "_loss_fn", None) is None:
-            self._loss_fn = self._build_loss_fn("mean")
-        return self._loss_fn
+    # -- the objective ---------------------------------------------------------------------
 
     @property
-    def sum_loss_fn(self):
-        """As ``loss_fn``, the sum over the supervised tokens instead of their mean."""
-        if getattr(self, "_sum_loss_fn", None) is None:
-            self._sum_loss_fn = self._build_loss_fn("sum")
-        return self._sum_loss_fn
+    def objective(self) -> Objective:
+        """What a step optimizes (models/objectives/): built once, by ``build_objective``."""
+        if self._objective is None:
+            self._objective = self.build_objective()
+        return self._objective
+
+    def build_objective(self) -> Objective:
+        """The job's objective: with ``loss_over_step_tokens``, the mean over the supervised tokens of
+        the whole step, else the mean over each microbatch's labelled tokens. A module with another
+        objective overrides this (it reaches the cross entropy through ``token_loss``)."""
+        kind = StepTokenMean if self.loss_over_step_tokens else MicrobatchTokenMean
+        return kind(self.token_loss)
+
+    def token_loss(self, output: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """The cross entropy of what ``loss_input`` returned against ``labels``, over the labelled
+        tokens: their mean, their sum, or ("none") each token's, shaped as ``labels``. On the logits,
+        compiled when ``compile.enable`` and "loss" in ``compile.components``; with
+        ``training.loss_chunks``, the head's own chunked loss on the hidden states (eager: it holds
+        no full logits to fuse away)."""
+        if reduction not in self._token_losses:
+            self._token_losses[reduction] = self._build_loss_fn(reduction)
+        return self._token_losses[reduction](output, labels)
+
+    @property
+    def loss_fn(self):
+        """(what ``forward`` returned, labels) -> the mean cross entropy (``token_loss``'s)."""
+        return functools.partial(self.token_loss, reduction="mean")
 
     def _build_loss_fn(self, reduction: str):
         c = self.job.compile
         if self.job.training.loss_chunks is not None:
             return functools.partial(self._head_loss, reduction=reduction)
-        plain = cross_entropy_loss if reduction == "mean" else cross_entropy_sum
+        plain = _PLAIN_LOSSES[reduction]
         if c.enable and "loss" in c.components:
             return compile_loss(plain, backend=c.backend)
         return plain
@@ -263,69 +290,34 @@ class CausalLMModule(L.LightningModule):
             return self.model.output(h, labels=labels, chunks=self.job.training.loss_chunks, reduction=reduction)
 
     # -- steps ---------------------------------------------------------------------------
+    #
+    # Each step hook runs the model on ``model_input(batch)`` and hands its output to
+    # ``step_from_output``; under pipeline parallelism the first stage runs the model on
+    # ``model_input`` and the last stage calls ``step_from_output`` on its stage's output
+    # (strategies/pipeline.py). A subclass that changes a step changes ``step_from_output``.
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        if self.loss_over_step_tokens:
-            return self._summed_step(batch)
-        loss = self.loss_fn(self._batch_input(batch), batch["labels"])
-        value = _local(loss).detach()
-        # Checked for finiteness with the grad norm, one step later (configure_gradient_clipping): a
-        # check here would synchronize with the device between forward and backward on every step.
-        self._step_losses.append(value)
-        self.log("train/loss", value, sync_dist=True)
+        loss, records = self.step_from_output("training_step", self._batch_input(batch), batch)
+        self._log_records(records)
         return loss
-
-    def _summed_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The loss summed over this microbatch's supervised tokens; ``_normalize_step`` divides the
-        step's gradients by the supervised tokens of the whole step once every microbatch ran."""
-        labels = batch["labels"]
-        loss = self.sum_loss_fn(self._batch_input(batch), labels)
-        supervised = (labels != IGNORE_INDEX).sum()
-        self._step_sums.append(torch.stack([_local(loss).detach().double(), supervised.double()]))
-        return loss
-
-    def _normalize_step(self, grads: list[torch.Tensor]) -> None:
-        """Make the step's gradients those of (sum of the per-token losses over the step's supervised
-        tokens) / (their number), on every layout.
-
-        Each microbatch's backward ran on its loss sum, weighted as the strategy weighs any loss: 1 /
-        (microbatches on the rank) by gradient accumulation and pipeline microbatches, then averaged
-        over the data-parallel (and context-parallel) ranks by the gradient reduction. So the
-        gradients hold sum / K, K = the microbatch losses of the step over all those ranks, and
-        multiplying them by K / N (N = supervised tokens of the step) gives sum / N. K, N and the
-        loss sum come from one all-reduce over every rank: ranks that hold the same tokens (TP,
-        pipeline stages other than the last, which contribute nothing) scale K and N alike.
-        """
-        sums, self._step_sums = self._step_sums, []
-        device = grads[0].device if grads else self.device
-        local = torch.zeros(3, dtype=torch.float64, device=device)
-        if sums:
-            local[0] = len(sums)
-            local[1:] = torch.stack(sums).sum(0).flip(0).to(device)  # [tokens, loss sum]
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(local)
-        microbatches, tokens, loss_sum = local.unbind()
-        factor = microbatches / tokens.clamp(min=1.0)
-        # One multi-tensor kernel per dtype and device, not two kernels per parameter (~700 launches
-        # a step on a 28-layer model); the same products, bitwise.
-        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for grad in grads:
-            local_grad = grad.to_local() if isinstance(grad, DTensor) else grad
-            groups.setdefault((local_grad.dtype, local_grad.device), []).append(local_grad)
-        for (dtype, grad_device), group in groups.items():
-            torch._foreach_mul_(group, factor.to(device=grad_device, dtype=dtype))
-        loss = (loss_sum / tokens.clamp(min=1.0)).float()
-        self._step_losses = [loss]
-        self._step_tokens = tokens
-        self.log("train/loss", loss)
-        self.log("train/supervised_tokens", tokens.float() / _label_copies(self.device_mesh))
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        """The loss summed over the batch's supervised tokens and their count: the metric's weighted
-        mean is the mean over every held-out token (a filler batch, all labels ignored, adds nothing)."""
-        loss_sum = _local(self.sum_loss_fn(self._batch_input(batch), batch["labels"]))
-        tokens = (batch["labels"] != IGNORE_INDEX).sum()
-        self.val_loss.update(loss_sum / tokens.clamp(min=1), weight=tokens)
+        self.step_from_output("validation_step", self._batch_input(batch), batch)
+
+    def step_from_output(self, hook: str, output: torch.Tensor,
+                         batch: dict[str, torch.Tensor]) -> tuple[Optional[torch.Tensor], list[Record]]:
+        """What the step hook ``hook`` does once the model returned ``output`` for ``batch``: for
+        training_step, the objective's loss and what to log; for validation and test, the update of
+        the held-out loss (the objective's ``eval_loss``), no loss and nothing logged."""
+        if hook == "training_step":
+            return self.objective.loss(output, batch)
+        loss, weight = self.objective.eval_loss(output, batch)
+        self.val_loss.update(loss, weight=weight)
+        return None, []
+
+    def _log_records(self, records: list[Record]) -> None:
+        for name, value, options in records:
+            self.log(name, value, **options)
 
     def on_validation_epoch_end(self) -> None:
         self._log_eval("val", prog_bar=True)
@@ -385,16 +377,15 @@ class CausalLMModule(L.LightningModule):
         """
         max_norm = self.job.training.max_grad_norm
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if self.loss_over_step_tokens:
-            self._normalize_step(grads)
+        end = self.objective.end_step(grads, self.device, self.device_mesh)  # (the step's reductions)
+        self._log_records(end.records)
         pipeline = self._pipeline()
         norm = global_grad_norm(grads, pp_group=pipeline.pp_group if pipeline is not None else None)
         step = self.trainer.global_step + 1
         self._show_in_progress_bar(self.check_finite(f"before step {step}'s optimizer step"))
-        losses, self._step_losses = self._step_losses, []
         # The grad norm is reduced over every rank above: under PP a NaN loss on the last stage
         # makes every stage's norm NaN, so all ranks stop together, at the same step.
-        self._unchecked = _Unchecked(step, losses, norm, getattr(self, "_step_tokens", None))
+        self._unchecked = _Unchecked(step, end.losses, norm, end.tokens)
         if max_norm is not None:
             clip_grads_(grads, max_norm, norm)
         self.last_grad_norm = norm.detach()

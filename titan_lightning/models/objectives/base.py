@@ -1,0 +1,66 @@
+"""The seam every objective fills: a microbatch's loss, the step's end, the evaluation loss."""
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from titan_lightning.models.common.loss import IGNORE_INDEX
+
+# (name, value, options): a ``LightningModule.log`` call, made by the module (or, under pipeline
+# parallelism, recorded on the last stage and replayed on every rank: strategies/logs.py).
+Record = tuple[str, Any, dict]
+# (what the model returned, labels, reduction: "mean" | "sum" | "none") -> the cross entropy.
+TokenLoss = Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]
+
+
+@dataclass
+class StepEnd:
+    """What ``Objective.end_step`` hands back to the module's clipping.
+
+    ``losses``: this rank's values checked for finiteness with the grad norm, one step later (their
+    mean is the progress bar's ``loss``); ``tokens``: the step's supervised tokens over every rank,
+    when the objective counts them (0 stops the run: nothing to learn from); ``records``: what to log."""
+
+    losses: list[torch.Tensor]
+    tokens: Optional[torch.Tensor] = None
+    records: list[Record] = field(default_factory=list)
+
+
+class Objective:
+    """What a training step optimizes, given the model's output and the batch (the package
+    docstring: the calls of a step). A subclass writes ``loss``; ``end_step`` by default hands
+    back the microbatch losses that ``loss`` kept with ``keep``."""
+
+    def __init__(self, token_loss: TokenLoss) -> None:
+        self.token_loss = token_loss
+        self._losses: list[torch.Tensor] = []
+
+    def loss(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[Record]]:
+        """This microbatch's loss, which backward runs on, and what to log."""
+        raise NotImplementedError
+
+    def keep(self, loss: torch.Tensor) -> None:
+        """Keep a microbatch's loss value (detached) for the step's finiteness check."""
+        self._losses.append(loss)
+
+    def end_step(self, grads: list[torch.Tensor], device: torch.device, mesh: Any) -> StepEnd:
+        """After the step's last backward, on every rank: the step's reductions over ``mesh`` (grads
+        changed in place), then what the module checks and logs."""
+        losses, self._losses = self._losses, []
+        return StepEnd(losses)
+
+    def eval_loss(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the mean cross entropy over the batch's labelled tokens, their number): the validation
+        metric weighs each batch by its tokens, so it is the mean over every held-out token (a
+        filler batch, all labels ignored, adds nothing)."""
+        labels = batch["labels"]
+        loss_sum = local(self.token_loss(output, labels, "sum"))
+        tokens = (labels != IGNORE_INDEX).sum()
+        return loss_sum / tokens.clamp(min=1), tokens
+
+
+def local(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (loss parallel's replicated DTensor: its full value)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
