@@ -1,4 +1,4 @@
-"""The LightningModule every model family shares: the model, its objective (models/objectives/), optimizer,
+"""The LightningModule every model family shares: the model, its objective (objectives/), optimizer,
 schedule, gradient clipping and the finiteness check."""
 
 import functools
@@ -18,7 +18,7 @@ from titan_lightning.models.common.decoder import Decoder, decoder_class
 from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.models.common.masking import varlen_offsets
 from titan_lightning.models.common.moe import update_expert_bias
-from titan_lightning.models.objectives import MicrobatchTokenMean, Objective, Record, StepTokenMean
+from titan_lightning.objectives import MicrobatchTokenMean, Objective, Record, StepTokenMean
 from titan_lightning.optim import build_lr_scheduler, build_optimizer
 from titan_lightning.parallel.compile import compile_loss
 from titan_lightning.parallel.contracts import PipelinePlan
@@ -246,7 +246,7 @@ class CausalLMModule(L.LightningModule):
 
     @property
     def objective(self) -> Objective:
-        """What a step optimizes (models/objectives/): built once, by ``build_objective``."""
+        """What a step optimizes (titan_lightning/objectives/): built once, by ``build_objective``."""
         if self._objective is None:
             self._objective = self.build_objective()
         return self._objective

@@ -7,7 +7,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from titan_lightning.models.common.loss import IGNORE_INDEX
-from titan_lightning.models.objectives.base import Objective, Record, StepEnd, local
+from titan_lightning.objectives.base import Objective, Record, StepEnd, local
 
 
 class MicrobatchTokenMean(Objective):
