@@ -28,6 +28,7 @@ import torch
 
 from titan_lightning.config import ConfigError
 from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
+from titan_lightning.lora import base_only
 from titan_lightning.models.common.hf_config import CONFIG_FILE, HFConfig, read_config_json
 from titan_lightning.models.deepseek_v3 import DeepSeekV3Job, DeepSeekV3Module
 from titan_lightning.models.gemma3 import Gemma3Job, Gemma3Module
@@ -127,7 +128,8 @@ def check_initial_hf_weights(command: str, run: Run) -> None:
     with torch.device("meta"):
         model = module.build_model()
     try:
-        adapter.check_folder(model, folder)
+        with base_only(model) as base:  # (a LoRA run's adapters start where the folder stops)
+            adapter.check_folder(base, folder)
     except (OSError, ValueError) as err:
         if isinstance(err, ConfigError):
             raise

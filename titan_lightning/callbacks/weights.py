@@ -28,12 +28,16 @@ from titan_lightning.checkpoint import (
     read_manifest,
     say,
 )
+from titan_lightning.lora import base_only, has_adapters
+from titan_lightning.lora.export import MergedState, peft_state, write_peft_folder
 from titan_lightning.models.common.hf_config import CONFIG_FILE, read_config_json
 from titan_lightning.models.common.safetensors_io import (INDEX_FILE, SINGLE_FILE, split_shards, write_index,
                                                          write_shards)
 from titan_lightning.pretrained import check_folder_matches, write_hf_metadata
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# A LoRA run's hf export: the merged model, and its adapters as PEFT's folder in this subfolder.
+ADAPTER_FOLDER = "adapter"
 
 
 def _adapter(module: L.LightningModule):
@@ -67,7 +71,9 @@ def model_shapes(module: L.LightningModule) -> Optional[dict[str, tuple[int, ...
         return None
     with torch.device("meta"):
         model = build()
-    return {f"model.{name}": tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    # (a model with adapters checkpoints them and not its frozen base: strategies/checkpoint_io.py)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad} if has_adapters(model) else set()
+    return {f"model.{name}": tuple(tensor.shape) for name, tensor in model.state_dict().items() if name not in frozen}
 
 
 def check_initial_weights(path: str, fmt: str, module: Optional[L.LightningModule] = None,
@@ -113,13 +119,16 @@ def check_export(module: L.LightningModule, fmt: Optional[str]) -> None:
 class LoadWeights(L.Callback):
     """Before the first step of a fresh fit, load the model weights (no optimizer state) from
     ``path``: a Hugging Face safetensors folder (``fmt="hf"``) or a sharded folder of ours
-    (a model export or a full checkpoint, ``fmt="dcp"``). A resumed fit keeps its checkpoint's."""
+    (a model export or a full checkpoint, ``fmt="dcp"``). A resumed fit keeps its checkpoint's; a
+    model with adapters (LoRA) loads its frozen base from the Hugging Face folder, fresh or resumed
+    (its checkpoints hold the adapters alone)."""
 
     def __init__(self, path: str, fmt: str = "dcp") -> None:
         self.path, self.fmt = Path(path), fmt
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.ckpt_path is not None:
+        adapters = has_adapters(pl_module.model)
+        if trainer.ckpt_path is not None and not adapters:
             return
         if not self.path.exists():
             raise CheckpointError(f"checkpoint.initial_load_path={str(self.path)!r} does not exist")
@@ -127,7 +136,8 @@ class LoadWeights(L.Callback):
             adapter = _adapter(pl_module)
             if _tied(self.path, adapter):
                 adapter = type(adapter)(adapter.args, tie_word_embeddings=True)
-            adapter.load_into(pl_module.model, self.path, partial=_pipeline(trainer) is not None)
+            with base_only(pl_module.model) as base:
+                adapter.load_into(base, self.path, partial=_pipeline(trainer) is not None)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -187,6 +197,9 @@ class ExportWeights(L.Callback):
         adapter = _adapter(pl_module)
         own = pl_module.model.state_dict()
         check_placements(own.items())
+        adapters = has_adapters(pl_module.model)
+        if adapters:  # (the merged weights, each computed as the export reaches it)
+            own = MergedState(pl_module.model)
         staging = self.folder.with_name(self.folder.name + PARTIAL)
         if trainer.is_global_zero:
             shutil.rmtree(staging, ignore_errors=True)
@@ -194,9 +207,13 @@ class ExportWeights(L.Callback):
         trainer.strategy.barrier()
         share = _my_share(own, adapter, self.dtype)
         write_hf_shards(share, staging)
+        job = getattr(pl_module, "job", None)
+        if adapters:  # (gathered on every rank, written by rank 0)
+            state = peft_state(pl_module.model, adapter, self.dtype)
+            if trainer.is_global_zero:
+                write_peft_folder(staging / ADAPTER_FOLDER, state, job.lora, job.checkpoint.initial_load_path)
         trainer.strategy.barrier()
         if trainer.is_global_zero:
-            job = getattr(pl_module, "job", None)
             if job is not None:
                 c = job.checkpoint
                 write_hf_metadata(staging, adapter, str(self.dtype).removeprefix("torch."), job.data.tokenizer_path,

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from titan_lightning.checkpoint import Source, load_sources
 from titan_lightning.config import ConfigError
-from titan_lightning.models.common.hf_config import HFConfig
+from titan_lightning.models.common.hf_config import DECODER_FIELDS, HFConfig, decoder_config, decoder_fields
 from titan_lightning.models.common.safetensors_io import (  # noqa: F401 (re-exported: their home before safetensors_io.py)
     INDEX_FILE,
     SINGLE_FILE,
@@ -128,19 +128,53 @@ class StateDictAdapter:
         cls.check_expressible(job.model)
 
     # -- config.json (models/common/hf_config.py) --------------------------------------------------
+    # Read and written here from the family's declarations; a family overrides the hooks below
+    # (``read_fields``, ``read_rope``, ``write_fields``, ``write_rope``) only where it differs.
 
-    hf_model_types: tuple[str, ...] = ()  # the config.json model_type values this family reads
+    hf_model_types: tuple[str, ...] = ()  # the config.json model_type values this family reads; the first is written
+    args_class: type  # the family's args
+    architecture: str  # config.json's ``architectures`` entry an export writes
+    fixed_fields: dict[str, Any] = {}  # config.json fields that must hold the one value implemented here
+    config_fields: dict[str, str] = DECODER_FIELDS  # our args fields -> config.json's, read and written as they are
 
     @classmethod
     def args_from_hf_config(cls, config: HFConfig) -> Any:
         """The family's args for a config.json: every field mapped, checked or refused by name."""
-        raise NotImplementedError(f"{cls.__name__} does not read config.json")
+        for name, value in cls.fixed_fields.items():
+            config.expect(name, value)
+        return cls.args_class(**cls.read_fields(config))
+
+    @classmethod
+    def read_fields(cls, config: HFConfig) -> dict[str, Any]:
+        """The args' fields: ``config_fields`` and RoPE's (``read_rope``); a family adds its own."""
+        return {**decoder_fields(config, cls.config_fields), **cls.read_rope(config)}
+
+    @classmethod
+    def read_rope(cls, config: HFConfig) -> dict[str, Any]:
+        """The args' RoPE fields: ``rope_theta``, no scaling."""
+        theta, scaling = config.rope()
+        if scaling is not None:
+            raise ConfigError(f"{config.source}: RoPE scaling {scaling} is not modelled for {cls.family} here "
+                              f"(supported: none)")
+        return {"rope_theta": theta}
 
     @classmethod
     def hf_config(cls, args: Any) -> dict[str, Any]:
         """The config.json fields (model_type, architectures, shapes ...) that describe ``args``,
-        which ``check_expressible`` passed (a family's ``hf_config`` calls it first)."""
-        raise NotImplementedError(f"{cls.__name__} does not write config.json")
+        which ``check_expressible`` passed."""
+        cls.check_expressible(args)
+        return {"architectures": [cls.architecture], "model_type": cls.hf_model_types[0],
+                **decoder_config(args, cls.config_fields), **cls.write_rope(args), **cls.write_fields(args),
+                **cls.fixed_fields}
+
+    @classmethod
+    def write_rope(cls, args: Any) -> dict[str, Any]:
+        return {"rope_theta": args.rope_theta, "rope_scaling": None}
+
+    @classmethod
+    def write_fields(cls, args: Any) -> dict[str, Any]:
+        """config.json fields of the family's own (a field already written keeps its place)."""
+        return {}
 
     @classmethod
     def check_expressible(cls, args: Any) -> None:

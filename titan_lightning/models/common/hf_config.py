@@ -4,8 +4,10 @@ Reading is strict, because wrong args load silently (most fields change no shape
 of config.json is either mapped to one of ours (``get``), required to hold the one value we
 implement (``expect``: ``attention_bias: false``, ``hidden_act: silu`` ...), bookkeeping that
 changes nothing the model computes (``BOOKKEEPING``: token ids, ``use_cache``, versions ...),
-or refused by name when ``finish`` finds it unread. Each family's state-dict adapter declares
-both directions (``args_from_hf_config``, ``hf_config``).
+or refused by name when ``finish`` finds it unread. The fields every grouped-query family shares
+are written once here (``DECODER_FIELDS``: ``decoder_fields`` reads them, ``decoder_config`` writes
+them); the state-dict adapter's base class (models/common/hf_checkpoint.py) joins them to a family's
+fixed fields and RoPE, and each family's adapter reads and writes only what differs.
 """
 
 import json
@@ -23,7 +25,13 @@ BOOKKEEPING = frozenset({
     "output_router_logits", "output_attentions", "output_hidden_states", "return_dict",
     "tie_word_embeddings",  # read by the adapter: the output starts as a copy of the embeddings
 })
-_REQUIRED = object()
+REQUIRED = object()  # a field config.json must hold (``get``'s default, ``decoder_fields``')
+_DERIVED = object()
+# Our DecoderArgs fields -> config.json's, the same in every grouped-query family (read and written as they are).
+DECODER_FIELDS = {"vocab_size": "vocab_size", "dim": "hidden_size", "ffn_hidden_dim": "intermediate_size",
+                  "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+                  "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "norm_eps": "rms_norm_eps",
+                  "max_seq_len": "max_position_embeddings"}
 
 
 def read_config_json(folder: Path) -> dict[str, Any]:
@@ -55,14 +63,14 @@ class HFConfig:
     def _where(self, name: str) -> str:
         return f"{self.source}: {name}"
 
-    def get(self, *names: str, default: Any = _REQUIRED) -> Any:
+    def get(self, *names: str, default: Any = REQUIRED) -> Any:
         """The value of the first of ``names`` (aliases: ``num_experts``, ``num_local_experts``)
         config.json holds; ``default`` when none is there (no default: a one-line error)."""
         self.read.update(names)
         for name in names:
             if name in self.values:
                 return self.values[name]
-        if default is _REQUIRED:
+        if default is REQUIRED:
             raise ConfigError(f"{self._where(names[0])} is missing; {self.family} needs it")
         return default
 
@@ -107,6 +115,22 @@ class HFConfig:
             raise ConfigError(f"{self.source}: {shown} not modelled by {self.family} here; the checkpoint "
                               f"may compute something this project does not (remove the field only if it "
                               f"changes nothing)")
+
+
+def decoder_fields(config: HFConfig, fields: dict[str, str] = DECODER_FIELDS, **defaults: Any) -> dict[str, Any]:
+    """Our args' values of config.json's ``fields`` (ours -> theirs): each required, but for
+    ``n_kv_heads`` (n_heads), ``head_dim`` (dim / n_heads) and the ``defaults`` given (REQUIRED: none)."""
+    dim, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    defaults = {"n_kv_heads": heads, "head_dim": _DERIVED, **defaults}
+    values = {ours: config.get(theirs, default=defaults.get(ours, REQUIRED)) for ours, theirs in fields.items()}
+    if values.get("head_dim") is _DERIVED:
+        values["head_dim"] = dim // heads
+    return values
+
+
+def decoder_config(args: Any, fields: dict[str, str] = DECODER_FIELDS) -> dict[str, Any]:
+    """config.json's ``fields`` (ours -> theirs) of ``args``."""
+    return {theirs: getattr(args, ours) for ours, theirs in fields.items()}
 
 
 def scaling_fields(scaling: dict[str, Any], expected_type: str, fields: tuple[str, ...], where: str) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from torch import Tensor
 from titan_lightning.checkpoint import Source
 from titan_lightning.config import ConfigError
 from titan_lightning.models.common.hf_checkpoint import BLOCK_KEYS, EXPERT_KEYS, StateDictAdapter
-from titan_lightning.models.common.hf_config import HFConfig, scaling_fields
+from titan_lightning.models.common.hf_config import HFConfig, decoder_fields, scaling_fields
 from titan_lightning.models.common.moe import MoEArgs
 from titan_lightning.models.common.safetensors_io import HFTensors
 from titan_lightning.models.deepseek_v3.model import DeepSeekV3Args
@@ -77,25 +77,27 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
     ignored_hf_suffixes = ("rotary_emb.inv_freq",)
     ignores_layers_past_n_layers = True
     hf_model_types = ("deepseek_v3",)
+    args_class, architecture = DeepSeekV3Args, "DeepseekV3ForCausalLM"
+    fixed_fields = FIXED_FIELDS
+    config_fields = {"vocab_size": "vocab_size", "dim": "hidden_size", "inter_dim": "intermediate_size",
+                     "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads", "norm_eps": "rms_norm_eps"}
 
     def sources(self, tensors: HFTensors) -> dict[str, Source]:
         return super().sources(dequantized(tensors))
 
     @classmethod
-    def args_from_hf_config(cls, config: HFConfig) -> DeepSeekV3Args:
+    def read_fields(cls, config: HFConfig) -> dict[str, Any]:
         """Sizes are required; other absent fields take transformers' DeepseekV3Config defaults."""
-        for name, value in FIXED_FIELDS.items():
-            config.expect(name, value)
         config.ignore(*IGNORED_FIELDS)
         quantization = config.get("quantization_config", default=None)
         if quantization is not None:
             check_fp8_quantization(quantization, config)
-        heads, nope = config.get("num_attention_heads"), config.get("qk_nope_head_dim")
-        rope = config.get("qk_rope_head_dim")
+        nope, rope = config.get("qk_nope_head_dim"), config.get("qk_rope_head_dim")
         # Derived by transformers (head_dim: the rotary part of a head); config.json may repeat them.
         config.expect("head_dim", rope)
         config.expect("qk_head_dim", nope + rope)
-        eps = config.get("rms_norm_eps", default=1e-6)
+        fields = decoder_fields(config, cls.config_fields, norm_eps=1e-6)
+        eps = fields["norm_eps"]
         moe = MoEArgs(
             num_experts=config.get("n_routed_experts", "num_local_experts"),
             hidden_dim=config.get("moe_intermediate_size"), num_shared_experts=config.get("n_shared_experts"),
@@ -104,11 +106,9 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
             route_scale=float(config.get("routed_scaling_factor", default=2.5)),
             num_groups=config.get("n_group", default=8), top_k_groups=config.get("topk_group", default=4),
         )  # fmt: skip
-        return DeepSeekV3Args(
-            vocab_size=config.get("vocab_size"), dim=config.get("hidden_size"),
-            inter_dim=config.get("intermediate_size"), n_layers=config.get("num_hidden_layers"),
-            n_dense_layers=config.get("first_k_dense_replace"),
-            n_heads=heads, n_kv_heads=config.get("num_key_value_heads", default=heads), norm_eps=eps,
+        return dict(
+            fields, n_dense_layers=config.get("first_k_dense_replace"),
+            n_kv_heads=config.get("num_key_value_heads", default=fields["n_heads"]),
             latent_norm_eps=None if eps == HF_LATENT_NORM_EPS else HF_LATENT_NORM_EPS,
             q_lora_rank=config.get("q_lora_rank") or 0, kv_lora_rank=config.get("kv_lora_rank"),
             qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=config.get("v_head_dim"), moe=moe,
@@ -133,27 +133,27 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
                               f"factor > 1")
 
     @classmethod
-    def hf_config(cls, args: DeepSeekV3Args) -> dict[str, Any]:
-        cls.check_expressible(args)
-        m, rope_scaling, positions = args.moe, None, args.max_seq_len
-        if args.uses_yarn:
-            positions = max(args.max_seq_len, round(args.rope_factor * args.original_seq_len))
-            rope_scaling = {
-                "rope_type": "yarn", "factor": args.rope_factor,
-                "original_max_position_embeddings": args.original_seq_len, "beta_fast": args.beta_fast,
-                "beta_slow": args.beta_slow, "mscale": args.mscale, "mscale_all_dim": args.mscale,
-            }  # fmt: skip
+    def write_rope(cls, args: DeepSeekV3Args) -> dict[str, Any]:
+        """YaRN's positions: ``max(max_seq_len, factor x original)`` (the module docstring says why)."""
+        if not args.uses_yarn:
+            return {"max_position_embeddings": args.max_seq_len, "rope_theta": args.rope_theta, "rope_scaling": None}
+        return {"max_position_embeddings": max(args.max_seq_len, round(args.rope_factor * args.original_seq_len)),
+                "rope_theta": args.rope_theta, "rope_scaling": {
+                    "rope_type": "yarn", "factor": args.rope_factor,
+                    "original_max_position_embeddings": args.original_seq_len, "beta_fast": args.beta_fast,
+                    "beta_slow": args.beta_slow, "mscale": args.mscale, "mscale_all_dim": args.mscale}}
+
+    @classmethod
+    def write_fields(cls, args: DeepSeekV3Args) -> dict[str, Any]:
+        m = args.moe
         return dict(
-            architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=args.vocab_size,
-            hidden_size=args.dim, intermediate_size=args.inter_dim, moe_intermediate_size=m.hidden_dim,
-            num_hidden_layers=args.n_layers, first_k_dense_replace=args.n_dense_layers,
-            num_attention_heads=args.n_heads, num_key_value_heads=args.n_heads, q_lora_rank=args.q_lora_rank or None,
+            moe_intermediate_size=m.hidden_dim, first_k_dense_replace=args.n_dense_layers,
+            num_key_value_heads=args.n_heads, q_lora_rank=args.q_lora_rank or None,
             kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_nope_head_dim,
-            qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim, rms_norm_eps=args.norm_eps,
+            qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim,
             n_routed_experts=m.num_experts, n_shared_experts=m.num_shared_experts, num_experts_per_tok=m.top_k,
             n_group=m.num_groups, topk_group=m.top_k_groups, norm_topk_prob=m.route_norm,
-            routed_scaling_factor=m.route_scale, max_position_embeddings=positions, rope_theta=args.rope_theta,
-            rope_scaling=rope_scaling, num_nextn_predict_layers=0, **FIXED_FIELDS,
+            routed_scaling_factor=m.route_scale, num_nextn_predict_layers=0,
         )  # fmt: skip
 
 

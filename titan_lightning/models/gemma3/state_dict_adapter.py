@@ -27,7 +27,7 @@ from typing import Any
 
 from titan_lightning.config import ConfigError
 from titan_lightning.models.common.hf_checkpoint import HALF_ROTATED, LLAMA_BLOCK_KEYS, StateDictAdapter
-from titan_lightning.models.common.hf_config import HFConfig
+from titan_lightning.models.common.hf_config import REQUIRED, HFConfig, decoder_fields
 from titan_lightning.models.common.safetensors_io import HFTensors
 from titan_lightning.models.gemma3.model import Gemma3Args, gemma3_layer_types
 
@@ -62,22 +62,56 @@ class Gemma3StateDictAdapter(StateDictAdapter):
     rope_halves = HALF_ROTATED
     hf_model_types = ("gemma3_text", "gemma3")
     ties_by_default = True
+    args_class, architecture = Gemma3Args, "Gemma3ForCausalLM"
+    fixed_fields = FIXED_FIELDS
 
     @classmethod
     def args_from_hf_config(cls, config: HFConfig) -> Gemma3Args:
         if config.get("model_type") != "gemma3":
-            return _text_args(config)
+            return super().args_from_hf_config(config)
         config.ignore(*_VISION_FIELDS)
         text = config.get("text_config")
         if not isinstance(text, dict):
             raise ConfigError(f"{config.source}: text_config={json.dumps(text)}: expected an object")
         reader = HFConfig({**_TEXT_DEFAULTS, **text}, f"{config.source} text_config", config.family)
         reader.expect("model_type", "gemma3_text")
-        args = _text_args(reader)
+        args = super().args_from_hf_config(reader)
         reader.finish()
         log.info("%s: a multimodal gemma3 model; its text model is read (text_config, the language_model "
                  "weights), the vision tower and projector are left out", config.source)
         return args
+
+    @classmethod
+    def read_fields(cls, config: HFConfig) -> dict[str, Any]:
+        """A Gemma3TextConfig's fields, with its defaults where a released file leaves them out."""
+        config.ignore("cache_implementation")  # generation's KV cache ("hybrid"): nothing trained
+        fields = decoder_fields(config, n_kv_heads=REQUIRED, head_dim=256, norm_eps=1e-6, max_seq_len=131072)
+        window, layer_types = _layer_types(config, fields["n_layers"])
+        return {**fields, **cls.read_rope(config), "sliding_window": window, "layer_types": layer_types,
+                "query_pre_attn_scalar": config.get("query_pre_attn_scalar", default=256),
+                "final_logit_softcapping": config.get("final_logit_softcapping", default=None)}
+
+    @classmethod
+    def read_rope(cls, config: HFConfig) -> dict[str, Any]:
+        """The global base and linear factor, the local base: from ``rope_parameters`` (per layer type)
+        or ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq``."""
+        params = config.get("rope_parameters", default=None)
+        if params is None:
+            factor = _linear_factor(config, "rope_scaling", dict(config.get("rope_scaling", default=None) or {}))
+            return {"rope_theta": float(config.get("rope_theta", default=1e6)), "rope_factor": factor,
+                    "rope_local_theta": float(config.get("rope_local_base_freq", default=1e4))}
+        config.ignore("rope_theta", "rope_scaling", "rope_local_base_freq")
+        if not isinstance(params, dict) or set(params) - set(_LAYER_TYPES):
+            raise ConfigError(f"{config.source}: rope_parameters={json.dumps(params)}: expected an object with "
+                              f"\"full_attention\" and \"sliding_attention\" entries")
+        full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+        theta, local_theta = full.pop("rope_theta", 1e6), local.pop("rope_theta", 1e4)
+        factor = _linear_factor(config, "rope_parameters.full_attention", full)
+        if _linear_factor(config, "rope_parameters.sliding_attention", local) != 1.0:
+            raise ConfigError(f"{config.source}: rope_parameters.sliding_attention="
+                              f"{json.dumps(params['sliding_attention'])}: scaled RoPE on the sliding layers is not "
+                              f"modelled for Gemma3 here (supported: default)")
+        return {"rope_theta": float(theta), "rope_factor": factor, "rope_local_theta": float(local_theta)}
 
     def sources(self, tensors: HFTensors) -> dict:
         """The language model's tensors, under Gemma3ForCausalLM's names (a multimodal checkpoint's
@@ -85,42 +119,19 @@ class Gemma3StateDictAdapter(StateDictAdapter):
         return super().sources(_text_model(tensors))
 
     @classmethod
-    def hf_config(cls, args: Gemma3Args) -> dict[str, Any]:
-        types = args.layer_types or ["sliding_attention" if args.sliding_window else "full_attention"] * args.n_layers
+    def write_rope(cls, args: Gemma3Args) -> dict[str, Any]:
         full = {"rope_type": "default", "rope_theta": args.rope_theta}
         if args.rope_factor != 1.0:
             full = {"rope_type": "linear", "factor": args.rope_factor, "rope_theta": args.rope_theta}
-        return dict(
-            architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=args.vocab_size,
-            hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim, num_hidden_layers=args.n_layers,
-            num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
-            rms_norm_eps=args.norm_eps, max_position_embeddings=args.max_seq_len,
-            query_pre_attn_scalar=args.query_pre_attn_scalar, final_logit_softcapping=args.final_logit_softcapping,
-            sliding_window=args.sliding_window, layer_types=list(types), tie_word_embeddings=False,  # (tied by default)
-            rope_parameters={"full_attention": full,
-                             "sliding_attention": {"rope_type": "default", "rope_theta": args.rope_local_theta}},
-            **FIXED_FIELDS,
-        )
+        return {"rope_parameters": {"full_attention": full,
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": args.rope_local_theta}}}
 
-
-def _text_args(config: HFConfig) -> Gemma3Args:
-    """The args of a Gemma3TextConfig's fields."""
-    for name, value in FIXED_FIELDS.items():
-        config.expect(name, value)
-    config.ignore("cache_implementation")  # generation's KV cache ("hybrid"): nothing trained
-    n_layers = config.get("num_hidden_layers")
-    window, layer_types = _layer_types(config, n_layers)
-    theta, factor, local_theta = _rope(config)
-    return Gemma3Args(
-        vocab_size=config.get("vocab_size"), dim=config.get("hidden_size"), n_layers=n_layers,
-        n_heads=config.get("num_attention_heads"), n_kv_heads=config.get("num_key_value_heads"),
-        head_dim=config.get("head_dim", default=256), ffn_hidden_dim=config.get("intermediate_size"),
-        norm_eps=config.get("rms_norm_eps", default=1e-6), rope_theta=theta, rope_factor=factor,
-        rope_local_theta=local_theta, query_pre_attn_scalar=config.get("query_pre_attn_scalar", default=256),
-        final_logit_softcapping=config.get("final_logit_softcapping", default=None),
-        max_seq_len=config.get("max_position_embeddings", default=131072),
-        sliding_window=window, layer_types=layer_types,
-    )
+    @classmethod
+    def write_fields(cls, args: Gemma3Args) -> dict[str, Any]:
+        types = args.layer_types or ["sliding_attention" if args.sliding_window else "full_attention"] * args.n_layers
+        return {"query_pre_attn_scalar": args.query_pre_attn_scalar,
+                "final_logit_softcapping": args.final_logit_softcapping, "sliding_window": args.sliding_window,
+                "layer_types": list(types), "tie_word_embeddings": False}  # (tied by default)
 
 
 def _text_model(tensors: HFTensors) -> HFTensors:
@@ -155,28 +166,6 @@ def _layer_types(config: HFConfig, n_layers: int) -> tuple[Any, list[str]]:
     if "sliding_attention" in types and window is None:
         raise ConfigError(f"{config.source}: layer_types has sliding layers but sliding_window=null")
     return window, list(types)
-
-
-def _rope(config: HFConfig) -> tuple[float, float, float]:
-    """(global base, global linear factor, local base) from ``rope_parameters`` (per layer type) or
-    ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq``."""
-    params = config.get("rope_parameters", default=None)
-    if params is not None:
-        config.ignore("rope_theta", "rope_scaling", "rope_local_base_freq")
-        if not isinstance(params, dict) or set(params) - set(_LAYER_TYPES):
-            raise ConfigError(f"{config.source}: rope_parameters={json.dumps(params)}: expected an object with "
-                              f"\"full_attention\" and \"sliding_attention\" entries")
-        full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
-        theta, local_theta = full.pop("rope_theta", 1e6), local.pop("rope_theta", 1e4)
-        factor = _linear_factor(config, "rope_parameters.full_attention", full)
-        if _linear_factor(config, "rope_parameters.sliding_attention", local) != 1.0:
-            raise ConfigError(f"{config.source}: rope_parameters.sliding_attention="
-                              f"{json.dumps(params['sliding_attention'])}: scaled RoPE on the sliding layers is not "
-                              f"modelled for Gemma3 here (supported: default)")
-        return float(theta), factor, float(local_theta)
-    scaling = dict(config.get("rope_scaling", default=None) or {})
-    factor = _linear_factor(config, "rope_scaling", scaling)
-    return float(config.get("rope_theta", default=1e6)), factor, float(config.get("rope_local_base_freq", default=1e4))
 
 
 def _linear_factor(config: HFConfig, where: str, scaling: dict[str, Any]) -> float:

@@ -28,11 +28,10 @@ from torch import Tensor
 from titan_lightning.checkpoint import Source
 from titan_lightning.config import ConfigError
 from titan_lightning.models.common.hf_checkpoint import BLOCK_KEYS, HALF_ROTATED, StateDictAdapter
-from titan_lightning.models.common.hf_config import HFConfig, sliding_window_fields
+from titan_lightning.models.common.hf_config import DECODER_FIELDS, HFConfig, sliding_window_fields
 from titan_lightning.models.common.safetensors_io import HFTensors
 from titan_lightning.models.gpt_oss.model import GptOssArgs, GptOssYarn, alternating, gpt_oss_moe
 
-FIXED_FIELDS = {"attention_bias": True, "attention_dropout": 0.0}
 _YARN_FIELDS = ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings", "truncate", "attention_factor")
 # FP4 e2m1 by its 4-bit code (transformers' FP4_VALUES).
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -60,6 +59,9 @@ class GptOssStateDictAdapter(StateDictAdapter):
     }
     rope_halves = {**HALF_ROTATED, "attention.wq.bias": "n_heads", "attention.wk.bias": "n_kv_heads"}
     hf_model_types = ("gpt_oss",)
+    args_class, architecture = GptOssArgs, "GptOssForCausalLM"
+    fixed_fields = {"attention_bias": True, "attention_dropout": 0.0}
+    config_fields = {k: v for k, v in DECODER_FIELDS.items() if k != "ffn_hidden_dim"}  # the experts' width is moe's
 
     @classmethod
     def check_config(cls, job: Any) -> None:
@@ -136,9 +138,7 @@ class GptOssStateDictAdapter(StateDictAdapter):
     # -- config.json --------------------------------------------------------------------------
 
     @classmethod
-    def args_from_hf_config(cls, config: HFConfig) -> GptOssArgs:
-        for name, value in FIXED_FIELDS.items():
-            config.expect(name, value)
+    def read_fields(cls, config: HFConfig) -> dict[str, Any]:
         # transformers' GptOss never reads hidden_act (the experts' clamped SwiGLU is fixed), nor OpenAI's
         # initial_context_length (YaRN's original_max_position_embeddings holds it).
         config.ignore("hidden_act", "initial_context_length")
@@ -148,28 +148,26 @@ class GptOssStateDictAdapter(StateDictAdapter):
         quantization = config.get("quantization_config", default=None)
         if quantization is not None:
             check_mxfp4_quantization(quantization, config)
-        layers = config.get("num_hidden_layers")
         if "layer_types" not in config.values:  # transformers' default: sliding in the even layers
-            config.values["layer_types"] = alternating(layers)
+            config.values["layer_types"] = alternating(config.get("num_hidden_layers"))
         window, layer_types = sliding_window_fields(config, default_window=128)
-        theta, scaling = config.rope()
         top_k = config.get("num_experts_per_tok")
         if config.get("experts_per_token", default=top_k) != top_k:  # OpenAI's name of the same field
             raise ConfigError(f"{config.source}: experts_per_token={config.values['experts_per_token']} differs from "
                               f"num_experts_per_tok={top_k}")
-        dim, heads = config.get("hidden_size"), config.get("num_attention_heads")
+        fields = super().read_fields(config)
+        fields["head_dim"] = fields["head_dim"] or fields["dim"] // fields["n_heads"]
         moe = gpt_oss_moe(num_experts=config.get("num_local_experts", "num_experts"), top_k=top_k,
                           hidden_dim=config.get("intermediate_size"), load_balance_coeff=None)
         moe.swiglu_alpha = config.get("swiglu_alpha", default=1.702)
         moe.swiglu_limit = config.get("swiglu_limit", default=7.0)
-        max_positions = config.get("max_position_embeddings")
-        return GptOssArgs(
-            vocab_size=config.get("vocab_size"), dim=dim, n_layers=layers, n_heads=heads,
-            n_kv_heads=config.get("num_key_value_heads", default=heads),
-            head_dim=config.get("head_dim", default=None) or dim // heads, norm_eps=config.get("rms_norm_eps"),
-            rope_theta=theta, rope_scaling=yarn_from_hf(scaling, max_positions, config.source),
-            max_seq_len=max_positions, moe=moe, sliding_window=window, layer_types=layer_types,
-        )
+        return {**fields, "moe": moe, "sliding_window": window, "layer_types": layer_types}
+
+    @classmethod
+    def read_rope(cls, config: HFConfig) -> dict[str, Any]:
+        theta, scaling = config.rope()
+        return {"rope_theta": theta,
+                "rope_scaling": yarn_from_hf(scaling, config.get("max_position_embeddings"), config.source)}
 
     @classmethod
     def check_expressible(cls, args: GptOssArgs) -> None:
@@ -182,22 +180,20 @@ class GptOssStateDictAdapter(StateDictAdapter):
                               f"experts, no expert groups")
 
     @classmethod
-    def hf_config(cls, args: GptOssArgs) -> dict[str, Any]:
-        cls.check_expressible(args)
-        m, y = args.moe, args.rope_scaling
-        rope = {"rope_type": "default", "rope_theta": args.rope_theta} if y is None else {
+    def write_rope(cls, args: GptOssArgs) -> dict[str, Any]:
+        y = args.rope_scaling
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta} if y is None else {
             "rope_type": "yarn", "rope_theta": args.rope_theta, "factor": y.factor, "beta_fast": y.beta_fast,
             "beta_slow": y.beta_slow, "original_max_position_embeddings": y.original_max_position_embeddings,
-            "truncate": y.truncate, **({} if y.attention_factor is None else {"attention_factor": y.attention_factor})}
+            "truncate": y.truncate, **({} if y.attention_factor is None else {"attention_factor": y.attention_factor})}}
+
+    @classmethod
+    def write_fields(cls, args: GptOssArgs) -> dict[str, Any]:
+        m = args.moe
         types = args.layer_types or ["sliding_attention" if args.sliding_window else "full_attention"] * args.n_layers
-        return dict(
-            architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=args.vocab_size, hidden_size=args.dim,
-            intermediate_size=m.hidden_dim, num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
-            num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim, num_local_experts=m.num_experts,
-            num_experts_per_tok=m.top_k, swiglu_alpha=m.swiglu_alpha, swiglu_limit=m.swiglu_limit,
-            rms_norm_eps=args.norm_eps, max_position_embeddings=args.max_seq_len, rope_parameters=rope,
-            sliding_window=args.sliding_window, layer_types=list(types), hidden_act="silu", **FIXED_FIELDS,
-        )
+        return {"intermediate_size": m.hidden_dim, "num_local_experts": m.num_experts, "num_experts_per_tok": m.top_k,
+                "swiglu_alpha": m.swiglu_alpha, "swiglu_limit": m.swiglu_limit, "sliding_window": args.sliding_window,
+                "layer_types": list(types), "hidden_act": "silu"}
 
 
 def yarn_from_hf(scaling: Any, max_positions: int, source: str):

@@ -17,7 +17,6 @@ from titan_lightning.models.common.hf_config import HFConfig, sliding_window_fie
 from titan_lightning.models.common.moe import MoEArgs
 from titan_lightning.models.mistral.model import MistralArgs
 
-FIXED_FIELDS = {"hidden_act": "silu", "attention_dropout": 0.0}
 MOE_FIXED_FIELDS = {"router_jitter_noise": 0.0}
 # transformers' sliding_window when a config.json leaves it out (MistralConfig 4096, MixtralConfig None).
 _DEFAULT_WINDOW = {"mistral": 4096, "mixtral": None}
@@ -32,19 +31,15 @@ class MistralStateDictAdapter(StateDictAdapter):
     experts_prefix = "block_sparse_moe.experts"
     rope_halves = HALF_ROTATED
     hf_model_types = ("mistral", "mixtral")
+    args_class, architecture = MistralArgs, "MistralForCausalLM"
+    fixed_fields = {"hidden_act": "silu", "attention_dropout": 0.0}
 
     @classmethod
-    def args_from_hf_config(cls, config: HFConfig) -> MistralArgs:
-        for name, value in FIXED_FIELDS.items():
-            config.expect(name, value)
+    def read_fields(cls, config: HFConfig) -> dict[str, Any]:
         model_type = config.get("model_type")
         window, _ = sliding_window_fields(config, default_window=_DEFAULT_WINDOW[model_type], per_layer=False)
-        theta, scaling = config.rope()
-        if scaling is not None:
-            raise ConfigError(f"{config.source}: RoPE scaling {scaling} is not modelled for Mistral here "
-                              f"(supported: none)")
-        dim, heads = config.get("hidden_size"), config.get("num_attention_heads")
-        ffn = config.get("intermediate_size")
+        fields = super().read_fields(config)
+        fields["head_dim"] = fields["head_dim"] or fields["dim"] // fields["n_heads"]  # Mixtral's null: dim / n_heads
         moe = None
         if model_type == "mixtral":
             for name, value in MOE_FIXED_FIELDS.items():
@@ -53,37 +48,24 @@ class MistralStateDictAdapter(StateDictAdapter):
             # routing bias instead (Mixtral's checkpoint has none), so routing is pure top-2.
             config.ignore("router_aux_loss_coef")
             moe = MoEArgs(num_experts=config.get("num_local_experts"), top_k=config.get("num_experts_per_tok"),
-                          hidden_dim=ffn, score_func="softmax", route_norm=True, load_balance_coeff=None)
-        return MistralArgs(
-            vocab_size=config.get("vocab_size"), dim=dim, n_layers=config.get("num_hidden_layers"), n_heads=heads,
-            n_kv_heads=config.get("num_key_value_heads", default=heads),
-            head_dim=config.get("head_dim", default=None) or dim // heads, ffn_hidden_dim=ffn,
-            norm_eps=config.get("rms_norm_eps"), rope_theta=theta, max_seq_len=config.get("max_position_embeddings"),
-            moe=moe, sliding_window=window,
-        )
+                          hidden_dim=fields["ffn_hidden_dim"], score_func="softmax", route_norm=True,
+                          load_balance_coeff=None)
+        return {**fields, "moe": moe, "sliding_window": window}
 
     @classmethod
     def check_expressible(cls, args: MistralArgs) -> None:
         uniform_sliding_window(args, "Hugging Face Mistral and Mixtral apply")
 
     @classmethod
-    def hf_config(cls, args: MistralArgs) -> dict[str, Any]:
-        cls.check_expressible(args)
-        window = uniform_sliding_window(args, "Hugging Face Mistral and Mixtral apply")
-        config = dict(
-            architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=args.vocab_size,
-            hidden_size=args.dim, intermediate_size=args.ffn_hidden_dim, num_hidden_layers=args.n_layers,
-            num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
-            rms_norm_eps=args.norm_eps, max_position_embeddings=args.max_seq_len, rope_theta=args.rope_theta,
-            rope_scaling=None, sliding_window=window, **FIXED_FIELDS,
-        )
+    def write_fields(cls, args: MistralArgs) -> dict[str, Any]:
+        window = {"sliding_window": uniform_sliding_window(args, "Hugging Face Mistral and Mixtral apply")}
         m = args.moe
         if m is None:
-            return config
+            return window
         if (m.score_func != "softmax" or not m.route_norm or m.route_scale != 1.0 or m.score_before_experts
                 or m.num_shared_experts or m.num_groups != 1):
             raise ConfigError(f"model.moe={m}: Hugging Face Mixtral routes by softmax top-k renormalized, scale 1, "
                               f"scores after the experts, no shared experts, no expert groups")
-        return {**config, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+        return {**window, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                 "intermediate_size": m.hidden_dim, "num_local_experts": m.num_experts,
                 "num_experts_per_tok": m.top_k, **MOE_FIXED_FIELDS}

@@ -19,12 +19,11 @@ from torch import Tensor
 
 from titan_lightning.config import ConfigError
 from titan_lightning.models.common.hf_checkpoint import HALF_ROTATED, LLAMA_BLOCK_KEYS, StateDictAdapter
-from titan_lightning.models.common.hf_config import HFConfig, sliding_window_fields, uniform_sliding_window
+from titan_lightning.models.common.hf_config import (HFConfig, decoder_fields, sliding_window_fields,
+                                                     uniform_sliding_window)
 from titan_lightning.models.common.safetensors_io import HFTensors
 from titan_lightning.models.phi3.model import LongRope, Phi3Args, longrope_attention_factor
 
-FIXED_FIELDS = {"hidden_act": "silu", "attention_dropout": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-                "attention_bias": False}
 # Hugging Face's fused tensors -> their parts, in row order, as our keys name them.
 FUSED = {"self_attn.qkv_proj.weight": ("q", "k", "v"), "mlp.gate_up_proj.weight": ("gate", "up")}
 _PARTS = {"attention.wq.weight": "self_attn.qkv_proj.weight[q]", "attention.wk.weight": "self_attn.qkv_proj.weight[k]",
@@ -44,6 +43,9 @@ class Phi3StateDictAdapter(StateDictAdapter):
     layer_keys = {**LLAMA_BLOCK_KEYS, **_PARTS}
     rope_halves = HALF_ROTATED
     hf_model_types = ("phi3",)
+    args_class, architecture = Phi3Args, "Phi3ForCausalLM"
+    fixed_fields = {"hidden_act": "silu", "attention_dropout": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                    "attention_bias": False}
 
     def _part_rows(self) -> dict[str, tuple[int, ...]]:
         a = self.args
@@ -126,9 +128,7 @@ class Phi3StateDictAdapter(StateDictAdapter):
                               f"or training.seq_len <= {s.original_max_position_embeddings}")
 
     @classmethod
-    def args_from_hf_config(cls, config: HFConfig) -> Phi3Args:
-        for name, value in FIXED_FIELDS.items():
-            config.expect(name, value)
+    def read_fields(cls, config: HFConfig) -> dict[str, Any]:
         # The early checkpoints' remote code (trust_remote_code); transformers' own Phi3 is the model read here.
         config.ignore("auto_map")
         window, _ = sliding_window_fields(config, per_layer=False)
@@ -138,45 +138,32 @@ class Phi3StateDictAdapter(StateDictAdapter):
             partial = params.get("partial_rotary_factor", partial)
             _check_legacy_rope_scaling(params, config.values.get("rope_scaling"), config.source)
         theta, scaling = config.rope()
-        dim, heads = config.get("hidden_size"), config.get("num_attention_heads")
-        head_dim = config.get("head_dim", default=dim // heads)
-        rotated = int(head_dim * partial)
-        max_seq_len = config.get("max_position_embeddings")
+        fields = decoder_fields(config)
+        rotated = int(fields["head_dim"] * partial)
         original = config.get("original_max_position_embeddings", default=4096)  # used by LongRoPE only
-        rope_scaling = None
-        if scaling is not None:
-            rope_scaling = _longrope(scaling, original, max_seq_len, config.source)
-        return Phi3Args(
-            vocab_size=config.get("vocab_size"), dim=dim, n_layers=config.get("num_hidden_layers"), n_heads=heads,
-            n_kv_heads=config.get("num_key_value_heads", default=heads), head_dim=head_dim,
-            rotary_dim=None if rotated == head_dim else rotated, ffn_hidden_dim=config.get("intermediate_size"),
-            norm_eps=config.get("rms_norm_eps"), rope_theta=theta, rope_scaling=rope_scaling, max_seq_len=max_seq_len,
-            sliding_window=window,
-        )
+        return {**fields, "rotary_dim": None if rotated == fields["head_dim"] else rotated, "rope_theta": theta,
+                "rope_scaling": None if scaling is None else _longrope(scaling, original, fields["max_seq_len"],
+                                                                       config.source),
+                "sliding_window": window}
 
     @classmethod
     def check_expressible(cls, args: Phi3Args) -> None:
         uniform_sliding_window(args, "Hugging Face Phi3 applies")
 
     @classmethod
-    def hf_config(cls, args: Phi3Args) -> dict[str, Any]:
-        cls.check_expressible(args)
-        window = uniform_sliding_window(args, "Hugging Face Phi3 applies")
+    def write_rope(cls, args: Phi3Args) -> dict[str, Any]:
         s = args.rope_scaling
-        scaling = None if s is None else {"rope_type": "longrope", "short_factor": s.short_factor,
-                                          "long_factor": s.long_factor, "attention_factor": s.attention_factor}
-        return dict(
-            architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=args.vocab_size, hidden_size=args.dim,
-            intermediate_size=args.ffn_hidden_dim, num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
-            num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim, rms_norm_eps=args.norm_eps,
-            max_position_embeddings=args.max_seq_len,
-            original_max_position_embeddings=args.max_seq_len if s is None else s.original_max_position_embeddings,
-            partial_rotary_factor=args.rotated / args.head_dim, rope_theta=args.rope_theta, rope_scaling=scaling,
-            sliding_window=window, **FIXED_FIELDS,
-            # transformers' Phi3Config defaults it to 32000, which must index the vocabulary; a padding_idx
-            # changes no logits (it keeps that row's gradient at zero in transformers' training).
-            pad_token_id=None,
-        )
+        return {"original_max_position_embeddings": args.max_seq_len if s is None else s.original_max_position_embeddings,
+                "partial_rotary_factor": args.rotated / args.head_dim, "rope_theta": args.rope_theta,
+                "rope_scaling": None if s is None else {"rope_type": "longrope", "short_factor": s.short_factor,
+                                                        "long_factor": s.long_factor,
+                                                        "attention_factor": s.attention_factor}}
+
+    @classmethod
+    def write_fields(cls, args: Phi3Args) -> dict[str, Any]:
+        # pad_token_id: transformers' Phi3Config defaults it to 32000, which must index the vocabulary; a
+        # padding_idx changes no logits (it keeps that row's gradient at zero in transformers' training).
+        return {"sliding_window": uniform_sliding_window(args, "Hugging Face Phi3 applies"), "pad_token_id": None}
 
 
 def _check_legacy_rope_scaling(params: dict[str, Any], legacy: Any, source: str) -> None:

@@ -15,7 +15,6 @@ from titan_lightning.models.common.hf_config import HFConfig
 from titan_lightning.models.common.moe import MoEArgs
 from titan_lightning.models.qwen3.model import Qwen3Args
 
-FIXED_FIELDS = {"attention_bias": False, "hidden_act": "silu", "attention_dropout": 0.0, "use_sliding_window": False}
 MOE_FIXED_FIELDS = {"decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
@@ -33,6 +32,8 @@ class Qwen3StateDictAdapter(StateDictAdapter):
     expert_keys = EXPERT_KEYS
     rope_halves = HALF_ROTATED
     hf_model_types = ("qwen3", "qwen3_moe")
+    args_class, architecture = Qwen3Args, "Qwen3ForCausalLM"
+    fixed_fields = {"attention_bias": False, "hidden_act": "silu", "attention_dropout": 0.0, "use_sliding_window": False}
 
     def __init__(self, args: Qwen3Args, *, tie_word_embeddings: bool = False):
         super().__init__(args, tie_word_embeddings=tie_word_embeddings)
@@ -41,17 +42,11 @@ class Qwen3StateDictAdapter(StateDictAdapter):
                              f"has no shared experts; use 0")
 
     @classmethod
-    def args_from_hf_config(cls, config: HFConfig) -> Qwen3Args:
-        for name, value in FIXED_FIELDS.items():
-            config.expect(name, value)
+    def read_fields(cls, config: HFConfig) -> dict[str, Any]:
         # Sliding windows are off (use_sliding_window false): their sizes change nothing.
         config.ignore("sliding_window", "max_window_layers")
-        layers = config.get("num_hidden_layers")
-        config.expect("layer_types", None, ["full_attention"] * layers)
-        theta, scaling = config.rope()
-        if scaling is not None:
-            raise ConfigError(f"{config.source}: RoPE scaling {scaling} is not modelled for Qwen3 here")
-        dim, heads = config.get("hidden_size"), config.get("num_attention_heads")
+        config.expect("layer_types", None, ["full_attention"] * config.get("num_hidden_layers"))
+        fields = super().read_fields(config)
         moe = None
         if config.get("model_type") == "qwen3_moe":
             for name, value in MOE_FIXED_FIELDS.items():
@@ -61,13 +56,7 @@ class Qwen3StateDictAdapter(StateDictAdapter):
                           top_k=config.get("num_experts_per_tok"), hidden_dim=config.get("moe_intermediate_size"),
                           score_func="softmax", route_norm=bool(config.get("norm_topk_prob", default=False)),
                           load_balance_coeff=None)
-        return Qwen3Args(
-            vocab_size=config.get("vocab_size"), dim=dim, n_layers=layers, n_heads=heads,
-            n_kv_heads=config.get("num_key_value_heads", default=heads),
-            head_dim=config.get("head_dim", default=dim // heads), ffn_hidden_dim=config.get("intermediate_size"),
-            norm_eps=config.get("rms_norm_eps"), rope_theta=theta, max_seq_len=config.get("max_position_embeddings"),
-            qk_norm=True, moe=moe,
-        )
+        return {**fields, "qk_norm": True, "moe": moe}
 
     @classmethod
     def check_expressible(cls, args: Qwen3Args) -> None:
@@ -80,18 +69,10 @@ class Qwen3StateDictAdapter(StateDictAdapter):
                               f"after the experts, no shared experts")
 
     @classmethod
-    def hf_config(cls, args: Qwen3Args) -> dict[str, Any]:
-        cls.check_expressible(args)
-        config = dict(
-            architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=args.vocab_size, hidden_size=args.dim,
-            intermediate_size=args.ffn_hidden_dim, num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
-            num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim, rms_norm_eps=args.norm_eps,
-            max_position_embeddings=args.max_seq_len, rope_theta=args.rope_theta, rope_scaling=None,
-            **FIXED_FIELDS,
-        )
+    def write_fields(cls, args: Qwen3Args) -> dict[str, Any]:
         m = args.moe
         if m is None:
-            return config
-        return {**config, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-                "num_experts": m.num_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.hidden_dim,
-                "norm_topk_prob": m.route_norm, **MOE_FIXED_FIELDS}
+            return {}
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": m.num_experts,
+                "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.hidden_dim, "norm_topk_prob": m.route_norm,
+                **MOE_FIXED_FIELDS}
