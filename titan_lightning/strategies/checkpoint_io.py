@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titan_lightning import checkpoint as ckpt
 from titan_lightning.checkpoint import CheckpointError, CheckpointWriter
+from titan_lightning.lora import has_adapters
 
 # Wrappers whose attribute torch's state-dict functions leave out of a parameter's name
 # (torch.compile's OptimizedModule, activation checkpointing's wrapper, FSDP1's).
@@ -60,11 +61,20 @@ def _indices_to_names(state: dict[str, Any], model: torch.nn.Module, optimizer) 
 
 # -- what a checkpoint holds -------------------------------------------------------------------
 
+def _options(model: torch.nn.Module, **options: Any) -> StateDictOptions:
+    """``options``; for a model with adapters (LoRA) its trainable parameters alone are saved and
+    loaded (megabytes): the frozen base comes from ``checkpoint.initial_load_path`` on every start
+    (callbacks/weights.py), and DCP's load still asks for every key the checkpoint should hold."""
+    if has_adapters(model):
+        options.update(ignore_frozen_params=True, strict=False)
+    return StateDictOptions(**options)
+
+
 def model_state(model: torch.nn.Module, *, full: bool) -> dict[str, Any]:
     """This rank's shards (DTensors); ``full``: the full tensors on rank 0 (empty elsewhere)."""
     if full:  # (a sharded save checks its DTensors itself)
         ckpt.check_placements(model.named_parameters())
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+    return get_model_state_dict(model, options=_options(model, full_state_dict=full, cpu_offload=full))
 
 
 def optimizer_state(model: torch.nn.Module, optimizer, *, full: bool, rank: int, pipeline: bool) -> dict[str, Any]:
@@ -181,7 +191,7 @@ def _load_full(writer: CheckpointWriter, path: Path, model: torch.nn.Module, opt
     """A single-file (full) checkpoint into the sharded model and optimizers: every rank maps
     the file and keeps its own shards."""
     checkpoint = writer.agree(lambda: torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only))
-    options = StateDictOptions(full_state_dict=True, strict=strict)
+    options = _options(model, full_state_dict=True, strict=strict)
     set_model_state_dict(model, checkpoint.pop("state_dict"), options=options)
     states = checkpoint.pop("optimizer_states", [])
     if optimizers and len(states) != len(optimizers):
@@ -196,7 +206,7 @@ def _load_states(writer: CheckpointWriter, path: Path, model: torch.nn.Module, o
                  flatten_optimizer_state_dict: bool) -> None:
     """The model's and every optimizer's state from the DCP shards in ``path`` (any layout);
     optimizer state flattened per parameter (ours) or nested (Lightning's strategies)."""
-    options = StateDictOptions(flatten_optimizer_state_dict=flatten_optimizer_state_dict, strict=strict)
+    options = _options(model, flatten_optimizer_state_dict=flatten_optimizer_state_dict, strict=strict)
     state: dict[str, Any] = {"state_dict": get_model_state_dict(model, options=options)}
     for index, optimizer in enumerate(optimizers):
         state[f"optimizer_{index}"] = get_optimizer_state_dict(model, optimizer, options=options)
