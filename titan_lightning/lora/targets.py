@@ -3,10 +3,11 @@ family does (``q_proj`` ... or ``all-linear``), and the family's state-dict adap
 names to theirs (``hf_key``: ``layers.0.attention.wq.weight`` -> ``model.layers.0.self_attn.q_proj.weight``).
 
 A linear is a target when it is a plain ``nn.Linear`` whose weight is one whole Hugging Face tensor:
-not the output head (PEFT's ``all-linear`` leaves it out), not an MoE router (transformers' routers
-are no ``nn.Linear``: PEFT cannot adapt them), not a part of a fused tensor (Phi-3's ``qkv_proj``,
-``gate_up_proj``: PEFT's single A and B over the fused rows are no sum of per-part adapters). Routed
-experts are stacked weights, no ``nn.Linear``, here as in transformers 5: they take no adapters.
+not the output head (PEFT's ``all-linear`` leaves it out), not a part of a fused tensor (Phi-3's
+``qkv_proj``, ``gate_up_proj``: PEFT's single A and B over the fused rows are no sum of per-part
+adapters). An MoE router's gate is one (``gate``). The routed experts are stacked weights, no
+``nn.Linear``: they take no adapters yet, so ``all-linear`` on an MoE model adapts attention and
+routers (PEFT 0.21 adapts transformers' fused experts too; #48's second phase).
 """
 
 from typing import Any, Optional
@@ -16,7 +17,6 @@ from torch import nn
 from titan_lightning.config.lora import ALL_LINEAR, LoRAConfig
 
 HEAD = "output"
-ROUTER = "router.gate"
 
 
 def hf_linears(model: nn.Module, adapter: Optional[Any]) -> dict[str, str]:
@@ -24,7 +24,7 @@ def hf_linears(model: nn.Module, adapter: Optional[Any]) -> dict[str, str]:
     without a family adapter, our own names."""
     found = {}
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or not name or name == HEAD or name.endswith(ROUTER):
+        if not isinstance(module, nn.Linear) or not name or name == HEAD:
             continue
         if type(module) is not nn.Linear and not hasattr(module, "lora_a"):
             continue  # a linear of another kind (the head, float8's)

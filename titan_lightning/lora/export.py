@@ -1,0 +1,84 @@
+"""A LoRA run's weights out: its adapters as the folder PEFT writes (``adapter_config.json``,
+``adapter_model.safetensors``), which ``PeftModel.from_pretrained(base, folder)`` loads onto the
+base Hugging Face model, and the merged model (``W + alpha / rank * B A`` in every target) that
+an ``hf`` export writes as a full folder (callbacks/weights.py).
+
+PEFT's keys are ``base_model.model.<Hugging Face module>.lora_A.weight`` / ``lora_B.weight`` (its
+adapter name, "default", left out). A Hugging Face tensor whose rows the family's adapter permutes
+(q_proj and k_proj: RoPE's layout) has lora_B's rows permuted alike; lora_A's columns are the
+layer's input features, never permuted.
+"""
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from titan_lightning.lora.layer import base_only, lora_layers, merged_weight
+from titan_lightning.lora.targets import short_name
+from titan_lightning.models.common.init import canonical_fqn
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+
+def _untied(adapter: Any) -> Any:
+    """The family's adapter converting single tensors (no tied head to drop)."""
+    return type(adapter)(adapter.args)
+
+
+def peft_state(model: nn.Module, adapter: Any, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The adapters as PEFT names and lays them out, full tensors on the CPU (a DTensor gathered:
+    run on every rank, in the same order)."""
+    adapter = _untied(adapter)
+    state = {}
+    for name, layer in lora_layers(model):
+        key = f"{canonical_fqn(name)}.weight"
+        hf_module = adapter.hf_key(key).removesuffix(".weight")
+        a, b = _full(layer.lora_a.weight), _full(layer.lora_b.weight)
+        b = adapter.to_hf({key: b})[f"{hf_module}.weight"]
+        state[f"{PEFT_PREFIX}{hf_module}.lora_A.weight"] = a.to("cpu", dtype).contiguous()
+        state[f"{PEFT_PREFIX}{hf_module}.lora_B.weight"] = b.to("cpu", dtype).contiguous()
+    return state
+
+
+def peft_config(state: dict[str, torch.Tensor], lora: Any, base: Optional[str]) -> dict[str, Any]:
+    """adapter_config.json for ``state`` (``peft_state``): PEFT's LoraConfig fields."""
+    modules = sorted({short_name(key.removesuffix(".lora_A.weight")) for key in state if key.endswith(".lora_A.weight")})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
+            "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none",
+            "fan_in_fan_out": False, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+            "inference_mode": True, "modules_to_save": None}
+
+
+def write_peft_folder(folder: Path, state: dict[str, torch.Tensor], lora: Any, base: Optional[str]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(peft_config(state, lora, base), indent=2) + "\n")
+
+
+class MergedState(Mapping):
+    """``model``'s base state dict (our names) with every target's weight merged with its adapter,
+    each computed when read (one full tensor at a time: an export walks it key by key)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        with base_only(model):
+            self.base = model.state_dict()
+        self.layers = {f"{canonical_fqn(name)}.weight": layer for name, layer in lora_layers(model)}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return merged_weight(self.layers[key]) if key in self.layers else self.base[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.base)
+
+    def __len__(self) -> int:
+        return len(self.base)
