@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from titan_lightning.config import CheckpointConfig, DataConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig
+from titan_lightning.config.lora import ALL_LINEAR, LoRAConfig
 from titan_lightning.data.shards import INDEX
 from titan_lightning.device_defaults import for_device
 from titan_lightning.estimate import estimate
@@ -75,6 +76,17 @@ def sft(initial_load_path: str, dataset_path: str) -> Run:
     )
     run.trainer = {"max_epochs": SFT_EPOCHS}  # the data module derives max_steps from the data's size
     return for_device(run, estimate)
+
+
+def lora(initial_load_path: str, dataset_path: str) -> Run:
+    """``sft`` with LoRA adapters, as PEFT and TRL fine-tune by default: rank 16, alpha 32 on every
+    linear layer but the head (``all-linear``), no dropout, lr 2e-4; the base frozen in the compute
+    dtype (bf16 on a GPU), its checkpoints the adapters alone; the hf export writes the merged model,
+    and the adapters as PEFT's folder in export_hf/adapter (README "LoRA")."""
+    run = sft(initial_load_path, dataset_path)
+    run.job.lora = LoRAConfig(rank=16, alpha=32.0, target_modules=[ALL_LINEAR])
+    run.job.optimizer.lr = 2e-4
+    return run
 
 
 def _sft_val_fraction(dataset_path: str) -> float:
