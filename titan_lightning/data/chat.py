@@ -289,6 +289,27 @@ def _without_nulls(value: Any) -> Any:
     return [_without_nulls(v) for v in value] if isinstance(value, list) else value
 
 
+def conversation(messages: Any, field: str) -> list[dict[str, Any]]:
+    """``messages`` (the value of the record's ``field``) checked to be a non-empty list of {role,
+    content} messages; BadRecord naming what is wrong. A key set to null is a key not given: Parquet
+    gives every message each key any message has, and templates test keys by their presence
+    ('tool_calls' in message)."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRecord(f"no conversation in {field!r} (a list of {{role, content}} messages)")
+    for k, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BadRecord(f"message {k} is a {type(message).__name__}, not a {{role, content}} object")
+        if message.get("role") not in ROLES:
+            raise BadRecord(f"message {k}: unknown role {message.get('role')!r}; roles: {', '.join(ROLES)}")
+        content = message.get("content")
+        calls_tools = (content is None and message["role"] == "assistant"
+                       and isinstance(message.get("tool_calls"), list) and bool(message["tool_calls"]))
+        if not isinstance(content, str) and not calls_tools:
+            raise BadRecord(f"message {k} ({message['role']}): content is "
+                            f"{type(message.get('content')).__name__}, not a string")
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+
+
 def token_mask(encoding, spans: Sequence[Span]) -> np.ndarray:
     """1 on each token with a character in one of ``spans``: found from each span's first and last
     character (``char_to_token``), not from every token's offsets."""
@@ -354,25 +375,10 @@ class ChatRenderer:
             raise BadRecord(f"not an object but a {type(record).__name__}")
         if o.messages_field is None:
             return self._pair(record)
-        messages = record.get(o.messages_field)
-        if not isinstance(messages, list) or not messages:
-            raise BadRecord(f"no conversation in {o.messages_field!r} (a list of {{role, content}} messages)")
-        for k, message in enumerate(messages):
-            if not isinstance(message, dict):
-                raise BadRecord(f"message {k} is a {type(message).__name__}, not a {{role, content}} object")
-            if message.get("role") not in ROLES:
-                raise BadRecord(f"message {k}: unknown role {message.get('role')!r}; roles: {', '.join(ROLES)}")
-            content = message.get("content")
-            calls_tools = (content is None and message["role"] == "assistant"
-                           and isinstance(message.get("tool_calls"), list) and bool(message["tool_calls"]))
-            if not isinstance(content, str) and not calls_tools:
-                raise BadRecord(f"message {k} ({message['role']}): content is "
-                                f"{type(message.get('content')).__name__}, not a string")
+        messages = conversation(record.get(o.messages_field), o.messages_field)
         if not any(m["role"] == "assistant" for m in messages):
             raise BadRecord("no assistant turn")
-        # A key set to null is a key not given: Parquet gives every message each key any message
-        # has, and templates test keys by their presence ('tool_calls' in message).
-        return [{k: v for k, v in m.items() if v is not None} for m in messages]
+        return messages
 
     def tools(self, record: Any) -> Optional[list]:
         """The tool definitions a record holds (None: it has none); BadRecord when they are not a

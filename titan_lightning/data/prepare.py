@@ -29,6 +29,9 @@ written with a loss mask per token (data/chat.py), a record's ``tools`` passed t
 conversation with no assistant turn, an unknown role, a content that is not a string (but for an
 assistant turn that only calls tools), tools that are not a list of objects, or on which the
 template fails is a bad record.
+
+Preference pairs (``--preference``: a prompt and a chosen and a rejected answer; data/preference.py)
+are two such conversations each, written one after the other, kept or dropped together.
 """
 
 import dataclasses
@@ -48,6 +51,7 @@ import numpy as np
 
 from titan_lightning.data.chat import (TOO_LONG, TRAIN_ON, BadRecord, ChatOptions, ChatRenderer, ChatSpec,
                                       TemplateFailure, resolve)
+from titan_lightning.data.preference import PreferenceOptions, PreferenceRenderer, renderer_for
 from titan_lightning.data.text import EOT
 from titan_lightning.data.shards import INDEX, ShardWriter, token_dtype, tokenizer_identity, write_index
 from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
@@ -134,7 +138,7 @@ def check_input(path: Path, fields: list[Field]) -> None:
         for name, option, kind_of in fields:
             if not isinstance(record, dict) or not isinstance(record.get(name), kind_of):
                 keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-                what = "text" if kind_of is str else "list"
+                what = {str: "text", list: "list"}.get(kind_of, "text or list")
                 raise PrepareError(f"{path}:1: no {what} field {name!r} ({option}); the record has: {keys}")
     elif kind == "text" and fields[0][1] != "--text-field":
         raise PrepareError(f"{path}: a text file holds documents, not conversations; give JSONL or Parquet "
@@ -403,25 +407,33 @@ def _assemble(out: Path, index: int, pieces: list[dict], dtype: np.dtype, shard_
 
 def _write_conversations(part: Part, chat: ChatSpec, bad_records: str, bad: list, write,
                          counts: dict[str, int]) -> None:
-    """Each record of ``part`` as a conversation: rendered, tokenized with its mask, fitted to
-    ``max_tokens``, given to ``write(ids, mask)`` (``counts``: how many were kept, truncated, dropped)."""
+    """Each record of ``part`` as a conversation (with ``--preference``, a pair of them: chosen, then
+    rejected): rendered, tokenized with its mask, fitted to ``max_tokens``, given to ``write(ids,
+    mask)`` (``counts``: how many records were kept, truncated, dropped; a pair as one)."""
     if _WORKER.get("chat") is not chat:
-        _WORKER["chat"], _WORKER["renderer"] = chat, ChatRenderer(chat, _WORKER["tokenizer"])
+        _WORKER["chat"], _WORKER["renderer"] = chat, renderer_for(chat, _WORKER["tokenizer"])
     renderer: ChatRenderer = _WORKER["renderer"]
 
-    def rendered() -> Iterator[tuple[str, list]]:
+    def rendered() -> Iterator[list[tuple[str, list]]]:
         for where, record in _records(part, chat.options.fields, bad_records, bad, chat.options.optional_fields):
             try:
-                yield renderer.render(renderer.messages(record), renderer.tools(record))
+                if isinstance(renderer, PreferenceRenderer):
+                    yield renderer.render_pair(record)
+                else:
+                    yield [renderer.render(renderer.messages(record), renderer.tools(record))]
             except BadRecord as err:
                 _bad(bad, bad_records, f"{where}: {err}")
 
     for batch in _batches(rendered()):
-        for ids, mask in renderer.encode(batch):
-            fitted, outcome = renderer.fit(ids, mask)
+        encoded = iter(renderer.encode([conversation for group in batch for conversation in group]))
+        for group in batch:
+            fitted = [renderer.fit(*next(encoded)) for _ in group]
+            outcomes = {outcome for _, outcome in fitted}
+            outcome = next(o for o in ("dropped", "truncated", "kept") if o in outcomes)
             counts[outcome] += 1
-            if fitted is not None:
-                write(*fitted)
+            if outcome != "dropped":  # a pair is written whole or not at all
+                for conversation, _ in fitted:
+                    write(*conversation)
 
 
 def _batches(items: Iterator) -> Iterator[list]:
@@ -540,6 +552,8 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = N
                "dropped": sum(r["dropped"] for r in done.values()),
                "chat_template_sha256": spec.template_sha256,
                "supervised_tokens": sum(s["supervised"] for s in shards)}
+        if isinstance(chat, PreferenceOptions):  # documents 2k and 2k + 1: pair k's chosen and rejected answers
+            sft["pairs"] = sft["conversations"] // 2
     write_index(out, dtype, identity, shards, settings["inputs"], sft=sft)
     (out / PROGRESS).unlink(missing_ok=True)
     bad = [done[i] for i in sorted(done) if done[i]["bad"]]
@@ -600,7 +614,7 @@ def _check_first_record(path: Path, spec: ChatSpec, tokenizer) -> None:
                 if line.strip():
                     break
         where, record = f"{path}:{number}", json.loads(line)
-    renderer = ChatRenderer(spec, tokenizer)
+    renderer = renderer_for(spec, tokenizer)
     try:
         messages, tools = renderer.messages(record), renderer.tools(record)
     except BadRecord:
@@ -687,7 +701,8 @@ def _check_every_file_has_documents(files: list[Path], parts: list[Part], done: 
                                f"longer than --max-tokens {chat.max_tokens} (--too-long drop); raise --max-tokens "
                                f"or use --too-long truncate")
         if chat is not None:
-            options = "--messages-field" if chat.messages_field else "--prompt-field and --response-field"
+            options = ("--prompt-field, --chosen-field and --rejected-field" if isinstance(chat, PreferenceOptions)
+                       else "--messages-field" if chat.messages_field else "--prompt-field and --response-field")
             raise PrepareError(f"{path}: none of its {bad[str(path)]} records is a conversation to train on (the "
                                f"first: {first_bad.get(str(path))}); check the records, or name the fields with "
                                f"{options}")
@@ -817,6 +832,12 @@ def main(argv: list[str]) -> int:
     chat.add_argument("--prompt-field", default=None, help="records are prompt/response pairs: the prompt's field; "
                       "several, comma-separated, are joined by a blank line (Alpaca: instruction,input)")
     chat.add_argument("--response-field", default=None, help="the response's field (Alpaca: output)")
+    chat.add_argument("--preference", action="store_true", help="records are preference pairs: a prompt (optional) "
+                      "and a chosen and a rejected answer, each a text or a list of messages (see below)")
+    chat.add_argument("--chosen-field", default=None, help="with --preference: the chosen answer's field (default: "
+                      "chosen); --prompt-field names the prompt's (default: prompt)")
+    chat.add_argument("--rejected-field", default=None, help="with --preference: the rejected answer's field "
+                      "(default: rejected)")
     chat.add_argument("--chat-template", default=None, metavar="FILE",
                       help="a Jinja chat template instead of the tokenizer's")
     chat.add_argument("--train-on", default=None, choices=TRAIN_ON,
@@ -835,21 +856,30 @@ def main(argv: list[str]) -> int:
                       progress=not options.no_progress, chat=chat_options)
     skipped = (f"; {summary['bad_records']} bad record(s) skipped, the first: {summary['first_bad']}"
                if summary["bad_records"] else "")
+    if isinstance(chat_options, PreferenceOptions):
+        sft = summary["sft"]
+        print(f"{options.output}: {summary['tokens']:,} tokens ({sft['supervised_tokens']:,} supervised), "
+              f"{sft['pairs']:,} pairs in {summary['shards']} shard(s); {_fitted(sft)}{skipped}")
+        return 0
     if chat_options is None:
         print(f"{options.output}: {summary['tokens']:,} tokens, {summary['documents']:,} documents in "
               f"{summary['shards']} shard(s){skipped}")
         return 0
     sft = summary["sft"]
-    limit = sft["max_tokens"]
-    fitted = (f"{sft['truncated']:,} truncated, {sft['dropped']:,} dropped" if limit is None else
-              f"{sft['truncated']:,} truncated, {sft['dropped']:,} dropped (over --max-tokens {limit})"
-              if sft["too_long"] == "drop" else
-              f"{sft['truncated']:,} truncated to --max-tokens {limit}, {sft['dropped']:,} dropped (nothing "
-              f"supervised in their first {limit} tokens)")
     print(f"{options.output}: {summary['tokens']:,} tokens ({sft['supervised_tokens']:,} supervised, "
           f"--train-on {sft['train_on']}), {sft['conversations']:,} conversations in {summary['shards']} shard(s); "
-          f"{fitted}{skipped}")
+          f"{_fitted(sft)}{skipped}")
     return 0
+
+
+def _fitted(sft: dict[str, Any]) -> str:
+    """What the summary says of the records truncated and dropped."""
+    limit = sft["max_tokens"]
+    return (f"{sft['truncated']:,} truncated, {sft['dropped']:,} dropped" if limit is None else
+            f"{sft['truncated']:,} truncated, {sft['dropped']:,} dropped (over --max-tokens {limit})"
+            if sft["too_long"] == "drop" else
+            f"{sft['truncated']:,} truncated to --max-tokens {limit}, {sft['dropped']:,} dropped (nothing "
+            f"supervised in their first {limit} tokens)")
 
 
 CHAT_HELP = """\
@@ -872,16 +902,33 @@ chat and instruction data:
   content that is not a string (but for such a call), bad tools, or on which the template fails
   is a bad record (--bad-records).
 
+  --preference reads preference pairs (TRL's formats): a prompt (--prompt-field, default prompt:
+  a text as one user turn, or a list of messages) and two answers (--chosen-field,
+  --rejected-field: a text as one assistant turn, or a list of messages that continue the
+  prompt); without a prompt field, chosen and rejected are whole conversations and the prompt is
+  the messages they share from the start. Each answer is rendered after the prompt as above, the
+  mask on the answer's assistant turns; the two are written one after the other (chosen, then
+  rejected) and kept or dropped together (--max-tokens applies to each). Train with
+  --job.preference.loss dpo|ipo|simpo (recipes.hf:dpo).
+
   titan-lightning prepare --chat --input chats.jsonl --tokenizer path/to/hf-folder \\
       --output sft-shards/ --max-tokens 4096
   titan-lightning prepare --input alpaca.jsonl --prompt-field instruction,input \\
       --response-field output --tokenizer path/to/hf-folder --output sft-shards/
+  titan-lightning prepare --preference --input pairs.jsonl --tokenizer path/to/hf-folder \\
+      --output dpo-shards/ --max-tokens 1024
 """
 
 
 def _chat_options(options) -> Optional[ChatOptions]:
     """The chat options given on the command line (None: plain text); one line for a combination
     that does not go together."""
+    if options.preference:
+        return _preference_options(options)
+    for name in ("chosen_field", "rejected_field"):
+        if getattr(options, name) is not None:
+            raise PrepareError(f"--{name.replace('_', '-')} {getattr(options, name)!r} names an answer of a "
+                               f"preference pair; add --preference")
     pairs = options.prompt_field is not None or options.response_field is not None
     if options.messages_field is not None and not options.chat:
         raise PrepareError(f"--messages-field {options.messages_field!r} applies to conversations; add --chat")
@@ -898,8 +945,7 @@ def _chat_options(options) -> Optional[ChatOptions]:
     if options.text_field is not None:
         raise PrepareError("--text-field names plain text; conversations are read from --messages-field "
                            "(--chat) or --prompt-field/--response-field")
-    if options.too_long is not None and options.max_tokens is None:
-        raise PrepareError(f"--too-long {options.too_long} needs --max-tokens N (the limit it applies to)")
+    _check_too_long(options)
     try:
         return ChatOptions(messages_field=(options.messages_field or "messages") if options.chat else None,
                            tools_field=options.tools_field or "tools",
@@ -909,3 +955,27 @@ def _chat_options(options) -> Optional[ChatOptions]:
                            too_long=options.too_long or "drop")
     except ValueError as err:
         raise PrepareError(str(err)) from None
+
+
+def _preference_options(options) -> PreferenceOptions:
+    """``--preference``'s options; one line for an option of another kind of data."""
+    for flag, value in (("--chat", options.chat or None), ("--response-field", options.response_field),
+                        ("--messages-field", options.messages_field), ("--tools-field", options.tools_field),
+                        ("--text-field", options.text_field), ("--train-on", options.train_on)):
+        if value is not None:
+            raise PrepareError(f"{flag} does not apply to --preference (pairs are read from --prompt-field, "
+                               f"--chosen-field and --rejected-field; each answer's assistant turns supervised)")
+    _check_too_long(options)
+    try:
+        return PreferenceOptions(prompt_fields=(options.prompt_field or "prompt",),
+                                 chosen_field=options.chosen_field or "chosen",
+                                 rejected_field=options.rejected_field or "rejected",
+                                 response_field=options.chosen_field or "chosen", template=options.chat_template,
+                                 max_tokens=options.max_tokens, too_long=options.too_long or "drop")
+    except ValueError as err:
+        raise PrepareError(str(err)) from None
+
+
+def _check_too_long(options) -> None:
+    if options.too_long is not None and options.max_tokens is None:
+        raise PrepareError(f"--too-long {options.too_long} needs --max-tokens N (the limit it applies to)")

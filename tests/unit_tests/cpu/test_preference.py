@@ -1,0 +1,199 @@
+"""Preference training (#49): ``prepare --preference`` writes each pair's two answers one after the
+other with the mask on the answers; PairWindows packs pairs whole; the DPO, IPO and SimPO losses and
+their gradients, from our chunked per-token loss over packed windows, equal an independent
+computation with the transformers model of the same folder on each sequence alone (fp32, CPU)."""
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.hf_folders import save_hf_folder, save_hf_model
+from titan_lightning.config.preference import PreferenceConfig
+from titan_lightning.data.prepare import PrepareError, main as prepare_main
+from titan_lightning.data.shards import ShardSet
+from titan_lightning.data.tokenizer import load_tokenizer
+from titan_lightning.models.common.loss import IGNORE_INDEX
+
+POSITIONS = 320  # RoPE positions of the tiny models: a window of packed pairs
+TEMPLATE = Path(__file__).resolve().parents[2] / "assets" / "chat_templates" / "chatml_generation.jinja"
+# Explicit prompts (text, messages) and the implicit form, answers of very uneven lengths.
+RECORDS = [
+    {"prompt": "What is two plus two?", "chosen": "Four.", "rejected": "Five, I think, though it may also be six."},
+    {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+     "chosen": [{"role": "assistant", "content": "Blue, the colour of a clear sky in the morning."}],
+     "rejected": [{"role": "assistant", "content": "No."}]},
+    {"chosen": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"}],
+     "rejected": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Go away."}]},
+    {"prompt": "Say yes.", "chosen": "Yes.", "rejected": "Yes."},  # a bad record: the same answers
+    {"prompt": "Count to three.", "chosen": "One, two, three.", "rejected": "One, three."},
+]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A qwen2 folder with a ChatML template, a reference model (another seed), the pairs prepared."""
+    root = tmp_path_factory.mktemp("preference")
+    folder = save_hf_folder(root / "policy", "qwen2", max_position_embeddings=POSITIONS)
+    shutil.copy(TEMPLATE, folder / "chat_template.jinja")
+    save_hf_model(root / "reference", "qwen2", seed=1, max_position_embeddings=POSITIONS)
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    prepare_main(["--preference", "--input", str(root / "pairs.jsonl"), "--tokenizer", str(folder), "--output",
+                  str(root / "shards"), "--workers", "1", "--no-progress"])
+    return root
+
+
+def _documents(shards: ShardSet) -> list[tuple[np.ndarray, np.ndarray]]:
+    ends = shards.document_ends().tolist()
+    return [(shards.read(a, b), shards.read_mask(a, b)) for a, b in zip([0, *ends[:-1]], ends)]
+
+
+def test_prepare_writes_each_pair_chosen_then_rejected_with_the_answers_supervised(prepared, capsys):
+    shards = ShardSet(prepared / "shards")
+    tokenizer = load_tokenizer(str(prepared / "policy"))
+    assert shards.index["sft"]["pairs"] == 4  # the record with the same answers is skipped
+    docs = _documents(shards)
+    assert len(docs) == 8
+    good = [r for r in RECORDS if r["chosen"] != r["rejected"]]
+    for k, record in enumerate(good):
+        for (ids, mask), side in zip(docs[2 * k:2 * k + 2], ("chosen", "rejected")):
+            answer = record[side] if isinstance(record[side], str) else record[side][-1]["content"]
+            assert tokenizer.decode(ids[mask == 1].tolist()) == answer + "<|im_end|>"
+        # The two answers share their prompt, token for token, up to the first supervised token.
+        (a, ma), (b, mb) = docs[2 * k:2 * k + 2]
+        start = int(np.argmax(ma))
+        assert start == int(np.argmax(mb)) and (a[:start] == b[:start]).all()
+
+
+def test_a_pair_is_dropped_whole_and_bad_pairs_are_named(prepared, tmp_path):
+    out = tmp_path / "short"
+    prepare_main(["--preference", "--input", str(prepared / "pairs.jsonl"), "--tokenizer", str(prepared / "policy"),
+                  "--output", str(out), "--workers", "1", "--no-progress", "--max-tokens", "85"])
+    sft = ShardSet(out).index["sft"]
+    assert sft["conversations"] == 2 * sft["pairs"] and sft["pairs"] >= 1 and sft["dropped"] >= 1
+    with pytest.raises(PrepareError, match=r"pairs.jsonl:4: 'chosen' and 'rejected' are the same \(--bad-records "
+                                           r"stop\)"):
+        prepare_main(["--preference", "--input", str(prepared / "pairs.jsonl"), "--tokenizer",
+                      str(prepared / "policy"), "--output", str(tmp_path / "stop"), "--workers", "1",
+                      "--no-progress", "--bad-records", "stop"])
+    with pytest.raises(PrepareError, match="--chat does not apply to --preference"):
+        prepare_main(["--preference", "--chat", "--input", str(prepared / "pairs.jsonl"), "--output",
+                      str(tmp_path / "x")])
+
+
+def test_pair_windows_hold_whole_pairs_and_label_each_sequence(prepared):
+    from titan_lightning.data.preference import PairWindows
+
+    shards = ShardSet(prepared / "shards")
+    docs = _documents(shards)
+    lengths = [len(docs[2 * k][0]) + len(docs[2 * k + 1][0]) for k in range(4)]
+    seq_len = max(lengths) + min(lengths) - 1  # the longest pair and the shortest fit one window
+    windows = PairWindows(shards.tokens, seq_len, 0, "best_fit")
+    seen = []
+    for i in range(len(windows)):
+        sample = windows[i]
+        slots = sample["sequence_docs"].tolist()
+        pairs = [d for d in slots if d >= 0]
+        assert all(pairs[j + 1] == pairs[j] + 1 and pairs[j] % 2 == 0 for j in range(0, len(pairs), 2))
+        for slot, doc in enumerate(pairs):  # each slot's labels are its document's supervised tokens
+            ids, mask = docs[doc]
+            labels = sample["labels"][sample["sequence_ids"] == slot]
+            assert labels.tolist() == ids[1:][mask[1:] == 1].tolist()
+        seen += pairs
+    assert sorted(seen) == list(range(8))
+    assert len(windows) < 4  # pairs share windows
+    # A span that starts with a rejected answer (a split between the two) leaves that pair out.
+    start = int(shards.document_ends()[2])
+    tail = PairWindows(type(shards.tokens)(shards, start, len(shards)), seq_len, 0, "packed", first_document=3)
+    assert sorted(d for i in range(len(tail)) for d in tail[i]["sequence_docs"].tolist() if d >= 0) == [4, 5, 6, 7]
+
+
+def _ours(folder: Path):
+    """Our decoder of ``folder`` for packed pairs (block-causal, positions per document), its head
+    applied by the chunked loss."""
+    from titan_lightning.models.common.decoder import decoder_class
+    from titan_lightning.pretrained import read_hf_model
+
+    hf = read_hf_model(folder)
+    args = replace(hf.args, mask="block_causal", positions="per_document")
+    model = decoder_class(type(args))(args)
+    model.init_weights(seed=1)
+    hf.module_class.hf_adapter(args, tie_word_embeddings=hf.tie_word_embeddings).load_into(model, folder)
+    model.head_in_loss = True
+    return model, hf.module_class.hf_adapter(args, tie_word_embeddings=hf.tie_word_embeddings)
+
+
+def _token_losses(model, batch):
+    h = model(batch["input_ids"], batch["position_ids"])
+    return model.output(h, labels=batch["labels"], chunks=3, reduction="none")
+
+
+def _theirs_logps(model, docs) -> torch.Tensor:
+    """Each document's summed log-probability of its supervised tokens, the transformers model run on
+    the document alone, its full logits in fp32."""
+    out = []
+    for ids, mask in docs:
+        ids_t = torch.from_numpy(ids).unsqueeze(0)
+        logps = F.log_softmax(model(ids_t).logits.float(), dim=-1)[0, :-1].gather(1, ids_t[0, 1:, None])[:, 0]
+        out.append((logps * torch.from_numpy(mask[1:] == 1)).sum())
+    return torch.stack(out)
+
+
+def _theirs_loss(loss: str, beta: float, gamma: float, logps, tokens, ref) -> torch.Tensor:
+    """The losses as TRL writes them (DPOTrainer sigmoid / ipo, CPOTrainer simpo), averaged over the pairs."""
+    if loss in ("ipo", "simpo"):
+        logps, ref = logps / tokens, ref / tokens
+    pi, ref_diff = logps[0::2] - logps[1::2], ref[0::2] - ref[1::2]
+    if loss == "dpo":
+        return -F.logsigmoid(beta * (pi - ref_diff)).mean()
+    if loss == "ipo":
+        return ((pi - ref_diff - 1 / (2 * beta)) ** 2).mean()
+    return -F.logsigmoid(beta * (pi - gamma / beta)).mean()
+
+
+@pytest.mark.parametrize("loss", ["dpo", "ipo", "simpo"])
+def test_step_one_loss_and_gradients_equal_transformers_on_each_sequence_alone(prepared, loss):
+    import transformers
+    from torch.utils.data import default_collate
+
+    from titan_lightning.data.preference import PairWindows
+    from titan_lightning.objectives.preference import batch_sums, reference_pass
+
+    torch.manual_seed(0)
+    shards = ShardSet(prepared / "shards")
+    docs = _documents(shards)
+    windows = PairWindows(shards.tokens, POSITIONS - 1, 0, "best_fit")
+    batches = [default_collate([windows[i] for i in range(len(windows))])]
+    config = PreferenceConfig(loss=loss)
+
+    reference_model, _ = _ours(prepared / "reference")
+    reference = reference_pass(lambda b: _token_losses(reference_model, b), batches, len(docs), torch.device("cpu"))
+    ours, adapter = _ours(prepared / "policy")
+    total, stats = batch_sums(config, _token_losses(ours, batches[0]), batches[0], reference.float())
+    pairs = stats[0]
+    (total / pairs).backward()
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(prepared / "policy", dtype=torch.float32)
+    their_reference = transformers.AutoModelForCausalLM.from_pretrained(prepared / "reference", dtype=torch.float32)
+    with torch.no_grad():
+        ref = _theirs_logps(their_reference, docs)
+    assert torch.allclose(reference.float(), ref, rtol=0, atol=2e-5), (reference, ref)
+    tokens = torch.tensor([float((m[1:] == 1).sum()) for _, m in docs])
+    want = _theirs_loss(loss, config.scale, config.gamma, _theirs_logps(theirs, docs), tokens, ref)
+    want.backward()
+
+    assert pairs.item() == 4
+    # 1e-6, relative to values over 1 (IPO's squared margin is ~25 at step 1: fp32 holds 7 digits).
+    assert abs(total.item() / 4 - want.item()) <= 1e-6 * max(1.0, abs(want.item())), (total.item() / 4, want.item())
+    our_grads = adapter.to_hf({name: p.grad for name, p in ours.named_parameters()})
+    for name, p in theirs.named_parameters():
+        scale = p.grad.abs().max().item()
+        assert scale > 0, name
+        # Relative to the tensor's largest gradient: each is a sum over ~600 tokens' terms in fp32, in
+        # another order (packed windows, chunks) than transformers' (IPO's gradients reach ~2).
+        assert (our_grads[name] - p.grad).abs().max().item() <= 2e-6 * max(1.0, scale), name

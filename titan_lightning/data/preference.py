@@ -1,0 +1,198 @@
+"""Preference data: chosen / rejected pairs rendered with the chat template, and packed whole.
+
+``titan-lightning prepare --preference`` reads the formats people publish (TRL's preference
+datasets): an explicit prompt (``prompt``: a text, as one user turn, or a list of messages;
+``chosen`` / ``rejected``: a text, as one assistant turn, or a list of messages that continue
+the prompt), or the implicit-prompt form (``chosen`` / ``rejected`` whole conversations; the
+prompt is the messages they share from the start). Each answer is the prompt and that answer
+rendered as SFT renders a conversation (data/chat.py: the folder's chat template, or plain
+prompt + blank line + answer + EOS without one), with the mask on the answer's assistant turns
+only. A pair is written as two documents, chosen then rejected, one after the other; a pair of
+which either answer is too long for ``--max-tokens`` is dropped (``--too-long drop``) or both are
+truncated (``truncate``; dropped when either is left with nothing supervised).
+
+``PairWindows`` packs whole pairs (never one answer without the other) into training windows, so
+both sequences of a pair are in the same microbatch on the same rank; each sequence is a document
+of its own (``model.mask="block_causal"``, ``model.positions="per_document"``). Besides the SFT
+sample's ``input_ids``, ``labels`` and ``position_ids`` (data/sft.py), a window gives::
+
+    sequence_ids   [seq_len]  the slot of the sequence each label belongs to (-1: none): pair k of
+                              the window is slots 2k (chosen) and 2k + 1 (rejected)
+    sequence_docs  [2P]       each slot's document index in the shard set (-1: an empty slot), by
+                              which precomputed reference log-probabilities are found
+
+(P: the most pairs a window of the set holds). The split between train and held-out documents may
+fall between the two answers of one pair: that pair is left out of both.
+"""
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from titan_lightning.data.chat import BadRecord, ChatOptions, ChatRenderer, ChatSpec, Span, conversation
+from titan_lightning.data.shards import TokenSpan
+from titan_lightning.data.sft import ConversationWindows, best_fit, pack
+
+PAIR_PACKINGS = ("best_fit", "packed")
+# "fields" of a record that hold text as one turn: the prompt a user's, an answer the assistant's.
+TEXT_ROLES = {"prompt": "user", "chosen": "assistant", "rejected": "assistant"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreferenceOptions(ChatOptions):
+    """Chat options for pairs: the record's ``prompt_field`` (optional: without it, the implicit
+    form), ``chosen_field`` and ``rejected_field``. The base's prompt/response pair is (prompt,
+    chosen), so its rules on pairs hold as they are."""
+
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+    tools_field: Optional[str] = None
+    prompt_fields: tuple[str, ...] = ("prompt",)
+    response_field: Optional[str] = "chosen"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        names = [self.prompt_fields[0], self.chosen_field, self.rejected_field]
+        if len(set(names)) != 3 or len(self.prompt_fields) != 1:
+            raise ValueError(f"--preference reads three distinct fields: prompt, chosen and rejected (given: "
+                             f"{', '.join(self.prompt_fields)}, {self.chosen_field}, {self.rejected_field})")
+        if self.train_on != "assistant":
+            raise ValueError(f"--train-on {self.train_on}: --preference supervises each answer's assistant turns "
+                             f"only; leave --train-on out")
+
+    @property
+    def prompt_field(self) -> str:
+        return self.prompt_fields[0]
+
+    @property
+    def fields(self) -> list[str]:
+        return [self.chosen_field, self.rejected_field]
+
+    @property
+    def optional_fields(self) -> list[str]:
+        return [self.prompt_field]
+
+    @property
+    def field_options(self) -> list[tuple[str, str, Any]]:
+        return [(self.chosen_field, "--chosen-field", (str, list)), (self.rejected_field, "--rejected-field", (str, list))]
+
+
+class PreferenceRenderer(ChatRenderer):
+    """A record to its pair of (text, supervised spans): the prompt and each answer."""
+
+    def pair(self, record: Any) -> tuple[list[dict], list[dict], int]:
+        """(the chosen conversation, the rejected one, the messages of the prompt they share)."""
+        o: PreferenceOptions = self.options
+        if not isinstance(record, dict):
+            raise BadRecord(f"not an object but a {type(record).__name__}")
+        prompt = record.get(o.prompt_field)
+        chosen, rejected = record.get(o.chosen_field), record.get(o.rejected_field)
+        if prompt is None:
+            if not (isinstance(chosen, list) and isinstance(rejected, list)):
+                raise BadRecord(f"no {o.prompt_field!r}, and {o.chosen_field!r} and {o.rejected_field!r} are not both "
+                                f"conversations (lists of messages) sharing their prompt")
+            chosen, rejected = conversation(chosen, o.chosen_field), conversation(rejected, o.rejected_field)
+            shared = 0
+            while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+                shared += 1
+            if not shared:
+                raise BadRecord(f"{o.chosen_field!r} and {o.rejected_field!r} share no first message (the prompt of "
+                                f"the implicit form); give the prompt in {o.prompt_field!r}")
+            prompt = chosen[:shared]
+        else:
+            prompt = self._turns(prompt, "prompt", o.prompt_field)
+            chosen = prompt + self._turns(chosen, "chosen", o.chosen_field)
+            rejected = prompt + self._turns(rejected, "rejected", o.rejected_field)
+        for name, messages in ((o.chosen_field, chosen), (o.rejected_field, rejected)):
+            if not any(m["role"] == "assistant" for m in messages[len(prompt):]):
+                raise BadRecord(f"{name!r}: no assistant turn after the prompt")
+        if chosen == rejected:
+            raise BadRecord(f"{o.chosen_field!r} and {o.rejected_field!r} are the same")
+        return chosen, rejected, len(prompt)
+
+    def _turns(self, value: Any, kind: str, field: str) -> list[dict]:
+        if isinstance(value, str):
+            if not value.strip():
+                raise BadRecord(f"no text in {field!r}")
+            return [{"role": TEXT_ROLES[kind], "content": value}]
+        return conversation(value, field)
+
+    def messages(self, record: Any) -> list[dict[str, Any]]:
+        """The chosen conversation (what ``prepare`` renders first to check the template)."""
+        return self.pair(record)[0]
+
+    def render_pair(self, record: Any) -> list[tuple[str, list[Span]]]:
+        """[(the chosen conversation's text, the spans of its answer), (the rejected one's, ...)]."""
+        chosen, rejected, shared = self.pair(record)
+        if self.template is None and not all(len(m) == 2 and m[0]["role"] == "user" for m in (chosen, rejected)):
+            raise BadRecord("a tokenizer without a chat template renders a text prompt and text answers only; give "
+                            "one with --chat-template FILE")
+        prior = sum(m["role"] == "assistant" for m in chosen[:shared])  # the prompt's own assistant turns
+        out = []
+        for messages in (chosen, rejected):
+            text, spans = self.render(messages)
+            spans = spans[prior:] if self.template is not None else spans
+            if not spans:
+                raise BadRecord("the chat template marks none of the answer's text")
+            out.append((text, spans))
+        return out
+
+
+def renderer_for(spec: ChatSpec, tokenizer) -> ChatRenderer:
+    """The renderer of ``spec``'s records: pairs (PreferenceOptions) or conversations."""
+    return (PreferenceRenderer if isinstance(spec.options, PreferenceOptions) else ChatRenderer)(spec, tokenizer)
+
+
+class PairWindows(ConversationWindows):
+    """The preference samples of a masked shard span written by ``prepare --preference`` (the module
+    docstring): whole pairs packed ``packing`` ("best_fit", or "packed": next-fit in order) into
+    windows of ``seq_len + 1`` tokens. ``first_document``: the index in the shard set of the span's
+    first document. A pair longer than the window is left out, with one warning."""
+
+    def __init__(self, tokens: TokenSpan, seq_len: int, pad_id: int, packing: str = "best_fit",
+                 first_document: int = 0) -> None:
+        if packing not in PAIR_PACKINGS:
+            raise ValueError(f"data.sft_packing={packing!r}: preference pairs are packed whole, "
+                             f"{' or '.join(PAIR_PACKINGS)}")
+        self.tokens, self.seq_len, self.pad_id, self.packing = tokens, seq_len, pad_id, packing
+        shards = tokens.shards
+        self.ends = shards.document_ends(tokens.start, tokens.stop) - tokens.start
+        skip = first_document % 2  # a rejected answer whose chosen one is in the other split
+        chosen = skip + 2 * np.arange((len(self.ends) - skip) // 2)
+        begins = np.concatenate([[0], self.ends[:-1]])
+        lengths = self.ends[chosen + 1] - begins[chosen]
+        fits = lengths <= seq_len + 1
+        if not fits.all():
+            warnings.warn(f"{int((~fits).sum())} pair(s) of {shards.folder} are longer than training.seq_len + 1 = "
+                          f"{seq_len + 1} tokens together and are left out (a pair trains whole); prepare with "
+                          f"--max-tokens {(seq_len + 1) // 2}, or raise training.seq_len", stacklevel=2)
+        chosen, lengths = chosen[fits], lengths[fits]
+        if packing == "best_fit":
+            order, first = best_fit(np.cumsum(lengths), seq_len + 1)
+        else:
+            order, first = np.arange(len(lengths)), pack(np.cumsum(lengths), seq_len + 1)
+        # Window k holds documents members[first[k]:first[k + 1]]: its pairs' chosen and rejected answers.
+        self.members = np.stack([chosen[order], chosen[order] + 1], axis=1).reshape(-1)
+        self.first = 2 * first
+        self.first_document = first_document
+        self.slots = 2 * int(np.diff(first).max(initial=1))
+
+    def documents(self, index: int) -> tuple[int, np.ndarray]:
+        raise ValueError("documents(): a pair window's documents are not consecutive; use spans()")
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        sample = super().__getitem__(index)
+        docs = self.members[self.first[index]:self.first[index + 1]]
+        lengths = [e - b for b, e in self.spans(index)]
+        size = self.seq_len + 1
+        slot = np.full(size, -1, dtype=np.int64)
+        slot[:sum(lengths)] = np.repeat(np.arange(len(lengths)), lengths)
+        labels = sample["labels"].numpy()
+        sequence_ids = np.where(labels != -100, slot[1:], -1)  # a label's sequence: that of the token it is
+        sequence_docs = np.full(self.slots, -1, dtype=np.int64)
+        sequence_docs[:len(docs)] = docs + self.first_document
+        return {**sample, "sequence_ids": torch.from_numpy(sequence_ids),
+                "sequence_docs": torch.from_numpy(sequence_docs)}
