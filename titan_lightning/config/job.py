@@ -11,6 +11,7 @@ from titan_lightning.config.data import DataConfig
 from titan_lightning.config.lora import LoRAConfig
 from titan_lightning.config.optimizer import LRScheduleConfig, OptimizerConfig
 from titan_lightning.config.parallelism import ParallelismConfig
+from titan_lightning.config.preference import PreferenceConfig
 from titan_lightning.config.profiling import ProfilingConfig
 from titan_lightning.config.quantize import QuantizeConfig
 from titan_lightning.config.training import TrainingConfig
@@ -102,6 +103,7 @@ class JobConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
 
