@@ -70,8 +70,11 @@ def test_resume_continues_exactly(layout, world, saving, straight, tmp_path):
         reference["steps"], reference["losses"], reference["grad_norms"])
     manifest = verify(_step2(run_dir))
     assert manifest["world_size"] == world and latest_checkpoint(run_dir).name == "epoch=0-step=4.ckpt"
-    # Every rank's files are in the manifest (sent to rank 0 with DCP's write results), checksums right.
-    assert {f"rank{r}.pt" for r in range(world)} | {f"__{r}_0.distcp" for r in range(world)} <= set(manifest["files"])
+    # Every rank's shard is in the manifest (sent to rank 0 with DCP's write results), checksums right, and
+    # every rank's state (RNG, data position) in it too: the folder holds Lightning's files only.
+    assert {f"__{r}_0.distcp" for r in range(world)} | {".metadata"} == set(manifest["files"])
+    assert len(manifest["ranks"]) == world and {p.name for p in _step2(run_dir).iterdir()} == {
+        "meta.pt", *manifest["files"]}
     check_files(_step2(run_dir), manifest)
     resumed = fit(layout, world, tmp_path / "resume", tmp_path / "resumed",
                   extra=["--job.checkpoint.resume_from", str(_step2(run_dir))])

@@ -1,26 +1,31 @@
 """The names of a checkpoint folder's files (the layout: the package's docstring), and reading its
-small ones (``meta.pt``, ``rank<r>.pt``) with ``weights_only=True``: no code runs."""
+small ones (``meta.pt``; ``rank<r>.pt`` of the first format) with ``weights_only=True``: no code runs."""
 
 from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from titan_lightning.checkpoint.errors import CheckpointError, _describe
 
 META = "meta.pt"
-MANIFEST = "checkpoint.json"
 PARTIAL = ".partial"
 DCP_METADATA = ".metadata"
-FORMAT = "titan_lightning/1"
+# The manifest's key inside meta.pt, and the format it names: the folder holds exactly the files
+# Lightning's ModelParallelStrategy writes (.metadata, __<rank>_0.distcp, meta.pt).
+MANIFEST_KEY = "titan_lightning"
+FORMAT = "titan_lightning/2"
+# The first format (still read): the manifest in checkpoint.json, each rank's state in rank<r>.pt.
+FORMAT_1 = "titan_lightning/1"
+MANIFEST = "checkpoint.json"
 
 
 def rank_file(rank: int) -> str:
+    """A rank's own file in a checkpoint of the first format."""
     return f"rank{rank}.pt"
-
 
 
 def _load_small(file: Path, *, weights_only: bool = True) -> Any:
@@ -44,16 +49,26 @@ def _load_small(file: Path, *, weights_only: bool = True) -> Any:
 
 
 def load_meta(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
-    """Lightning's part of the checkpoint (loops, schedulers, callbacks, hyperparameters)."""
+    """Lightning's part of the checkpoint (loops, schedulers, callbacks, hyperparameters), without
+    the manifest of ours it carries."""
     meta = _load_small(path / META, weights_only=weights_only)
     if not isinstance(meta, dict):
         raise CheckpointError(f"checkpoint file {path / META} holds a {type(meta).__name__}, not a checkpoint dict")
+    meta.pop(MANIFEST_KEY, None)
     return meta
 
 
-def load_rank_state(path: Path, rank: int) -> dict[str, Any]:
-    state = _load_small(path / rank_file(rank))
+def load_rank_state(path: Path, rank: int, manifest: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """``rank``'s RNG states and data position: from the manifest (kept in meta.pt), or from
+    ``rank<r>.pt`` in a checkpoint of the first format (``manifest`` None or without ``ranks``)."""
+    if manifest is not None and manifest.get("format") == FORMAT:
+        ranks = manifest.get("ranks")
+        state = ranks[rank] if isinstance(ranks, list) and rank < len(ranks) else None
+        where = f"checkpoint file {path / META}"
+    else:
+        state = _load_small(path / rank_file(rank))
+        where = f"checkpoint file {path / rank_file(rank)}"
     if not isinstance(state, dict) or "rng" not in state:
-        raise CheckpointError(f"checkpoint file {path / rank_file(rank)} is not a rank state (no 'rng')")
+        raise CheckpointError(f"{where} holds no state of rank {rank} (no 'rng')")
     return state
 

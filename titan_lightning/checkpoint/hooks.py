@@ -2,10 +2,10 @@
 ``at(moment, save=N, ...)`` at fixed moments of its N-th save (counted per writer, from 1):
 
     "begin"    the ``.partial`` folder made (every rank agreed on it)
-    "files"    meta.pt and the rank files written, the shards not yet; ``storage`` is the DCP
+    "files"    every rank's state gathered, the shards not yet written; ``storage`` is the DCP
                storage writer about to write them (its ``fs`` may be wrapped)
-    "written"  the shards written (for an async save: in the background thread), before the
-               manifest and the rename
+    "written"  the shards written (for an async save: in the background thread), before
+               meta.pt (with the manifest) and the rename
 
 ``at`` does nothing unless a hook was installed; nothing in titan_lightning installs one.
 ``titan_lightning.testing.faults`` does, in test ranks: a rank that dies at a moment, a full disk.

@@ -1,47 +1,86 @@
-"""Locating and checking checkpoints by their completion manifest (``checkpoint.json``, written
-last): which folders are complete, the newest one, and every listed file of its size and crc32
-before a run starts from it."""
+"""Locating and checking checkpoints by their completion manifest (kept in ``meta.pt``, written
+last; ``checkpoint.json`` in the first format): which folders are complete, the newest one, and
+every listed file of its size and crc32 before a run starts from it."""
 
 from __future__ import annotations
 
 import json
 import logging
+import pickle
+import zipfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import torch
 from lightning_utilities.core.rank_zero import rank_zero_only
 
 from titan_lightning.checkpoint.dcp import _check_shards, read_dcp_metadata
 from titan_lightning.checkpoint.errors import CheckpointError, NotACheckpointError
-from titan_lightning.checkpoint.files import DCP_METADATA, FORMAT, MANIFEST, META, PARTIAL, load_meta, rank_file
+from titan_lightning.checkpoint.files import (DCP_METADATA, FORMAT, FORMAT_1, MANIFEST, MANIFEST_KEY, META, PARTIAL,
+                                              load_meta, rank_file)
 
 log = logging.getLogger(__name__)
 
 # What a load without the crc32 check risks (said where a check is skipped and where one fails).
 UNCHECKED = "a flipped bit in a weight or in optimizer state would be trained on, unnoticed"
 
-# A manifest is a few hundred bytes; anything much larger is not ours and is not parsed.
+# A manifest is a few hundred bytes (a meta.pt with it: Lightning's loops and callbacks and every
+# rank's RNG states, kilobytes a rank); anything much larger is not ours and is not read.
 _MANIFEST_MAX_BYTES = 1 << 20
+_META_MAX_BYTES = 256 << 20
+
+# meta.pt's manifest by (folder, mtime, size): a launch reads it several times.
+_READ: dict[tuple[str, int, int], Optional[dict[str, Any]]] = {}
 
 
 def read_manifest(path: Path) -> Optional[dict[str, Any]]:
     """The completion manifest of the checkpoint folder ``path``, or None when it has no valid one.
 
-    Reads one small JSON file and nothing else: safe on folders nobody here wrote."""
-    file = path / MANIFEST
+    Reads one small file and runs no code from it (``meta.pt`` weights-only, or the first format's
+    JSON): safe on folders nobody here wrote."""
+    if (path / MANIFEST).is_file():
+        return _read_json_manifest(path / MANIFEST)
+    file = path / META
     try:
-        if not file.is_file() or file.stat().st_size > _MANIFEST_MAX_BYTES:
+        if not file.is_file():
+            return None
+        stat = file.stat()
+    except OSError:
+        return None
+    key = (str(file), stat.st_mtime_ns, stat.st_size)
+    if key not in _READ:
+        _READ.clear()
+        _READ[key] = _read_meta_manifest(file, stat.st_size)
+    return _READ[key]
+
+
+def _read_meta_manifest(file: Path, size: int) -> Optional[dict[str, Any]]:
+    if size > _META_MAX_BYTES:
+        return None
+    try:
+        meta = torch.load(file, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, OSError, UnicodeDecodeError,
+            AttributeError, KeyError, TypeError, zipfile.BadZipFile):
+        return None
+    manifest = meta.get(MANIFEST_KEY) if isinstance(meta, dict) else None
+    return manifest if _valid(manifest, FORMAT) and isinstance(manifest.get("ranks"), list) else None
+
+
+def _read_json_manifest(file: Path) -> Optional[dict[str, Any]]:
+    try:
+        if file.stat().st_size > _MANIFEST_MAX_BYTES:
             return None
         manifest = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        return None
-    if not isinstance(manifest.get("global_step"), int) or not isinstance(manifest.get("world_size"), int):
-        return None
-    return manifest
+    return manifest if _valid(manifest, FORMAT_1) else None
+
+
+def _valid(manifest: Any, form: str) -> bool:
+    return (isinstance(manifest, dict) and manifest.get("format") == form
+            and isinstance(manifest.get("global_step"), int) and isinstance(manifest.get("world_size"), int))
 
 
 def is_complete(path: Path) -> bool:
@@ -52,9 +91,9 @@ def is_complete(path: Path) -> bool:
 def latest_checkpoint(root: Union[str, Path]) -> Optional[Path]:
     """The complete checkpoint with the highest global step under ``root`` (searched recursively).
 
-    Only the manifests are read; no checkpoint is loaded to decide."""
+    Only the manifests are read (weights-only); no checkpoint is loaded to decide."""
     best, best_key = None, None
-    for file in Path(root).rglob(MANIFEST):
+    for file in Path(root).rglob(META):
         folder = file.parent
         if not is_complete(folder):
             continue
@@ -94,10 +133,17 @@ def unfinished_checkpoints(root: Union[str, Path]) -> list[Path]:
 
 def is_lightning_sharded(path: Path) -> bool:
     """A finished sharded checkpoint of Lightning's ModelParallelStrategy (or FSDPStrategy): DCP's
-    ``.metadata`` and Lightning's ``meta.pt``, no manifest of ours (ours are renamed into place
-    with theirs, so a folder of ours is never without it)."""
-    return (path.is_dir() and not path.name.endswith(PARTIAL) and (path / DCP_METADATA).is_file()
-            and (path / META).is_file() and not (path / MANIFEST).exists())
+    ``.metadata`` and Lightning's ``meta.pt``, readable and without a manifest of ours (ours are
+    renamed into place with theirs, so a folder of ours is never without it; an unreadable meta.pt
+    is not taken for Lightning's, so that loading it names the damage)."""
+    if not (path.is_dir() and not path.name.endswith(PARTIAL) and (path / DCP_METADATA).is_file()
+            and (path / META).is_file() and not (path / MANIFEST).exists()):
+        return False
+    try:
+        meta = torch.load(path / META, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - unreadable: not Lightning's checkpoint as far as we can tell
+        return False
+    return isinstance(meta, dict) and MANIFEST_KEY not in meta
 
 
 def verify(path: Path, *, what: Optional[str] = None, ranks: bool = True) -> dict[str, Any]:
@@ -112,11 +158,17 @@ def verify(path: Path, *, what: Optional[str] = None, ranks: bool = True) -> dic
         hint = (f"; it holds checkpoints, the newest is {inner}" if inner is not None
                 else "; a save that did not finish leaves such a folder (.partial)" if (path / META).exists()
                 else "")
-        raise NotACheckpointError(f"{what} is not a complete checkpoint (no valid {MANIFEST}){hint}")
-    names = [DCP_METADATA, META] + ([rank_file(r) for r in range(manifest["world_size"])] if ranks else [])
+        raise NotACheckpointError(f"{what} is not a complete checkpoint (no manifest of titan_lightning in "
+                                  f"{META}){hint}")
+    first_format = manifest["format"] == FORMAT_1
+    names = [DCP_METADATA, META] + ([rank_file(r) for r in range(manifest["world_size"])]
+                                    if ranks and first_format else [])
     for name in names:
         if not (path / name).is_file():
             raise CheckpointError(f"{what}: {name} is missing (saved by {manifest['world_size']} ranks)")
+    if ranks and not first_format and len(manifest["ranks"]) != manifest["world_size"]:
+        raise CheckpointError(f"{what}: {META} holds the states of {len(manifest['ranks'])} ranks, saved by "
+                              f"{manifest['world_size']}; it changed after the save: use another checkpoint")
     return manifest
 
 
@@ -149,6 +201,8 @@ def check_files(path: Path, manifest: Optional[dict[str, Any]], *, what: Optiona
                     f"{what}: {name} is corrupt (crc32 {crc:08x}, {files[name][1]:08x} when saved); use another "
                     f"checkpoint (checkpoint.verify_checksums=false loads it as it is: the damaged bytes are "
                     f"trained on)")
+        if manifest.get("format") == FORMAT:
+            _check_meta_records(path / META, what)
     if not (path / DCP_METADATA).is_file():
         raise CheckpointError(f"{what}: {DCP_METADATA} is missing")
     _check_shards(path, read_dcp_metadata(path, what), what)
@@ -170,9 +224,23 @@ def _listed_files(manifest: dict[str, Any], what: str) -> dict[str, tuple[int, i
         and isinstance(entry, list) and len(entry) == 2 and all(isinstance(v, int) and v >= 0 for v in entry)
         for name, entry in files.items())
     if not ok:
-        raise CheckpointError(f"{what}: {MANIFEST} lists its files in a form not written here; it was changed "
+        where = MANIFEST if manifest.get("format") == FORMAT_1 else f"the manifest in {META}"
+        raise CheckpointError(f"{what}: {where} lists its files in a form not written here; it was changed "
                               f"after the save")
     return {name: (entry[0], entry[1]) for name, entry in files.items()}
+
+
+def _check_meta_records(file: Path, what: str) -> None:
+    """meta.pt holds the manifest, so the manifest cannot list it: torch.save's zip archive records
+    each entry's crc32 itself (torch.load does not check them; this does)."""
+    try:
+        with zipfile.ZipFile(file) as archive:
+            bad = archive.testzip()
+    except (OSError, zipfile.BadZipFile, RuntimeError, ValueError) as error:
+        bad = f"its archive ({error})"
+    if bad is not None:
+        raise CheckpointError(f"{what}: {META} is corrupt ({bad} differs from its recorded crc32); use another "
+                              f"checkpoint")
 
 
 def _crc32(file: Path, chunk: int = 16 << 20) -> int:

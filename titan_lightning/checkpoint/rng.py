@@ -1,4 +1,4 @@
-"""What differs per rank: every RNG's state, saved in ``rank<r>.pt``."""
+"""What differs per rank: every RNG's state, saved in the manifest (meta.pt) with every other rank's."""
 
 from __future__ import annotations
 

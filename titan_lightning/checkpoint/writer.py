@@ -1,15 +1,17 @@
 """Saving: Lightning checkpoints as sharded, atomic folders (``CheckpointWriter``).
 
-A save is written to ``<name>.partial``, completed by its manifest and renamed when every rank
-is done; a save that fails removes its ``.partial`` and raises one line on every rank. An
-asynchronous save stages the tensors to CPU memory and writes them in a background thread. Every
-file's [bytes, crc32] is computed while it is written, for the manifest.
+A save is written to ``<name>.partial``, completed by ``meta.pt`` (Lightning's part of the
+checkpoint, with the manifest of ours and every rank's state inside: the folder holds just the files
+Lightning's ModelParallelStrategy writes) and renamed when every rank is done; a save that fails
+removes its ``.partial`` and raises one line on every rank. An asynchronous save stages the tensors
+to CPU memory and writes them in a background thread. Every shard's [bytes, crc32] is computed while
+it is written, for the manifest.
 """
 
 from __future__ import annotations
 
+import copy
 import io
-import json
 import os
 import shutil
 import sys
@@ -31,7 +33,7 @@ from torch.futures import Future
 from titan_lightning._compat import default_group
 from titan_lightning.checkpoint import hooks
 from titan_lightning.checkpoint.errors import _FAILURES, CheckpointError, _describe
-from titan_lightning.checkpoint.files import DCP_METADATA, FORMAT, MANIFEST, META, PARTIAL, rank_file
+from titan_lightning.checkpoint.files import DCP_METADATA, FORMAT, MANIFEST_KEY, META, PARTIAL
 from titan_lightning.checkpoint.placements import dcp_saveable
 
 
@@ -122,23 +124,20 @@ class CheckpointWriter:
         state = dcp_saveable(state)
         self.agree(prepare, fail)
         hooks.at("begin", save=number)
+        ranks = self.agree(lambda: self._gather(rank_state), fail)  # (kilobytes a rank: RNG states, data position)
         manifest = {"format": FORMAT, "global_step": int(checkpoint.get("global_step", -1)),
                     "world_size": world_size, "layout": rank_state.get("layout")}
-
-        def write_own_files() -> dict[str, list[int]]:
-            written = {rank_file(rank): _save_small(rank_state, staging / rank_file(rank))}
-            if rank == 0:
-                written[META] = _save_small(checkpoint, staging / META)
-            return written
-
-        own = self.agree(write_own_files, fail)
-        writer = _ChecksummingWriter(staging, own)
+        if async_save:
+            checkpoint = copy.deepcopy(checkpoint)  # (written after training has moved on)
+        writer = _ChecksummingWriter(staging)
         hooks.at("files", save=number, storage=writer)
 
         def finish() -> None:
             hooks.at("written", save=number)
-            if rank == 0:  # DCP's coordinator wrote .metadata last, after every rank's data
-                _write_json(staging / MANIFEST, {**manifest, "files": dict(sorted(writer.checksums.items()))})
+            if rank == 0:  # DCP's coordinator wrote .metadata last, after every rank's data; meta.pt completes it
+                files = dict(sorted(writer.checksums.items()))
+                _save_small({**checkpoint, MANIFEST_KEY: {**manifest, "files": files, "ranks": ranks}},
+                            staging / META, sync=True)
                 _replace_dir(staging, path)
 
         if not async_save:
@@ -153,6 +152,16 @@ class CheckpointWriter:
         if announce:
             say(f"checkpoint {path}: staged ({time.monotonic() - begun:.1f} s), writing in the background")
             self._announced = (path, begun)
+
+    def _gather(self, rank_state: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's state, in rank order, on every rank (rank 0 writes them into meta.pt)."""
+        if not _distributed():
+            return [rank_state]
+        if dist.get_backend() == "fake":  # (every simulated rank is this process)
+            return [rank_state] * dist.get_world_size()
+        states: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(states, rank_state, group=self.group)
+        return states
 
     def remove(self, path: Path, *, rank: int) -> None:
         """Delete a checkpoint (keep_latest_k), on rank 0: after the save in flight completes (never
@@ -260,12 +269,11 @@ class _ChecksumFileSystem:
 
 class _ChecksummingWriter(FileSystemWriter):
     """DCP's FileSystemWriter that records [bytes, crc32] of every file it writes; after ``finish``
-    the coordinator's ``checksums`` holds every rank's files, ``own`` (this rank's files written
-    outside DCP) and .metadata."""
+    the coordinator's ``checksums`` holds every rank's files and .metadata."""
 
-    def __init__(self, path: Path, own: dict[str, list[int]]) -> None:
+    def __init__(self, path: Path) -> None:
         super().__init__(str(path))
-        self._written: dict[str, list[int]] = dict(own)
+        self._written: dict[str, list[int]] = {}
         self.fs = _ChecksumFileSystem(self.fs, self._written)
         self.checksums: dict[str, list[int]] = {}
 
@@ -285,21 +293,18 @@ class _ChecksummingWriter(FileSystemWriter):
 
 
 
-def _save_small(value: Any, file: Path) -> list[int]:
+def _save_small(value: Any, file: Path, *, sync: bool = False) -> list[int]:
     """torch.save through memory, then one plain write: a failed write is the OS's own error (ENOSPC,
-    EACCES), not torch's zip writer's. Returns [bytes, crc32] of the file."""
+    EACCES), not torch's zip writer's. ``sync``: on disk before the folder is renamed. Returns
+    [bytes, crc32] of the file."""
     buffer = io.BytesIO()
     torch.save(value, buffer)
     with open(file, "wb") as f:
         f.write(buffer.getbuffer())
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
     return [buffer.getbuffer().nbytes, zlib.crc32(buffer.getbuffer())]
-
-
-def _write_json(file: Path, value: dict[str, Any]) -> None:
-    with open(file, "w", encoding="utf-8") as f:
-        json.dump(value, f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _replace_dir(staging: Path, final: Path) -> None:

@@ -160,7 +160,7 @@ def remove(writer: CheckpointWriter, path: Path, *, rank: int) -> None:
 def load(writer: CheckpointWriter, path: Path, model: torch.nn.Module, optimizers: list, module: Any, *, rank: int,
          world_size: int, weights_only: bool) -> dict[str, Any]:
     """Model and optimizer from the shards (any layout), the rest from meta.pt, this rank's RNG
-    and data position from its own file (when the checkpoint was saved by as many ranks); a full
+    and data position from the manifest (when the checkpoint was saved by as many ranks); a full
     file or Lightning's sharded folder as such. Returns what Lightning restores itself."""
     strict = module.strict_loading
     if path.is_file():
@@ -171,7 +171,7 @@ def load(writer: CheckpointWriter, path: Path, model: torch.nn.Module, optimizer
                                        weights_only=weights_only)
     manifest = writer.agree(lambda: ckpt.verify(path, ranks=False))
     same_world = manifest["world_size"] == world_size
-    mine = writer.agree(lambda: ckpt.load_rank_state(path, rank) if same_world else None)
+    mine = writer.agree(lambda: ckpt.load_rank_state(path, rank, manifest) if same_world else None)
     checkpoint = writer.agree(lambda: ckpt.load_meta(path, weights_only=weights_only))
     if not same_world and rank == 0:
         print(f"[checkpoint] {path} was saved by {manifest['world_size']} ranks, this run has {world_size}: "

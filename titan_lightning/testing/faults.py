@@ -2,8 +2,8 @@
 
 ``TITAN_LIGHTNING_FAULT_IN_SAVE=N[:MOMENT]`` in a test rank's environment makes the rank die
 (exit 137, as when killed) in its N-th save at MOMENT: "begin" (the .partial folder made),
-"files" (meta.pt and the rank files written; the default), "written" (the shards written,
-before the manifest and the rename). ``N:enospc`` makes its N-th save fail writing its shards
+"files" (every rank's state gathered, the shards not yet written; the default), "written" (the
+shards written, before meta.pt with the manifest and the rename). ``N:enospc`` makes its N-th save fail writing its shards
 with "No space left on device". The test worker (``titan_lightning.testing.worker``) installs it;
 ``titan-lightning`` itself never reads the variable.
 """

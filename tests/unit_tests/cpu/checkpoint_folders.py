@@ -2,13 +2,14 @@
 per process (one step of the debug model cut to width 64 and 2 layers), and damaged copies of it."""
 
 import atexit
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from titan_lightning.checkpoint import MANIFEST, read_dcp_metadata
+import torch
+
+from titan_lightning.checkpoint import MANIFEST_KEY, META, read_dcp_metadata
 
 _SAVED: list[Path] = []
 
@@ -79,6 +80,11 @@ def damaged_copies(root: Path) -> None:
         file = copies[name] / shard
         file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
     (copies["ckpt_no_shard"] / shard).unlink()
-    manifest = json.loads((copies["ckpt_old_truncated"] / MANIFEST).read_text())
-    del manifest["files"]
-    (copies["ckpt_old_truncated"] / MANIFEST).write_text(json.dumps(manifest))
+    drop_checksums(copies["ckpt_old_truncated"])
+
+
+def drop_checksums(folder: Path) -> None:
+    """The checkpoint ``folder`` as saved before checksums were recorded: no "files" in its manifest."""
+    meta = torch.load(folder / META, weights_only=True)
+    del meta[MANIFEST_KEY]["files"]
+    torch.save(meta, folder / META)

@@ -397,8 +397,7 @@ def test_save_load_sharded_state_dict(tmp_path):
 
     path = Path(trainer.strategy.broadcast(trainer.checkpoint_callback.best_model_path))
     files = set(os.listdir(path))
-    # (TitanStrategy adds its completion manifest and per-rank RNG/data files next to DCP's.)
-    assert {"meta.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"} <= files, files
+    assert files == {"meta.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"}, files  # (Lightning's exact set)
     metadata = torch.load(path / "meta.pt", weights_only=True)
     assert "pytorch-lightning_version" in metadata
     assert len(metadata["callbacks"]) == 1

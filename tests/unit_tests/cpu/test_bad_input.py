@@ -602,8 +602,8 @@ def test_a_checkpoint_loaded_without_its_crc32_check_is_said_once(inputs, tmp_pa
     load's check, saying what goes unnoticed; the corrupt-checkpoint error says what turning it off does."""
     import shutil
 
+    from tests.unit_tests.cpu.checkpoint_folders import drop_checksums
     from titan_lightning.checkpoint import CheckpointError, resolve_resume
-    from titan_lightning.checkpoint.files import MANIFEST
 
     monkeypatch.setattr(rank_zero_only, "rank", 0)  # (said on rank 0 only; an earlier test may have left another)
     with pytest.raises(CheckpointError, match=r"verify_checksums=false loads it as it is: the damaged bytes are trained on"):
@@ -615,9 +615,7 @@ def test_a_checkpoint_loaded_without_its_crc32_check_is_said_once(inputs, tmp_pa
     assert err.count("\n") == 1 and f"checkpoint.resume_from='{inputs / 'ckpt_bitflip'}': loaded without" in err, err
     assert "loaded without a crc32 check (checkpoint.verify_checksums=false)" in err and "unnoticed" in err, err
     old = shutil.copytree(inputs / "ckpt_small", tmp_path / "old")
-    manifest = json.loads((old / MANIFEST).read_text())
-    del manifest["files"]
-    (old / MANIFEST).write_text(json.dumps(manifest))
+    drop_checksums(old)
     assert resolve_resume(str(old), tmp_path) is not None
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and "its manifest records no checksums" in err, err

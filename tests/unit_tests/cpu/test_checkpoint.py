@@ -14,6 +14,7 @@ from titan_lightning.checkpoint import (
     FORMAT,
     MANIFEST,
     META,
+    MANIFEST_KEY,
     CheckpointError,
     check_checkpoint,
     is_complete,
@@ -31,14 +32,26 @@ from titan_lightning.config import CheckpointConfig
 
 
 def _folder(tmp_path, name="epoch=0-step=5.ckpt", step=5, tensors=None, world_size=1):
-    """A checkpoint folder as CheckpointWriter leaves it (shards, meta.pt, rank files, manifest)."""
+    """A checkpoint folder as CheckpointWriter leaves it: shards, and meta.pt holding the manifest
+    and every rank's state (Lightning's file set)."""
     path = tmp_path / name
     tensors = tensors or {"state_dict": {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(3)}}
     dcp.save(tensors, checkpoint_id=str(path))
+    ranks = [{"rng": rng_states(), "world_size": world_size} for _ in range(world_size)]
+    torch.save({"global_step": step, MANIFEST_KEY: {"format": FORMAT, "global_step": step, "world_size": world_size,
+                                                    "ranks": ranks}}, path / META)
+    return path
+
+
+def _folder_v1(tmp_path, name="epoch=0-step=5.ckpt", step=5, world_size=1):
+    """A checkpoint folder of the first format (manifest in checkpoint.json, rank<r>.pt files): still read."""
+    path = tmp_path / name
+    dcp.save({"state_dict": {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(3)}}, checkpoint_id=str(path))
     torch.save({"global_step": step}, path / META)
     for rank in range(world_size):
         torch.save({"rng": rng_states(), "world_size": world_size}, path / f"rank{rank}.pt")
-    (path / MANIFEST).write_text(json.dumps({"format": FORMAT, "global_step": step, "world_size": world_size}))
+    (path / MANIFEST).write_text(json.dumps({"format": "titan_lightning/1", "global_step": step,
+                                             "world_size": world_size}))
     return path
 
 
@@ -70,11 +83,16 @@ def test_missing_keys_and_shapes_are_named(tmp_path):
 def test_incomplete_truncated_and_absent_checkpoints_are_named(tmp_path):
     path = _folder(tmp_path)
     (path / META).unlink()
-    with pytest.raises(CheckpointError, match=rf"checkpoint {path}: meta.pt is missing \(saved by 1 ranks\)"):
+    with pytest.raises(CheckpointError, match=rf"{path} is not a complete checkpoint \(no manifest of titan_lightning "
+                                              rf"in meta.pt\)"):
         verify(path)
-    (path / MANIFEST).unlink()
-    with pytest.raises(CheckpointError, match=rf"{path} is not a complete checkpoint \(no valid checkpoint.json\)"):
+    torch.save({"global_step": 5}, path / META)  # Lightning's meta.pt, no manifest of ours
+    with pytest.raises(CheckpointError, match=rf"{path} is not a complete checkpoint"):
         verify(path)
+    old = _folder_v1(tmp_path / "v1")
+    (old / META).unlink()
+    with pytest.raises(CheckpointError, match=rf"checkpoint {old}: meta.pt is missing \(saved by 1 ranks\)"):
+        verify(old)
     other = _folder(tmp_path, "epoch=0-step=6.ckpt", 6)
     (shard,) = other.glob("*.distcp")
     data = shard.read_bytes()
@@ -108,7 +126,15 @@ def test_latest_is_the_highest_complete_step(tmp_path):
 
 
 def test_a_missing_or_corrupt_rank_or_meta_file_is_named(tmp_path):
-    path = _folder(tmp_path, world_size=2)
+    ours = _folder(tmp_path / "v2", world_size=2)
+    manifest = verify(ours)
+    assert load_rank_state(ours, 1, manifest)["world_size"] == 2
+    meta = torch.load(ours / META, weights_only=True)
+    meta[MANIFEST_KEY]["ranks"].pop()
+    torch.save(meta, ours / META)
+    with pytest.raises(CheckpointError, match=rf"checkpoint {ours}: meta.pt holds the states of 1 ranks, saved by 2"):
+        verify(ours)
+    path = _folder_v1(tmp_path, world_size=2)  # the first format: a file per rank
     (path / "rank1.pt").unlink()
     with pytest.raises(CheckpointError, match=rf"checkpoint {path}: rank1.pt is missing \(saved by 2 ranks\)"):
         verify(path)
@@ -129,12 +155,16 @@ def test_a_missing_or_corrupt_rank_or_meta_file_is_named(tmp_path):
 def test_a_malicious_meta_or_rank_file_does_not_run(tmp_path):
     marker = tmp_path / "ran"
     path = _folder(tmp_path)
-    torch.save({"global_step": 5, "evil": Payload(marker)}, path / META)
-    torch.save({"rng": Payload(marker)}, path / "rank0.pt")
+    torch.save({"global_step": 5, "evil": Payload(marker), MANIFEST_KEY: {"format": FORMAT, "global_step": 5,
+                                                                         "world_size": 1, "ranks": []}}, path / META)
     with pytest.raises(CheckpointError, match=r"meta.pt holds (builtins.)?exec, which a weights-only load refuses"):
         load_meta(path)
+    with pytest.raises(CheckpointError, match=r"is not a complete checkpoint"):
+        verify(path)  # (its manifest is in the refused file)
+    old = _folder_v1(tmp_path / "v1")
+    torch.save({"rng": Payload(marker)}, old / "rank0.pt")
     with pytest.raises(CheckpointError, match=r"rank0.pt holds (builtins.)?exec"):
-        load_rank_state(path, 0)
+        load_rank_state(old, 0)
     assert not marker.exists()
 
 
@@ -247,8 +277,8 @@ def test_the_manifest_lists_every_file_with_its_size_and_crc32(tmp_path):
 
     path = small_checkpoint()
     files = verify(path)["files"]
-    on_disk = {p.name for p in path.iterdir()} - {MANIFEST}
-    assert set(files) == on_disk == {DCP_METADATA, META, "rank0.pt", "__0_0.distcp"}
+    assert {p.name for p in path.iterdir()} == {DCP_METADATA, META, "__0_0.distcp"}  # Lightning's file set
+    assert set(files) == {DCP_METADATA, "__0_0.distcp"}  # (meta.pt holds the manifest: its zip keeps its crc32s)
     for name, (size, crc) in files.items():
         data = (path / name).read_bytes()
         assert (size, crc) == (len(data), zlib.crc32(data)), name
@@ -266,17 +296,33 @@ def test_a_flipped_bit_is_named_unless_checksums_are_off_and_old_checkpoints_sti
         resolve_resume(str(path), tmp_path)
     assert resolve_resume(str(path), tmp_path, checksums=False) == str(path)  # sizes only
     # Saved before checksums were recorded: no "files" in the manifest; it resumes (and loads).
-    manifest = json.loads((path / MANIFEST).read_text())
-    del manifest["files"]
-    (path / MANIFEST).write_text(json.dumps(manifest))
+    meta = torch.load(path / META, weights_only=True)
+    del meta[MANIFEST_KEY]["files"]
+    torch.save(meta, path / META)
     assert resolve_resume(str(path), tmp_path) == str(path)
     weight = torch.zeros(2048, 64)
     load_sharded(path, {"state_dict": {"model.output.weight": weight}})
     assert weight.abs().sum() > 0
     # A manifest whose file list points outside its folder is refused, not followed.
-    manifest["files"] = {"../elsewhere": [1, 2]}
-    (path / MANIFEST).write_text(json.dumps(manifest))
+    meta[MANIFEST_KEY]["files"] = {"../elsewhere": [1, 2]}
+    torch.save(meta, path / META)
     with pytest.raises(CheckpointError, match=r"lists its files in a form not written here"):
+        resolve_resume(str(path), tmp_path)
+
+
+def test_a_flipped_bit_in_meta_pt_is_named(tmp_path):
+    """meta.pt carries the manifest, so its own crc32s are the ones torch.save's zip records keep."""
+    import shutil
+    import zipfile
+
+    from tests.unit_tests.cpu.checkpoint_folders import flip_bit, small_checkpoint
+
+    path = shutil.copytree(small_checkpoint(), tmp_path / "copy")
+    with zipfile.ZipFile(path / META) as archive:
+        record = next(info for info in archive.infolist() if info.filename.endswith("data.pkl"))
+        offset = record.header_offset + 30 + len(record.filename.encode()) + len(record.extra) + record.file_size // 2
+    flip_bit(path / META, offset)
+    with pytest.raises(CheckpointError, match=rf"checkpoint.resume_from='{path}': meta.pt is corrupt"):
         resolve_resume(str(path), tmp_path)
 
 

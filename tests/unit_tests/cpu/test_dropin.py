@@ -6,16 +6,15 @@ Multi-process tests start one process per rank through titan_lightning.testing.l
 a hard timeout. The in-process tests check what needs no ranks (constructor keywords, mesh names).
 """
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from titan_lightning.testing.launch import launch
+from titan_lightning.testing.launch import launch, pythonpath_env
 
 HERE = Path(__file__).parent
-ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+ENV = pythonpath_env(HERE)
 TIMEOUT = 300
 
 
@@ -107,8 +106,8 @@ def test_full_checkpoint_loads_into_a_plain_module_and_resumes_on_another_world_
 def test_sharded_checkpoint_is_a_folder_by_default(tmp_path):
     _fit("submodule_titan_fsdp2", 2, tmp_path, STYLES_CHECKPOINTS=str(tmp_path / "ckpt"))
     folder = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
-    assert folder.is_dir() and (folder / "checkpoint.json").is_file()
-    assert sorted(p.name for p in folder.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert folder.is_dir() and {p.name for p in folder.iterdir()} == {".metadata", "meta.pt", "__0_0.distcp",
+                                                                      "__1_0.distcp"}  # (Lightning's file set)
 
 
 # -- in process ---------------------------------------------------------------------------------
