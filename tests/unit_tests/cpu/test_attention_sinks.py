@@ -10,26 +10,14 @@ import torch
 from titan_lightning.models.common.masking import Documents, attend, block_causal_mask, documents_for
 from titan_lightning.parallel.context import ContextParallel, context_parallel_attention
 
+from tests.decoders import reference_attention
+
 S, H, KV, D = 16, 4, 2, 8
 LENGTHS = [[5, 1, 6, 4], [S]]
 
 
 def _positions(lengths):
     return torch.tensor([[p for n in row for p in range(n)] for row in lengths])
-
-
-def _reference(q, k, v, sinks, window=None, documents=None):
-    """[B, S, H, D] attention with a sink column, written out entry by entry (fp64)."""
-    B = q.shape[0]
-    k, v = (t.repeat_interleave(H // t.shape[2], dim=2) for t in (k, v))
-    docs = torch.zeros(B, S, dtype=torch.long) if documents is None else documents
-    allowed = torch.tensor([[[j <= i and (window is None or i - window < j) and docs[b, i] == docs[b, j]
-                              for j in range(S)] for i in range(S)] for b in range(B)])
-    scores = torch.einsum("bihd,bjhd->bhij", q, k) / D**0.5
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    column = sinks.view(1, H, 1, 1).expand(B, H, S, 1)
-    weights = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
-    return torch.einsum("bhij,bjhd->bihd", weights, v)
 
 
 def _inputs(grad: bool):
@@ -57,7 +45,7 @@ def test_sinks_equal_the_softmax_with_a_sink_column(kernel, mask):
     for window in (None, 3):
         documents = documents_for(_Args(kernel, mask, window), _positions(LENGTHS), q)
         out = attend(q, k, v, documents, window=window, sinks=sinks)
-        expected = _reference(q, k, v, sinks, window, ids)
+        expected = reference_attention(q, k, v, window, ids, sinks=sinks)
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
         assert (out - attend(q, k, v, documents, window=window)).abs().max() > 1e-2  # the sinks count
         if grad:
@@ -69,7 +57,8 @@ def test_sinks_equal_the_softmax_with_a_sink_column(kernel, mask):
 
 def test_sinks_without_documents_on_sdpa():
     q, k, v, sinks = _inputs(False)
-    torch.testing.assert_close(attend(q, k, v, None, sinks=sinks), _reference(q, k, v, sinks), rtol=0, atol=1e-10)
+    expected = reference_attention(q, k, v, sinks=sinks)
+    torch.testing.assert_close(attend(q, k, v, None, sinks=sinks), expected, rtol=0, atol=1e-10)
 
 
 def _cp_sinks(rank: int, world_size: int, *, window, lengths) -> dict:
@@ -78,8 +67,8 @@ def _cp_sinks(rank: int, world_size: int, *, window, lengths) -> dict:
 
     q, k, v, sinks = _inputs(False)
     ids = None if lengths is None else _ids(lengths)
-    expected = _reference(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), sinks.requires_grad_(),
-                          window, ids)
+    expected = reference_attention(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), window, ids,
+                                   sinks=sinks.requires_grad_())
     w = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     grads = torch.autograd.grad((expected * w).sum(), (q, k, v, sinks))
     cp = ContextParallel(group=dist.group.WORLD, rank=rank, size=world_size, load_balancer="headtail")

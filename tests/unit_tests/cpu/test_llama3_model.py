@@ -15,6 +15,8 @@ from titan_lightning.models.llama3 import (
     llama3_args,
 )
 
+from tests.decoders import assert_causal, materialized, meta_model
+
 # Hugging Face safetensors totals (exact): meta-llama/Llama-3.2-1B 1,235,814,400 and
 # Llama-3.2-3B 3,212,749,824 (both tied, so + vocab_size * dim for our untied output),
 # Llama-3.1-8B 8,030,261,248, Llama-3.1-70B 70,553,706,496, Llama-3.1-405B 405,853,388,800.
@@ -28,18 +30,6 @@ PUBLISHED_PARAMS = {
 }
 # intermediate_size in the Hugging Face configs.
 PUBLISHED_FFN_HIDDEN = {"1B": 8192, "3B": 8192, "8B": 14336, "70B": 28672, "405B": 53248}
-
-
-def meta_model(args: Llama3Args) -> Transformer:
-    with torch.device("meta"):
-        return Transformer(args)
-
-
-def materialized(args: Llama3Args, seed: int, dtype: torch.dtype = torch.float32) -> Transformer:
-    model = meta_model(args).to(dtype)
-    model.to_empty(device="cpu")
-    model.init_weights(seed)
-    return model
 
 
 def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
@@ -97,14 +87,7 @@ def test_forward_returns_logits_per_token_in_param_dtype(dtype):
 
 def test_forward_is_causal():
     args = llama3_args("debugmodel")
-    model = materialized(args, seed=0)
-    tokens = torch.randint(0, args.vocab_size, (1, 24))
-    changed = tokens.clone()
-    changed[0, 10] = (tokens[0, 10] + 1) % args.vocab_size
-    with torch.no_grad():
-        before, after = model(tokens), model(changed)
-    torch.testing.assert_close(after[:, :10], before[:, :10], rtol=0, atol=1e-6)
-    assert (after[:, 10:] - before[:, 10:]).abs().amax(-1).min() > 1e-3
+    assert_causal(materialized(args, seed=0), args.vocab_size)
 
 
 def test_pipeline_stage_without_embeddings_or_output_passes_hidden_states():

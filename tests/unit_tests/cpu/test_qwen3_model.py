@@ -24,6 +24,8 @@ from titan_lightning.parallel.tensor import _match
 from titan_lightning.testing.record import RecordSteps
 from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
 
+from tests.decoders import materialized, meta_model
+
 # The model cards' "Number of Parameters" (total, non-embedding; MoE also activated), rounded
 # as published. 0.6B, 1.7B and 4B tie lm_head to the embeddings there; we never tie, so our
 # total is the card's plus vocab_size * dim.
@@ -43,18 +45,6 @@ TIED_ON_HF = ("0.6B", "1.7B", "4B")
 @pytest.fixture(autouse=True)
 def run_folder(tmp_path, monkeypatch):
     monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "run"))
-
-
-def meta_model(args: Qwen3Args) -> Transformer:
-    with torch.device("meta"):
-        return Transformer(args)
-
-
-def materialized(args: Qwen3Args, seed: int = 0) -> Transformer:
-    model = meta_model(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed)
-    return model
 
 
 def small(moe: bool = False, **fields) -> Qwen3Args:
