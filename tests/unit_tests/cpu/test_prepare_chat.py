@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from test_shards import interrupted_at_part
 from titan_lightning.data import prepare as prepare_module
 from titan_lightning.data.chat import (BadRecord, ChatOptions, ChatRenderer, ChatSpec, TemplateFailure,
                                       read_chat_template)
@@ -306,19 +307,9 @@ def test_the_output_does_not_depend_on_workers_and_a_resume_renders_the_first_ru
     for name in names:
         assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "w2" / name).read_bytes(), name
 
-    real, calls = prepare_module._run_part, []
-
-    def dies_on_the_third(job):
-        calls.append(job[0])
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(job)
-
-    monkeypatch.setattr(prepare_module, "_run_part", dies_on_the_third)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at_part(3):
         prepare([str(path)], str(tmp_path / "resumed"), tokenizer_path=str(folders["llama"]), workers=1,
                 progress=False, chat=options)
-    monkeypatch.setattr(prepare_module, "_run_part", real)
     _on_day(monkeypatch, "2024-07-27T00:00:01")  # resumed after midnight: still the first run's date
     prepare([str(path)], str(tmp_path / "resumed"), tokenizer_path=str(folders["llama"]), workers=1,
             progress=False, chat=options)

@@ -92,22 +92,18 @@ def test_presets_have_the_model_cards_parameter_counts(flavor):
     assert (card, total - 2 * embedding) == pytest.approx(PUBLISHED[flavor], rel=0.01)
 
 
+_QWEN25 = {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+           "eos_token_id": 151643, "hidden_act": "silu", "initializer_range": 0.02, "model_type": "qwen2",
+           "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "torch_dtype": "bfloat16", "transformers_version": "4.40.1",
+           "use_cache": True, "use_mrope": False, "use_sliding_window": False}
 # Qwen2.5-7B's and Qwen2.5-0.5B's config.json as published (sliding-window fields present, switched off).
 RELEASED = {
-    "7B": {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
-           "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
-           "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28, "model_type": "qwen2",
-           "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
-           "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-           "transformers_version": "4.40.1", "use_cache": True, "use_mrope": False, "use_sliding_window": False,
-           "vocab_size": 152064},
-    "0.5B": {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
-             "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
-             "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 24, "model_type": "qwen2",
-             "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
-             "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-             "transformers_version": "4.40.1", "use_cache": True, "use_mrope": False, "use_sliding_window": False,
-             "vocab_size": 151936},
+    "7B": {**_QWEN25, "hidden_size": 3584, "intermediate_size": 18944, "max_position_embeddings": 131072,
+           "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+           "sliding_window": 131072, "tie_word_embeddings": False, "vocab_size": 152064},
+    "0.5B": {**_QWEN25, "hidden_size": 896, "intermediate_size": 4864, "max_position_embeddings": 32768,
+             "max_window_layers": 24, "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2,
+             "sliding_window": 32768, "tie_word_embeddings": True, "vocab_size": 151936},
 }
 
 

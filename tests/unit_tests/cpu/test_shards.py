@@ -2,6 +2,7 @@
 interruption, bad records, bad inputs, BOS/EOS per tokenizer layout, and a data module that reads
 shards through memory maps."""
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -29,6 +30,22 @@ def _jsonl(path: Path, docs, field="text", extra_lines=()) -> Path:
 def _tokens(folder: Path) -> np.ndarray:
     shards = ShardSet(folder)
     return shards.read(0, len(shards))
+
+
+@contextlib.contextmanager
+def interrupted_at_part(n: int):
+    """``prepare`` called inside stops as at Ctrl-C (KeyboardInterrupt) when it starts its ``n``-th part."""
+    real, started = prepare_module._run_part, []
+
+    def dies_on_the_nth(job):
+        started.append(job[0])
+        if len(started) == n:
+            raise KeyboardInterrupt
+        return real(job)
+
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(prepare_module, "_run_part", dies_on_the_nth)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -80,20 +97,9 @@ def test_output_does_not_depend_on_workers_and_resumes_after_an_interruption(cor
     for name in files:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
 
-    real = prepare_module._run_part
-    calls = []
-
-    def dies_on_the_fourth(job):
-        calls.append(job[0])
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return real(job)
-
-    monkeypatch.setattr(prepare_module, "_run_part", dies_on_the_fourth)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at_part(4):
         prepare([str(corpus)], str(tmp_path / "resumed"), workers=1, progress=False)
     assert (tmp_path / "resumed" / "progress.json").is_file() and not (tmp_path / "resumed" / "index.json").exists()
-    monkeypatch.setattr(prepare_module, "_run_part", real)
     done_before = len(json.loads((tmp_path / "resumed" / "progress.json").read_text())["done"])
     assert done_before == 3
     prepare([str(corpus)], str(tmp_path / "resumed"), workers=1, progress=False)
