@@ -2,14 +2,19 @@
 ``titan_lightning/parallel/pipeline.py``) run through ``torch.distributed.pipelining`` schedules
 (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, zero bubble ...) over the microbatches of every step.
 
-How the LightningModule's own ``training_step`` stays unchanged:
+How the LightningModule's own steps run on the stages:
 
-- the first stage learns what the module feeds its model by running ``training_step`` up to
-  the model call (``PipelinePlan.model``'s forward raises once it has seen its arguments);
+- the first stage takes what the module feeds its model: a module that says it
+  (``model_input(batch) -> (args, kwargs)``: CausalLMModule) is asked; for a module of one's
+  own, the runner runs its step hook up to the model call (``PipelinePlan.model``'s forward
+  raises once it has seen its arguments);
 - the schedule splits that input into ``pp_microbatches`` and runs forward and backward;
-- on the last stage, the schedule's loss function is ``training_step`` itself, called on
-  each microbatch's rows of the batch with the model's forward answering the stage output;
-- ``self.log`` calls made there are recorded, averaged over the microbatches and replayed
+- on the last stage, the schedule's loss function is the rest of the step on each
+  microbatch's rows of the batch: a module's ``step_from_output(hook, output, batch) -> (loss,
+  records)`` (CausalLMModule: its objective's loss, objectives/), or a module of one's own's
+  step hook itself, with the model's forward answering the stage output and ``self.log``
+  recorded;
+- what the step logs is averaged over the microbatches and replayed
   on every rank after the step (values sent from the last stage), so the progress bar,
   loggers, checkpoint monitors and golden numerics see the same numbers everywhere
   (strategies/logs.py, which also averages what gradient accumulation logs without PP);
@@ -151,21 +156,11 @@ class PipelineRunner:
     # -- the loss function: the module's own step on the last stage ---------------------
 
     def _loss_fn(self, output: Any, index: Tensor) -> Tensor:
-        module = self.module
-        model = getattr(module, self.plan.model)
-        mb = _rows(self._batch, index, self._batch_size)
-
-        def answer(*args: Any, **kwargs: Any) -> Any:
-            return output
-
-        record = record_logs(self._records)
-
         if self._error is not None or not self._started:
             # not started: the schedule's one-time metadata inference, on uninitialized inputs
             return _zero_loss(output)
         try:
-            with patched(model, "forward", answer), patched(module, "log", record):
-                result = getattr(module, self._mode)(mb, self._batch_idx, *self._extra)
+            result = self._rest_of_step(output, _rows(self._batch, index, self._batch_size))
         except Exception as error:  # reported on every rank after the step, so no rank waits forever
             self._error = error
             return _zero_loss(output)
@@ -175,16 +170,31 @@ class PipelineRunner:
             return _zero_loss(output) if loss is None else loss
         if not isinstance(loss, Tensor):
             self._error = TypeError(
-                f"{type(module).__name__}.training_step must return the loss tensor (or a dict with 'loss') "
+                f"{type(self.module).__name__}.training_step must return the loss tensor (or a dict with 'loss') "
                 f"under pipeline parallelism; got {type(result).__name__}"
             )
             return _zero_loss(output)
         self._outputs.append(local(loss).detach())
         return loss * self._loss_scale
 
+    def _rest_of_step(self, output: Any, mb: Any) -> Any:
+        """The module's step after the model call, on the last stage's ``output`` for microbatch ``mb``;
+        what it logs goes to the step's records."""
+        module = self.module
+        if _offers_steps(module):
+            result, records = module.step_from_output(self._mode, output, mb)
+            self._records.extend(records)
+            return result
+        # A module of one's own: its step hook, the model answering the output, ``self.log`` recorded.
+        model = getattr(module, self.plan.model)
+        with patched(model, "forward", lambda *args, **kwargs: output), patched(module, "log", record_logs(self._records)):
+            return getattr(module, self._mode)(mb, self._batch_idx, *self._extra)
+
     # -- a step ----------------------------------------------------------------------------
 
     def _pipeline_input(self, batch: Any, batch_idx: Any, extra: tuple, mode: str) -> tuple[tuple, dict]:
+        if _offers_steps(self.module):
+            return self.module.model_input(batch)
         model = getattr(self.module, self.plan.model)
 
         def capture(*args: Any, **kwargs: Any) -> Any:
@@ -316,6 +326,12 @@ class PipelineRunner:
                 if id(p) not in seen:
                     seen.add(id(p))
                     yield p
+
+
+def _offers_steps(module: Any) -> bool:
+    """Whether ``module`` splits its steps at the model call itself (``model_input`` and
+    ``step_from_output``, as CausalLMModule does), so nothing of it is replaced while it runs."""
+    return callable(getattr(module, "model_input", None)) and callable(getattr(module, "step_from_output", None))
 
 
 def _zero_loss(output: Any) -> Tensor:
