@@ -49,12 +49,14 @@ def _check_job(job: JobConfig, *, world_size: int, max_steps: Optional[int], fak
                device_type: Optional[str]) -> None:
     # A job whose fields were assigned after construction skipped __post_init__: run it again.
     for section in (job.model, job.training, job.parallelism, job.optimizer, job.lr_schedule, job.data,
-                    job.activation_checkpoint, job.checkpoint, job.compile, job.quantize, job.profiling):
+                    job.activation_checkpoint, job.checkpoint, job.compile, job.quantize, job.profiling,
+                    job.preference):
         section.__post_init__()
     validate_degrees(job.parallelism, world_size, fake_pg=fake_pg)
     validate_model_parallelism(job)
     validate_batch(job, world_size)
     validate_sft(job)
+    validate_preference(job)
     if max_steps is not None:
         validate_schedule(job, max_steps)
     if device_type is not None:
@@ -331,6 +333,31 @@ def validate_sft(job: JobConfig) -> None:
     if data.repeat_to_fit:
         raise ConfigError("data.repeat_to_fit=True with data.sft=True: SFT windows hold whole conversations and "
                           "are never repeated to fill one; set data.repeat_to_fit false")
+
+
+def validate_preference(job: JobConfig) -> None:
+    """Preference training reads masked pairs packed whole, on the layouts its per-sequence sums support."""
+    pref, data, p = job.preference, job.data, job.parallelism
+    if not pref.enabled:
+        return
+    loss = f"preference.loss={pref.loss!r}"
+    if not data.sft:
+        raise ConfigError(f"{loss} trains on the loss masks of pairs (titan-lightning prepare --preference): set "
+                          f"data.sft true")
+    if data.sft_packing == "padded":
+        raise ConfigError(f"{loss} packs each pair whole into a window: data.sft_packing='padded' is for "
+                          f"conversations; use 'best_fit' or 'packed'")
+    for name in ("pp", "cp"):
+        if getattr(p, name) > 1:
+            raise ConfigError(f"{loss} with parallelism.{name}={getattr(p, name)}: a sequence's log-probability is "
+                              f"summed on one rank, which {name} > 1 does not give yet; use dp_shard, dp_replicate "
+                              f"and tp")
+    if pref.needs_reference and pref.reference == "adapters_off" and not job.lora.enabled:
+        raise ConfigError(f"preference.reference='adapters_off' is the model with its LoRA adapters switched off, "
+                          f"and lora.rank=0 adds none: set lora.rank (or preference.reference 'precomputed')")
+    if pref.needs_reference and pref.reference in ("frozen", "adapters_off"):
+        raise ConfigError(f"preference.reference={pref.reference!r} is not built yet; use 'precomputed' (the "
+                          f"reference's log-probabilities from the starting weights, in one pass before training)")
 
 
 def validate_attention_kernel(job: JobConfig, device_type: str) -> None:

@@ -20,12 +20,14 @@ from titan_lightning.data.dataset import (
     tokenize_documents,
 )
 from titan_lightning.data.mixture import ConcatWindows, MixtureSchedule, MixtureStream
+from titan_lightning.data.preference import PairWindows, check_pairs
 from titan_lightning.data.sft import ConversationWindows, TrimPadding, check_loss_mask, sequence_multiple
 from titan_lightning.data.shards import ShardSet, TokenSpan, is_shard_set, tokenizer_identity
 from titan_lightning.data.chat import check_supervised
 from titan_lightning.data.tokenizer import (CORPUS_PATH, Tokenizer, load_tokenizer, scan_token_ids, shipped_asset,
                                             tokenizer_file)
 
+log = logging.getLogger(__name__)
 
 # What a run by epochs that leaves Lightning's logging and validation defaults gets (``setup``):
 # train/* logged every min(50, max(1, steps // 100)) steps, and the held-out set validated
@@ -128,7 +130,8 @@ class TextDataModule(L.LightningDataModule):
             raise FileNotFoundError(f"{field}={str(path)!r}: no such file or folder")
         if is_shard_set(path):
             return shard_splits(path, data.tokenizer_path, val_fraction, self.tokenizer, field,
-                                vocab_size=self.job.model.vocab_size, sft=data.sft)
+                                vocab_size=self.job.model.vocab_size, sft=data.sft,
+                                preference=self.job.preference.loss)
         check_loss_mask(False, data.sft, field, str(path), text=True)
         return tokenized_splits(path, data.tokenizer_path, val_fraction, lambda: self.tokenizer, field)
 
@@ -157,6 +160,8 @@ class TextDataModule(L.LightningDataModule):
 
     def _setup_corpus(self, streams: dict[str, Any], stage: Optional[str]) -> None:
         self._train = self.train_windows()
+        if hasattr(self._train, "packing_line") and stage in (None, "fit") and getattr(self.trainer, "global_rank", 0) == 0:
+            log.info(f"titan-lightning: train split: {self._train.packing_line()}")
         if streams["val"] is None:  # data.val_fraction 0: nothing held out
             if self.trainer is not None:
                 self.trainer.limit_val_batches = 0  # nothing to validate on: Lightning asks for no val loader
@@ -169,6 +174,11 @@ class TextDataModule(L.LightningDataModule):
         self._val = None if self._short_split else self._windows(streams["val"])
         if self._will_validate(stage):
             self._check_val_covers_dp()
+
+    @property
+    def val_windows(self) -> Optional[TokenWindows | ConversationWindows]:
+        """The held-out windows (None: nothing held out), after ``setup``."""
+        return self._val
 
     def train_windows(self) -> TokenWindows | ConversationWindows:
         """The train split's windows (for SFT data the packing is computed here), built once per read."""
@@ -236,6 +246,8 @@ class TextDataModule(L.LightningDataModule):
 
     def _windows(self, tokens) -> TokenWindows | ConversationWindows:
         seq_len, eot, data = self.job.training.seq_len, self.tokenizer.eot_id, self.job.data
+        if self.job.preference.enabled:
+            return PairWindows(tokens, seq_len, eot, data.sft_packing)
         if data.sft:
             return ConversationWindows(tokens, seq_len, eot, data.sft_packing)
         return TokenWindows(tokens, seq_len, eot)
@@ -433,15 +445,17 @@ def tokenized_splits(path: Path, tokenizer_path: Optional[str], val_fraction: fl
 
 def shard_splits(path: Path, tokenizer_path: Optional[str], val_fraction: float,
                  tokenizer: Tokenizer, field: str = "data.dataset_path", *,
-                 vocab_size: Optional[int] = None, sft: Optional[bool] = None) -> dict[str, Any]:
+                 vocab_size: Optional[int] = None, sft: Optional[bool] = None,
+                 preference: Optional[str] = None) -> dict[str, Any]:
     """The ``train`` and ``val`` spans of the token shard set ``path``: val is the tail from the
     last document end before ``1 - val_fraction`` of the tokens (None at 0). Refuses shards of another tokenizer,
     shards with token ids past ``vocab_size`` (the model's), and, given ``sft`` (data.sft), a set
-    whose loss masks do not match it."""
+    whose loss masks do not match it, or whose pairs do not match ``preference`` (preference.loss)."""
     shards = ShardSet(path, field)
     if sft is not None:
         check_loss_mask(shards.has_mask, sft, field, str(path))
         check_supervised(shards.index, field, str(path))
+        check_pairs(shards.index, preference, field, str(path))
     bos = tokenizer.bos_id if tokenizer.add_bos else None
     shards.check_tokenizer(tokenizer_identity(tokenizer_file(tokenizer_path), tokenizer.vocab_size,
                                               tokenizer.eot_id, bos))

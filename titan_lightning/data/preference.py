@@ -149,17 +149,17 @@ def renderer_for(spec: ChatSpec, tokenizer) -> ChatRenderer:
 class PairWindows(ConversationWindows):
     """The preference samples of a masked shard span written by ``prepare --preference`` (the module
     docstring): whole pairs packed ``packing`` ("best_fit", or "packed": next-fit in order) into
-    windows of ``seq_len + 1`` tokens. ``first_document``: the index in the shard set of the span's
-    first document. A pair longer than the window is left out, with one warning."""
+    windows of ``seq_len + 1`` tokens (``first_document``: the set's index of the span's first
+    document). A pair longer than the window is left out, with one warning."""
 
-    def __init__(self, tokens: TokenSpan, seq_len: int, pad_id: int, packing: str = "best_fit",
-                 first_document: int = 0) -> None:
+    def __init__(self, tokens: TokenSpan, seq_len: int, pad_id: int, packing: str = "best_fit") -> None:
         if packing not in PAIR_PACKINGS:
             raise ValueError(f"data.sft_packing={packing!r}: preference pairs are packed whole, "
                              f"{' or '.join(PAIR_PACKINGS)}")
         self.tokens, self.seq_len, self.pad_id, self.packing = tokens, seq_len, pad_id, packing
         shards = tokens.shards
         self.ends = shards.document_ends(tokens.start, tokens.stop) - tokens.start
+        first_document = len(shards.document_ends(0, tokens.start)) if tokens.start else 0
         skip = first_document % 2  # a rejected answer whose chosen one is in the other split
         chosen = skip + 2 * np.arange((len(self.ends) - skip) // 2)
         begins = np.concatenate([[0], self.ends[:-1]])
@@ -196,3 +196,17 @@ class PairWindows(ConversationWindows):
         sequence_docs[:len(docs)] = docs + self.first_document
         return {**sample, "sequence_ids": torch.from_numpy(sequence_ids),
                 "sequence_docs": torch.from_numpy(sequence_docs)}
+
+
+def check_pairs(index: dict[str, Any], loss: Optional[str], field: str, path: str) -> None:
+    """Before launch: a preference run (``loss``: preference.loss) reads a set of pairs, and a set of
+    pairs is read by a preference run only (SFT on it would train on the rejected answers too)."""
+    pairs = (index.get("sft") or {}).get("pairs")
+    if loss is not None and pairs is None:
+        raise ValueError(f"{field}={path!r} holds no preference pairs (it was prepared without --preference), and "
+                         f"preference.loss={loss!r} trains on pairs; prepare it with --preference, or unset "
+                         f"preference.loss")
+    if loss is None and pairs is not None:
+        raise ValueError(f"{field}={path!r} holds {pairs} preference pairs (prepare --preference), and "
+                         f"preference.loss=None would train on the rejected answers too; set --job.preference.loss "
+                         f"dpo (or ipo, simpo)")

@@ -109,7 +109,7 @@ def test_pair_windows_hold_whole_pairs_and_label_each_sequence(prepared):
     assert len(windows) < 4  # pairs share windows
     # A span that starts with a rejected answer (a split between the two) leaves that pair out.
     start = int(shards.document_ends()[2])
-    tail = PairWindows(type(shards.tokens)(shards, start, len(shards)), seq_len, 0, "packed", first_document=3)
+    tail = PairWindows(type(shards.tokens)(shards, start, len(shards)), seq_len, 0, "packed")
     assert sorted(d for i in range(len(tail)) for d in tail[i]["sequence_docs"].tolist() if d >= 0) == [4, 5, 6, 7]
 
 
