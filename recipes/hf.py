@@ -34,13 +34,15 @@ def pretrained(initial_load_path: str) -> Run:
     model = read_hf_model(initial_load_path)
     folder = model.folder
     seq_len = min(2048, model.args.max_seq_len)
-    return for_device(family_run(
+    run = family_run(
         model.job_class, model.module_class, model.args,
         training=TrainingConfig(seq_len=seq_len, tokens_per_microbatch_per_dp_rank=seq_len),
         optimizer=OptimizerConfig(lr=2e-5), lr_schedule=LRScheduleConfig(warmup_steps=10),
         data=DataConfig(tokenizer_path=str(folder) if (folder / "tokenizer.json").is_file() else None),
         checkpoint=CheckpointConfig(initial_load_path=str(folder), initial_load_format="hf", export_format="hf"),
-    ), estimate)
+    )
+    run.module.hf_model = model  # the folder as read: the pre-launch check and the load read it no more
+    return for_device(run, estimate)
 
 
 # Passes over the conversations of recipes.hf:sft, as TRL's SFTTrainer (num_train_epochs=3) and
@@ -74,6 +76,7 @@ def sft(initial_load_path: str, dataset_path: str) -> Run:
                         tokenizer_path=str(folder) if (folder / "tokenizer.json").is_file() else None),
         checkpoint=CheckpointConfig(initial_load_path=str(folder), initial_load_format="hf", export_format="hf"),
     )
+    run.module.hf_model = model  # the folder as read: the pre-launch check and the load read it no more
     run.trainer = {"max_epochs": SFT_EPOCHS}  # the data module derives max_steps from the data's size
     return for_device(run, estimate)
 

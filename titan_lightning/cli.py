@@ -63,7 +63,6 @@ from titan_lightning.flags import OPTIONS, RECIPE_REQUIRED, SUBCOMMANDS, recipe_
 from titan_lightning.generate import COMMANDS as GENERATE_COMMANDS
 from titan_lightning.generate import main as generate_main
 from titan_lightning.parallel.mesh import release_dtensor_caches
-from titan_lightning.pretrained import check_initial_hf_weights
 from titan_lightning.recipe import RECIPE_PARAMETERS, Run, RecipeError, build_run, check_inputs, execute
 from titan_lightning.trainer import build_trainer
 
@@ -219,7 +218,6 @@ def prepare(argv: list[str]) -> Optional[tuple[str, Run, L.Trainer]]:
         return None
     trainer = build_trainer(run)
     check_inputs(command, run, trainer)
-    check_initial_hf_weights(command, run)
     return command, run, trainer
 
 

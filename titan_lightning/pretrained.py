@@ -5,24 +5,26 @@ A folder is a run through ``recipes.hf:pretrained``:
     titan-lightning fit --recipe recipes.hf:pretrained --job.checkpoint.initial_load_path DIR
 
 ``DIR`` is what ``save_pretrained`` writes (config.json, safetensors, tokenizer files). The
-family and its args come from config.json (``model_type``: see ``hf_families``), each field
-mapped, checked or refused by name (models/common/hf_config.py); the tokenizer is the folder's;
-tied embeddings load as an untied copy. A recipe that names a preset and loads a folder
-(``checkpoint.initial_load_format=hf``) is checked against its config.json before launch
-(``check_folder_matches``).
+family and its args come from config.json (``model_type``: models/registry.py lists the families),
+each field mapped, checked or refused by name (models/common/hf_config.py); the tokenizer is the
+folder's; tied embeddings load as an untied copy.
+
+A folder is read once per launch (``read_hf_model``): what its config.json says (``HFModel``)
+stays on the run's module (``folder_model``) for the one pre-launch check of the folder
+(``check_hf_folder``: family and args, every tensor's shape, the tokenizer), which a recipe that
+names a preset and loads a folder (``checkpoint.initial_load_format=hf``) passes too, and for the
+load (``folder_adapter``).
 
 An ``export_format=hf`` export (callbacks/weights.py) is a folder ``from_pretrained`` loads as it
 is: config.json (``hf_config`` of the family, the export dtype, untied embeddings: training
 unties them), generation_config.json, the tokenizer files, the safetensors.
 """
 
-from __future__ import annotations
-
 import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -30,33 +32,11 @@ from titan_lightning.config import ConfigError
 from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
 from titan_lightning.lora import base_only
 from titan_lightning.models.common.hf_config import CONFIG_FILE, HFConfig, read_config_json
-from titan_lightning.models.deepseek_v3 import DeepSeekV3Job, DeepSeekV3Module
-from titan_lightning.models.gemma3 import Gemma3Job, Gemma3Module
-from titan_lightning.models.gpt_oss import GptOssJob, GptOssModule
-from titan_lightning.models.llama3 import Llama3Job, Llama3Module
-from titan_lightning.models.mistral import MistralJob, MistralModule
-from titan_lightning.models.olmo2 import Olmo2Job, Olmo2Module
-from titan_lightning.models.phi3 import Phi3Job, Phi3Module
-from titan_lightning.models.qwen2 import Qwen2Job, Qwen2Module
-from titan_lightning.models.qwen3 import Qwen3Job, Qwen3Module
-
-if TYPE_CHECKING:  # a Run's type only
-    from titan_lightning.run import Run
+from titan_lightning.models.registry import hf_families
 
 # Tokenizer files copied into an export next to the weights, when the tokenizer's folder has them.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 GENERATION_FILE = "generation_config.json"
-
-
-def hf_families() -> dict[str, tuple[type, type]]:
-    """config.json ``model_type`` -> (the family's JobConfig, its LightningModule)."""
-    families = {}
-    for job_class, module_class in ((Llama3Job, Llama3Module), (Qwen3Job, Qwen3Module),
-                                    (DeepSeekV3Job, DeepSeekV3Module), (Qwen2Job, Qwen2Module),
-                                    (MistralJob, MistralModule), (GptOssJob, GptOssModule),
-                                    (Gemma3Job, Gemma3Module), (Phi3Job, Phi3Module), (Olmo2Job, Olmo2Module)):
-        families.update(dict.fromkeys(module_class.hf_adapter.hf_model_types, (job_class, module_class)))
-    return families
 
 
 @dataclass
@@ -68,6 +48,23 @@ class HFModel:
     module_class: type
     args: Any
     tie_word_embeddings: bool
+
+    def adapter(self, args: Any = None) -> Any:
+        """The family's state-dict adapter for ``args`` (the folder's by default), tied as the folder is."""
+        return self.module_class.hf_adapter(self.args if args is None else args,
+                                            tie_word_embeddings=self.tie_word_embeddings)
+
+    def check_matches(self, args: Any, adapter_class: type) -> None:
+        """``args`` (of ``adapter_class``'s family) describe this model: one line naming the first
+        config.json field that differs, with both values."""
+        source, theirs = self.folder / CONFIG_FILE, self.module_class.hf_adapter
+        if not issubclass(adapter_class, theirs) and not issubclass(theirs, adapter_class):
+            raise ConfigError(f"{source} holds a {theirs.family} model; this run builds {adapter_class.family}")
+        ours, expected = adapter_class.hf_config(args), adapter_class.hf_config(self.args)
+        for key in sorted(set(ours) | set(expected)):
+            if ours.get(key) != expected.get(key):
+                raise ConfigError(f"model args differ from {source}: {key} is {json.dumps(ours.get(key))} here, "
+                                  f"{json.dumps(expected.get(key))} there")
 
 
 def read_hf_model(folder: Any) -> HFModel:
@@ -94,46 +91,51 @@ def read_hf_model(folder: Any) -> HFModel:
 
 
 def check_folder_matches(args: Any, adapter_class: type, folder: Any) -> None:
-    """``args`` describe the model of ``folder``'s config.json: one line naming the first field
-    that differs, with both values."""
-    theirs = read_hf_model(folder)
-    if not issubclass(adapter_class, theirs.module_class.hf_adapter) and \
-            not issubclass(theirs.module_class.hf_adapter, adapter_class):
-        raise ConfigError(f"{Path(folder) / CONFIG_FILE} holds a {theirs.module_class.hf_adapter.family} model; "
-                          f"this run builds {adapter_class.family}")
-    ours, expected = adapter_class.hf_config(args), adapter_class.hf_config(theirs.args)
-    for key in sorted(set(ours) | set(expected)):
-        if ours.get(key) != expected.get(key):
-            raise ConfigError(f"model args differ from {Path(folder) / CONFIG_FILE}: {key} is "
-                              f"{json.dumps(ours.get(key))} here, {json.dumps(expected.get(key))} there")
+    """``args`` describe the model of ``folder``'s config.json (``HFModel.check_matches``)."""
+    read_hf_model(folder).check_matches(args, adapter_class)
 
 
-def check_initial_hf_weights(command: str, run: Run) -> None:
-    """Before launch: the safetensors a fresh ``fit`` will load (``checkpoint.initial_load_path``,
-    ``initial_load_format=hf``) hold every tensor of the run's model in its shape, and no file is
-    shorter than its header says. Only the headers are read; the model is built on the meta device.
-    One-line ConfigError naming the tensor and both shapes, or the file and both sizes."""
-    job, module = run.job, run.module
-    if command != "fit" or job is None or run.ckpt_path is not None:
-        return
-    folder = job.checkpoint.initial_load_path
-    if folder is None or job.checkpoint.initial_load_format != "hf":
-        return
+def folder_model(module: Any, folder: Any) -> HFModel:
+    """The ``HFModel`` of ``folder`` as the run holds it: read once per launch (by the recipe, or
+    here by the pre-launch check) and kept on the module (``hf_model``) for the check and the load."""
+    kept = getattr(module, "hf_model", None)
+    if kept is None or kept.folder != Path(folder):
+        kept = read_hf_model(folder)
+        module.hf_model = kept
+    return kept
+
+
+def folder_adapter(module: Any, folder: Any) -> Any:
+    """``module``'s state-dict adapter for loading ``folder``, tied as its config.json says (a
+    folder without one: untied); None for a module without an adapter."""
     adapter = module.state_dict_adapter() if hasattr(module, "state_dict_adapter") else None
-    if adapter is None or not hasattr(module, "build_model"):
-        return  # a module of its own kind: its loader checks what it loads
-    if (Path(folder) / CONFIG_FILE).is_file() and \
-            read_config_json(Path(folder)).get("tie_word_embeddings", type(adapter).ties_by_default):
+    if adapter is not None and (Path(folder) / CONFIG_FILE).is_file() and folder_model(module, folder).tie_word_embeddings:
         adapter = type(adapter)(adapter.args, tie_word_embeddings=True)
+    return adapter
+
+
+def check_hf_folder(path: str, module: Any) -> None:
+    """Before launch, the one check of the Hugging Face folder a fit loads (``checkpoint.initial_load_path``,
+    ``initial_load_format=hf``; from ``check_initial_weights``): its config.json describes the run's
+    model (family and args), its safetensors hold every tensor of the model in its shape and no file
+    is shorter than its header says (the headers only: the model is built on the meta device), and
+    the run has the model's tokenizer. One-line ConfigError naming the field, the tensor and both
+    shapes, or the file and both sizes."""
+    job, adapter_class = getattr(module, "job", None), getattr(module, "hf_adapter", None)
+    if job is None or adapter_class is None or not hasattr(module, "build_model"):
+        return  # a module of its own kind: its loader checks what it loads
+    if (Path(path) / CONFIG_FILE).is_file():
+        folder_model(module, path).check_matches(job.model, adapter_class)
+    adapter = folder_adapter(module, path)
     with torch.device("meta"):
         model = module.build_model()
     try:
         with base_only(model) as base:  # (a LoRA run's adapters start where the folder stops)
-            adapter.check_folder(base, folder)
+            adapter.check_folder(base, path)
     except (OSError, ValueError) as err:
         if isinstance(err, ConfigError):
             raise
-        raise ConfigError(f"checkpoint.initial_load_path={folder!r}: {' '.join(str(err).split())}") from None
+        raise ConfigError(f"checkpoint.initial_load_path={path!r}: {' '.join(str(err).split())}") from None
     check_folder_tokenizer(job)
 
 

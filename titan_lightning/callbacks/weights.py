@@ -30,18 +30,20 @@ from titan_lightning.checkpoint import (
 )
 from titan_lightning.lora import base_only, has_adapters
 from titan_lightning.lora.export import MergedState, peft_state, write_peft_folder
-from titan_lightning.models.common.hf_config import CONFIG_FILE, read_config_json
 from titan_lightning.models.common.safetensors_io import (INDEX_FILE, SINGLE_FILE, split_shards, write_index,
                                                          write_shards)
-from titan_lightning.pretrained import check_folder_matches, write_hf_metadata
+from titan_lightning.pretrained import check_hf_folder, folder_adapter, write_hf_metadata
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # A LoRA run's hf export: the merged model, and its adapters as PEFT's folder in this subfolder.
 ADAPTER_FOLDER = "adapter"
 
 
-def _adapter(module: L.LightningModule):
-    adapter = module.state_dict_adapter() if hasattr(module, "state_dict_adapter") else None
+def _adapter(module: L.LightningModule, folder: Optional[Path] = None):
+    """The module's Hugging Face state-dict adapter; to load ``folder``, tied as the folder is (its
+    config.json read once per launch: pretrained.folder_adapter)."""
+    adapter = folder_adapter(module, folder) if folder is not None else (
+        module.state_dict_adapter() if hasattr(module, "state_dict_adapter") else None)
     if adapter is None:
         raise CheckpointError(f"{type(module).__name__} has no Hugging Face state-dict adapter (state_dict_adapter())")
     return adapter
@@ -49,17 +51,6 @@ def _adapter(module: L.LightningModule):
 
 def _pipeline(trainer: L.Trainer):
     return getattr(trainer.strategy, "pipeline", None)
-
-
-def _hf_config_path(folder: Path) -> Optional[Path]:
-    return folder / CONFIG_FILE if (folder / CONFIG_FILE).is_file() else None
-
-
-def _tied(folder: Path, adapter) -> bool:
-    """The folder's config.json ties the output to the embeddings (no lm_head.weight saved); a
-    config.json without the field means the family's default (``ties_by_default``)."""
-    default = getattr(adapter, "ties_by_default", False)
-    return _hf_config_path(folder) is not None and bool(read_config_json(folder).get("tie_word_embeddings", default))
 
 
 def model_shapes(module: L.LightningModule) -> Optional[dict[str, tuple[int, ...]]]:
@@ -79,10 +70,10 @@ def model_shapes(module: L.LightningModule) -> Optional[dict[str, tuple[int, ...
 def check_initial_weights(path: str, fmt: str, module: Optional[L.LightningModule] = None,
                           checksums: bool = True) -> None:
     """Before launch: ``checkpoint.initial_load_path`` is a folder of the format it claims (its
-    index or metadata readable, no code run), and for a Hugging Face folder with a config.json,
-    ``module``'s model args describe that model; a folder of ours holds ``module``'s tensors with
-    their shapes, its files whole (``checksums``: their crc32 too); one-line CheckpointError /
-    ConfigError otherwise."""
+    index or metadata readable, no code run); a Hugging Face folder passes the one check of a folder
+    (pretrained.check_hf_folder: ``module``'s model args, tensors and tokenizer); a folder of ours
+    holds ``module``'s tensors with their shapes, its files whole (``checksums``: their crc32 too);
+    one-line CheckpointError / ConfigError otherwise."""
     field = f"checkpoint.initial_load_path={path!r}"
     folder = Path(path)
     if not folder.exists():
@@ -94,9 +85,8 @@ def check_initial_weights(path: str, fmt: str, module: Optional[L.LightningModul
             hint = "; it looks like a sharded checkpoint of ours: set checkpoint.initial_load_format=dcp" if (
                 folder / DCP_METADATA).is_file() else ""
             raise CheckpointError(f"{field} holds no {SINGLE_FILE} or {INDEX_FILE} (initial_load_format=hf){hint}")
-        adapter = getattr(module, "hf_adapter", None)
-        if _hf_config_path(folder) is not None and adapter is not None and hasattr(module, "job"):
-            check_folder_matches(module.job.model, adapter, folder)
+        if module is not None:
+            check_hf_folder(path, module)
         return
     if not (folder / DCP_METADATA).is_file():
         hint = "; it looks like a Hugging Face folder: set checkpoint.initial_load_format=hf" if (
@@ -133,9 +123,7 @@ class LoadWeights(L.Callback):
         if not self.path.exists():
             raise CheckpointError(f"checkpoint.initial_load_path={str(self.path)!r} does not exist")
         if self.fmt == "hf":
-            adapter = _adapter(pl_module)
-            if _tied(self.path, adapter):
-                adapter = type(adapter)(adapter.args, tie_word_embeddings=True)
+            adapter = _adapter(pl_module, self.path)
             with base_only(pl_module.model) as base:
                 adapter.load_into(base, self.path, partial=_pipeline(trainer) is not None)
             return

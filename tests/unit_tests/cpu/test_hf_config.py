@@ -148,3 +148,37 @@ def test_the_folder_tokenizer_ends_documents_with_its_eos_token(tmp_path, model_
     assert tokenizer.eot_token == eos and tokenizer.bos_token == bos
     assert tokenizer.eot_id == tokenizer._tokenizer.token_to_id(eos)
     assert (tokenizer.bos_id is None) == (bos is None)
+
+
+def test_a_fit_from_a_folder_reads_its_config_json_once(tmp_path, monkeypatch):
+    """recipes.hf:pretrained parses the folder's config.json once per launch: what the recipe read
+    travels on the module to the one pre-launch check and to the load, which ties the output to the
+    embeddings as the folder says (the folder holds no lm_head.weight: an untied load would fail)."""
+    import shutil
+
+    from titan_lightning import cli
+    from titan_lightning.data.tokenizer import tokenizer_file
+    from titan_lightning.models.common import hf_config as hf_config_module
+    from titan_lightning.models.common.safetensors_io import save_hf_safetensors
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    config = {"model_type": "llama", "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 160,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+              "max_position_embeddings": 64, "rope_theta": 500000.0, "tie_word_embeddings": True}
+    (folder / "config.json").write_text(json.dumps(config))
+    hf = read_hf_model(folder)
+    model = decoder_class(type(hf.args))(hf.args)
+    model.init_weights(seed=0)
+    state = model.state_dict()
+    state["output.weight"] = state["tok_embeddings.weight"]
+    save_hf_safetensors(hf.adapter().to_hf(state), folder)
+    shutil.copyfile(tokenizer_file(None), folder / "tokenizer.json")
+    parsed = []
+    read_json_object = hf_config_module.read_json_object
+    monkeypatch.setattr(hf_config_module, "read_json_object", lambda path: parsed.append(path) or read_json_object(path))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["fit", "--recipe", "recipes.hf:pretrained", "--job.checkpoint.initial_load_path", str(folder),
+                     "--trainer.max_steps", "1", "--trainer.accelerator", "cpu", "--trainer.limit_val_batches", "0",
+                     "--trainer.enable_progress_bar", "false"]) == 0
+    assert [path for path in parsed if path.name == "config.json"] == [folder / "config.json"]
