@@ -63,18 +63,22 @@ class StepTokenMean(Objective):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(totals)
         microbatches, tokens, loss_sum = totals.unbind()
-        factor = microbatches / tokens.clamp(min=1.0)
-        # One multi-tensor kernel per dtype and device, not two kernels per parameter (~700 launches
-        # a step on a 28-layer model); the same products, bitwise.
-        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for grad in grads:
-            local_grad = grad.to_local() if isinstance(grad, DTensor) else grad
-            groups.setdefault((local_grad.dtype, local_grad.device), []).append(local_grad)
-        for (dtype, grad_device), group in groups.items():
-            torch._foreach_mul_(group, factor.to(device=grad_device, dtype=dtype))
+        scale_grads_(grads, microbatches / tokens.clamp(min=1.0))
         loss = (loss_sum / tokens.clamp(min=1.0)).float()
         records = [("train/loss", loss, {}), ("train/supervised_tokens", tokens.float() / label_copies(mesh), {})]
         return StepEnd([loss], tokens, records)
+
+
+def scale_grads_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply each gradient (its local shard) by ``factor`` in place: one multi-tensor kernel per
+    dtype and device, not two kernels per parameter (~700 launches a step on a 28-layer model);
+    the same products, bitwise."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for grad in grads:
+        local_grad = grad.to_local() if isinstance(grad, DTensor) else grad
+        groups.setdefault((local_grad.dtype, local_grad.device), []).append(local_grad)
+    for (dtype, grad_device), group in groups.items():
+        torch._foreach_mul_(group, factor.to(device=grad_device, dtype=dtype))
 
 
 def label_copies(mesh: Any) -> int:
