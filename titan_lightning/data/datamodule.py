@@ -1,5 +1,6 @@
 """The LightningDataModule a run trains on: the corpus as next-token windows, resumable."""
 
+import logging
 import math
 from collections import OrderedDict
 from pathlib import Path

@@ -126,6 +126,15 @@ class ConversationWindows(Dataset):
     def __len__(self) -> int:
         return len(self.first) - 1
 
+    def packing_line(self) -> str:
+        """How full the windows are: conversations, windows, and the share of window tokens that are
+        conversation tokens (the rest is padding, trimmed per batch where a whole column is padding)."""
+        conversations, tokens = len(self.ends), int(self.ends[-1]) if len(self.ends) else 0
+        capacity = max(1, len(self) * (self.seq_len + 1))
+        return (f"{conversations:,} conversation(s) in {len(self):,} window(s) of {self.seq_len + 1:,} tokens "
+                f"(data.sft_packing {self.packing}): {100 * tokens / capacity:.1f}% of window tokens are "
+                f"conversation tokens, {100 - 100 * tokens / capacity:.1f}% padding")
+
     def documents(self, index: int) -> tuple[int, np.ndarray]:
         """Window ``index``'s first token offset in the span and its documents' ends (in the span):
         for the packings whose windows hold consecutive documents ("packed", "padded")."""

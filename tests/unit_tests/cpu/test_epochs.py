@@ -178,7 +178,7 @@ def test_recipes_hf_sft_trains_by_epochs_and_validates_by_default(tmp_path, monk
     assert json.loads((data / "index.json").read_text())["documents"] == 40  # >= 20: 5% held out
 
 
-def test_a_held_out_set_of_its_own_validates_and_the_whole_dataset_trains(data, tmp_path):
+def test_a_held_out_set_of_its_own_validates_and_the_whole_dataset_trains(data, tmp_path, capsys):
     held_out = write_sft_shards(tmp_path / "val", _conversations(30)[24:])  # 6 conversations of their own
     job = features.llama3_small().job
     job.data.dataset_path, job.data.val_dataset_path = str(data), str(held_out)
@@ -186,6 +186,11 @@ def test_a_held_out_set_of_its_own_validates_and_the_whole_dataset_trains(data, 
     module = TextDataModule(job)
     module.setup("fit")
     assert len(module._train) == 24  # no share of dataset_path held out
+    # The log says how full the windows are: one conversation per padded window.
+    tokens, window = int(module._train.ends[-1]), job.training.seq_len + 1
+    line = next(x for x in capsys.readouterr().out.splitlines() if "train split:" in x)
+    assert f"24 conversation(s) in 24 window(s) of {window:,} tokens (data.sft_packing padded): " \
+           f"{100 * tokens / (24 * window):.1f}% of window tokens are conversation tokens" in line, line
     val = sorted(int(b["input_ids"][i, 0]) - FIRST for b in module.val_dataloader() for i in range(len(b["input_ids"])))
     assert val == list(range(24, 30))  # held_out's conversations, every one
 
