@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from recipes.tests import features
+from titan_lightning.config.lora import LoRAConfig
 from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.recipe import on_layout, with_cp
 from titan_lightning.strategies import TitanStrategy
@@ -52,9 +53,9 @@ def _fingerprint(module: torch.nn.Module) -> dict[str, list[float]]:
 
 def sft_run(rank: int = 0, world_size: int = 1, *, degrees: Optional[dict] = None, accumulate: int = 1,
             steps: int = 2, spans=None, change_last: tuple[int, ...] = (), pp_microbatches: int = 2,
-            loss_chunks: Optional[int] = None) -> dict:
+            loss_chunks: Optional[int] = None, lora: Optional[dict] = None) -> dict:
     """Train ``steps`` steps on ``degrees`` (TitanStrategy keywords); the loss and gradient
-    fingerprints of each step."""
+    fingerprints of each step. ``lora``: ``job.lora``'s fields (adapters train, the base is frozen)."""
     degrees = dict(degrees or {})
     run = features.llama3_small()
     if degrees.get("cp", 1) > 1:
@@ -64,6 +65,8 @@ def sft_run(rank: int = 0, world_size: int = 1, *, degrees: Optional[dict] = Non
     job = run.job
     job.training.max_grad_norm = None
     job.training.loss_chunks = loss_chunks
+    if lora is not None:
+        job.lora = LoRAConfig(**lora)
     if degrees.get("pp", 1) > 1:
         job.parallelism.pp_microbatches = pp_microbatches
     spans = [tuple(s) for s in spans] if spans is not None else SPANS

@@ -1,0 +1,233 @@
+"""LoRA (``job.lora``, titan_lightning/lora/): the adapters compute what PEFT's compute on the
+transformers model of the same folder (step-1 loss and every adapter's gradient, fp32, CPU); a
+fresh adapter computes the base model; only adapters train, the base is frozen in the compute dtype
+with no optimizer state; FSDP2 and gradient accumulation train as one process does; a run from a
+Hugging Face folder checkpoints its adapters alone, resumes exactly, and exports a PEFT adapter
+folder that PEFT loads onto the base with the merged export's logits."""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import sft_loss_cases as cases
+from test_sft_loss import _assert_same
+from titan_lightning.config import ConfigError
+from titan_lightning.config.lora import LoRAConfig
+from titan_lightning.lora import base_only, lora_layers
+from titan_lightning.lora.targets import hf_linears
+
+from tests.hf_folders import VOCAB, save_hf_folder, save_hf_model
+
+transformers = pytest.importorskip("transformers", reason="the reference implementation; not a project dependency")
+peft = pytest.importorskip("peft", reason="PEFT is the reference for LoRA (setup.cfg's dev extra)")
+
+
+def _ours(folder: Path, lora: LoRAConfig):
+    """Our model of ``folder`` with adapters, the base loaded from the folder; its family's adapter."""
+    from titan_lightning.pretrained import read_hf_model
+
+    hf = read_hf_model(folder)
+    module = hf.module_class(hf.job_class(model=hf.args, lora=lora))
+    model = module.build_model()
+    model.init_weights(seed=3)
+    adapter = hf.module_class.hf_adapter(hf.args, tie_word_embeddings=hf.tie_word_embeddings)
+    with base_only(model) as base:
+        adapter.load_into(base, folder)
+    return model, hf.module_class.hf_adapter(hf.args)
+
+
+def _cross_entropy(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+# (model_type, tied, target_modules): dense and tied; MoE (attention and router; the routed experts take
+# none yet); sliding-window layers beside global ones (Gemma 3).
+FAMILIES = [("llama", False, "all-linear"), ("qwen3", True, "all-linear"),
+            ("qwen3_moe", False, "q_proj,k_proj,v_proj,o_proj,gate"), ("gemma3_text", False, "all-linear")]
+
+
+@pytest.mark.parametrize("model_type,tie,targets", FAMILIES, ids=[f[0] + ("_tied" if f[1] else "") for f in FAMILIES])
+def test_step_one_loss_and_adapter_gradients_equal_peft_on_transformers(model_type, tie, targets, tmp_path):
+    folder = tmp_path / "hf"
+    theirs = save_hf_model(folder, model_type, tie=tie).train()
+    ours, adapter = _ours(folder, LoRAConfig(rank=4, alpha=8.0, target_modules=targets))
+    names = hf_linears(ours, adapter)
+    theirs = peft.get_peft_model(theirs, peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=targets.split(",")
+                                                         if targets != "all-linear" else targets))
+    peft_modules = {name.removeprefix("base_model.model.") for name, m in theirs.named_modules()
+                    if isinstance(m, peft.tuners.lora.LoraLayer)}
+    assert peft_modules == {names[name] for name, _ in lora_layers(ours)}  # the same linears
+
+    def theirs_of(name: str, which: str) -> torch.Tensor:
+        return getattr(theirs.base_model.model.get_submodule(names[name]), which)["default"].weight
+
+    def hf_rows(name: str, b: torch.Tensor) -> torch.Tensor:  # q_proj / k_proj rows in Hugging Face's RoPE layout
+        return adapter.to_hf({f"{name}.weight": b})[f"{names[name]}.weight"]
+
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # B off zero, so every adapter changes the output and gets a gradient
+        for name, layer in lora_layers(ours):
+            layer.lora_b.weight.copy_(0.1 * torch.randn(layer.lora_b.weight.shape, generator=g))
+            theirs_of(name, "lora_A").copy_(layer.lora_a.weight)
+            theirs_of(name, "lora_B").copy_(hf_rows(name, layer.lora_b.weight))
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=g)
+    loss = _cross_entropy(ours(tokens), tokens)
+    loss.backward()
+    their_loss = _cross_entropy(theirs(input_ids=tokens).logits, tokens)
+    their_loss.backward()
+    torch.testing.assert_close(loss, their_loss, rtol=0, atol=1e-6)
+    for name, layer in lora_layers(ours):
+        torch.testing.assert_close(layer.lora_a.weight.grad, theirs_of(name, "lora_A").grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(hf_rows(name, layer.lora_b.weight.grad), theirs_of(name, "lora_B").grad,
+                                   rtol=1e-5, atol=1e-6)
+    assert all(p.grad is None for p in ours.parameters() if not p.requires_grad)
+
+
+def test_a_fresh_adapter_computes_the_base_model_and_draws_a_as_peft(tmp_path):
+    folder = tmp_path / "hf"
+    base = save_hf_model(folder, "qwen3")
+    ours, _ = _ours(folder, LoRAConfig(rank=8, alpha=16.0))
+    tokens = torch.randint(0, VOCAB, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), base(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
+    for _, layer in lora_layers(ours):
+        a = layer.lora_a.weight
+        assert not layer.lora_b.weight.any() and a.std() > 0
+        assert a.abs().max() <= 1 / math.sqrt(a.shape[1])  # kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(in), 1/sqrt(in))
+    # (each A drawn from (seed, its name), as every other parameter)
+    a0, a1 = [layer.lora_a.weight for _, layer in list(lora_layers(ours))[:2]]
+    assert not torch.equal(a0[:, :8], a1[:, :8])
+
+
+def test_only_the_adapters_train_and_the_base_is_stored_in_the_compute_dtype():
+    """No fp32 copy of a frozen base under bf16 mixed precision; the adapters stay fp32 (gradients and
+    optimizer state: the layout and checkpoint tests below)."""
+    from recipes.tests import features
+
+    run = features.llama3_small()
+    run.job.lora = LoRAConfig(rank=4, target_modules="q_proj,v_proj")
+    run.job.training.mixed_precision_param = "bfloat16"
+    module = run.module
+    with torch.device("meta"):
+        module.model = module.build_model()
+    module.materialize(torch.device("cpu"))
+    trainable = {name: p.dtype for name, p in module.model.named_parameters() if p.requires_grad}
+    assert set(trainable) == {f"layers.{i}.attention.{w}.lora_{x}.weight" for i in range(2) for w in ("wq", "wv")
+                              for x in "ab"}
+    assert set(trainable.values()) == {torch.float32}
+    assert {p.dtype for p in module.model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert module.model.rope_cache.dtype == torch.float32
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(target_modules="q_proj,qkv"), "lora.target_modules=q_proj,qkv: Llama has no linear named 'qkv'; valid: "
+                                        "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj or all-linear"),
+    (dict(target_modules="lm_head"), "no linear named 'lm_head'"),
+])
+def test_an_unknown_target_is_one_line_naming_the_valid_names(change, message):
+    from recipes.tests import features
+    from titan_lightning.config import validate_job
+
+    run = features.llama3_small()
+    run.job.lora = LoRAConfig(rank=4, **change)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as caught:
+        validate_job(run.job, world_size=1, max_steps=1, device_type="cpu")
+    assert "\n" not in str(caught.value)
+
+
+def test_a_layout_adapters_do_not_compose_with_yet_is_refused_before_launch():
+    from recipes.tests import features
+    from titan_lightning.config import validate_job
+    from titan_lightning.recipe import on_layout
+
+    run = on_layout(features.llama3_small(), tp=2)
+    run.job.lora = LoRAConfig(rank=4)
+    with pytest.raises(ConfigError, match=r"lora.rank=4 with parallelism.tp=2: .* set parallelism.tp=1"):
+        validate_job(run.job, world_size=2, max_steps=1, device_type="cpu")
+
+
+# -- layouts: FSDP2 and gradient accumulation train as one process ----------------------------------
+
+LORA = {"rank": 4, "alpha": 8.0}
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return cases.sft_run(lora=LORA, steps=3)
+
+
+def test_lora_with_gradient_accumulation_and_on_dp_shard_2_trains_as_one_process(one_process, tmp_path):
+    from titan_lightning.testing.launch import pythonpath_env
+    from titan_lightning.testing.spawn import run_function
+
+    grads = one_process["steps"][-1]["grads"]
+    assert set(grads) == {name for name in grads if ".lora_" in name} and len(grads) == 2 * 7 * 2  # adapters only
+    assert all(norm > 0 for norm, _ in grads.values())
+    _assert_same(cases.sft_run(lora=LORA, steps=3, accumulate=2), one_process)
+    ranks = run_function("sft_loss_cases:sft_run", 2, out_dir=tmp_path, timeout=300,
+                         env=pythonpath_env(Path(__file__).parent), init_process_group=False, degrees={"dp_shard": 2},
+                         lora=LORA, steps=3)
+    for rank in ranks:
+        _assert_same(rank, one_process)
+
+
+# -- a run from a Hugging Face folder: checkpoints, resume, exports -----------------------------------
+
+
+def _fit(folder: Path, data: Path, run_dir: Path, monkeypatch, *extra: str) -> None:
+    from titan_lightning.cli import main
+    from titan_lightning.trainer import RUN_DIR_ENV
+
+    monkeypatch.setenv(RUN_DIR_ENV, str(run_dir))
+    assert main(["fit", "--recipe", "recipes.hf:lora", "--job.checkpoint.initial_load_path", str(folder),
+                 "--job.data.dataset_path", str(data), "--trainer.accelerator", "cpu", "--trainer.max_steps", "4",
+                 "--trainer.max_epochs", "-1", "--trainer.enable_progress_bar", "false",
+                 "--job.checkpoint.interval", "2", "--job.data.val_fraction", "0",
+                 "--job.training.tokens_per_step", "256", "--job.training.tokens_per_microbatch_per_dp_rank", "128",
+                 *extra]) == 0
+
+
+def test_a_lora_run_checkpoints_adapters_resumes_exactly_and_exports_what_peft_loads(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from titan_lightning.data.shards import tokenizer_identity
+    from titan_lightning.data.tokenizer import load_tokenizer
+    from titan_lightning.testing.sft_shards import write_sft_shards
+
+    folder = save_hf_folder(tmp_path / "hf", "qwen3")
+    tokenizer = load_tokenizer(str(folder))
+    rng = np.random.default_rng(0)
+    conversations = []
+    for length in rng.integers(10, 60, 16):
+        tokens = rng.integers(1, tokenizer.vocab_size - 1, length)
+        tokens[-1] = tokenizer.eot_id
+        conversations.append((tokens, (np.arange(length) >= length // 2).astype(np.uint8)))
+    identity = tokenizer_identity(folder / "tokenizer.json", tokenizer.vocab_size, tokenizer.eot_id, None)
+    data = write_sft_shards(tmp_path / "sft", conversations, tokenizer=identity)
+
+    _fit(folder, data, tmp_path / "run", monkeypatch)
+    checkpoint = tmp_path / "run" / "checkpoints" / "epoch=0-step=2.ckpt"
+    saved = [k for k in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+             if k.startswith(("state_dict.", "optimizer_0.state."))]
+    assert saved and all(".lora_" in k for k in saved)  # adapters and their state alone: the base is the folder's
+    _fit(folder, data, tmp_path / "resumed", monkeypatch, "--job.checkpoint.resume_from", str(checkpoint))
+    for name in ("adapter/adapter_model.safetensors", "model.safetensors"):
+        want, got = (load_file(tmp_path / run / "export_hf" / name) for run in ("run", "resumed"))
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
+
+    export = tmp_path / "run" / "export_hf"
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in load_file(
+        export / "adapter" / "adapter_model.safetensors")
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with_adapters = peft.PeftModel.from_pretrained(base, export / "adapter").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    tokens = torch.randint(0, VOCAB, (2, 20))
+    with torch.no_grad():
+        logits = with_adapters(input_ids=tokens).logits
+        torch.testing.assert_close(logits, merged(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
+        with with_adapters.disable_adapter():
+            assert (logits - with_adapters(input_ids=tokens).logits).abs().max() > 1e-3  # the adapters trained
