@@ -30,7 +30,8 @@ Modeled:
     inductor does not fuse (matmuls, attention, collectives, scatters, sorts). Pointwise
     ops and reductions between them are fused away.
 
-Assumed, where a real run depends on values fake tensors do not have:
+Assumed, where a real run depends on values fake tensors do not have (the model reads these
+assumptions through parallel/value_free.py):
   - MoE routing is balanced: each expert of a layer gets ``tokens * top_k / num_experts``
     of a rank's (token, expert) pairs (the remainder one each to the first experts), and
     under EP every rank sends and receives the same split sizes. Without EP the spread
@@ -66,10 +67,9 @@ lengths; the tensors torch keeps for its send/receive buffers are not counted.
 import json
 import logging
 import weakref
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
-from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
@@ -84,11 +84,11 @@ from titan_lightning.config import validate_job
 from titan_lightning.config.validation import validate_estimate
 from titan_lightning.models.common import moe
 from titan_lightning.optim import build_optimizer
-from titan_lightning.parallel import context, expert
 from titan_lightning.parallel.fake import init_fake_process_group, memory_report
 from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_caches
 from titan_lightning.parallel.parallelize import parallelize
 from titan_lightning.parallel.pipeline import PipelineSplit, describe_split, stage_autocast
+from titan_lightning.parallel.value_free import Assumptions, assuming
 from titan_lightning.run import Run
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ def estimate(run: Run, world_size: int, rank: int = 0) -> MemoryEstimate:
     job.quantize.float8.enable = False  # (not modeled: see the module's docstring)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        with _value_free_model():
+        with assuming(_assumptions()):
             return _estimate(run, world_size, rank, fake_mode)
     except Exception as err:
         cause = _fake_cause(err)
@@ -310,8 +310,8 @@ class _PipelineStep:
                     x = torch.zeros(shape, dtype=dtype, requires_grad=True)
                 out = stage(x) if self.positions is None else stage(x, self.positions)
                 out = out[0] if isinstance(out, tuple) else out  # (hidden states, position_ids) to the next stage
-                if stage_id == self.last:
-                    out = self.module.loss_fn(out, torch.zeros(self.shape, dtype=torch.long))
+                if stage_id == self.last:  # the objective's loss, as the last stage's loss function runs it
+                    out, _ = self.module.objective.loss(out, {"labels": torch.zeros(self.shape, dtype=torch.long)})
                 pending.append(out)
                 del x, out
         while pending:
@@ -321,7 +321,7 @@ class _PipelineStep:
         self.memory = _optimizer_step(self.module, self.optimizer, self.live)
 
 
-# -- what fake tensors cannot compute: MoE routing, the CP mask ------------------------------
+# -- what fake tensors cannot compute: MoE routing, the CP mask (parallel/value_free.py) -------
 
 def _fake_cause(err: BaseException):
     """The fake-tensor error ``err`` is or wraps (torch.compile wraps them), or None."""
@@ -367,40 +367,30 @@ def _grouped_mm_on_gpu(x: torch.Tensor) -> bool:
     return hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16
 
 
-def _balanced_splits(self, counts: torch.Tensor):
-    """``ExpertParallel.splits`` (parallel/expert.py) with every rank routing like this one,
+def _balanced_splits(ep, counts: torch.Tensor):
+    """``ExpertParallel.splits`` (parallel/expert.py) of ``ep`` with every rank routing like this one,
     evenly: computed on the host instead of exchanged and read back."""
-    n_local = counts.numel() // self.size
+    n_local = counts.numel() // ep.size
     sent = balanced_counts(sum(counts.tolist()), counts.numel())
-    input_splits = [sum(sent[j * n_local:(j + 1) * n_local]) for j in range(self.size)]
-    mine = sent[self.rank * n_local:(self.rank + 1) * n_local]
-    return input_splits, [list(mine) for _ in range(self.size)], _real_counts([self.size * c for c in mine])
+    input_splits = [sum(sent[j * n_local:(j + 1) * n_local]) for j in range(ep.size)]
+    mine = sent[ep.rank * n_local:(ep.rank + 1) * n_local]
+    return input_splits, [list(mine) for _ in range(ep.size)], _real_counts([ep.size * c for c in mine])
 
 
-def _no_mask(seq_len_q: int, seq_len_kv: int) -> None:
-    """In place of ``causal_lower_right`` (parallel/context.py): SDPA without a mask keeps
-    the shapes and saved tensors of the masked kernel."""
-    return None
-
-
-@contextmanager
-def _value_free_model():
-    """While active, the pieces of the model that read tensor values compute them on the host
-    under the estimate's assumptions (module docstring): balanced MoE routing, the GPU's
-    grouped GEMM, no CP attention mask."""
-    with ExitStack() as patches:
-        for owner, name, value in ((moe, "count_tokens", _balanced_count_tokens),
-                                   (moe, "grouped_mm_available", _grouped_mm_on_gpu),
-                                   (expert.ExpertParallel, "splits", _balanced_splits),
-                                   (context, "causal_lower_right", _no_mask)):
-            patches.enter_context(patch.object(owner, name, value))
-        yield
+def _assumptions() -> Assumptions:
+    """Where the model reads tensor values, the estimate's assumptions (module docstring): balanced
+    MoE routing, the GPU's grouped GEMM, all-gather CP attention without its mask (SDPA unmasked
+    keeps the shapes and saved tensors of the masked kernel)."""
+    return Assumptions(count_tokens=_balanced_count_tokens, grouped_mm=_grouped_mm_on_gpu,
+                       ep_splits=_balanced_splits, lower_right_mask=False)
 
 
 def _optimizer_step(module, optimizer, live: Optional["_LiveBytes"]) -> dict[str, int]:
-    """The optimizer step, then ``CausalLMModule.optimizer_step``'s ``zero_grad``; returns what
-    the rank held in between, while the gradients exist (``memory_report`` plus the bytes of
-    them that were alive at ``live``'s peak)."""
+    """The objective's end of the step (its reductions: ``CausalLMModule`` runs it before clipping),
+    the optimizer step, then ``CausalLMModule.optimizer_step``'s ``zero_grad``; returns what the
+    rank held in between, while the gradients exist (``memory_report`` plus the bytes of them that
+    were alive at ``live``'s peak)."""
+    module.objective.end_step([p.grad for p in module.model.parameters() if p.grad is not None], CPU, None)
     optimizer.step()
     held = memory_report(module.model, [optimizer])
     grads = [_local(p.grad).untyped_storage() for p in module.model.parameters() if p.grad is not None]
@@ -410,9 +400,10 @@ def _optimizer_step(module, optimizer, live: Optional["_LiveBytes"]) -> dict[str
 
 
 class _TrainingStep:
-    """One step in the module's order under Lightning's automatic optimization (the forward and
-    loss as ``training_step`` computes them, backward, the step, then ``optimizer_step``'s
-    ``zero_grad``; gradient clipping's few scalars are left out)."""
+    """One step in the module's order under Lightning's automatic optimization (the forward and the
+    objective's loss as ``training_step`` computes them, backward, the objective's end of step, the
+    optimizer step, then ``optimizer_step``'s ``zero_grad``; gradient clipping's few scalars are
+    left out)."""
 
     live: Optional["_LiveBytes"] = None  # set for the measured step
 
@@ -422,7 +413,7 @@ class _TrainingStep:
 
     def __call__(self, batch: dict) -> None:
         with self.context():
-            loss = self.module.loss_fn(self.module._batch_input(batch), batch["labels"])
+            loss, _ = self.module.objective.loss(self.module._batch_input(batch), batch)
             loss.backward()
         del loss
         self.memory = _optimizer_step(self.module, self.optimizer, self.live)

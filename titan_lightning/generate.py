@@ -42,6 +42,7 @@ from titan_lightning.checkpoint import DCP_METADATA, latest_checkpoint, load_sha
 from titan_lightning.config import ConfigError
 from titan_lightning.data.chat import compile_template, read_chat_template
 from titan_lightning.data.tokenizer import Tokenizer, load_tokenizer
+from titan_lightning.lora import add_adapters, base_only, lora_targets
 from titan_lightning.models.common.decoder import decoder_class
 from titan_lightning.models.common.hf_config import CONFIG_FILE, read_json_object
 from titan_lightning.models.common.kv_cache import KVCache, cached_attentions
@@ -246,6 +247,10 @@ class Loaded:
     tokenizer_path: Optional[str]
     settings_folder: Optional[Path]
     model: Optional[torch.nn.Module] = None
+    # A LoRA run's checkpoint (its job's ``lora``): the adapters it holds go on the base model of
+    # ``checkpoint.initial_load_path``.
+    lora: Optional[Any] = None
+    base_folder: Optional[Path] = None
 
     def load(self, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
         """Our decoder with the weights, in eval mode on ``device``."""
@@ -253,11 +258,28 @@ class Loaded:
         if self.adapter is not None:
             self.adapter.load_into(model, self.weights)
         else:
+            if self.lora is not None:
+                _load_base_with_adapters(model, self.lora, self.base_folder)
+            state = {f"model.{k}": t for k, t in model.state_dict().items() if self.lora is None or ".lora_" in k}
             with warnings.catch_warnings():  # "torch.distributed is ... uninitialized ... a single process": so it is
                 warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-                load_sharded(self.weights, {"state_dict": {f"model.{k}": t for k, t in model.state_dict().items()}})
+                load_sharded(self.weights, {"state_dict": state})
         self.model = model.eval()
         return self.model
+
+
+def _load_base_with_adapters(model: torch.nn.Module, lora: Any, folder: Optional[Path]) -> None:
+    """``model`` with ``lora``'s adapters (their values left to the checkpoint), its base loaded from
+    the Hugging Face ``folder`` the run started from."""
+    if folder is None:
+        raise GenerateError(f"--model: a checkpoint of a LoRA run (lora.rank={lora.rank}) holds its adapters alone; "
+                            f"give the run's --job.checkpoint.initial_load_path (its base Hugging Face folder)")
+    hf = read_hf_model(folder)
+    adapter = hf.module_class.hf_adapter(hf.args, tie_word_embeddings=hf.tie_word_embeddings)
+    targets = lora_targets(model, adapter, lora)
+    add_adapters(model, list(targets), rank=lora.rank, alpha=lora.alpha)
+    with base_only(model) as base:
+        adapter.load_into(base, folder)
 
 
 def resolve_model_path(path: str) -> tuple[str, Path]:
@@ -303,7 +325,9 @@ def find_model(path: str, run_argv: Sequence[str] = (), parse_run: Optional[Call
     tokenizer_path = job.data.tokenizer_path
     if settings is None and tokenizer_path is not None:
         settings = Path(tokenizer_path) if Path(tokenizer_path).is_dir() else Path(tokenizer_path).parent
-    return Loaded(job.model, folder, None, _tokenizer(tokenizer_path), tokenizer_path, settings)
+    lora = job.lora if job.lora.enabled else None
+    return Loaded(job.model, folder, None, _tokenizer(tokenizer_path), tokenizer_path, settings, lora=lora,
+                  base_folder=Path(initial) if initial is not None else None)
 
 
 def _checkpoint_job(folder: Path, run_argv: list[str], parse_run: Optional[Callable]):

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from titan_lightning.config.job import CP_ATTENTIONS
+from titan_lightning.parallel import value_free
 from titan_lightning.parallel.collectives import all_gather_autograd, all_to_all, all_to_all_autograd
 from titan_lightning.parallel.contracts import attention_modules
 
@@ -206,7 +207,8 @@ def _allgather_attention(q, k, v, cp: ContextParallel, position_ids: Optional[to
         # with a window, keys from the first query's position - window + 1 on.
         first = global_end - (end - start)
         keys = 0 if window is None else max(0, first - window + 1)
-        mask = causal_lower_right(end - start, global_end)
+        assumed = value_free.assumed()  # (while tensors hold no values: parallel/value_free.py)
+        mask = causal_lower_right(end - start, global_end) if assumed is None or assumed.lower_right_mask else None
         if documents is not None or window is not None or sinks is not None:  # ... of their document, in their window
             q_at = torch.arange(first, global_end, device=q.device)
             k_at = torch.arange(keys, global_end, device=q.device)

@@ -51,6 +51,7 @@ from titan_lightning.config import ConfigError
 from titan_lightning.config.parallelism import EP_DISPATCHES
 from titan_lightning.parallel.collectives import (all_gather, all_gather_autograd, all_to_all, all_to_all_autograd,
                                                   reduce_scatter_autograd)
+from titan_lightning.parallel import value_free
 from titan_lightning.parallel.contracts import ContractError, expert_modules, moe_layers
 
 
@@ -68,7 +69,8 @@ class ExpertParallel:
         """``x`` [N, dim] sorted by global expert, ``counts`` [E] -> the experts' outputs, same order."""
         if self.dispatch == "padded":
             return self.run_padded(experts, x, counts)
-        input_splits, matrix, local_counts = self.splits(counts)
+        assumed = value_free.assumed()  # (while tensors hold no values: parallel/value_free.py)
+        input_splits, matrix, local_counts = self.splits(counts) if assumed is None else assumed.ep_splits(self, counts)
         output_splits = [sum(row) for row in matrix]
         tokens = all_to_all_autograd(x, self.group, output_splits, input_splits)
         # Arrived grouped by (source rank, local expert); the experts want (local expert, source rank).

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_lightning.models.common.feedforward import FeedForward
+from titan_lightning.parallel import value_free
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 # The experts' gated activation: SwiGLU, silu(gate) * up; or gpt-oss's clamped SwiGLU,
@@ -167,7 +168,7 @@ class TokenChoiceTopKRouter(nn.Module):
         if self.route_norm:
             top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
         top_scores = top_scores * self.route_scale
-        return top_scores, experts, count_tokens(experts, self.num_experts)
+        return top_scores, experts, routed_counts(experts, self.num_experts)
 
     def in_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """``choice`` [T, E] with -inf for every expert outside the token's ``top_k_groups`` best groups."""
@@ -186,6 +187,13 @@ def count_tokens(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     [N, E] booleans, a few MB for a rank's pairs."""
     flat = experts.flatten()
     return (flat[:, None] == torch.arange(num_experts, device=flat.device)).sum(dim=0)
+
+
+def routed_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``count_tokens`` of the router's choice, or, while tensors hold no values, what is assumed
+    (parallel/value_free.py)."""
+    assumed = value_free.assumed()
+    return count_tokens(experts, num_experts) if assumed is None else assumed.count_tokens(experts, num_experts)
 
 
 @dataclass(frozen=True)
@@ -242,7 +250,11 @@ def pad_groups(counts: torch.Tensor, rows: int, align: int) -> PaddedGroups:
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
-    """``torch._grouped_mm`` runs bf16 on Hopper-class GPUs and newer (the automatic choice)."""
+    """``torch._grouped_mm`` runs bf16 on Hopper-class GPUs and newer (the automatic choice); while
+    tensors hold no values, what is assumed (parallel/value_free.py)."""
+    assumed = value_free.assumed()
+    if assumed is not None:
+        return assumed.grouped_mm(x)
     return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
@@ -492,7 +504,7 @@ class MoE(nn.Module):
               counts: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Each token through its top-k experts, weighted by its scores: [T, dim] -> [T, dim]."""
         if counts is None:
-            counts = count_tokens(experts, self.args.num_experts)
+            counts = routed_counts(experts, self.args.num_experts)
         k = scores.shape[-1]
         order = torch.argsort(experts.flatten(), stable=True)  # (token, slot) pairs sorted by expert
         routed = tokens[order // k]
