@@ -231,3 +231,14 @@ def test_a_lora_run_checkpoints_adapters_resumes_exactly_and_exports_what_peft_l
         torch.testing.assert_close(logits, merged(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
         with with_adapters.disable_adapter():
             assert (logits - with_adapters(input_ids=tokens).logits).abs().max() > 1e-3  # the adapters trained
+
+    # generate / chat on the last checkpoint: the adapters it holds on the run's base folder
+    from titan_lightning.cli import parse_run
+    from titan_lightning.generate import find_model
+
+    last = tmp_path / "run" / "checkpoints" / "epoch=0-step=4.ckpt"
+    found = find_model(str(last), ["--recipe", "recipes.hf:lora", "--job.checkpoint.initial_load_path", str(folder),
+                                   "--job.data.dataset_path", str(data)], parse_run)
+    model = found.load(torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(model.output(model(tokens)), logits, rtol=1e-5, atol=1e-5)
