@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from titan_lightning.testing.launch import launch
 from titan_lightning.trainer import RUN_DIR_ENV
 
-from tests.hf_folders import VOCAB, save_hf_folder
+from tests.hf_folders import VOCAB, assert_transformers_agrees, load_ours, save_hf_folder
 
 transformers = pytest.importorskip("transformers", reason="the reference implementation; a test-only extra")
 
@@ -44,18 +44,9 @@ def test_folder_to_one_command_to_transformers(tmp_path, model_type, tie, layout
             *LAYOUTS[layout]]
     launch(argv, 2, out_dir=tmp_path / "logs", timeout=300, env={RUN_DIR_ENV: str(tmp_path / "run")})
     export = tmp_path / "run" / "export_hf"
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
-    assert theirs.config.model_type == model_type and not theirs.config.tie_word_embeddings
-
-    from titan_lightning.models.common.decoder import decoder_class
-    from titan_lightning.pretrained import read_hf_model
-
-    model = read_hf_model(export)
-    ours = decoder_class(type(model.args))(model.args)
-    model.module_class.hf_adapter(model.args).load_into(ours, export)
     tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=0, atol=1e-5)
+    theirs = assert_transformers_agrees(export, load_ours(export), tokens, rtol=0, atol=1e-5)
+    assert theirs.config.model_type == model_type and not theirs.config.tie_word_embeddings
 
     trained, initial = _tensors(export), _tensors(folder)
     assert initial.keys() <= trained.keys()

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration_tests.test_faults import _wait_gone
+from titan_lightning.testing.launch import pythonpath_env
 from titan_lightning.trainer import RUN_DIR_ENV
 
 pytestmark = pytest.mark.multi_process
@@ -25,7 +26,7 @@ LIMIT_S = 120  # the whole launch, startup included: the test's own hard timeout
 def test_a_rank_hung_in_its_step_is_named_within_the_timeout(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != RUN_DIR_ENV and not k.startswith("TORCHELASTIC")}
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", **{RUN_DIR_ENV: str(tmp_path / "run")},
-               PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")])))
+               **pythonpath_env(HERE))
     argv = [sys.executable, "-m", "titan_lightning.cli", "fit", "--recipe", "hang_recipes:fsdp2_rank1_hangs",
             "--trainer.accelerator", "cpu", "--trainer.devices", "2"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,

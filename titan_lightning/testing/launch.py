@@ -90,6 +90,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def pythonpath_env(*folders) -> dict[str, str]:
+    """``{"PYTHONPATH": ...}`` with ``folders`` before this process's PYTHONPATH entries: what a
+    subprocess needs to import, by name, modules of those folders (a test's own recipes or cases)."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [*map(str, folders), os.environ.get("PYTHONPATH")]))}
+
+
 def rank_env(rank: int, world_size: int, *, port: int, out_dir: Path, env: Optional[dict] = None) -> dict[str, str]:
     """The environment of one rank: this process's, the test defaults, ``env``, then the rank's variables.
 

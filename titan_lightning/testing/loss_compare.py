@@ -28,7 +28,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
-from titan_lightning.testing.launch import LaunchError, launch
+from titan_lightning.testing.launch import LaunchError, launch, pythonpath_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -187,14 +187,10 @@ def worktree(commit: Optional[str]) -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _env(root: Path) -> dict:
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-
-
 def make_seed_checkpoint(recipe: str, path: Path, root: Path, timeout: float) -> Path:
     """Create the seed checkpoint with the code at ``root`` (a fresh process: that checkout's imports)."""
     command = [sys.executable, "-m", "titan_lightning.testing.seed_checkpoint", recipe, str(path)]
-    done = subprocess.run(command, cwd=root, env={**os.environ, **_env(root), "CUDA_VISIBLE_DEVICES": ""},
+    done = subprocess.run(command, cwd=root, env={**os.environ, **pythonpath_env(root), "CUDA_VISIBLE_DEVICES": ""},
                           capture_output=True, text=True, timeout=timeout)
     if done.returncode:
         raise RuntimeError(f"creating the seed checkpoint of {recipe} failed:\n{done.stderr[-4000:]}")
@@ -207,7 +203,7 @@ def run_side(recipe: str, ngpu: int, args: argparse.Namespace, root: Path, out: 
             "--job.training.deterministic", "true"]
     if args.steps is not None:
         argv += ["--trainer.max_steps", str(args.steps)]
-    env = _env(root)
+    env = pythonpath_env(root)
     if args.accelerator == "gpu":
         env["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(ngpu))))
     options = ["--seed-checkpoint", str(seed)] if seed is not None else []

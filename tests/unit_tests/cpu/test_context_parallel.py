@@ -1,15 +1,15 @@
 """Context parallelism: sequence slicing and the three attention backends against full causal attention."""
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from titan_lightning.parallel.context import shard_positions
+from titan_lightning.testing.launch import pythonpath_env
 from titan_lightning.testing.spawn import run_function
 
-CASES_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+CASES_ENV = pythonpath_env(Path(__file__).parent)
 
 
 def test_headtail_gives_rank_r_chunks_r_and_2cp_minus_1_minus_r():

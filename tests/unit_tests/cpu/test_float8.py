@@ -13,7 +13,6 @@ Tolerances: one layer within torchao's own test bounds (test/float8/test_base.py
 """
 
 import copy
-import os
 import tempfile
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from titan_lightning.parallel.fake import init_fake_process_group
 from titan_lightning.parallel.float8 import convert_to_float8, float8_filter
 from titan_lightning.recipe import on_layout
 from titan_lightning.strategies import FakePGStrategy
-from titan_lightning.testing.launch import launch
+from titan_lightning.testing.launch import launch, pythonpath_env
 from titan_lightning.testing.record import RecordSteps
 from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
 
@@ -264,15 +263,19 @@ def test_float8_under_selective_checkpointing_and_compile_trains_as_eager(one_pr
     assert record.grad_norms == one_process_float8.grad_norms
 
 
+def _assert_2_gloo_ranks_train_as(one_process, recipe: str, tmp_path, *, grad_norm_rel: float) -> None:
+    """``float8_cases:<recipe>`` fit on 2 gloo ranks: on each rank, the losses within 1e-4 of the
+    one-process run's, the grad norms within ``grad_norm_rel``."""
+    argv = ["fit", "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--recipe", f"float8_cases:{recipe}"]
+    for rank in launch(argv, 2, out_dir=tmp_path, timeout=300, env=pythonpath_env(HERE)).ranks:
+        assert rank["losses"] == pytest.approx(one_process.losses, rel=1e-4)
+        assert rank["grad_norms"] == pytest.approx(one_process.grad_norms, rel=grad_norm_rel)
+
+
 @pytest.mark.multi_process
 def test_fsdp_over_2_gloo_ranks_trains_float8_as_one_process(tmp_path, one_process_float8):
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
-    argv = ["fit", "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--recipe",
-            "float8_cases:llama3_fsdp2_float8"]
-    for rank in launch(argv, 2, out_dir=tmp_path, timeout=300, env=env).ranks:
-        # Not bitwise: each rank scales its own half of the batch's activations (tensorwise amax).
-        assert rank["losses"] == pytest.approx(one_process_float8.losses, rel=1e-4)
-        assert rank["grad_norms"] == pytest.approx(one_process_float8.grad_norms, rel=1e-3)
+    # Not bitwise: each rank scales its own half of the batch's activations (tensorwise amax).
+    _assert_2_gloo_ranks_train_as(one_process_float8, "llama3_fsdp2_float8", tmp_path, grad_norm_rel=1e-3)
 
 
 def fake_fsdp2(all_gather: bool):
@@ -350,14 +353,9 @@ def test_the_rowwise_recipe_keeps_torchs_tp_styles(monkeypatch):
 
 @pytest.mark.multi_process
 def test_tp_over_2_gloo_ranks_trains_float8_as_one_process(tmp_path, one_process_float8):
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
-    argv = ["fit", "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--recipe",
-            "float8_cases:llama3_tp2_float8"]
-    for rank in launch(argv, 2, out_dir=tmp_path, timeout=300, env=env).ranks:
-        # Not bitwise: the same scales (a sharded operand's amax is all-reduced), but the rowwise
-        # layers sum two partial matmuls; the float8 roundings then drift apart (seen: 3e-6, 1e-5).
-        assert rank["losses"] == pytest.approx(one_process_float8.losses, rel=1e-4)
-        assert rank["grad_norms"] == pytest.approx(one_process_float8.grad_norms, rel=1e-4)
+    # Not bitwise: the same scales (a sharded operand's amax is all-reduced), but the rowwise
+    # layers sum two partial matmuls; the float8 roundings then drift apart (seen: 3e-6, 1e-5).
+    _assert_2_gloo_ranks_train_as(one_process_float8, "llama3_tp2_float8", tmp_path, grad_norm_rel=1e-4)
 
 
 @pytest.mark.parametrize("all_gather", [False, True], ids=["", "fsdp_float8_all_gather"])

@@ -1,7 +1,6 @@
 """A fourth family from the decoder base in this file alone (CONTRIBUTING "Add a model family"): a
 parallel-residual block, on fsdp2_tp2 over 4 gloo ranks vs one process (the ranks import this file)."""
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from titan_lightning.models.common.decoder import Block, Decoder, decoder_tp_pla
 from titan_lightning.models.common.rope import precompute_rope_cache
 from titan_lightning.models.family import define_family
 from titan_lightning.recipe import Run, debug_run, on_layout
-from titan_lightning.testing.launch import launch, run_single
+from titan_lightning.testing.launch import launch, pythonpath_env, run_single
 
 
 @dataclass(kw_only=True)
@@ -67,7 +66,7 @@ def fsdp2_tp2() -> Run:
 
 @pytest.mark.multi_process
 def test_a_family_from_the_decoder_base_trains_on_fsdp2_tp2_as_on_one_process(tmp_path):
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+    env = pythonpath_env(Path(__file__).parent)
     fit = ["fit", "--trainer.accelerator", "cpu", "--recipe"]
     reference = run_single([*fit, "test_fourth_family:single"], out_dir=tmp_path / "one", timeout=300, env=env).ranks[0]
     assert len(reference["losses"]) == 4

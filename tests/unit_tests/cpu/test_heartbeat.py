@@ -3,16 +3,16 @@ on the same host; takes a rank that ended normally, or that is alive but stopped
 worse (nor does the stopped rank's watchdog count the time it was stopped); and calls a silent
 rank on another host dead after its timeout."""
 
-import os
 import re
 from pathlib import Path
 
 import pytest
 
 from titan_lightning.testing import LaunchFailed
+from titan_lightning.testing.launch import pythonpath_env
 from titan_lightning.testing.spawn import run_function
 
-CASES_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+CASES_ENV = pythonpath_env(Path(__file__).parent)
 
 pytestmark = pytest.mark.multi_process
 

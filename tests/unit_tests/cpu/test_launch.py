@@ -11,6 +11,7 @@ import pytest
 
 from titan_lightning.data.tokenizer import CORPUS_PATH
 from titan_lightning.testing import LaunchFailed, LaunchTimeout, launch, rank_env, run_single
+from titan_lightning.testing.launch import pythonpath_env
 
 launch_module = importlib.import_module("titan_lightning.testing.launch")  # the package's `launch` is the function
 
@@ -42,7 +43,7 @@ def launch_broken(tmp_path):
     folder = tmp_path / "recipes_path"
     folder.mkdir()
     (folder / "broken_recipes.py").write_text(BROKEN_RECIPES)
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+    env = pythonpath_env(folder)
 
     def launch_recipe(name, *, timeout):
         argv = ["fit", "--recipe", f"broken_recipes:{name}", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]

@@ -7,17 +7,16 @@ process group the first left up, is under test too. ModelParallelStrategy itself
 (``python -m pytest ... --mps`` is not offered: run the module by hand with ``mps`` to see it).
 """
 
-import os
 from pathlib import Path
 
 import pytest
 
-from titan_lightning.testing.launch import LaunchError, launch
+from titan_lightning.testing.launch import LaunchError, launch, pythonpath_env
 
 import lightning_mps_cases as cases
 
 HERE = Path(__file__).parent
-ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+ENV = pythonpath_env(HERE)
 ONE_RANK = {"test_model_parallel_single_file_checkpoint_with_compile"}
 FOUR_RANKS = {"test_setup_device_mesh", "test_fsdp2_tensor_parallel", "test_fsdp2_tensor_parallel_compile"}
 

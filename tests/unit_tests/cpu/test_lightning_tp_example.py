@@ -2,14 +2,13 @@
 strategy's class changed: the same loss at each of 8 steps as under ModelParallelStrategy, on 4
 gloo ranks (2 data-parallel x 2 tensor-parallel)."""
 
-import os
 from pathlib import Path
 
 import pytest
 
-from titan_lightning.testing.launch import launch
+from titan_lightning.testing.launch import launch, pythonpath_env
 
-ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+ENV = pythonpath_env(Path(__file__).parent)
 
 
 def _fit(recipe: str, out: Path) -> list[dict]:

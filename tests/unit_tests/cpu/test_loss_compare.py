@@ -1,7 +1,6 @@
 """Seed checkpoints and the loss-compare tool."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from titan_lightning.parallel.fake import init_fake_process_group
 from titan_lightning.recipe import build_run
 from titan_lightning.testing import loss_compare
 from titan_lightning.testing.hashing import hash_model
+from titan_lightning.testing.launch import pythonpath_env
 from titan_lightning.testing.seed_checkpoint import create_seed_checkpoint, load_full_state_dict
 
 BASE = "recipes.tests.features:llama3_debugmodel"
@@ -213,7 +213,7 @@ def test_fsdp2_matches_one_process_from_the_seed_checkpoint_and_export_import_ro
     # The features recipes on a smaller shape: the tool's seed checkpoint, launches and files are under test.
     here = str(Path(__file__).parent)
     monkeypatch.syspath_prepend(here)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", pythonpath_env(here)["PYTHONPATH"])
     base = "small_llama3:llama3_debugmodel"
     exported = tmp_path / "numbers.json"
     argv = ["--baseline", base, "--test", "small_llama3:llama3_fsdp2", "--test-ngpu", "2", "--steps", "2",

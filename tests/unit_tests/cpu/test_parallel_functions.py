@@ -6,7 +6,6 @@ that train 3 steps and must match a single process step for step.
 """
 
 import contextlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from titan_lightning.models.llama3.parallelize import TP_PLAN
 from titan_lightning.parallel.fsdp import apply_ddp, apply_fsdp, find_repeated_blocks
 from titan_lightning.parallel.mesh import Mesh, ParallelDims
 from titan_lightning.parallel.tensor import apply_tp
+from titan_lightning.testing.launch import pythonpath_env
 from titan_lightning.testing.spawn import run_function
 
 # Small enough for 2 CPU cores; n_kv_heads < n_heads so GQA shards are checked too.
@@ -341,7 +341,7 @@ def train_layouts(*, rank: int, world_size: int, names: list[str]) -> dict[str, 
 
 
 # The ranks import this file as a top-level module (their interpreter was started before this test).
-HERE_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+HERE_ENV = pythonpath_env(Path(__file__).parent)
 
 
 def spawn(world_size: int, names: list[str], out_dir: Path) -> dict[str, dict[str, list[float]]]:

@@ -36,7 +36,7 @@ import torch
 from titan_lightning.testing.launch import launch
 from titan_lightning.trainer import RUN_DIR_ENV
 
-from tests.hf_folders import VOCAB, load_ours, save_hf_folder
+from tests.hf_folders import VOCAB, assert_transformers_agrees, load_ours, save_hf_folder
 
 README = Path(__file__).parents[3] / "README.md"
 MARKER = re.compile(r"^<!-- test: (?P<name>[\w-]+) -->\n(?P<fence>```(?P<lang>\w*)\n(?P<code>.*?)^```$)?", re.M | re.S)
@@ -258,10 +258,8 @@ def test_fine_tuning_as_the_readme_walks_it(tmp_path):
     answer = run_block("sft-use", paths, tmp_path)
     assert answer.endswith("\n") and "What is 2+2?" not in answer  # the new tokens only
 
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(load_ours(export)(tokens), theirs(tokens).logits, rtol=0, atol=1e-5)
+    theirs = assert_transformers_agrees(export, load_ours(export), tokens, rtol=0, atol=1e-5)
     initial = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     assert not torch.equal(theirs.model.layers[0].mlp.down_proj.weight, initial.model.layers[0].mlp.down_proj.weight)
 

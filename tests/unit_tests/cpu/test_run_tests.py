@@ -1,6 +1,5 @@
 """The integration runner: flag validation, the empty-dir rule, device packing, the summary, exit codes."""
 
-import os
 import re
 import sys
 import threading
@@ -12,6 +11,7 @@ import pytest
 from tests.integration_tests import run_tests
 from tests.integration_tests.run_tests import Outcome, Task, schedule, summary
 from titan_lightning.testing.entries import TestEntry
+from titan_lightning.testing.launch import pythonpath_env
 
 RECIPE = "recipes.tests.features:llama3_debugmodel"
 
@@ -220,7 +220,7 @@ def test_a_real_run_passes_and_a_golden_mismatch_fails_with_exit_1_and_the_log_t
     The entry trains the debug-model recipe at a smaller shape (the runner is under test)."""
     here = str(Path(__file__).parent)
     monkeypatch.syspath_prepend(here)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", pythonpath_env(here)["PYTHONPATH"])
     golden = tmp_path / "golden" / "fake_pg.txt"
     entry = TestEntry(recipes=("small_llama3:llama3_debugmodel",), name="llama3_debugmodel", description="d",
                       golden_numerics_path=str(tmp_path / "golden" / "{execution_mode}.txt"))

@@ -6,7 +6,6 @@ The parallel layouts (FSDP2, FSDP2 x TP2, CP2, PP2, EP2, accumulation) are entri
 integration suites (the llama3_sft_* features, qwen3_moe_sft_fsdp2_ep2); sft_loss_cases.sft_run
 also runs on 2 ranks through titan_lightning.testing.spawn for debugging a layout alone."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -63,10 +62,11 @@ def test_a_step_without_supervised_tokens_stops_the_run_naming_it():
 def test_the_logged_supervised_tokens_count_each_token_once(one_process, degrees, tmp_path):
     """TP ranks hold the same labels, CP ranks slices of them: on 2 gloo ranks the logged
     ``train/supervised_tokens`` (and the loss) are the one-process run's."""
+    from titan_lightning.testing.launch import pythonpath_env
     from titan_lightning.testing.spawn import run_function
 
-    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-    ranks = run_function("sft_loss_cases:sft_run", 2, out_dir=tmp_path, timeout=300, env={"PYTHONPATH": path},
+    env = pythonpath_env(Path(__file__).parent)
+    ranks = run_function("sft_loss_cases:sft_run", 2, out_dir=tmp_path, timeout=300, env=env,
                          init_process_group=False, degrees=degrees)
     want = [step["supervised_tokens"] for step in one_process["steps"]]
     assert want[0] == sum(b - a for a, b in cases.SPANS)

@@ -16,20 +16,10 @@ from titan_lightning.models.common.attention import Attention
 from titan_lightning.models.common.masking import attend, documents_for
 from titan_lightning.models.common.rope import apply_rope
 
+from tests.decoders import reference_attention
+
 LENGTHS = [[5, 1, 9, 1, 12, 4], [S]]
 LLAMA = FAMILIES["llama3"]
-
-
-def _reference(q, k, v, window, documents=None):
-    """Attention written out: scores, a mask built entry by entry, softmax, values. [B, S, H, D]."""
-    B, S_, H, D = q.shape
-    k, v = (t.repeat_interleave(H // t.shape[2], dim=2) for t in (k, v))
-    docs = torch.zeros(B, S_, dtype=torch.long) if documents is None else documents
-    allowed = torch.tensor([[[j <= i and (window is None or i - window < j) and docs[b, i] == docs[b, j]
-                              for j in range(S_)] for i in range(S_)] for b in range(B)])
-    scores = torch.einsum("bihd,bjhd->bhij", q, k) / D**0.5
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    return torch.einsum("bhij,bjhd->bihd", scores.softmax(-1), v)
 
 
 def _document_ids(lengths):
@@ -52,7 +42,7 @@ def test_sliding_attention_equals_the_explicit_reference(kernel, mask):
     for window in (1, 3, 8, S - 1):
         documents = documents_for(_Args(kernel, mask, window), _positions(LENGTHS), q)
         out = attend(q, k, v, documents, window=window)
-        expected = _reference(q, k, v, window, ids)
+        expected = reference_attention(q, k, v, window, ids)
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-10, msg=f"window {window}")
         if grad:
             w = torch.randn_like(out)
@@ -60,7 +50,7 @@ def test_sliding_attention_equals_the_explicit_reference(kernel, mask):
             for name, a, b in zip("qkv", grads, torch.autograd.grad((expected * w).sum(), (q, k, v))):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=f"d{name}, window {window}")
         full = attend(q, k, v, documents)  # this batch's full layers: no window
-        torch.testing.assert_close(full, _reference(q, k, v, None, ids), rtol=0, atol=1e-10)
+        torch.testing.assert_close(full, reference_attention(q, k, v, None, ids), rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("mask", ["causal", "block_causal"])
@@ -95,7 +85,8 @@ def _attention_reference(module: Attention, x, rope_cache, window, documents=Non
     B, S_, _ = x.shape
     q, k, v = (w(x).view(B, S_, -1, module.head_dim) for w in (module.wq, module.wk, module.wv))
     rope = rope_cache[:S_]
-    return module.wo(_reference(apply_rope(q, rope), apply_rope(k, rope), v, window, documents).reshape(B, S_, -1))
+    attended = reference_attention(apply_rope(q, rope), apply_rope(k, rope), v, window, documents)
+    return module.wo(attended.reshape(B, S_, -1))
 
 
 @pytest.mark.parametrize("family, kernel", [("llama3", "sdpa"), ("llama3", "flex"), ("qwen3_moe", "sdpa")])
@@ -196,12 +187,12 @@ def test_every_cp_backend_computes_the_sliding_window_exactly(backend, documents
 
 @pytest.mark.multi_process
 def test_cp2_allgather_on_gloo_ranks_equals_one_process(tmp_path):
-    import os
     from pathlib import Path
 
+    from titan_lightning.testing.launch import pythonpath_env
     from titan_lightning.testing.spawn import run_function
 
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+    env = pythonpath_env(Path(__file__).parent)
     results = run_function("cp_cases:attention_parity", 2, out_dir=tmp_path, timeout=180, env=env,
                            backend="allgather", load_balancer="headtail", n_heads=4, n_kv_heads=2, seq_len=S,
                            documents=LENGTHS, window=6)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_lightning.testing.launch import launch, run_single
+from titan_lightning.testing.launch import launch, pythonpath_env, run_single
 
 STEPS = 5
 FIT = ["fit", "--trainer.accelerator", "cpu", "--trainer.max_steps", str(STEPS)]
@@ -43,7 +43,7 @@ def test_single_process_losses_are_finite_and_fall(reference):
     assert reference["losses"][-1] < reference["losses"][0]
 
 
-USER_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+USER_ENV = pythonpath_env(Path(__file__).parent)
 
 
 @pytest.mark.multi_process

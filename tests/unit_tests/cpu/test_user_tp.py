@@ -10,7 +10,6 @@ on two ranks and on one.
 
 import contextlib
 import copy
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from titan_lightning.checkpoint import CheckpointError, dcp_saveable
 from titan_lightning.config import ConfigError
 from titan_lightning.parallel.tensor import TensorParallelShapeError, apply_tp, check_tp_plan
-from titan_lightning.testing.launch import launch, run_single
+from titan_lightning.testing.launch import launch, pythonpath_env, run_single
 from user_gpt import Config, GPTModule
 
 TP = 2
@@ -277,7 +276,7 @@ def test_a_checkpoint_of_fsdp_over_a_fused_projection_is_refused():
 # -- two real ranks against one process ------------------------------------------------------------
 
 
-USER_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+USER_ENV = pythonpath_env(Path(__file__).parent)
 
 
 def _relative(a: float, b: float) -> float:

@@ -4,16 +4,16 @@ collectives, both); every rank's stacks and flight recorder are written; a plain
 timeout is the strategy's; no watchdog or heartbeat thread, nor the flight recorder's variable,
 outlives ``trainer.fit``, also one that failed."""
 
-import os
 import re
 from pathlib import Path
 
 import pytest
 
 from titan_lightning.testing import LaunchFailed
+from titan_lightning.testing.launch import pythonpath_env
 from titan_lightning.testing.spawn import run_function
 
-CASES_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+CASES_ENV = pythonpath_env(Path(__file__).parent)
 
 
 @pytest.mark.multi_process

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from titan_lightning.testing import LaunchFailed
+from titan_lightning.testing.launch import pythonpath_env
 from titan_lightning.testing.spawn import run_function
 
 CPU_CASES = Path(__file__).parents[1] / "cpu"
 ENV = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0,1"),
-       "PYTHONPATH": os.pathsep.join(filter(None, [str(CPU_CASES), os.environ.get("PYTHONPATH")]))}
+       **pythonpath_env(CPU_CASES)}
 
 pytestmark = pytest.mark.multi_gpu
 
