@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from titan_lightning.checkpoint import Source, load_sources
 from titan_lightning.config import ConfigError
-from titan_lightning.models.common.hf_config import DECODER_FIELDS, HFConfig, decoder_config, decoder_fields
+from titan_lightning.models.common.hf_config import DECODER_FIELDS, HFConfig, config_of, decoder_fields
 from titan_lightning.models.common.safetensors_io import (  # noqa: F401 (re-exported: their home before safetensors_io.py)
     INDEX_FILE,
     SINGLE_FILE,
@@ -135,7 +135,7 @@ class StateDictAdapter:
     args_class: type  # the family's args
     architecture: str  # config.json's ``architectures`` entry an export writes
     fixed_fields: dict[str, Any] = {}  # config.json fields that must hold the one value implemented here
-    config_fields: dict[str, str] = DECODER_FIELDS  # our args fields -> config.json's, read and written as they are
+    config_fields: dict[str, Any] = DECODER_FIELDS  # our args fields -> config.json's, read and written as they are
 
     @classmethod
     def args_from_hf_config(cls, config: HFConfig) -> Any:
@@ -164,7 +164,7 @@ class StateDictAdapter:
         which ``check_expressible`` passed."""
         cls.check_expressible(args)
         return {"architectures": [cls.architecture], "model_type": cls.hf_model_types[0],
-                **decoder_config(args, cls.config_fields), **cls.write_rope(args), **cls.write_fields(args),
+                **config_of(args, cls.config_fields), **cls.write_rope(args), **cls.write_fields(args),
                 **cls.fixed_fields}
 
     @classmethod

@@ -5,7 +5,7 @@ of config.json is either mapped to one of ours (``get``), required to hold the o
 implement (``expect``: ``attention_bias: false``, ``hidden_act: silu`` ...), bookkeeping that
 changes nothing the model computes (``BOOKKEEPING``: token ids, ``use_cache``, versions ...),
 or refused by name when ``finish`` finds it unread. The fields every grouped-query family shares
-are written once here (``DECODER_FIELDS``: ``decoder_fields`` reads them, ``decoder_config`` writes
+are written once here (``DECODER_FIELDS``: ``decoder_fields`` reads them, ``config_of`` writes
 them); the state-dict adapter's base class (models/common/hf_checkpoint.py) joins them to a family's
 fixed fields and RoPE, and each family's adapter reads and writes only what differs.
 """
@@ -117,20 +117,29 @@ class HFConfig:
                               f"changes nothing)")
 
 
-def decoder_fields(config: HFConfig, fields: dict[str, str] = DECODER_FIELDS, **defaults: Any) -> dict[str, Any]:
-    """Our args' values of config.json's ``fields`` (ours -> theirs): each required, but for
-    ``n_kv_heads`` (n_heads), ``head_dim`` (dim / n_heads) and the ``defaults`` given (REQUIRED: none)."""
+def fields_of(config: HFConfig, table: dict[str, Any], **defaults: Any) -> dict[str, Any]:
+    """Our values of config.json's fields in ``table`` (ours -> theirs, or a tuple of aliases whose
+    first is written): each required, but for the ``defaults`` given."""
+    return {ours: config.get(*_aliases(theirs), default=defaults.get(ours, REQUIRED)) for ours, theirs in table.items()}
+
+
+def config_of(ours: Any, table: dict[str, Any]) -> dict[str, Any]:
+    """config.json's fields in ``table`` (ours -> theirs) of the dataclass ``ours``."""
+    return {_aliases(theirs)[0]: getattr(ours, name) for name, theirs in table.items()}
+
+
+def _aliases(theirs: Any) -> tuple[str, ...]:
+    return theirs if isinstance(theirs, tuple) else (theirs,)
+
+
+def decoder_fields(config: HFConfig, fields: dict[str, Any] = DECODER_FIELDS, **defaults: Any) -> dict[str, Any]:
+    """``fields_of`` a decoder's table, where ``n_kv_heads`` defaults to n_heads and ``head_dim`` to
+    dim / n_heads (``defaults`` override; REQUIRED: none)."""
     dim, heads = config.get("hidden_size"), config.get("num_attention_heads")
-    defaults = {"n_kv_heads": heads, "head_dim": _DERIVED, **defaults}
-    values = {ours: config.get(theirs, default=defaults.get(ours, REQUIRED)) for ours, theirs in fields.items()}
+    values = fields_of(config, fields, **{"n_kv_heads": heads, "head_dim": _DERIVED, **defaults})
     if values.get("head_dim") is _DERIVED:
         values["head_dim"] = dim // heads
     return values
-
-
-def decoder_config(args: Any, fields: dict[str, str] = DECODER_FIELDS) -> dict[str, Any]:
-    """config.json's ``fields`` (ours -> theirs) of ``args``."""
-    return {theirs: getattr(args, ours) for ours, theirs in fields.items()}
 
 
 def scaling_fields(scaling: dict[str, Any], expected_type: str, fields: tuple[str, ...], where: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ q and k the same way before rotating halves, which leaves every q.k product unch
 
 Layers at or past ``n_layers`` (the 671B checkpoint's multi-token-prediction layer 61) are
 skipped. Block-scaled FP8 checkpoints (the published 671B: float8_e4m3fn ``*.weight`` with a
-float32 ``*.weight_scale_inv`` per 128 x 128 block) are dequantized as they are read (``dequantized``).
+float32 ``*.weight_scale_inv`` per 128 x 128 block) are dequantized as they are read (models/common/quantized.py).
 
 config.json: YaRN is on in our model when ``max_seq_len > original_seq_len`` and in transformers
 whenever ``rope_scaling`` says yarn, whose factor stretches ``original_max_position_embeddings``
@@ -20,17 +20,15 @@ positions and reads back that many. transformers normalizes the latent ``q_a_lay
 ``kv_a_layernorm`` with eps 1e-6 whatever ``rms_norm_eps`` says (``model.latent_norm_eps``).
 """
 
-import math
 from typing import Any
-
-import torch
-from torch import Tensor
 
 from titan_lightning.checkpoint import Source
 from titan_lightning.config import ConfigError
 from titan_lightning.models.common.hf_checkpoint import BLOCK_KEYS, EXPERT_KEYS, StateDictAdapter
-from titan_lightning.models.common.hf_config import HFConfig, decoder_fields, scaling_fields
+from titan_lightning.models.common.hf_config import HFConfig, config_of, decoder_fields, fields_of, scaling_fields
 from titan_lightning.models.common.moe import MoEArgs
+from titan_lightning.models.common.quantized import FP8_QUANTIZATION, check_quantization
+from titan_lightning.models.common.quantized import fp8_dequantized as dequantized
 from titan_lightning.models.common.safetensors_io import HFTensors
 from titan_lightning.models.deepseek_v3.model import DeepSeekV3Args
 
@@ -43,12 +41,11 @@ FIXED_FIELDS = {"hidden_act": "silu", "attention_bias": False, "attention_dropou
 # their weights are skipped on load).
 IGNORED_FIELDS = ("aux_loss_alpha", "seq_aux", "auto_map", "ep_size", "pretraining_tp", "num_nextn_predict_layers",
                   "num_mtp_layers")
+# MoEArgs fields -> config.json's.
+_MOE_FIELDS = {"num_experts": ("n_routed_experts", "num_local_experts"), "hidden_dim": "moe_intermediate_size",
+               "num_shared_experts": "n_shared_experts", "top_k": "num_experts_per_tok", "route_norm": "norm_topk_prob",
+               "route_scale": "routed_scaling_factor", "num_groups": "n_group", "top_k_groups": "topk_group"}
 _YARN = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-# The one quantization_config read (the published DeepSeek V3 / R1 checkpoints').
-FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
-                    "activation_scheme": "dynamic"}
-FP8_BLOCK = tuple(FP8_QUANTIZATION["weight_block_size"])
-SCALE_SUFFIX = "_scale_inv"
 
 
 class DeepSeekV3StateDictAdapter(StateDictAdapter):
@@ -80,7 +77,9 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
     args_class, architecture = DeepSeekV3Args, "DeepseekV3ForCausalLM"
     fixed_fields = FIXED_FIELDS
     config_fields = {"vocab_size": "vocab_size", "dim": "hidden_size", "inter_dim": "intermediate_size",
-                     "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads", "norm_eps": "rms_norm_eps"}
+                     "n_layers": "num_hidden_layers", "n_dense_layers": "first_k_dense_replace",
+                     "n_heads": "num_attention_heads", "norm_eps": "rms_norm_eps", "kv_lora_rank": "kv_lora_rank",
+                     **{f: f for f in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}}
 
     def sources(self, tensors: HFTensors) -> dict[str, Source]:
         return super().sources(dequantized(tensors))
@@ -91,28 +90,17 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
         config.ignore(*IGNORED_FIELDS)
         quantization = config.get("quantization_config", default=None)
         if quantization is not None:
-            check_fp8_quantization(quantization, config)
-        nope, rope = config.get("qk_nope_head_dim"), config.get("qk_rope_head_dim")
-        # Derived by transformers (head_dim: the rotary part of a head); config.json may repeat them.
-        config.expect("head_dim", rope)
-        config.expect("qk_head_dim", nope + rope)
+            check_quantization(quantization, config, FP8_QUANTIZATION)
         fields = decoder_fields(config, cls.config_fields, norm_eps=1e-6)
-        eps = fields["norm_eps"]
-        moe = MoEArgs(
-            num_experts=config.get("n_routed_experts", "num_local_experts"),
-            hidden_dim=config.get("moe_intermediate_size"), num_shared_experts=config.get("n_shared_experts"),
-            top_k=config.get("num_experts_per_tok", default=8),
-            score_func="sigmoid", route_norm=bool(config.get("norm_topk_prob", default=True)),
-            route_scale=float(config.get("routed_scaling_factor", default=2.5)),
-            num_groups=config.get("n_group", default=8), top_k_groups=config.get("topk_group", default=4),
-        )  # fmt: skip
+        # Derived by transformers (head_dim: the rotary part of a head); config.json may repeat them.
+        config.expect("head_dim", fields["qk_rope_head_dim"])
+        config.expect("qk_head_dim", fields["qk_nope_head_dim"] + fields["qk_rope_head_dim"])
+        moe = fields_of(config, _MOE_FIELDS, top_k=8, route_norm=True, route_scale=2.5, num_groups=8, top_k_groups=4)
+        moe.update(route_norm=bool(moe["route_norm"]), route_scale=float(moe["route_scale"]))
         return dict(
-            fields, n_dense_layers=config.get("first_k_dense_replace"),
-            n_kv_heads=config.get("num_key_value_heads", default=fields["n_heads"]),
-            latent_norm_eps=None if eps == HF_LATENT_NORM_EPS else HF_LATENT_NORM_EPS,
-            q_lora_rank=config.get("q_lora_rank") or 0, kv_lora_rank=config.get("kv_lora_rank"),
-            qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=config.get("v_head_dim"), moe=moe,
-            **rope_args(config),
+            fields, n_kv_heads=config.get("num_key_value_heads", default=fields["n_heads"]),
+            latent_norm_eps=None if fields["norm_eps"] == HF_LATENT_NORM_EPS else HF_LATENT_NORM_EPS,
+            q_lora_rank=config.get("q_lora_rank") or 0, moe=MoEArgs(score_func="sigmoid", **moe), **rope_args(config),
         )  # fmt: skip
 
     @classmethod
@@ -145,16 +133,8 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
 
     @classmethod
     def write_fields(cls, args: DeepSeekV3Args) -> dict[str, Any]:
-        m = args.moe
-        return dict(
-            moe_intermediate_size=m.hidden_dim, first_k_dense_replace=args.n_dense_layers,
-            num_key_value_heads=args.n_heads, q_lora_rank=args.q_lora_rank or None,
-            kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_nope_head_dim,
-            qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim,
-            n_routed_experts=m.num_experts, n_shared_experts=m.num_shared_experts, num_experts_per_tok=m.top_k,
-            n_group=m.num_groups, topk_group=m.top_k_groups, norm_topk_prob=m.route_norm,
-            routed_scaling_factor=m.route_scale, num_nextn_predict_layers=0,
-        )  # fmt: skip
+        return {"num_key_value_heads": args.n_heads, "q_lora_rank": args.q_lora_rank or None,
+                **config_of(args.moe, _MOE_FIELDS), "num_nextn_predict_layers": 0}
 
 
 def rope_args(config: HFConfig) -> dict[str, Any]:
@@ -184,60 +164,3 @@ def rope_args(config: HFConfig) -> dict[str, Any]:
     )  # fmt: skip
 
 
-def check_fp8_quantization(quantization: Any, config: HFConfig) -> None:
-    """``quantization_config`` is the block-scaled FP8 of the published checkpoints (dequantized on load)."""
-    fields = HFConfig(quantization if isinstance(quantization, dict) else {}, f"{config.source}: quantization_config",
-                      config.family)
-    fields.get("quant_method")
-    for name, value in FP8_QUANTIZATION.items():
-        fields.expect(name, value)
-    fields.finish()
-
-
-def dequantized(tensors: HFTensors, block: tuple[int, int] = FP8_BLOCK) -> HFTensors:
-    """``tensors`` as the model reads them: each ``*.weight`` with a ``*.weight_scale_inv`` is its
-    float8_e4m3fn values times the float32 scale of their ``block`` (edge blocks cropped), in
-    float32; the scales are hidden. A block read reads only the scales over it. The scales' shapes
-    are checked from the headers, dtypes on read; one-line errors name the Hugging Face key."""
-    names = set(tensors.keys())
-    scales = {}
-    for name in tensors.keys():
-        if not name.endswith(SCALE_SUFFIX):
-            continue
-        weight = name.removesuffix(SCALE_SUFFIX)
-        if weight not in names:
-            raise ValueError(f"{name}: a block scale without its weight {weight}")
-        shape = tensors.shape(weight)
-        if len(shape) != 2:
-            raise ValueError(f"{name}: block scales for {weight} of shape {list(shape)}; they need a matrix")
-        tiles = tuple(math.ceil(n / b) for n, b in zip(shape, block))
-        if tensors.shape(name) != tiles:
-            raise ValueError(f"{name} has shape {list(tensors.shape(name))}, expected {list(tiles)} (one scale per "
-                             f"{block[0]}x{block[1]} block of the {list(shape)} weight)")
-        scales[weight] = name
-
-    def read(name: str, index: tuple[slice, ...]) -> Tensor:
-        value = tensors.read(name, index)
-        if name in scales:
-            if value.dtype != torch.float8_e4m3fn:
-                raise ValueError(f"{scales[name]}: a block scale, but {name} is {value.dtype}, not float8_e4m3fn")
-            return value.float() * _scales_over(tensors, scales[name], tensors.shape(name), index, block)
-        if value.dtype == torch.float8_e4m3fn:
-            raise ValueError(f"{name} is float8_e4m3fn but {name}{SCALE_SUFFIX} is missing (one float32 scale "
-                             f"per {block[0]}x{block[1]} block)")
-        if value.dtype.is_floating_point and value.element_size() == 1:
-            raise ValueError(f"{name} is {value.dtype}; only float8_e4m3fn weights with block scales are read")
-        return value
-
-    return HFTensors({name: tensors.shape(name) for name in tensors.keys() if not name.endswith(SCALE_SUFFIX)}, read)
-
-
-def _scales_over(tensors: HFTensors, scale: str, shape: tuple[int, ...], index: tuple[slice, ...],
-                 block: tuple[int, int]) -> Tensor:
-    """The block scales ``scale`` spread over each element of the weight's block ``index``."""
-    (r0, r1, _), (c0, c1, _) = (s.indices(n) for s, n in zip((*index, slice(None), slice(None)), shape))
-    tiles = tensors.read(scale, (slice(r0 // block[0], math.ceil(r1 / block[0])),
-                                 slice(c0 // block[1], math.ceil(c1 / block[1]))))
-    spread = tiles.float().repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
-    first_row, first_col = r0 % block[0], c0 % block[1]
-    return spread[first_row:first_row + r1 - r0, first_col:first_col + c1 - c0]

@@ -20,6 +20,7 @@ None): pure top-k routing, as the checkpoint's.
 
 import json
 import re
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,14 +29,16 @@ from torch import Tensor
 from titan_lightning.checkpoint import Source
 from titan_lightning.config import ConfigError
 from titan_lightning.models.common.hf_checkpoint import BLOCK_KEYS, HALF_ROTATED, StateDictAdapter
-from titan_lightning.models.common.hf_config import DECODER_FIELDS, HFConfig, sliding_window_fields
+from titan_lightning.models.common.hf_config import DECODER_FIELDS, HFConfig, config_of, fields_of, sliding_window_fields
+from titan_lightning.models.common.quantized import (  # noqa: F401 (dequantize_mxfp4: re-exported)
+    MXFP4_QUANTIZATION, check_quantization, dequantize_mxfp4, mxfp4_dequantized)
 from titan_lightning.models.common.safetensors_io import HFTensors
 from titan_lightning.models.gpt_oss.model import GptOssArgs, GptOssYarn, alternating, gpt_oss_moe
 
+# MoEArgs fields -> config.json's (the experts' width is intermediate_size).
+_MOE_FIELDS = {"hidden_dim": "intermediate_size", "num_experts": ("num_local_experts", "num_experts"),
+               "top_k": "num_experts_per_tok", "swiglu_alpha": "swiglu_alpha", "swiglu_limit": "swiglu_limit"}
 _YARN_FIELDS = ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings", "truncate", "attention_factor")
-# FP4 e2m1 by its 4-bit code (transformers' FP4_VALUES).
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-BLOCKS, SCALES = "_blocks", "_scales"
 _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _OURS_FUSED = re.compile(r"layers\.(\d+)\.moe\.experts\.(w1|w2|w3|b1|b3)")
 
@@ -147,7 +150,8 @@ class GptOssStateDictAdapter(StateDictAdapter):
         config.ignore("router_aux_loss_coef")
         quantization = config.get("quantization_config", default=None)
         if quantization is not None:
-            check_mxfp4_quantization(quantization, config)
+            # modules_to_not_convert: which stay unquantized; the checkpoint's keys say it too (*_blocks).
+            check_quantization(quantization, config, MXFP4_QUANTIZATION, ignored=("modules_to_not_convert",))
         if "layer_types" not in config.values:  # transformers' default: sliding in the even layers
             config.values["layer_types"] = alternating(config.get("num_hidden_layers"))
         window, layer_types = sliding_window_fields(config, default_window=128)
@@ -157,10 +161,9 @@ class GptOssStateDictAdapter(StateDictAdapter):
                               f"num_experts_per_tok={top_k}")
         fields = super().read_fields(config)
         fields["head_dim"] = fields["head_dim"] or fields["dim"] // fields["n_heads"]
-        moe = gpt_oss_moe(num_experts=config.get("num_local_experts", "num_experts"), top_k=top_k,
-                          hidden_dim=config.get("intermediate_size"), load_balance_coeff=None)
-        moe.swiglu_alpha = config.get("swiglu_alpha", default=1.702)
-        moe.swiglu_limit = config.get("swiglu_limit", default=7.0)
+        moe = fields_of(config, _MOE_FIELDS, swiglu_alpha=1.702, swiglu_limit=7.0)
+        swiglu = {name: moe.pop(name) for name in ("swiglu_alpha", "swiglu_limit")}
+        moe = replace(gpt_oss_moe(**moe, load_balance_coeff=None), **swiglu)
         return {**fields, "moe": moe, "sliding_window": window, "layer_types": layer_types}
 
     @classmethod
@@ -191,9 +194,8 @@ class GptOssStateDictAdapter(StateDictAdapter):
     def write_fields(cls, args: GptOssArgs) -> dict[str, Any]:
         m = args.moe
         types = args.layer_types or ["sliding_attention" if args.sliding_window else "full_attention"] * args.n_layers
-        return {"intermediate_size": m.hidden_dim, "num_local_experts": m.num_experts, "num_experts_per_tok": m.top_k,
-                "swiglu_alpha": m.swiglu_alpha, "swiglu_limit": m.swiglu_limit, "sliding_window": args.sliding_window,
-                "layer_types": list(types), "hidden_act": "silu"}
+        return {**config_of(m, _MOE_FIELDS), "sliding_window": args.sliding_window, "layer_types": list(types),
+                "hidden_act": "silu"}
 
 
 def yarn_from_hf(scaling: Any, max_positions: int, source: str):
@@ -214,57 +216,6 @@ def yarn_from_hf(scaling: Any, max_positions: int, source: str):
     return GptOssYarn(factor=float(factor), beta_fast=float(scaling.get("beta_fast") or 32),
                       beta_slow=float(scaling.get("beta_slow") or 1), original_max_position_embeddings=original,
                       truncate=bool(scaling.get("truncate", True)), attention_factor=scaling.get("attention_factor"))
-
-
-def check_mxfp4_quantization(quantization: Any, config: HFConfig) -> None:
-    """``quantization_config`` is MXFP4 (the published checkpoints'; dequantized on load)."""
-    fields = HFConfig(quantization if isinstance(quantization, dict) else {}, f"{config.source}: quantization_config",
-                      config.family)
-    fields.get("quant_method")
-    fields.expect("quant_method", "mxfp4")
-    # Which modules stay unquantized: the checkpoint's keys say it too (a packed tensor has *_blocks).
-    fields.ignore("modules_to_not_convert")
-    fields.finish()
-
-
-def dequantize_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
-    """[..., G, 16] uint8 blocks (two FP4 e2m1 codes a byte, low nibble first) and [..., G] uint8
-    E8M0 scales -> [..., G * 32] float32: each value times 2^(scale - 127)."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)
-    return torch.ldexp(values, (scales.to(torch.int32) - 127)[..., None]).flatten(-2)
-
-
-def mxfp4_dequantized(tensors: HFTensors) -> HFTensors:
-    """``tensors`` with each ``NAME_blocks`` [E, rows, G, 16] + ``NAME_scales`` [E, rows, G] pair
-    shown as ``NAME`` [E, G * 32, rows] float32 (transformers' layout of the dequantized weight);
-    a read of experts a..b reads only their blocks. Shapes checked from the headers."""
-    packed = {}
-    for name in tensors.keys():
-        if not name.endswith(BLOCKS):
-            continue
-        base = name.removesuffix(BLOCKS)
-        shape, scale_shape = tensors.shape(name), tensors.shape(base + SCALES) if base + SCALES in tensors.keys() else None
-        if len(shape) != 4 or shape[-1] != 16 or scale_shape != shape[:-1]:
-            raise ValueError(f"{name} {list(shape)} with {base}{SCALES} {scale_shape and list(scale_shape)}: MXFP4 "
-                             f"needs blocks [experts, rows, groups, 16] and scales [experts, rows, groups]")
-        packed[base] = (shape[0], shape[2] * 32, shape[1])
-    hidden = {p + s for p in packed for s in (BLOCKS, SCALES)}
-    orphans = [n for n in tensors.keys() if n.endswith(SCALES) and n not in hidden]
-    if orphans:
-        raise ValueError(f"{orphans[0]}: MXFP4 scales without their {orphans[0].removesuffix(SCALES)}{BLOCKS}")
-
-    def read(name: str, index: tuple[slice, ...]) -> Tensor:
-        if name not in packed:
-            return tensors.read(name, index)
-        experts = index[:1]
-        full = dequantize_mxfp4(tensors.read(name + BLOCKS, experts), tensors.read(name + SCALES, experts))
-        return full.transpose(1, 2)[(slice(None), *index[1:])]
-
-    shapes = {n: tensors.shape(n) for n in tensors.keys() if n not in hidden}
-    return HFTensors({**shapes, **packed}, read)
 
 
 def _transposed(tensors: HFTensors, key: str) -> Source:

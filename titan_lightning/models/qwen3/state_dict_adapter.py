@@ -11,11 +11,14 @@ from typing import Any
 
 from titan_lightning.config import ConfigError
 from titan_lightning.models.common.hf_checkpoint import EXPERT_KEYS, HALF_ROTATED, LLAMA_BLOCK_KEYS, StateDictAdapter
-from titan_lightning.models.common.hf_config import HFConfig
+from titan_lightning.models.common.hf_config import HFConfig, config_of, fields_of
 from titan_lightning.models.common.moe import MoEArgs
 from titan_lightning.models.qwen3.model import Qwen3Args
 
 MOE_FIXED_FIELDS = {"decoder_sparse_step": 1, "mlp_only_layers": []}
+# MoEArgs fields -> config.json's.
+_MOE_FIELDS = {"num_experts": ("num_experts", "num_local_experts"), "top_k": "num_experts_per_tok",
+               "hidden_dim": "moe_intermediate_size", "route_norm": "norm_topk_prob"}
 
 
 class Qwen3StateDictAdapter(StateDictAdapter):
@@ -33,7 +36,8 @@ class Qwen3StateDictAdapter(StateDictAdapter):
     rope_halves = HALF_ROTATED
     hf_model_types = ("qwen3", "qwen3_moe")
     args_class, architecture = Qwen3Args, "Qwen3ForCausalLM"
-    fixed_fields = {"attention_bias": False, "hidden_act": "silu", "attention_dropout": 0.0, "use_sliding_window": False}
+    fixed_fields = {"attention_bias": False, "hidden_act": "silu", "attention_dropout": 0.0,
+                    "use_sliding_window": False}
 
     def __init__(self, args: Qwen3Args, *, tie_word_embeddings: bool = False):
         super().__init__(args, tie_word_embeddings=tie_word_embeddings)
@@ -52,10 +56,8 @@ class Qwen3StateDictAdapter(StateDictAdapter):
             for name, value in MOE_FIXED_FIELDS.items():
                 config.expect(name, value)
             config.ignore("router_aux_loss_coef")  # a training loss weight; no routing bias here instead
-            moe = MoEArgs(num_experts=config.get("num_experts", "num_local_experts"),
-                          top_k=config.get("num_experts_per_tok"), hidden_dim=config.get("moe_intermediate_size"),
-                          score_func="softmax", route_norm=bool(config.get("norm_topk_prob", default=False)),
-                          load_balance_coeff=None)
+            moe = fields_of(config, _MOE_FIELDS, route_norm=False)
+            moe = MoEArgs(**moe | {"route_norm": bool(moe["route_norm"])}, score_func="softmax", load_balance_coeff=None)
         return {**fields, "qk_norm": True, "moe": moe}
 
     @classmethod
@@ -73,6 +75,5 @@ class Qwen3StateDictAdapter(StateDictAdapter):
         m = args.moe
         if m is None:
             return {}
-        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": m.num_experts,
-                "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.hidden_dim, "norm_topk_prob": m.route_norm,
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **config_of(m, _MOE_FIELDS),
                 **MOE_FIXED_FIELDS}
