@@ -8,17 +8,17 @@ torchtitan converts right after building the model. Only nn.Linear converts: MoE
 (grouped GEMMs over 3-D parameters) stay in high precision.
 
 Under tensor parallelism the tensorwise recipe (``Float8Config.float8_tensor_parallel``) shards
-the float8 linears with torchao's float8 forms of the TP styles (``float8_tp_styles``, picked per
-module in parallel/tensor.py): the same layouts, but a sequence-parallel input is cast to float8
-before its all-gather and the output's gradient is cast in the backward, as torchtitan's
-``enable_float8_tensorwise_tp``. The rowwise recipe keeps torch's styles around the float8 linears
-(torchao's styles cast per tensor).
+the float8 linears with torchao's float8 forms of the TP styles (``float8_tp_styles``, a style's
+``float8`` in parallel/tensor_styles.py, picked per module in parallel/tensor.py): the same
+layouts, but a sequence-parallel input is cast to float8 before its all-gather and the output's
+gradient is cast in the backward, as torchtitan's ``enable_float8_tensorwise_tp``. The rowwise
+recipe keeps torch's styles around the float8 linears (torchao's styles cast per tensor).
 
 torchao is imported only here and only when float8 is on (the ``float8`` extra).
 """
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from torch import nn
 
@@ -85,7 +85,13 @@ def is_float8_linear(module: nn.Module) -> bool:
     return isinstance(module, Float8Linear)
 
 
-def float8_tp_styles() -> tuple[type, type, type]:
+class Float8TPStyles(NamedTuple):
+    colwise: type
+    rowwise: type
+    prepare_input: type
+
+
+def float8_tp_styles() -> Float8TPStyles:
     """torchao's float8 forms of ColwiseParallel, RowwiseParallel and PrepareModuleInput."""
     from torchao.float8.float8_tensor_parallel import (
         Float8ColwiseParallel,
@@ -93,7 +99,7 @@ def float8_tp_styles() -> tuple[type, type, type]:
         PrepareFloat8ModuleInput,
     )
 
-    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    return Float8TPStyles(Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput)
 
 
 def precompute_float8_scales(module: nn.Module) -> None:
