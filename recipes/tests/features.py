@@ -430,3 +430,37 @@ def llama3_sft_fsdp2_every2() -> Run:
     """SFT on FSDP2 saving at steps 2 and 4 (tests/integration_tests/test_resume.py resumes it on FSDP2
     and on one process)."""
     return _every2(llama3_sft_fsdp2())
+
+
+
+# LoRA (job.lora): adapters on every linear (rank 4, alpha 8), the base frozen, on llama3_small's
+# shape for 3 steps (CI time: the layout is under test); each layout reproduces the one-process
+# LoRA run (titan_lightning/lora/parallel.py says how each layout holds the adapters).
+def llama3_lora() -> Run:
+    """One process: the seed of the LoRA layouts."""
+    from titan_lightning.config.lora import LoRAConfig
+
+    run = llama3_small()
+    run.job.lora = LoRAConfig(rank=4, alpha=8.0)
+    run.trainer["max_steps"] = 3
+    return run
+
+
+def llama3_lora_fsdp2_accumulation() -> Run:
+    """FSDP2 with 2 accumulated microbatches of 1 sequence per rank: the seed's 4 sequences per step."""
+    run = on_layout(llama3_lora(), dp_shard=2)
+    t = run.job.training
+    t.tokens_per_step, t.tokens_per_microbatch_per_dp_rank = 4 * t.seq_len, t.seq_len
+    return run
+
+
+def llama3_lora_tp2() -> Run:
+    return on_layout(llama3_lora(), dp_shard=1, tp=2)
+
+
+def llama3_lora_cp2_ring() -> Run:
+    return with_cp(llama3_lora(), "ring", cp=2, dp_shard=1)
+
+
+def llama3_lora_pp2() -> Run:
+    return on_layout(llama3_lora(), dp_shard=1, pp=2, pp_schedule="1F1B", pp_microbatches=2)

@@ -90,4 +90,10 @@ ENTRIES = [
     _entry("llama3_sft_fsdp2_tp2", "SFT: FSDP2 x TP2 (loss parallel)", 4, seed=f"{_R}:llama3_sft"),
     _entry("llama3_sft_cp2", "SFT: CP2, all-gather K/V", 2, golden=True, seed=f"{_R}:llama3_sft"),
     _entry("llama3_sft_pp2", "SFT: PP2, the last stage's loss", 2, seed=f"{_R}:llama3_sft", use_real_pg=True),
+    # LoRA: adapters on every linear, the base frozen; every layout reproduces the one-process LoRA run.
+    _entry("llama3_lora_fsdp2_accumulation", "LoRA: FSDP2, adapters sharded with their layer, 2 microbatches", 2,
+           golden=True, seed=f"{_R}:llama3_lora"),
+    _entry("llama3_lora_cp2_ring", "LoRA: CP2, ring attention", 2, seed=f"{_R}:llama3_lora"),
+    _entry("llama3_lora_pp2", "LoRA: PP2, adapters in their stage", 2, golden=True, seed=f"{_R}:llama3_lora",
+           use_real_pg=True),
 ]

@@ -5,6 +5,7 @@ from typing import Any, Optional
 from torch import nn
 
 from titan_lightning.config import ConfigError
+from titan_lightning.lora.parallel import check_lora_layout
 from titan_lightning.lora.targets import lora_targets
 
 
@@ -14,11 +15,7 @@ def check_lora_job(job: Any, model: nn.Module, adapter: Optional[Any]) -> None:
     lora = job.lora
     if not lora.enabled:
         return
-    p = job.parallelism
-    for name in ("tp", "pp", "ep"):
-        if getattr(p, name) > 1:
-            raise ConfigError(f"lora.rank={lora.rank} with parallelism.{name}={getattr(p, name)}: adapters compose "
-                              f"with dp_shard, dp_replicate and cp for now; set parallelism.{name}=1")
+    check_lora_layout(job, model)
     if job.quantize.float8.enable:
         raise ConfigError(f"lora.rank={lora.rank} with quantize.float8.enable=True: float8 base linears with "
                           f"adapters are not built; set quantize.float8.enable=False")
