@@ -8,7 +8,8 @@ tokenizer, and exports a folder ``from_pretrained`` loads (runs/hf_pretrained/<t
     titan-lightning prepare --chat --input chats.jsonl --tokenizer DIR --output data/sft
     titan-lightning fit --recipe recipes.hf:sft --job.checkpoint.initial_load_path DIR --job.data.dataset_path data/sft
 
-fine-tunes it on chat or instruction data (README "Fine-tuning"). On a GPU both choose their
+fine-tunes it on chat or instruction data (README "Fine-tuning"); ``recipes.hf:dpo`` on preference
+pairs (``prepare --preference``; README "Preference training"). On a GPU both choose their
 precision, compilation, attention kernel and sizes for the device (titan_lightning/device_defaults.py);
 any field given explicitly is kept.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from titan_lightning.config import CheckpointConfig, DataConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig
 from titan_lightning.config.lora import ALL_LINEAR, LoRAConfig
+from titan_lightning.config.preference import PreferenceConfig
 from titan_lightning.data.shards import INDEX
 from titan_lightning.device_defaults import for_device
 from titan_lightning.estimate import estimate
@@ -89,6 +91,22 @@ def lora(initial_load_path: str, dataset_path: str) -> Run:
     run = sft(initial_load_path, dataset_path)
     run.job.lora = LoRAConfig(rank=16, alpha=32.0, target_modules=[ALL_LINEAR])
     run.job.optimizer.lr = 2e-4
+    return run
+
+
+def dpo(initial_load_path: str, dataset_path: str) -> Run:
+    """Preference training (DPO, TRL's defaults: beta 0.1, the sigmoid loss) of the model in
+    ``initial_load_path`` on the pairs ``dataset_path`` (``titan-lightning prepare --preference`` with
+    the folder's tokenizer): as ``sft`` (pairs packed whole, 5% held out) but one epoch at lr 5e-7
+    after a warmup of 10% of the steps (Zephyr's DPO), the loss averaged over the pairs of each step;
+    the reference's log-probabilities computed from the starting weights in one pass before training
+    and kept next to the shards (``--job.preference.loss ipo|simpo``, ``--job.preference.beta``:
+    README "Preference training")."""
+    run = sft(initial_load_path, dataset_path)
+    run.job.preference = PreferenceConfig(loss="dpo")
+    run.job.optimizer.lr = 5e-7
+    run.job.lr_schedule.warmup_ratio = 0.1
+    run.trainer = {"max_epochs": 1}
     return run
 
 

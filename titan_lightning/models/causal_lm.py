@@ -19,6 +19,8 @@ from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.models.common.masking import varlen_offsets
 from titan_lightning.models.common.moe import update_expert_bias
 from titan_lightning.objectives import MicrobatchTokenMean, Objective, Record, StepTokenMean
+from titan_lightning.objectives.base import local
+from titan_lightning.objectives.preference import PairMean, precompute_reference, reference_cache
 from titan_lightning.optim import build_lr_scheduler, build_optimizer
 from titan_lightning.parallel.compile import compile_loss
 from titan_lightning.parallel.contracts import PipelinePlan
@@ -255,8 +257,21 @@ class CausalLMModule(L.LightningModule):
         """The job's objective: with ``loss_over_step_tokens``, the mean over the supervised tokens of
         the whole step, else the mean over each microbatch's labelled tokens. A module with another
         objective overrides this (it reaches the cross entropy through ``token_loss``)."""
+        if self.job.preference.enabled:
+            return PairMean(self.token_loss, self.job.preference)
         kind = StepTokenMean if self.loss_over_step_tokens else MicrobatchTokenMean
         return kind(self.token_loss)
+
+    def on_fit_start(self) -> None:
+        """Preference training with ``preference.reference="precomputed"``: the reference's
+        log-probabilities of every pair, from the starting weights, in one pass before the first step
+        (kept next to the shards for the next run of the same weights)."""
+        objective = self.objective
+        if (isinstance(objective, PairMean) and objective.config.needs_reference
+                and objective.config.reference == "precomputed" and objective.reference is None):
+            objective.reference = precompute_reference(
+                self.trainer, lambda batch: local(self.token_loss(self._batch_input(batch), batch["labels"], "none")),
+                self.device_mesh, reference_cache(self.job))
 
     def token_loss(self, output: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """The cross entropy of what ``loss_input`` returned against ``labels``, over the labelled
@@ -334,7 +349,7 @@ class CausalLMModule(L.LightningModule):
         # The metric is already the same on every rank (torchmetrics reduced it); the max over the
         # ranks returns it unchanged, and tells Lightning it is synchronized (no sync_dist warning).
         self.log(f"{prefix}/loss", loss, prog_bar=prog_bar, sync_dist=True, reduce_fx="max")
-        self.log(f"{prefix}/ppl", torch.exp(loss), sync_dist=True, reduce_fx="max")
+        self._log_records(self.objective.eval_records(prefix, loss, self.device_mesh))
 
     # -- optimization ----------------------------------------------------------------------
 

@@ -61,6 +61,12 @@ class Objective:
         return loss_sum / tokens.clamp(min=1), tokens
 
 
+    def eval_records(self, prefix: str, loss: torch.Tensor, mesh: Any) -> list[Record]:
+        """What is logged with the held-out ``loss`` (already the same on every rank) at the end of a
+        validation or test: its perplexity. On every rank (an objective may reduce over ``mesh``)."""
+        return [(f"{prefix}/ppl", torch.exp(loss), {"sync_dist": True, "reduce_fx": "max"})]
+
+
 def local(loss: torch.Tensor) -> torch.Tensor:
     """A loss as a plain tensor (loss parallel's replicated DTensor: its full value)."""
     return loss.full_tensor() if isinstance(loss, DTensor) else loss

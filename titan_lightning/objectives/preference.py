@@ -21,13 +21,22 @@ loss is the mean over the pairs of the whole optimizer step (every microbatch an
 rank): microbatches return the sum over their pairs, and the step divides by the pairs it held.
 """
 
-from typing import Optional
+import hashlib
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from titan_lightning.config.preference import PreferenceConfig
+from titan_lightning.objectives.base import Objective, Record, StepEnd, TokenLoss, local
+from titan_lightning.objectives.next_token import label_copies, scale_grads_
 
+# The folder of a pair set where precomputed reference log-probabilities are kept.
+REFERENCE_FOLDER = "reference_logps"
 # What each step and validation logs (TRL's names), each the mean over the pairs.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -129,3 +138,148 @@ def reference_pass(token_losses, batches, documents: int, device: torch.device) 
         keep = flat >= 0
         out.index_add_(0, torch.where(keep, flat, 0), torch.where(keep, logps.double(), 0.0))
     return out
+
+
+class PairMean(Objective):
+    """The preference loss (``job.preference``) averaged over the pairs of the whole optimizer step
+    (every microbatch and data-parallel rank), and TRL's metrics averaged over the same pairs.
+
+    Each microbatch's loss is the sum over its pairs; ``end_step`` multiplies the step's gradients
+    by K / N (K: the microbatch losses of the step over all ranks, which gradient accumulation and
+    the data-parallel reduction averaged; N: the step's pairs), as ``StepTokenMean`` does with
+    tokens. ``reference``: the precomputed reference log-probabilities [documents of the set], set
+    by the module before training (None: SimPO, or each batch carries ``reference_logps``)."""
+
+    def __init__(self, token_loss: TokenLoss, config: PreferenceConfig) -> None:
+        super().__init__(token_loss)
+        self.config = config
+        self.reference: Optional[torch.Tensor] = None
+        self._sums: list[torch.Tensor] = []  # per microbatch: loss sum, pairs, metric sums (fp64)
+        self._eval: Optional[torch.Tensor] = None  # the same over the held-out batches
+
+    def _sums_of(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        token_losses = local(self.token_loss(output, batch["labels"], "none"))
+        reference = self.reference
+        if self.config.needs_reference and reference is None and "reference_logps" not in batch:
+            raise RuntimeError(f"preference.loss={self.config.loss!r} needs the reference's log-probabilities, and "
+                               f"none were computed (preference.reference={self.config.reference!r})")
+        total, stats = batch_sums(self.config, token_losses, batch, reference)
+        return total, torch.cat([local(total).detach().double().reshape(1), stats])
+
+    def loss(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[Record]]:
+        total, sums = self._sums_of(output, batch)
+        self._sums.append(sums)
+        return total, []
+
+    def end_step(self, grads: list[torch.Tensor], device: torch.device, mesh: Any) -> StepEnd:
+        sums, self._sums = self._sums, []
+        device = grads[0].device if grads else device
+        totals = torch.zeros(2 + 1 + len(METRICS), dtype=torch.float64, device=device)
+        if sums:
+            totals[0] = len(sums)
+            totals[1:] = torch.stack(sums).sum(0).to(device)  # [loss sum, pairs, metric sums]
+        _all_reduce(totals)
+        microbatches, loss_sum, pairs = totals[0], totals[1], totals[2]
+        scale_grads_(grads, microbatches / pairs.clamp(min=1.0))
+        loss = (loss_sum / pairs.clamp(min=1.0)).float()
+        return StepEnd([loss], pairs, [("train/loss", loss, {}), *_metric_records("train", totals[2:], mesh)])
+
+    def eval_loss(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the mean loss over the batch's pairs, their number); the metrics' sums kept for ``eval_records``."""
+        _, sums = self._sums_of(output, batch)
+        self._eval = sums if self._eval is None else self._eval + sums
+        pairs = sums[1]
+        return (sums[0] / pairs.clamp(min=1.0)).float(), pairs
+
+    def eval_records(self, prefix: str, loss: torch.Tensor, mesh: Any) -> list[Record]:
+        """The held-out pairs' metrics (``prefix``/rewards/chosen, ...), over every rank; on every rank
+        (a perplexity of a preference loss means nothing)."""
+        sums, self._eval = self._eval, None
+        totals = torch.zeros(2 + len(METRICS), dtype=torch.float64, device=loss.device)
+        if sums is not None:  # (none on a rank that validated no batch)
+            totals += sums.to(loss.device)
+        _all_reduce(totals)
+        # The same on every rank (reduced above): the max over the ranks returns it unchanged.
+        return [(name, value, {"sync_dist": True, "reduce_fx": "max"})
+                for name, value, _ in _metric_records(prefix, totals[1:], mesh)]
+
+
+def _all_reduce(totals: torch.Tensor) -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(totals)
+
+
+def _metric_records(prefix: str, totals: torch.Tensor, mesh: Any) -> list[Record]:
+    """``totals`` [pairs, metric sums] (summed over every rank) as the means of METRICS over the pairs."""
+    pairs = totals[0].clamp(min=1.0)
+    records = [(f"{prefix}/{name}", (totals[1 + k] / pairs).float(), {}) for k, name in enumerate(METRICS)]
+    return [*records, (f"{prefix}/pairs", totals[0].float() / label_copies(mesh), {})]
+
+
+def precompute_reference(trainer, token_losses: Callable[[dict], torch.Tensor], mesh: Any,
+                         cache: Optional[Path] = None) -> torch.Tensor:
+    """The reference log-probability of every document of the pairs' shard set [documents] fp32 on
+    the module's device: the model as it starts (before any step) over every train and held-out
+    window once, under no_grad, each data-parallel rank a share of the windows (all ranks run as
+    many batches: a rank short of windows runs fillers that add nothing), summed over the ranks.
+    ``token_losses(batch)``: the module's per-token loss of a batch on the device. ``cache``: a
+    ``.npy`` file read instead when it exists (same starting weights), written by rank 0 otherwise."""
+    from torch.utils.data import default_collate
+
+    datamodule = trainer.datamodule
+    windows = [w for w in (datamodule.train_windows(), datamodule.val_windows) if w is not None]
+    documents = len(windows[0].tokens.shards.document_ends())
+    device = trainer.strategy.root_device
+    if cache is not None and cache.is_file():
+        saved = np.load(cache)
+        if saved.shape == (documents,):
+            return torch.from_numpy(saved).to(device=device, dtype=torch.float32)
+    kwargs = trainer.distributed_sampler_kwargs or {}
+    size, rank = kwargs.get("num_replicas", 1), kwargs.get("rank", 0)
+    per_batch = datamodule.job.training.microbatch_size
+    prepare = trainer.lightning_module.prepare_batch_on_host
+
+    def batches():
+        for dataset in windows:
+            share = -(-len(dataset) // size)
+            mine = list(range(rank, len(dataset), size))
+            samples = [dataset[i] for i in mine] + [_filler(dataset[0]) for _ in range(share - len(mine))]
+            for first in range(0, share, per_batch):
+                yield trainer.strategy.batch_to_device(prepare(default_collate(samples[first:first + per_batch])))
+
+    out = reference_pass(token_losses, batches(), documents, device)
+    _all_reduce(out)
+    out = (out / label_copies(mesh)).float()
+    if cache is not None and rank == 0 and trainer.global_rank == 0:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            partial = cache.with_suffix(".partial.npy")
+            np.save(partial, out.cpu().numpy())
+            partial.replace(cache)
+        except OSError as err:  # a read-only data folder: the pass runs again next time
+            warnings.warn(f"the reference log-probabilities cannot be kept in {cache.parent} ({err.strerror}); the "
+                          f"next run computes them again", stacklevel=2)
+    return out
+
+
+def _filler(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sample`` with no sequence: its forward runs (every rank runs as many) and adds nothing."""
+    return {**sample, "sequence_ids": torch.full_like(sample["sequence_ids"], -1),
+            "sequence_docs": torch.full_like(sample["sequence_docs"], -1)}
+
+
+def reference_cache(job: Any) -> Optional[Path]:
+    """Where ``precompute_reference`` keeps the reference of ``job``'s starting weights: next to the
+    shards, ``reference_logps/<hash>.npy``, the hash of what decides the numbers (the weights loaded,
+    by their files' names, sizes and times; else the init seed; the model and its precision)."""
+    if job.data.dataset_path is None:
+        return None
+    load = job.checkpoint.initial_load_path
+    files = sorted(Path(load).rglob("*")) if load is not None and Path(load).is_dir() else \
+        [Path(load)] if load is not None else []
+    weights = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    key = json.dumps({"weights": weights, "load": load, "seed": None if load else job.training.seed,
+                      "model": repr(job.model), "dtype": job.training.dtype,
+                      "compute": job.training.mixed_precision_param, "seq_len": job.training.seq_len,
+                      "packing": job.data.sft_packing}, sort_keys=True)
+    return Path(job.data.dataset_path) / REFERENCE_FOLDER / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.npy"

@@ -4,6 +4,8 @@ their gradients, from our chunked per-token loss over packed windows, equal an i
 computation with the transformers model of the same folder on each sequence alone (fp32, CPU)."""
 
 import json
+import math
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -197,3 +199,86 @@ def test_step_one_loss_and_gradients_equal_transformers_on_each_sequence_alone(p
         # Relative to the tensor's largest gradient: each is a sum over ~600 tokens' terms in fp32, in
         # another order (packed windows, chunks) than transformers' (IPO's gradients reach ~2).
         assert (our_grads[name] - p.grad).abs().max().item() <= 2e-6 * max(1.0, scale), name
+
+
+@pytest.fixture(scope="module")
+def pairs_run(tmp_path_factory):
+    """recipes.hf:dpo in one process (gradient accumulation over 4 windows a step) on 16 pairs of
+    very uneven lengths, its folders for other layouts."""
+    import preference_cases as cases
+
+    root = tmp_path_factory.mktemp("dpo")
+    folder, data = cases.make_folders(root)
+    return root, folder, data, cases.dpo_run(folder=str(folder), data=str(data), run_dir=str(root / "one"))
+
+
+def _assert_same_steps(got: dict, want: dict, rtol: float = 2e-5) -> None:
+    assert len(got["steps"]) == len(want["steps"]) == 2
+    for g, w in zip(got["steps"], want["steps"]):
+        for name, value in w.items():
+            assert abs(g[name] - value) <= rtol * max(abs(value), 1.0), (name, g[name], value)
+    assert want["val"] and set(got["val"]) == set(want["val"])
+    for name, value in want["val"].items():
+        assert abs(got["val"][name] - value) <= rtol * max(abs(value), 1.0), (name, got["val"][name], value)
+
+
+def test_recipes_hf_dpo_logs_trl_s_metrics_and_keeps_the_reference_next_to_the_shards(pairs_run):
+    from titan_lightning.objectives.preference import METRICS, REFERENCE_FOLDER
+
+    root, folder, data, one = pairs_run
+    first, second = one["steps"]
+    # Step 1: the policy is the reference (the same weights, the same windows): DPO's log 2, no margin.
+    assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert first["train/rewards/chosen"] == 0 and first["train/rewards/margins"] == 0
+    assert first["train/pairs"] >= 4 and second["train/loss"] != first["train/loss"]
+    assert {f"val/{name}" for name in METRICS} | {"val/loss", "val/pairs"} <= set(one["val"])
+    assert "val/ppl" not in one["val"]
+    (cache,) = (data / REFERENCE_FOLDER).glob("*.npy")
+    assert np.load(cache).shape == (ShardSet(data).index["documents"],)
+
+
+def test_dp_shard_2_with_accumulation_equals_one_process_on_pairs_of_uneven_lengths(pairs_run, tmp_path):
+    """2 gloo ranks, 2 windows each a step: the loss is the mean over the step's pairs on every layout."""
+    import os
+
+    from titan_lightning.testing.spawn import run_function
+
+    root, folder, data, one = pairs_run
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    ranks = run_function("preference_cases:dpo_run", 2, out_dir=tmp_path / "spawn", timeout=300,
+                         env={"PYTHONPATH": path}, init_process_group=False, folder=str(folder), data=str(data),
+                         run_dir=str(tmp_path / "two"))
+    for rank in ranks:
+        _assert_same_steps(rank, one)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"data.sft": False}, "preference.loss='dpo' trains on the loss masks of pairs"),
+    ({"data.sft_packing": "padded"}, "packs each pair whole into a window"),
+    ({"parallelism.cp": 2}, "preference.loss='dpo' with parallelism.cp=2"),
+    ({"preference.reference": "adapters_off"}, "lora.rank=0 adds none"),
+])
+def test_a_preference_job_that_cannot_run_is_refused_naming_the_field(change, message):
+    from recipes.tests import features
+    from titan_lightning.config import ConfigError
+    from titan_lightning.config.validation import validate_preference
+
+    job = features.llama3_small().job
+    job.data.sft, job.model.mask, job.model.positions = True, "block_causal", "per_document"
+    job.preference.loss = "dpo"
+    for dotted, value in change.items():
+        section, name = dotted.split(".")
+        setattr(getattr(job, section), name, value)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_preference(job)
+
+
+def test_a_set_of_pairs_is_read_by_a_preference_run_only(prepared):
+    from titan_lightning.data.preference import check_pairs
+
+    index = ShardSet(prepared / "shards").index
+    with pytest.raises(ValueError, match="preference.loss=None would train on the rejected answers too"):
+        check_pairs(index, None, "data.dataset_path", "x")
+    with pytest.raises(ValueError, match="holds no preference pairs"):
+        check_pairs({"sft": {"train_on": "assistant"}}, "dpo", "data.dataset_path", "x")
+    check_pairs(index, "simpo", "data.dataset_path", "x")
