@@ -40,6 +40,11 @@ SHAPES = {
                                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                  "original_max_position_embeddings": 8192})),
+    # A CPU-sized Qwen 2.5 for checking the fine-tuning contenders run (numbers mean nothing).
+    "tiny": ("qwen2", dict(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                           rms_norm_eps=1e-6, tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
 }
 
 

@@ -23,6 +23,9 @@ Every contender trains the same model shape on the same tokens (the shipped corp
     torchtitan   torchtitan's released trainer (benchmarks/contenders/torchtitan_run.py) on its
                  own Llama 3, Qwen 3 and DeepSeek V3 models of our shapes (``torchtitan_model``),
                  float8 through its own converter; the differences that remain are in its docstring
+    hf_padded / hf_packed / trl   fine-tuning workloads: transformers' model of the folder in a
+                 plain loop on the same conversations (padded rows as TRL feeds them, or our
+                 packing), and TRL's SFTTrainer itself (``run_trl``; needs trl and datasets)
 
 A ``*_float8_<recipe>`` workload turns on ``quantize.float8`` (torchao, needs the ``float8``
 extra and an SM89+ GPU): titan, bare and lightning convert the same linears (``_build_model``),
@@ -55,7 +58,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
-CONTENDERS = ("titan", "bare", "lightning", "hf", "torchtitan", "hf_padded", "hf_packed")
+CONTENDERS = ("titan", "bare", "lightning", "hf", "torchtitan", "hf_padded", "hf_packed", "trl")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -238,10 +241,17 @@ for _shape, _layers in (("qwen2_5_1_5b", None), ("llama3_8b", 16)):
                                                  contenders=("titan",))
     WORKLOADS[f"{_name}_sft_tuned"] = Workload(recipe="recipes.hf:sft", folder=(_shape, _layers), as_user=True,
                                                seq_len=4096, overrides=_TUNED + ("--job.model.attention", "varlen"),
-                                               contenders=("titan", "hf_padded", "hf_packed"))
+                                               contenders=("titan", "hf_padded", "hf_packed", "trl"))
     WORKLOADS[f"{_name}_pretrain"] = Workload(recipe="recipes.hf:pretrained", folder=(_shape, _layers), as_user=True,
                                               seq_len=4096, overrides=_TUNED + ("--job.data.repeat_to_fit", "true"),
                                               contenders=("titan",))
+
+# The fine-tuning contenders on CPU, on a tiny folder (that each runs; its numbers mean nothing):
+#   python -m benchmarks.throughput --device cpu --steps 2 --warmup 1 --workload tiny_sft --contenders titan,hf_padded,trl
+WORKLOADS["tiny_sft"] = Workload(recipe="recipes.hf:sft", folder=("tiny", None), as_user=True, seq_len=512,
+                                 overrides=("--job.training.seq_len", "512",
+                                            "--job.training.tokens_per_microbatch_per_dp_rank", "2048"),
+                                 contenders=("titan", "hf_padded", "hf_packed", "trl"))
 
 # The float8 path of the harness on CPU (torchao's emulation): titan and bare must agree.
 WORKLOADS["overhead_float8"] = dataclasses.replace(
@@ -780,6 +790,78 @@ def run_hf_packed(w: Workload, device: str, steps: int, warmup: int) -> dict[str
     return _hf_sft_loop(w, device, steps, warmup, "best_fit")
 
 
+def run_trl(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any]:
+    """TRL's SFTTrainer itself on the workload's folder and the same prepared conversations: each
+    conversation one row (``input_ids`` and ``assistant_masks`` from our shards, so both train on the
+    same tokens and supervise the same ones: TRL builds its labels from ``assistant_masks``), padded per batch to its
+    longest row as TRL's collator pads (no packing: TRL's packing needs flash-attn's varlen path),
+    bf16 autocast over fp32 weights, fused AdamW, the workload's rows per step; no compile, no AC
+    unless the workload asks. Window tokens count the padded batch; real tokens its attention mask."""
+    import datasets
+    import torch
+    import transformers
+    import trl
+
+    from benchmarks.finetune_folder import folders
+    from titan_lightning.models.common.loss import IGNORE_INDEX
+
+    clock = StepClock(device, warmup, steps, w.profile_steps, name="trl")
+    total = clock.total
+    run = resolve_run(w, device, total)
+    job = run.job
+    job.data.sft_packing = "padded"  # one conversation a window: the rows TRL trains on
+    rows: dict[str, list[list[int]]] = {"input_ids": [], "assistant_masks": []}
+    loader = iter(_train_loader(run))
+    rows_per_step = job.training.microbatch_size
+    while len(rows["input_ids"]) < total * rows_per_step:
+        batch = next(loader)
+        for ids, labels, positions in zip(batch["input_ids"], batch["labels"], batch["position_ids"]):
+            ends = (positions[1:] == 0).nonzero()
+            n = int(ends[0]) + 1 if len(ends) else len(ids)  # padding starts where positions return to 0
+            supervised = (labels[: n - 1] != IGNORE_INDEX).long().tolist()
+            rows["input_ids"].append(ids[:n].tolist())
+            rows["assistant_masks"].append([0] + supervised)  # token t is a target when labels[t - 1] is
+    folder = folders(*w.folder)[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    o = job.optimizer
+    config = trl.SFTConfig(
+        output_dir=str(Path(tempfile.mkdtemp(prefix="trl_bench_"))), max_steps=total, per_device_train_batch_size=rows_per_step,
+        gradient_accumulation_steps=1, learning_rate=o.lr, adam_beta1=o.beta1, adam_beta2=o.beta2, adam_epsilon=o.eps,
+        weight_decay=o.weight_decay, max_grad_norm=job.training.max_grad_norm or 0.0, lr_scheduler_type="constant",
+        optim="adamw_torch_fused" if device == "cuda" else "adamw_torch", bf16=device == "cuda",
+        use_cpu=device != "cuda", max_length=job.training.seq_len, packing=False,
+        gradient_checkpointing=bool(w.hf_ac), logging_steps=1, save_strategy="no", report_to="none",
+        dataloader_num_workers=0, seed=job.training.seed, disable_tqdm=True)
+    trainer = trl.SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_dict(rows),
+                             processing_class=tokenizer)
+    counts = {"window": 0, "real": 0, "supervised": 0, "batches": 0}
+    collate = trainer.data_collator
+
+    def counted(features):
+        out = collate(features)
+        counts["batches"] += 1
+        if warmup < counts["batches"] <= warmup + steps:
+            counts["window"] += out["input_ids"].numel()
+            counts["real"] += int(out["attention_mask"].sum()) if "attention_mask" in out else out["input_ids"].numel()
+            counts["supervised"] += int((out["labels"] != -100).sum())
+        return out
+
+    trainer.data_collator = counted
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.step_done()
+
+    trainer.add_callback(Clock())
+    trainer.train()
+    window = max(1, counts["window"])
+    result = clock.result("trl", window // steps, run.module.flops_per_token(job.training.seq_len))
+    result["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {**result, "tokens_share": counts["real"] / window, "supervised_share": counts["supervised"] / window,
+            "seq_len": job.training.seq_len, "packing": "padded (TRL)"}
+
+
 TORCHTITAN_SCRIPT = REPO / "benchmarks" / "contenders" / "torchtitan_run.py"
 
 
@@ -879,7 +961,7 @@ def flops_per_token(w: Workload, device: str) -> float:
 
 RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
     "titan": run_titan, "bare": run_bare, "lightning": run_lightning, "hf": run_hf,
-    "hf_padded": run_hf_padded, "hf_packed": run_hf_packed,
+    "hf_padded": run_hf_padded, "hf_packed": run_hf_packed, "trl": run_trl,
 }
 
 
