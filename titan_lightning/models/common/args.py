@@ -36,3 +36,6 @@ class DecoderArgs(ModelArgs):
         self.require_positive("norm_eps", "rope_theta")
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs of features)")
+        moe = getattr(self, "moe", None)  # a family's mixture of experts (Qwen3-MoE, Mixtral), checked with the rest
+        if moe is not None:
+            moe.__post_init__()

@@ -1,10 +1,11 @@
 """The decoder every family shares: token embeddings, pre-norm blocks, final norm, untied head.
 
-A family subclasses ``Decoder`` and declares what differs: its args class, its block's
-attention and feed-forward (``build_block``), its RoPE table, the parameter groups of its
-init, its tensor-parallel plan and its FLOP terms. The rest (the module names that FSDP
-grouping, pipeline splitting and the TP plans rely on, the forward, the name-seeded init)
-is here once.
+A family subclasses ``Decoder`` and declares what differs: its args class, its tensor-parallel
+plan (``plan``), and where they are not the grouped-query default (models/common/args.py's
+``DecoderArgs``: ``head_dim``-wide heads, a SwiGLU or ``args.moe``, plain RoPE at ``rope_theta``)
+its block's attention (``build_attention``) or whole block (``build_block``), its RoPE table, the
+parameter groups of its init and its FLOP terms. The rest (the module names that FSDP grouping,
+pipeline splitting and the TP plans rely on, the forward, the name-seeded init) is here once.
 
 Build a decoder on the meta device, shard it, then ``to_empty(device=...)`` and
 ``init_weights(seed)``. ``layers`` is a ModuleDict keyed "0", "1", ... so a pipeline stage
@@ -21,11 +22,14 @@ import torch
 from torch import nn
 
 from titan_lightning.config.job import ModelArgs
+from titan_lightning.models.common.attention import Attention
+from titan_lightning.models.common.feedforward import FeedForward
 from titan_lightning.models.common.init import init_params
 from titan_lightning.models.common.loss import linear_cross_entropy
 from titan_lightning.models.common.masking import Documents, documents_for
 from titan_lightning.models.common.moe import MoE, reset_moe_buffers
 from titan_lightning.models.common.norms import RMSNorm
+from titan_lightning.models.common.rope import precompute_rope_cache
 
 # The plan entries of the decoder skeleton (parallel/tensor.py styles), around a family's
 # attention entries: embeddings and head split over the vocab, norms on the sequence shard
@@ -120,10 +124,13 @@ class Head(nn.Linear):
 
 
 class Decoder(nn.Module):
-    """A causal decoder; see the module docstring. Subclasses set ``args_class`` and implement
-    ``build_block`` and ``build_rope_cache``, and may override ``tp_plan`` and ``count_parameters``."""
+    """A causal decoder; see the module docstring. Subclasses set ``args_class`` (and ``plan``),
+    and may override ``build_attention``, ``build_block``, ``build_rope_cache``, ``tp_plan`` and
+    ``count_parameters``."""
 
     args_class: ClassVar[type] = ModelArgs
+    # The family's tensor-parallel plan (its parallelize.py's TP_PLAN); None: none declared.
+    plan: ClassVar[Optional[dict[str, str]]] = None
     # Parameter groups of the init, by name suffix: drawn with std 0.02, or 0.02 / sqrt(2 *
     # (layer_id + 1)) with ``args.depth_init`` (else / sqrt(2 * n_layers)); every ``*norm.weight``
     # starts at one, every bias (Qwen 2's q/k/v) at zero, the embeddings at N(0, 1), the head at
@@ -158,16 +165,26 @@ class Decoder(nn.Module):
         self.output = Head(args.dim, args.vocab_size)
 
     def build_block(self, layer_id: int) -> nn.Module:
-        raise NotImplementedError(f"{type(self).__name__} must implement build_block(layer_id)")
+        """Pre-norm ``build_attention``, then a SwiGLU of ``ffn_hidden_dim`` (``args.moe``'s MoE when set)."""
+        a, moe = self.args, getattr(self.args, "moe", None)
+        ffn = FeedForward(a.dim, a.ffn_hidden_dim) if moe is None else MoE(a.dim, moe)
+        return Block(a.dim, a.norm_eps, self.build_attention(layer_id), ffn)
+
+    def build_attention(self, layer_id: int) -> nn.Module:
+        """Grouped-query attention of ``n_heads`` heads of ``head_dim`` features."""
+        a = self.args
+        return Attention(a.dim, a.n_heads, a.n_kv_heads, a.attention, head_dim=a.head_dim)
 
     def build_rope_cache(self) -> torch.Tensor:
-        """(cos, sin) for every position, [max_seq_len, rotated features // 2, 2] float32."""
-        raise NotImplementedError(f"{type(self).__name__} must implement build_rope_cache()")
+        """(cos, sin) for every position, [max_seq_len, rotated features // 2, 2] float32: plain RoPE
+        over ``head_dim`` features at ``rope_theta``."""
+        a = self.args
+        return precompute_rope_cache(a.head_dim, a.max_seq_len, a.rope_theta)
 
     @classmethod
     def tp_plan(cls, args: ModelArgs) -> Optional[dict[str, str]]:
         """Module-name patterns (relative to the decoder) -> tensor-parallel style names."""
-        return None
+        return None if cls.plan is None else dict(cls.plan)
 
     @classmethod
     def count_parameters(cls, args: ModelArgs, *, active: bool = False) -> int:

@@ -133,7 +133,7 @@ class Transformer(Decoder):
     """Gemma 3: scaled embeddings, blocks of four norms with QK-normed GQA (local or global) and
     GeGLU, final norm, soft-capped untied output (models/common/decoder.py has the skeleton)."""
 
-    args_class = Gemma3Args
+    args_class, plan = Gemma3Args, TP_PLAN
 
     def __init__(self, args: Gemma3Args):
         super().__init__(args)
@@ -159,7 +159,3 @@ class Transformer(Decoder):
             nn.init.normal_(w, std=self.args.dim**-0.5, generator=g)
         else:
             super().init_param(fqn, w, g)
-
-    @classmethod
-    def tp_plan(cls, args: Gemma3Args) -> dict[str, str]:
-        return dict(TP_PLAN)

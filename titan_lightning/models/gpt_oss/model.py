@@ -24,7 +24,7 @@ from torch import nn
 from titan_lightning.config.job import ModelArgs
 from titan_lightning.models.common import Attention, rope_frequencies
 from titan_lightning.models.common.attention import ATTENTION_TP_PLAN
-from titan_lightning.models.common.decoder import Block, Decoder, decoder_tp_plan
+from titan_lightning.models.common.decoder import Decoder, decoder_tp_plan
 from titan_lightning.models.common.moe import MOE_TP_PLAN, MoE, MoEArgs
 
 # Llama's attention entries plus the sinks, split with the query heads.
@@ -156,12 +156,11 @@ class Transformer(Decoder):
     """gpt-oss: token embeddings, pre-norm blocks of GQA with sinks and an MoE, final norm, untied
     output (models/common/decoder.py has the skeleton)."""
 
-    args_class = GptOssArgs
+    args_class, plan = GptOssArgs, TP_PLAN
 
-    def build_block(self, layer_id: int) -> Block:
+    def build_attention(self, layer_id: int) -> GptOssAttention:
         a = self.args
-        attention = GptOssAttention(a.dim, a.n_heads, a.n_kv_heads, a.attention, head_dim=a.head_dim)
-        return Block(a.dim, a.norm_eps, attention, MoE(a.dim, a.moe))
+        return GptOssAttention(a.dim, a.n_heads, a.n_kv_heads, a.attention, head_dim=a.head_dim)
 
     def build_rope_cache(self) -> torch.Tensor:
         a = self.args
@@ -179,10 +178,6 @@ class Transformer(Decoder):
             nn.init.zeros_(w)
         else:
             super().init_param(fqn, w, g)
-
-    @classmethod
-    def tp_plan(cls, args: GptOssArgs) -> dict[str, str]:
-        return dict(TP_PLAN)
 
     @classmethod
     def count_parameters(cls, args: GptOssArgs, *, active: bool = False) -> int:

@@ -28,13 +28,14 @@ from torch import Tensor
 
 from titan_lightning.checkpoint import Source
 from titan_lightning.config import ConfigError
-from titan_lightning.models.common.hf_checkpoint import BLOCK_KEYS, HALF_ROTATED, StateDictAdapter
+from titan_lightning.models.common.hf_checkpoint import HALF_ROTATED, LLAMA_BLOCK_KEYS, StateDictAdapter
 from titan_lightning.models.common.hf_config import DECODER_FIELDS, HFConfig, config_of, fields_of, sliding_window_fields
 from titan_lightning.models.common.quantized import (  # noqa: F401 (dequantize_mxfp4: re-exported)
     MXFP4_QUANTIZATION, check_quantization, dequantize_mxfp4, mxfp4_dequantized)
 from titan_lightning.models.common.safetensors_io import HFTensors
 from titan_lightning.models.gpt_oss.model import GptOssArgs, GptOssYarn, alternating, gpt_oss_moe
 
+_ATTENTION_KEYS = {ours: theirs for ours, theirs in LLAMA_BLOCK_KEYS.items() if not ours.startswith("feed_forward.")}
 # MoEArgs fields -> config.json's (the experts' width is intermediate_size).
 _MOE_FIELDS = {"hidden_dim": "intermediate_size", "num_experts": ("num_local_experts", "num_experts"),
                "top_k": "num_experts_per_tok", "swiglu_alpha": "swiglu_alpha", "swiglu_limit": "swiglu_limit"}
@@ -48,13 +49,9 @@ class GptOssStateDictAdapter(StateDictAdapter):
 
     family = "gpt-oss"
     layer_keys = {
-        **{k: v for k, v in BLOCK_KEYS.items() if not k.startswith("feed_forward.")},
-        "attention.wk.weight": "self_attn.k_proj.weight",
-        "attention.wv.weight": "self_attn.v_proj.weight",
-        "attention.wq.bias": "self_attn.q_proj.bias",
-        "attention.wk.bias": "self_attn.k_proj.bias",
-        "attention.wv.bias": "self_attn.v_proj.bias",
-        "attention.wo.bias": "self_attn.o_proj.bias",
+        **_ATTENTION_KEYS,  # Llama's attention, each projection with its bias
+        **{ours.replace(".weight", ".bias"): theirs.replace(".weight", ".bias")
+           for ours, theirs in _ATTENTION_KEYS.items() if ours.startswith("attention.w")},
         "attention.sinks.weight": "self_attn.sinks",
         "moe.router.gate.weight": "mlp.router.weight",
         "moe.router.gate.bias": "mlp.router.bias",

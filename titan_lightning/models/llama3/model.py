@@ -6,8 +6,8 @@ from typing import Optional
 import torch
 
 from titan_lightning.config.job import ModelArgs
-from titan_lightning.models.common import Attention, FeedForward, RopeScaling, precompute_rope_cache
-from titan_lightning.models.common.decoder import Block, Decoder
+from titan_lightning.models.common import RopeScaling, precompute_rope_cache
+from titan_lightning.models.common.decoder import Decoder
 from titan_lightning.models.llama3.parallelize import TP_PLAN
 
 
@@ -62,20 +62,11 @@ class Transformer(Decoder):
     """Llama 3: token embeddings, pre-norm GQA/SwiGLU blocks, final norm, untied output
     (models/common/decoder.py has the skeleton)."""
 
-    args_class = Llama3Args
-
-    def build_block(self, layer_id: int) -> Block:
-        a = self.args
-        attention = Attention(a.dim, a.n_heads, a.n_kv_heads, a.attention)
-        return Block(a.dim, a.norm_eps, attention, FeedForward(a.dim, a.ffn_hidden_dim))
+    args_class, plan = Llama3Args, TP_PLAN
 
     def build_rope_cache(self) -> torch.Tensor:
         a = self.args
         return precompute_rope_cache(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
-
-    @classmethod
-    def tp_plan(cls, args: Llama3Args) -> dict[str, str]:
-        return dict(TP_PLAN)
 
     @classmethod
     def count_parameters(cls, args: Llama3Args, *, active: bool = False) -> int:

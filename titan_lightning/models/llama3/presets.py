@@ -11,31 +11,23 @@ import copy
 from titan_lightning.models.common import RopeScaling
 from titan_lightning.models.llama3.model import Llama3Args
 
-_LLAMA = dict(vocab_size=128256, n_kv_heads=8, rope_theta=500000.0, max_seq_len=131072)
+
+
+def _llama(dim: int, n_layers: int, n_heads: int, ffn_dim_multiplier: float, multiple_of: int, rope_factor: float):
+    """A published size: 8 key/value heads, the 128K vocabulary and context, Llama 3.1's RoPE scaling."""
+    return Llama3Args(dim=dim, n_layers=n_layers, n_heads=n_heads, ffn_dim_multiplier=ffn_dim_multiplier,
+                      multiple_of=multiple_of, rope_scaling=RopeScaling(factor=rope_factor), vocab_size=128256,
+                      n_kv_heads=8, rope_theta=500000.0, max_seq_len=131072)
+
 
 LLAMA3_PRESETS: dict[str, Llama3Args] = {
     # torchtitan's debugmodel, with its default Llama 3.1 RoPE scaling.
     "debugmodel": Llama3Args(dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab_size=2048, max_seq_len=2048),
-    "1B": Llama3Args(
-        dim=2048, n_layers=16, n_heads=32, ffn_dim_multiplier=1.5, multiple_of=256,
-        rope_scaling=RopeScaling(factor=32.0), **_LLAMA,
-    ),
-    "3B": Llama3Args(
-        dim=3072, n_layers=28, n_heads=24, ffn_dim_multiplier=1.0, multiple_of=256,
-        rope_scaling=RopeScaling(factor=32.0), **_LLAMA,
-    ),
-    "8B": Llama3Args(
-        dim=4096, n_layers=32, n_heads=32, ffn_dim_multiplier=1.3, multiple_of=1024,
-        rope_scaling=RopeScaling(factor=8.0), **_LLAMA,
-    ),
-    "70B": Llama3Args(
-        dim=8192, n_layers=80, n_heads=64, ffn_dim_multiplier=1.3, multiple_of=4096,
-        rope_scaling=RopeScaling(factor=8.0), **_LLAMA,
-    ),
-    "405B": Llama3Args(
-        dim=16384, n_layers=126, n_heads=128, ffn_dim_multiplier=1.2, multiple_of=4096,
-        rope_scaling=RopeScaling(factor=8.0), **_LLAMA,
-    ),
+    "1B": _llama(dim=2048, n_layers=16, n_heads=32, ffn_dim_multiplier=1.5, multiple_of=256, rope_factor=32.0),
+    "3B": _llama(dim=3072, n_layers=28, n_heads=24, ffn_dim_multiplier=1.0, multiple_of=256, rope_factor=32.0),
+    "8B": _llama(dim=4096, n_layers=32, n_heads=32, ffn_dim_multiplier=1.3, multiple_of=1024, rope_factor=8.0),
+    "70B": _llama(dim=8192, n_layers=80, n_heads=64, ffn_dim_multiplier=1.3, multiple_of=4096, rope_factor=8.0),
+    "405B": _llama(dim=16384, n_layers=126, n_heads=128, ffn_dim_multiplier=1.2, multiple_of=4096, rope_factor=8.0),
 }
 
 

@@ -14,12 +14,9 @@ Mixtral's checkpoint has no place for, so a model read from a config.json trains
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
-from titan_lightning.models.common import Attention, FeedForward, precompute_rope_cache
 from titan_lightning.models.common.args import DecoderArgs
-from titan_lightning.models.common.decoder import Block, Decoder
-from titan_lightning.models.common.moe import MoE, MoEArgs
+from titan_lightning.models.common.decoder import Decoder
+from titan_lightning.models.common.moe import MoEArgs
 from titan_lightning.models.mistral.parallelize import TP_PLAN
 
 
@@ -32,28 +29,9 @@ class MistralArgs(DecoderArgs):
     # None: Mistral (dense); otherwise every block is a mixture of experts (Mixtral).
     moe: Optional[MoEArgs] = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.moe is not None:
-            self.moe.__post_init__()
-
 
 class Transformer(Decoder):
     """Mistral / Mixtral: token embeddings, pre-norm GQA blocks with SwiGLU or MoE, final norm,
     untied output (models/common/decoder.py has the skeleton)."""
 
-    args_class = MistralArgs
-
-    def build_block(self, layer_id: int) -> Block:
-        a = self.args
-        attention = Attention(a.dim, a.n_heads, a.n_kv_heads, a.attention, head_dim=a.head_dim)
-        ffn = FeedForward(a.dim, a.ffn_hidden_dim) if a.moe is None else MoE(a.dim, a.moe)
-        return Block(a.dim, a.norm_eps, attention, ffn)
-
-    def build_rope_cache(self) -> torch.Tensor:
-        a = self.args
-        return precompute_rope_cache(a.head_dim, a.max_seq_len, a.rope_theta)
-
-    @classmethod
-    def tp_plan(cls, args: MistralArgs) -> dict[str, str]:
-        return dict(TP_PLAN)
+    args_class, plan = MistralArgs, TP_PLAN

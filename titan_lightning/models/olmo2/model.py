@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_lightning.models.common import Attention, FeedForward, RMSNorm, precompute_rope_cache
+from titan_lightning.models.common import Attention, FeedForward, RMSNorm
 from titan_lightning.models.common.args import DecoderArgs
 from titan_lightning.models.common.decoder import Decoder
 from titan_lightning.models.common.masking import Documents
@@ -87,7 +87,7 @@ class Transformer(Decoder):
     """OLMo 2: token embeddings, post-norm GQA blocks with QK-norm over whole projections and
     SwiGLU, final norm, untied output (models/common/decoder.py has the skeleton)."""
 
-    args_class = Olmo2Args
+    args_class, plan = Olmo2Args, TP_PLAN
 
     def __init__(self, args: Olmo2Args):
         super().__init__(args)
@@ -95,11 +95,3 @@ class Transformer(Decoder):
 
     def build_block(self, layer_id: int) -> Olmo2Block:
         return Olmo2Block(self.args)
-
-    def build_rope_cache(self) -> torch.Tensor:
-        a = self.args
-        return precompute_rope_cache(a.head_dim, a.max_seq_len, a.rope_theta)
-
-    @classmethod
-    def tp_plan(cls, args: Olmo2Args) -> dict[str, str]:
-        return dict(TP_PLAN)

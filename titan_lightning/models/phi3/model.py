@@ -20,9 +20,8 @@ from typing import Optional
 
 import torch
 
-from titan_lightning.models.common import Attention, FeedForward
 from titan_lightning.models.common.args import DecoderArgs
-from titan_lightning.models.common.decoder import Block, Decoder
+from titan_lightning.models.common.decoder import Decoder
 from titan_lightning.models.phi3.parallelize import TP_PLAN
 
 
@@ -110,16 +109,7 @@ class Transformer(Decoder):
     """Phi-3 / Phi-4: token embeddings, pre-norm GQA blocks with SwiGLU, final norm, untied output
     (models/common/decoder.py has the skeleton)."""
 
-    args_class = Phi3Args
-
-    def build_block(self, layer_id: int) -> Block:
-        a = self.args
-        attention = Attention(a.dim, a.n_heads, a.n_kv_heads, a.attention, head_dim=a.head_dim)
-        return Block(a.dim, a.norm_eps, attention, FeedForward(a.dim, a.ffn_hidden_dim))
+    args_class, plan = Phi3Args, TP_PLAN
 
     def build_rope_cache(self) -> torch.Tensor:
         return phi3_rope_cache(self.args)
-
-    @classmethod
-    def tp_plan(cls, args: Phi3Args) -> dict[str, str]:
-        return dict(TP_PLAN)

@@ -9,11 +9,9 @@ released config (``use_sliding_window: false``); a config that turns it on slide
 
 from dataclasses import dataclass
 
-import torch
-
-from titan_lightning.models.common import Attention, FeedForward, precompute_rope_cache
+from titan_lightning.models.common import Attention
 from titan_lightning.models.common.args import DecoderArgs
-from titan_lightning.models.common.decoder import Block, Decoder
+from titan_lightning.models.common.decoder import Decoder
 from titan_lightning.models.qwen2.parallelize import TP_PLAN
 
 
@@ -29,17 +27,8 @@ class Transformer(Decoder):
     """Qwen 2: token embeddings, pre-norm GQA blocks with q/k/v biases and SwiGLU, final norm,
     untied output (models/common/decoder.py has the skeleton)."""
 
-    args_class = Qwen2Args
+    args_class, plan = Qwen2Args, TP_PLAN
 
-    def build_block(self, layer_id: int) -> Block:
+    def build_attention(self, layer_id: int) -> Attention:
         a = self.args
-        attention = Attention(a.dim, a.n_heads, a.n_kv_heads, a.attention, head_dim=a.head_dim, qkv_bias=a.qkv_bias)
-        return Block(a.dim, a.norm_eps, attention, FeedForward(a.dim, a.ffn_hidden_dim))
-
-    def build_rope_cache(self) -> torch.Tensor:
-        a = self.args
-        return precompute_rope_cache(a.head_dim, a.max_seq_len, a.rope_theta)
-
-    @classmethod
-    def tp_plan(cls, args: Qwen2Args) -> dict[str, str]:
-        return dict(TP_PLAN)
+        return Attention(a.dim, a.n_heads, a.n_kv_heads, a.attention, head_dim=a.head_dim, qkv_bias=a.qkv_bias)

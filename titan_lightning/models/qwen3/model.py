@@ -13,12 +13,10 @@ the auxiliary-loss-free expert bias of models/common/moe.py (``moe.load_balance_
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
-from titan_lightning.models.common import Attention, FeedForward, precompute_rope_cache
+from titan_lightning.models.common import Attention
 from titan_lightning.models.common.args import DecoderArgs
-from titan_lightning.models.common.decoder import Block, Decoder
-from titan_lightning.models.common.moe import MoE, MoEArgs
+from titan_lightning.models.common.decoder import Decoder
+from titan_lightning.models.common.moe import MoEArgs
 from titan_lightning.models.qwen3.parallelize import TP_PLAN
 
 
@@ -33,32 +31,17 @@ class Qwen3Args(DecoderArgs):
     # None: dense; otherwise every block is a mixture of experts.
     moe: Optional[MoEArgs] = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.moe is not None:
-            self.moe.__post_init__()
-
 
 class Transformer(Decoder):
     """Qwen 3: token embeddings, pre-norm GQA (QK-norm) blocks with SwiGLU or MoE, final norm,
     untied output (models/common/decoder.py has the skeleton)."""
 
-    args_class = Qwen3Args
+    args_class, plan = Qwen3Args, TP_PLAN
 
-    def build_block(self, layer_id: int) -> Block:
+    def build_attention(self, layer_id: int) -> Attention:
         a = self.args
-        attention = Attention(a.dim, a.n_heads, a.n_kv_heads, a.attention, head_dim=a.head_dim,
-                              qk_norm_eps=a.norm_eps if a.qk_norm else None)
-        ffn = FeedForward(a.dim, a.ffn_hidden_dim) if a.moe is None else MoE(a.dim, a.moe)
-        return Block(a.dim, a.norm_eps, attention, ffn)
-
-    def build_rope_cache(self) -> torch.Tensor:
-        a = self.args
-        return precompute_rope_cache(a.head_dim, a.max_seq_len, a.rope_theta)
-
-    @classmethod
-    def tp_plan(cls, args: Qwen3Args) -> dict[str, str]:
-        return dict(TP_PLAN)
+        return Attention(a.dim, a.n_heads, a.n_kv_heads, a.attention, head_dim=a.head_dim,
+                         qk_norm_eps=a.norm_eps if a.qk_norm else None)
 
     @classmethod
     def count_parameters(cls, args: Qwen3Args, *, active: bool = False) -> int:
