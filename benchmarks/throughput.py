@@ -246,6 +246,20 @@ for _shape, _layers in (("qwen2_5_1_5b", None), ("llama3_8b", 16)):
                                               seq_len=4096, overrides=_TUNED + ("--job.data.repeat_to_fit", "true"),
                                               contenders=("titan",))
 
+# LoRA SFT (recipes.hf:lora: r 16, alpha 32, all-linear) of the whole 32-layer Llama 3 8B shape, one
+# sequence of 4096 a step (issue #48's bar): titan against transformers + peft on the same packed windows
+# (hf_packed with the job's lora: the base in bf16, PEFT's fp32 adapters, fused AdamW on them), and with
+# gradient checkpointing (_hf_ac).
+# python -m benchmarks.throughput --rounds 1 --steps 10 --warmup 6 --reference 'titan (llama3_8b_lora)' \
+#   --workload llama3_8b_lora,llama3_8b_lora_hf_ac
+_LORA = ("--trainer.precision", "bf16-mixed", "--job.compile.enable", "true", "--job.activation_checkpoint.mode", "none",
+         "--job.training.seq_len", "4096", "--job.training.tokens_per_microbatch_per_dp_rank", "4096",
+         "--job.model.attention", "varlen")
+WORKLOADS["llama3_8b_lora"] = Workload(recipe="recipes.hf:lora", folder=("llama3_8b", None), as_user=True,
+                                       seq_len=4096, overrides=_LORA, contenders=("titan", "hf_packed"))
+WORKLOADS["llama3_8b_lora_hf_ac"] = dataclasses.replace(WORKLOADS["llama3_8b_lora"], hf_ac=True,
+                                                        contenders=("hf_packed",))
+
 # The fine-tuning contenders on CPU, on a tiny folder (that each runs; its numbers mean nothing):
 #   python -m benchmarks.throughput --device cpu --steps 2 --warmup 1 --workload tiny_sft --contenders titan,hf_padded,trl
 WORKLOADS["tiny_sft"] = Workload(recipe="recipes.hf:sft", folder=("tiny", None), as_user=True, seq_len=512,
@@ -289,7 +303,7 @@ def _user_args(w: Workload, device: str, total_steps: int) -> list[str]:
             "--trainer.accelerator", "gpu" if device == "cuda" else "cpu", "--trainer.devices", "1",
             "--trainer.max_steps", str(total_steps), "--trainer.limit_val_batches", "0",
             "--trainer.enable_checkpointing", "false", "--job.checkpoint.export_format", "null"]
-    return args + (["--job.data.dataset_path", str(data)] if w.recipe.endswith(":sft") else [])
+    return args + (["--job.data.dataset_path", str(data)] if w.recipe.endswith((":sft", ":lora")) else [])
 
 
 def resolve_run(w: Workload, device: str, total_steps: int):
@@ -741,14 +755,23 @@ def _hf_sft_loop(w: Workload, device: str, steps: int, warmup: int, packing: str
     job, dev = run.job, torch.device(device)
     job.data.sft_packing = packing
     torch.manual_seed(job.training.seed)
+    lora = job.lora
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        folders(*w.folder)[0], dtype=torch.float32, attn_implementation="sdpa").to(dev)
+        folders(*w.folder)[0], dtype=torch.bfloat16 if lora.enabled else torch.float32,
+        attn_implementation="sdpa").to(dev)
     if w.hf_ac:
         model.gradient_checkpointing_enable()
+        if lora.enabled:
+            model.enable_input_require_grads()  # (checkpointed blocks of a frozen base need a grad input)
+    if lora.enabled:  # transformers + peft: the frozen base in bf16, PEFT's adapters (fp32) on the same linears
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                           target_modules=lora.target_modules))
     model.train()
     o = job.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                  weight_decay=o.weight_decay, fused=dev.type == "cuda")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr, betas=(o.beta1, o.beta2),
+                                  eps=o.eps, weight_decay=o.weight_decay, fused=dev.type == "cuda")
     batches = iter(_train_loader(run))
     window = real = supervised = 0
     for step in range(total):
