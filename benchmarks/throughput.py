@@ -767,7 +767,8 @@ def _hf_sft_loop(w: Workload, device: str, steps: int, warmup: int, packing: str
         import peft
 
         model = peft.get_peft_model(model, peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                           target_modules=",".join(lora.target_modules)))
+                                                           target_modules=lora.target_modules if lora.target_modules
+                                                           != ["all-linear"] else "all-linear"))
     model.train()
     o = job.optimizer
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr, betas=(o.beta1, o.beta2),
