@@ -266,6 +266,8 @@ WORKLOADS["tiny_sft"] = Workload(recipe="recipes.hf:sft", folder=("tiny", None),
                                  overrides=("--job.training.seq_len", "512",
                                             "--job.training.tokens_per_microbatch_per_dp_rank", "2048"),
                                  contenders=("titan", "hf_padded", "hf_packed", "trl"))
+WORKLOADS["tiny_lora"] = dataclasses.replace(WORKLOADS["tiny_sft"], recipe="recipes.hf:lora",
+                                             contenders=("titan", "hf_packed"))
 
 # The float8 path of the harness on CPU (torchao's emulation): titan and bare must agree.
 WORKLOADS["overhead_float8"] = dataclasses.replace(
