@@ -355,9 +355,10 @@ def validate_preference(job: JobConfig) -> None:
     if pref.needs_reference and pref.reference == "adapters_off" and not job.lora.enabled:
         raise ConfigError(f"preference.reference='adapters_off' is the model with its LoRA adapters switched off, "
                           f"and lora.rank=0 adds none: set lora.rank (or preference.reference 'precomputed')")
-    if pref.needs_reference and pref.reference in ("frozen", "adapters_off"):
-        raise ConfigError(f"preference.reference={pref.reference!r} is not built yet; use 'precomputed' (the "
-                          f"reference's log-probabilities from the starting weights, in one pass before training)")
+    if pref.needs_reference and pref.reference == "frozen":
+        raise ConfigError("preference.reference='frozen' (a second, frozen copy of the model) is not built yet; use "
+                          "'precomputed' (the reference's log-probabilities from the starting weights, in one pass "
+                          "before training: the same numbers, one model held), or 'adapters_off' with LoRA")
 
 
 def validate_attention_kernel(job: JobConfig, device_type: str) -> None:

@@ -13,7 +13,7 @@ import torchmetrics
 from torch.distributed.fsdp import FSDPModule
 
 from titan_lightning.config import ConfigError, JobConfig
-from titan_lightning.lora import add_adapters, check_lora_job, lora_targets, store_frozen_in
+from titan_lightning.lora import adapters_off, add_adapters, check_lora_job, lora_targets, store_frozen_in
 from titan_lightning.models.common.decoder import Decoder, decoder_class
 from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.models.common.masking import varlen_offsets
@@ -263,15 +263,25 @@ class CausalLMModule(L.LightningModule):
         return kind(self.token_loss)
 
     def on_fit_start(self) -> None:
-        """Preference training with ``preference.reference="precomputed"``: the reference's
-        log-probabilities of every pair, from the starting weights, in one pass before the first step
-        (kept next to the shards for the next run of the same weights)."""
+        """Preference training's reference (``preference.reference``): "precomputed", the reference's
+        log-probabilities of every pair from the starting weights, in one pass before the first step
+        (kept next to the shards for the next run of the same weights); "adapters_off", each batch's
+        forward through the model with its LoRA adapters switched off, in every step."""
         objective = self.objective
-        if (isinstance(objective, PairMean) and objective.config.needs_reference
-                and objective.config.reference == "precomputed" and objective.reference is None):
-            objective.reference = precompute_reference(
-                self.trainer, lambda batch: local(self.token_loss(self._batch_input(batch), batch["labels"], "none")),
-                self.device_mesh, reference_cache(self.job))
+        if not (isinstance(objective, PairMean) and objective.config.needs_reference):
+            return
+        if objective.config.reference == "adapters_off":
+            objective.reference_losses = self._reference_losses
+        elif objective.reference is None:
+            objective.reference = precompute_reference(self.trainer, self._reference_losses, self.device_mesh,
+                                                       reference_cache(self.job))
+
+    def _reference_losses(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Each label's loss under the reference (the model, with its adapters off for
+        ``preference.reference="adapters_off"``), without gradients."""
+        off = adapters_off(self.model) if self.job.preference.reference == "adapters_off" else nullcontext()
+        with torch.no_grad(), off:
+            return local(self.token_loss(self._batch_input(batch), batch["labels"], "none"))
 
     def token_loss(self, output: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """The cross entropy of what ``loss_input`` returned against ``labels``, over the labelled

@@ -147,19 +147,25 @@ class PairMean(Objective):
     Each microbatch's loss is the sum over its pairs; ``end_step`` multiplies the step's gradients
     by K / N (K: the microbatch losses of the step over all ranks, which gradient accumulation and
     the data-parallel reduction averaged; N: the step's pairs), as ``StepTokenMean`` does with
-    tokens. ``reference``: the precomputed reference log-probabilities [documents of the set], set
-    by the module before training (None: SimPO, or each batch carries ``reference_logps``)."""
+    tokens. The reference's log-probabilities: ``reference``, precomputed [documents of the set] by
+    the module before training; or ``reference_losses(batch)``, the per-token losses of the
+    reference's forward of the batch (the model with its LoRA adapters off), run here without
+    gradients; neither for SimPO."""
 
     def __init__(self, token_loss: TokenLoss, config: PreferenceConfig) -> None:
         super().__init__(token_loss)
         self.config = config
         self.reference: Optional[torch.Tensor] = None
+        self.reference_losses: Optional[Callable[[dict[str, torch.Tensor]], torch.Tensor]] = None
         self._sums: list[torch.Tensor] = []  # per microbatch: loss sum, pairs, metric sums (fp64)
         self._eval: Optional[torch.Tensor] = None  # the same over the held-out batches
 
     def _sums_of(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         token_losses = local(self.token_loss(output, batch["labels"], "none"))
         reference = self.reference
+        if self.config.needs_reference and self.reference_losses is not None:
+            with torch.no_grad():
+                batch = {**batch, "reference_logps": window_logps(self.reference_losses(batch), batch)[0]}
         if self.config.needs_reference and reference is None and "reference_logps" not in batch:
             raise RuntimeError(f"preference.loss={self.config.loss!r} needs the reference's log-probabilities, and "
                                f"none were computed (preference.reference={self.config.reference!r})")
@@ -271,7 +277,8 @@ def _filler(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def reference_cache(job: Any) -> Optional[Path]:
     """Where ``precompute_reference`` keeps the reference of ``job``'s starting weights: next to the
     shards, ``reference_logps/<hash>.npy``, the hash of what decides the numbers (the weights loaded,
-    by their files' names, sizes and times; else the init seed; the model and its precision)."""
+    by their files' names, sizes and times; else the init seed; the model, its adapters, its
+    precision)."""
     if job.data.dataset_path is None:
         return None
     load = job.checkpoint.initial_load_path
@@ -279,7 +286,8 @@ def reference_cache(job: Any) -> Optional[Path]:
         [Path(load)] if load is not None else []
     weights = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
     key = json.dumps({"weights": weights, "load": load, "seed": None if load else job.training.seed,
-                      "model": repr(job.model), "dtype": job.training.dtype,
+                      "model": repr(job.model), "lora": repr(job.lora), "quantize": repr(job.quantize),
+                      "dtype": job.training.dtype,
                       "compute": job.training.mixed_precision_param, "seq_len": job.training.seq_len,
                       "packing": job.data.sft_packing}, sort_keys=True)
     return Path(job.data.dataset_path) / REFERENCE_FOLDER / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.npy"

@@ -62,17 +62,22 @@ class Steps(L.Callback):
 
 
 def dpo_run(rank: int = 0, world_size: int = 1, *, folder: str, data: str, loss: str = "dpo", microbatches: int = 4,
-            steps: int = 2, run_dir: str) -> dict:
+            steps: int = 2, run_dir: str, lora_rank: int = 0, reference: str = "precomputed") -> dict:
     """``steps`` optimizer steps of recipes.hf:dpo (``loss``), one window a microbatch and
     ``microbatches`` windows a step over all ranks (gradient accumulation makes up the rest); a
-    quarter of the pairs held out, validated after the last step (``val``: what it logged)."""
+    quarter of the pairs held out, validated after the last step (``val``: what it logged).
+    ``lora_rank``: LoRA adapters on every linear; ``reference``: preference.reference."""
     from recipes.hf import dpo
     from titan_lightning.recipe import check_inputs, execute
     from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
 
     run = dpo(folder, data)
     job = run.job
-    job.preference.loss = loss
+    job.preference.loss, job.preference.reference = loss, reference
+    if lora_rank:
+        from titan_lightning.config.lora import ALL_LINEAR, LoRAConfig
+
+        job.lora = LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank, target_modules=[ALL_LINEAR])
     job.training.tokens_per_microbatch_per_dp_rank = job.training.seq_len
     job.training.tokens_per_step = job.training.seq_len * microbatches
     job.training.max_grad_norm = None

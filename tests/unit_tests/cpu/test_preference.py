@@ -282,3 +282,15 @@ def test_a_set_of_pairs_is_read_by_a_preference_run_only(prepared):
     with pytest.raises(ValueError, match="holds no preference pairs"):
         check_pairs({"sft": {"train_on": "assistant"}}, "dpo", "data.dataset_path", "x")
     check_pairs(index, "simpo", "data.dataset_path", "x")
+
+
+def test_with_lora_the_base_with_adapters_off_is_the_precomputed_reference(pairs_run):
+    """LoRA's B starts at zero: the starting model is its base, so the reference computed each step
+    with the adapters off gives the losses of the one precomputed before training, step after step."""
+    import preference_cases as cases
+
+    root, folder, data, _ = pairs_run
+    runs = [cases.dpo_run(folder=str(folder), data=str(data), run_dir=str(root / reference), lora_rank=4,
+                          microbatches=2, reference=reference) for reference in ("precomputed", "adapters_off")]
+    _assert_same_steps(runs[1], runs[0], rtol=1e-6)
+    assert runs[0]["steps"][1]["train/rewards/margins"] != 0  # the adapters moved the policy off its reference
