@@ -13,7 +13,8 @@ import torchmetrics
 from torch.distributed.fsdp import FSDPModule
 
 from titan_lightning.config import ConfigError, JobConfig
-from titan_lightning.lora import adapters_off, add_adapters, check_lora_job, lora_targets, store_frozen_in
+from titan_lightning.lora import (adapters_off, add_adapters, check_lora_job, lora_targets, quantize_base_nf4,
+                                  store_frozen_in)
 from titan_lightning.models.common.decoder import Decoder, decoder_class
 from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.models.common.masking import varlen_offsets
@@ -149,6 +150,8 @@ class CausalLMModule(L.LightningModule):
             store_frozen_in(self.model, getattr(torch, self.job.training.mixed_precision_param))
         self.model.to_empty(device=device)
         self.model.init_weights(self.job.training.seed)
+        if self.job.lora.enabled and self.job.lora.quantize_base == "nf4":
+            quantize_base_nf4(self.model)  # (QLoRA: a load into it re-quantizes what it copies)
 
     @property
     def tp_plan(self) -> Optional[dict[str, str]]:
