@@ -2,9 +2,10 @@
 run may combine them with (``rules``), their PEFT adapter folder and merged export (``export``)."""
 
 from titan_lightning.lora.layer import (LoRALinear, adapters_off, add_adapters, base_only, has_adapters, lora_layers,
-                                        merged_weight, store_frozen_in)
+                                        merged_weight, quantize_base_nf4, store_frozen_in)
 from titan_lightning.lora.rules import check_lora_job
 from titan_lightning.lora.targets import hf_linears, lora_targets
 
 __all__ = ["LoRALinear", "adapters_off", "add_adapters", "base_only", "check_lora_job", "has_adapters",
-           "hf_linears", "lora_layers", "lora_targets", "merged_weight", "store_frozen_in"]
+           "hf_linears", "lora_layers", "lora_targets", "merged_weight",
+           "quantize_base_nf4", "store_frozen_in"]

@@ -44,13 +44,42 @@ class LoRALinear(nn.Linear):
         return lora
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = F.linear(x, self.weight, self.bias)
+        if is_nf4(self.weight):  # (QLoRA: dequantized for this forward, its backward to x alone)
+            base = linear_nf4(x, self.weight)
+            base = base if self.bias is None else base + self.bias
+        else:
+            base = F.linear(x, self.weight, self.bias)
         if not self.adapters_on:
             return base
         return base + self.lora_b(self.lora_a(self.lora_dropout(x))) * self.scaling
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_a.out_features}, scaling={self.scaling:g}"
+
+
+def is_nf4(t: torch.Tensor) -> bool:
+    """torchao's NF4Tensor (checked by name: a run without QLoRA never imports torchao)."""
+    return type(t).__name__ == "NF4Tensor"
+
+
+def linear_nf4(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    from torchao.dtypes.nf4tensor import linear_nf4 as nf4  # (torchao: only a QLoRA run imports it)
+
+    return nf4(x, weight)
+
+
+@torch.no_grad()
+def quantize_base_nf4(model: nn.Module) -> None:
+    """QLoRA: every adapted layer's frozen weight as torchao's NF4 (4-bit NormalFloat, blocks of 64
+    with their scales), from its present values; a later load re-quantizes what it copies in. On
+    one process: a weight sharded by FSDP2 is refused (its composition is #48's next step)."""
+    from torchao.dtypes.nf4tensor import to_nf4
+
+    for name, layer in lora_layers(model):
+        if hasattr(layer.weight, "device_mesh"):
+            raise ValueError(f"lora.quantize_base='nf4': {name}.weight is sharded (FSDP2 / TP), and an NF4 base "
+                             f"trains on one process for now; run one process or set lora.quantize_base=None")
+        layer.weight = nn.Parameter(to_nf4(layer.weight.detach()), requires_grad=False)
 
 
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
@@ -133,5 +162,6 @@ def merged_weight(layer: LoRALinear) -> torch.Tensor:
         return t.full_tensor() if hasattr(t, "full_tensor") else t
 
     w = full(layer.weight)
+    w = w.get_original_weight() if is_nf4(w) else w
     delta = full(layer.lora_b.weight).float() @ full(layer.lora_a.weight).float()
     return (w.float() + delta * layer.scaling).to(w.dtype)
