@@ -2,14 +2,15 @@
 
 A model declares *what* is sharded with a plan: module-name patterns mapped to style names,
 e.g. ``{"layers.*.attention.wq": "colwise"}`` (``*`` matches one name part, so it stands for a
-layer index). This file applies a plan; the rest of TP lives in two rooms:
+layer index). This file applies a plan; the rest of TP lives in three rooms:
 
 - parallel/tensor_styles.py: the styles a plan may name, one record each (what it shards, the
   ParallelStyle it applies, its float8 form); a new style is one record there.
 - parallel/tensor_plan_check.py: a plan checked against the model before anything is sharded,
   and a user's module fitted to it: head counts made per-rank (found by name or declared with
-  the style ``heads``), fused q, k, v projections recognized, shape errors of a module's
-  forward under TP re-raised naming the module (``TensorParallelShapeError``).
+  the style ``heads``), fused q, k, v projections recognized.
+- parallel/tensor_shape_errors.py: a shape error of a module's forward under TP re-raised as
+  one line naming the module and what to declare (``TensorParallelShapeError``).
 
 Float8 (torchao's Float8Linear, tensorwise recipe: ``apply_tp(float8=True)``): an entry whose
 style has a float8 form takes it where the module is a float8 linear, or where its linear
@@ -29,9 +30,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from titan_lightning.parallel.float8 import is_float8_linear
-from titan_lightning.parallel.tensor_plan_check import TensorParallelShapeError  # noqa: F401 (raised by apply_tp)
-from titan_lightning.parallel.tensor_plan_check import Entry, checked_plan, explain_shape_errors, join
+from titan_lightning.parallel.tensor_plan_check import Entry, checked_plan, join
 from titan_lightning.parallel.tensor_plan_check import match as _match  # noqa: F401
+from titan_lightning.parallel.tensor_shape_errors import TensorParallelShapeError  # noqa: F401 (apply_tp's)
+from titan_lightning.parallel.tensor_shape_errors import explain_shape_errors
 from titan_lightning.parallel.tensor_styles import FUSED, StyleFactory, Target  # noqa: F401 (FUSED: the strategy's)
 
 

@@ -22,7 +22,7 @@ reshapes with a head count (``q.view(B, T, self.n_head, hs)``) must read the loc
 Nothing else is touched: hidden sizes (n_embd, dim), head sizes and ratios such as ``n_head //
 n_query_groups`` stay (the ratio is the same locally). A shape computed from a hidden size or
 the input's last dim (``C // self.n_head``, ``split(self.n_embd)``) stays global: such a module
-fails under TP, and its error (``TensorParallelShapeError``) names it and what to declare. No
+fails under TP, and its error names it and what to declare (parallel/tensor_shape_errors.py). No
 check sees a global head count under a name of its own with -1 for the head size
 (``view(B, T, self.nh, -1)``): it runs, on heads of the wrong size; declare such a count.
 
@@ -37,14 +37,11 @@ split: refused too, shard the MLP only (the attention stays whole on every rank)
 """
 
 import functools
-import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-import types
-from types import CodeType
+from types import CodeType, FunctionType
 from typing import Any, Callable, NamedTuple, Optional
 
-import torch
 from torch import nn
 
 from titan_lightning.config import ConfigError
@@ -168,7 +165,7 @@ def _head_counts(model: nn.Module, plan: dict[str, str], resolved: list[Entry], 
     found: dict[tuple[int, str], HeadCount] = {}
     candidates = [head for pattern, style in plan.items() if style == HEADS
                   for head in _resolve_heads(model, pattern)]
-    owners = _owners(model, resolved, lambda record: record.splits_heads)
+    owners = owners_of_sharded(model, resolved, lambda record: record.splits_heads)
     for fqn, owner in owners.items():
         for prefix, obj in ((fqn, owner), (join(fqn, "config"), getattr(owner, "config", None))):
             attributes = vars(obj) if obj is not None and hasattr(obj, "__dict__") else {}
@@ -235,18 +232,28 @@ def _names_in_code(cls: type) -> frozenset[str]:
 
 
 def _code_of(value: Any, seen: set[int]) -> list[CodeType]:
-    """The code objects of a class attribute: a function's, a static or class method's, a property's
-    accessors', and those of the functions a decorator wrapped (``__wrapped__``, or held in a closure)."""
+    """The code objects of a class attribute: a function's (a static or class method's, a property's
+    accessors'), and those of what it wraps (``__wrapped__``, or a function held in its closure)."""
     if isinstance(value, (staticmethod, classmethod)):
         value = value.__func__
     if isinstance(value, property):
         return [code for accessor in (value.fget, value.fset, value.fdel) for code in _code_of(accessor, seen)]
-    if not isinstance(value, types.FunctionType) or id(value) in seen:
+    if not callable(value) or isinstance(value, type) or id(value) in seen:
         return []
     seen.add(id(value))
-    inner = [getattr(value, "__wrapped__", None), *(cell.cell_contents for cell in value.__closure__ or ()
-                                                    if cell.cell_contents is not value)]
-    return [value.__code__, *(code for function in inner for code in _code_of(function, seen))]
+    inner = [getattr(value, "__wrapped__", None), *_closure(value)]
+    own = [value.__code__] if isinstance(value, FunctionType) else []
+    return own + [code for function in inner for code in _code_of(function, seen)]
+
+
+def _closure(value: Any) -> list[Any]:
+    values = []
+    for cell in getattr(value, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # an empty cell (a name not bound yet)
+            continue
+    return values
 
 
 def _names(code: CodeType) -> set[str]:
@@ -331,7 +338,8 @@ def _resolve_heads(model: nn.Module, pattern: str) -> list[tuple[str, Any, str]]
     return matches
 
 
-def _owners(model: nn.Module, resolved: list[Entry], which: Callable[[TPStyle], bool]) -> dict[str, nn.Module]:
+def owners_of_sharded(model: nn.Module, resolved: list[Entry],
+                      which: Callable[[TPStyle], bool]) -> dict[str, nn.Module]:
     """The modules that own a child sharded with a style ``which`` takes (an attention, an MLP), by fqn."""
     owners: dict[str, nn.Module] = {}
     for entry in resolved:
@@ -339,65 +347,3 @@ def _owners(model: nn.Module, resolved: list[Entry], which: Callable[[TPStyle], 
             parent = entry.fqn.rpartition(".")[0]
             owners.setdefault(parent, model.get_submodule(parent))
     return owners
-
-
-# -- naming the module whose reshape fails ------------------------------------------------------
-
-
-class TensorParallelShapeError(RuntimeError):
-    """A module's forward failed on the per-rank sizes that tensor parallelism gave it."""
-
-
-# What a shape error of a reshape, a split or a matmul says (torch's and Python's unpacking).
-_SHAPE_ERROR = re.compile(r"shape|size|unpack|dimension|mat1 and mat2", re.IGNORECASE)
-
-
-class _ExplainShapeErrors:
-    """A module's forward that re-raises its shape errors as one TensorParallelShapeError saying
-    what to declare. Set as the module's ``forward`` (hooks run in ``__call__``, around it)."""
-
-    def __init__(self, forward: Callable, explain: Callable[[str], str]) -> None:
-        self.forward = forward
-        self.explain = explain
-        self.__wrapped__ = forward  # inspect.signature sees the module's own arguments
-
-    def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling():
-            return self.forward(*args, **kwargs)
-        try:
-            return self.forward(*args, **kwargs)
-        except TensorParallelShapeError:
-            raise
-        except (RuntimeError, ValueError) as error:
-            text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            if not _SHAPE_ERROR.search(text):
-                raise
-            raise TensorParallelShapeError(self.explain(text)) from error
-
-
-def explain_shape_errors(model: nn.Module, resolved: list[Entry], heads: list[HeadCount], tp: int) -> None:
-    """Make every module that owns sharded children re-raise a shape error of its forward as a
-    ``TensorParallelShapeError`` naming it, its per-rank head counts and what to declare."""
-    sharded: dict[str, list[str]] = {}
-    for entry in resolved:
-        if entry.record.splitting:
-            parent, _, name = entry.fqn.rpartition(".")
-            sharded.setdefault(parent, []).append(f"{name}: {entry.style}")
-    for fqn, owner in _owners(model, resolved, lambda record: record.splitting).items():
-        mine = (owner, getattr(owner, "config", None))
-        local = [f"{c.label} {c.value} -> {c.value // tp}" for c in heads if any(c.owner is o for o in mine)]
-        owner.forward = _ExplainShapeErrors(owner.forward, _explanation(fqn, owner, sharded[fqn], local, tp))
-
-
-def _explanation(fqn: str, owner: nn.Module, children: list[str], local: list[str], tp: int) -> Callable[[str], str]:
-    where = f"{fqn}." if fqn else ""
-    done = f"made per-rank: {', '.join(local)}" if local else f"none found by name ({', '.join(HEAD_COUNT_NAMES)})"
-    return lambda error: (
-        f"{fqn or 'the model'} ({type(owner).__name__}): its forward failed under parallelism.tp={tp} ({error}). "
-        f"Its sharded projections ({', '.join(children)}) give each rank 1/{tp} of their output features, so the "
-        f"head counts it reads must be per-rank ({done}): declare them in tp_plan as '{where}<attr>': 'heads' (or "
-        f"'{where}config.<attr>': 'heads'). Sizes read from a hidden size or the input's width (split(n_embd), "
-        f"x.size(-1) // n_head) stay global: use a head size, and -1 for a merged width (y.reshape(B, T, -1)). "
-        f"A fused projection whose rows are [all q; all k; all v] (nanoGPT's c_attn) needs the style '{FUSED}:3', "
-        f"its output split with .chunk(3, dim=-1) (see titan_lightning/parallel/tensor.py)"
-    )

@@ -243,6 +243,8 @@ def _float8_colwise(t: Target) -> ParallelStyle:
     return float8_tp_styles().colwise()
 
 
+FUSED = "colwise_fused"
+HEADS = "heads"  # plan style of an integer attribute that counts heads (not a module)
 _COLWISE = dict(parallel_style=lambda t: ColwiseParallel(), sharded_weight_dim=0, splits_heads=True,
                 float8=_float8_colwise)
 
@@ -294,7 +296,7 @@ STYLES: dict[str, TPStyle] = {style.name: style for style in (
             lambda t: SequenceParallel(sequence_dim=0, use_local_output=True)),
     TPStyle("head_params", "a module of per-head parameters ([n_heads, ...]: gpt-oss's attention sinks) sharded on "
             "dim 0 with the heads; it reads them as local tensors", lambda t: HeadParams()),
-    TPStyle("colwise_fused", "colwise for an nn.Linear whose output rows are N equal blocks: [all q; all k; all v] "
+    TPStyle(FUSED, "colwise for an nn.Linear whose output rows are N equal blocks: [all q; all k; all v] "
             "(nanoGPT's c_attn, LitGPT's qkv with as many query groups as heads: 'colwise_fused:3') or a fused "
             "[gate; up] ('colwise_fused:2'). Each block is split on its own, so rank r returns [q_r, k_r, v_r]: "
             "split it with ``.chunk(N, dim=-1)``. The weight keeps the module's layout (a ``_StridedShard`` "
@@ -304,10 +306,8 @@ STYLES: dict[str, TPStyle] = {style.name: style for style in (
             "(config/validation.py), and such checkpoints are refused (checkpoint/placements.py)",
             lambda t: FusedColwiseParallel(t.parts), sharded_weight_dim=0, splits_heads=True,
             argument="N (N >= 2 equal blocks of output rows)"),
-    TPStyle("heads", "not a module: an integer attribute that counts heads (parallel/tensor_plan_check.py)", None),
+    TPStyle(HEADS, "not a module: an integer attribute that counts heads (parallel/tensor_plan_check.py)", None),
 )}
-FUSED = STYLES["colwise_fused"].name
-HEADS = STYLES["heads"].name  # plan style of an integer attribute that counts heads (not a module)
 
 
 def parse_style(style: str) -> tuple[Optional[TPStyle], Optional[int]]:
