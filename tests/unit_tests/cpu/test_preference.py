@@ -158,33 +158,42 @@ def _theirs_loss(loss: str, beta: float, gamma: float, logps, tokens, ref) -> to
     return -F.logsigmoid(beta * (pi - gamma / beta)).mean()
 
 
-@pytest.mark.parametrize("loss", ["dpo", "ipo", "simpo"])
-def test_step_one_loss_and_gradients_equal_transformers_on_each_sequence_alone(prepared, loss):
+@pytest.fixture(scope="module")
+def step_one(prepared):
+    """The pairs as windows (one batch), both sides' reference log-probabilities (ours from our
+    reference pass over the windows, theirs from the transformers reference on each sequence alone),
+    both policies."""
     import transformers
     from torch.utils.data import default_collate
 
     from titan_lightning.data.preference import PairWindows
-    from titan_lightning.objectives.preference import batch_sums, reference_pass
+    from titan_lightning.objectives.preference import reference_pass
 
-    torch.manual_seed(0)
     shards = ShardSet(prepared / "shards")
     docs = _documents(shards)
     windows = PairWindows(shards.tokens, POSITIONS - 1, 0, "best_fit")
-    batches = [default_collate([windows[i] for i in range(len(windows))])]
-    config = PreferenceConfig(loss=loss)
-
+    batch = default_collate([windows[i] for i in range(len(windows))])
     reference_model, _ = _ours(prepared / "reference")
-    reference = reference_pass(lambda b: _token_losses(reference_model, b), batches, len(docs), torch.device("cpu"))
-    ours, adapter = _ours(prepared / "policy")
-    total, stats = batch_sums(config, _token_losses(ours, batches[0]), batches[0], reference.float())
-    pairs = stats[0]
-    (total / pairs).backward()
-
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(prepared / "policy", dtype=torch.float32)
+    ours = reference_pass(lambda b: _token_losses(reference_model, b), [batch], len(docs), torch.device("cpu"))
     their_reference = transformers.AutoModelForCausalLM.from_pretrained(prepared / "reference", dtype=torch.float32)
     with torch.no_grad():
-        ref = _theirs_logps(their_reference, docs)
-    assert torch.allclose(reference.float(), ref, rtol=0, atol=2e-5), (reference, ref)
+        theirs = _theirs_logps(their_reference, docs)
+    policy = transformers.AutoModelForCausalLM.from_pretrained(prepared / "policy", dtype=torch.float32)
+    return docs, batch, ours.float(), theirs, _ours(prepared / "policy"), policy
+
+
+@pytest.mark.parametrize("loss", ["dpo", "ipo", "simpo"])
+def test_step_one_loss_and_gradients_equal_transformers_on_each_sequence_alone(step_one, loss):
+    from titan_lightning.objectives.preference import batch_sums
+
+    docs, batch, reference, ref, (ours, adapter), theirs = step_one
+    assert torch.allclose(reference, ref, rtol=0, atol=2e-5), (reference, ref)
+    config = PreferenceConfig(loss=loss)
+    ours.zero_grad(set_to_none=True)
+    theirs.zero_grad(set_to_none=True)
+    total, stats = batch_sums(config, _token_losses(ours, batch), batch, reference)
+    pairs = stats[0]
+    (total / pairs).backward()
     tokens = torch.tensor([float((m[1:] == 1).sum()) for _, m in docs])
     want = _theirs_loss(loss, config.scale, config.gamma, _theirs_logps(theirs, docs), tokens, ref)
     want.backward()
@@ -237,6 +246,7 @@ def test_recipes_hf_dpo_logs_trl_s_metrics_and_keeps_the_reference_next_to_the_s
     assert np.load(cache).shape == (ShardSet(data).index["documents"],)
 
 
+@pytest.mark.multi_process
 def test_dp_shard_2_with_accumulation_equals_one_process_on_pairs_of_uneven_lengths(pairs_run, tmp_path):
     """2 gloo ranks, 2 windows each a step: the loss is the mean over the step's pairs on every layout."""
     import os
