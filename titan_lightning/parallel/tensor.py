@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from titan_lightning.parallel.float8 import is_float8_linear
 from titan_lightning.parallel.tensor_plan_check import Entry, checked_plan, join
-from titan_lightning.parallel.tensor_plan_check import match as _match  # noqa: F401
+from titan_lightning.parallel.tensor_plan_check import match as _match  # noqa: F401 (test_qwen3_model reads it)
 from titan_lightning.parallel.tensor_shape_errors import TensorParallelShapeError  # noqa: F401 (apply_tp's)
 from titan_lightning.parallel.tensor_shape_errors import explain_shape_errors
 from titan_lightning.parallel.tensor_styles import FUSED, StyleFactory, Target  # noqa: F401 (FUSED: the strategy's)
