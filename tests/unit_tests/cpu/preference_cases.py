@@ -62,7 +62,8 @@ class Steps(L.Callback):
 
 
 def dpo_run(rank: int = 0, world_size: int = 1, *, folder: str, data: str, loss: str = "dpo", microbatches: int = 4,
-            steps: int = 2, run_dir: str, lora_rank: int = 0, reference: str = "precomputed") -> dict:
+            steps: int = 2, run_dir: str, lora_rank: int = 0, reference: str = "precomputed",
+            accelerator: str = "cpu") -> dict:
     """``steps`` optimizer steps of recipes.hf:dpo (``loss``), one window a microbatch and
     ``microbatches`` windows a step over all ranks (gradient accumulation makes up the rest); a
     quarter of the pairs held out, validated after the last step (``val``: what it logged).
@@ -86,7 +87,7 @@ def dpo_run(rank: int = 0, world_size: int = 1, *, folder: str, data: str, loss:
     job.data.val_fraction = 0.25
     job.checkpoint.export_format = None
     recorded = Steps()
-    run.trainer = dict(accelerator="cpu", devices=world_size, max_steps=steps, max_epochs=-1, callbacks=[recorded],
+    run.trainer = dict(accelerator=accelerator, devices=world_size, max_steps=steps, max_epochs=-1, callbacks=[recorded],
                        enable_progress_bar=False, enable_checkpointing=False, num_sanity_val_steps=0,
                        val_check_interval=steps * microbatches // world_size)  # (in batches: after the last step)
     os.environ[RUN_DIR_ENV] = run_dir
