@@ -181,7 +181,7 @@ class PipelineRunner:
         """The module's step after the model call, on the last stage's ``output`` for microbatch ``mb``;
         what it logs goes to the step's records."""
         module = self.module
-        if _offers_steps(module):
+        if _offers_steps(module, self._mode):
             result, records = module.step_from_output(self._mode, output, mb)
             self._records.extend(records)
             return result
@@ -193,7 +193,7 @@ class PipelineRunner:
     # -- a step ----------------------------------------------------------------------------
 
     def _pipeline_input(self, batch: Any, batch_idx: Any, extra: tuple, mode: str) -> tuple[tuple, dict]:
-        if _offers_steps(self.module):
+        if _offers_steps(self.module, mode):
             return self.module.model_input(batch)
         model = getattr(self.module, self.plan.model)
 
@@ -328,10 +328,16 @@ class PipelineRunner:
                     yield p
 
 
-def _offers_steps(module: Any) -> bool:
-    """Whether ``module`` splits its steps at the model call itself (``model_input`` and
-    ``step_from_output``, as CausalLMModule does), so nothing of it is replaced while it runs."""
-    return callable(getattr(module, "model_input", None)) and callable(getattr(module, "step_from_output", None))
+def _offers_steps(module: Any, hook: str) -> bool:
+    """Whether ``module`` splits the step hook ``hook`` at the model call itself (``model_input`` and
+    ``step_from_output``, as CausalLMModule does), so nothing of it is replaced while it runs: not
+    when a subclass changed ``hook`` below the class that splits it (its own hook runs instead)."""
+    if not callable(getattr(module, "model_input", None)) or hook in vars(module):
+        return False
+    mro = type(module).__mro__
+    splits = next((c for c in mro if "step_from_output" in vars(c)), None)
+    runs = next((c for c in mro if hook in vars(c)), None)
+    return splits is not None and runs is not None and issubclass(splits, runs)
 
 
 def _zero_loss(output: Any) -> Tensor:

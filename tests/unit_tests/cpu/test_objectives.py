@@ -106,3 +106,20 @@ def test_value_free_assumptions_hold_inside_the_block_only():
     assert value_free.assumed() is None
     assert moe.routed_counts(experts, 4).tolist() == [1, 1, 2, 0]
     assert not moe.grouped_mm_available(cpu_tokens)
+
+
+def test_the_pipeline_splits_a_step_at_the_model_call_unless_a_subclass_changed_the_hook():
+    """The last pipeline stage runs CausalLMModule's step_from_output on its output; a subclass whose
+    training_step is its own gets that training_step run instead (its model answering the output)."""
+    from titan_lightning.strategies.pipeline import _offers_steps
+
+    module = features.llama3_small().module
+
+    class OwnStep(type(module)):
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch, batch_idx) * 2
+
+    own = OwnStep(module.job)
+    assert [_offers_steps(module, hook) for hook in ("training_step", "validation_step")] == [True, True]
+    assert [_offers_steps(own, hook) for hook in ("training_step", "validation_step")] == [False, True]
+    assert not _offers_steps(torch.nn.Module(), "training_step")  # a module of one's own
