@@ -56,7 +56,7 @@ def _check_job(job: JobConfig, *, world_size: int, max_steps: Optional[int], fak
     validate_model_parallelism(job)
     validate_batch(job, world_size)
     validate_sft(job)
-    validate_preference(job)
+    validate_preference(job, world_size)
     if max_steps is not None:
         validate_schedule(job, max_steps)
     if device_type is not None:
@@ -335,7 +335,7 @@ def validate_sft(job: JobConfig) -> None:
                           "are never repeated to fill one; set data.repeat_to_fit false")
 
 
-def validate_preference(job: JobConfig) -> None:
+def validate_preference(job: JobConfig, world_size: int = 1) -> None:
     """Preference training reads masked pairs packed whole, on the layouts its per-sequence sums support."""
     pref, data, p = job.preference, job.data, job.parallelism
     if not pref.enabled:
@@ -347,18 +347,17 @@ def validate_preference(job: JobConfig) -> None:
     if data.sft_packing == "padded":
         raise ConfigError(f"{loss} packs each pair whole into a window: data.sft_packing='padded' is for "
                           f"conversations; use 'best_fit' or 'packed'")
-    for name in ("pp", "cp"):
-        if getattr(p, name) > 1:
-            raise ConfigError(f"{loss} with parallelism.{name}={getattr(p, name)}: a sequence's log-probability is "
-                              f"summed on one rank, which {name} > 1 does not give yet; use dp_shard, dp_replicate "
-                              f"and tp")
+    if p.pp > 1 and pref.needs_reference and pref.reference != "precomputed":
+        raise ConfigError(f"preference.reference={pref.reference!r} with parallelism.pp={p.pp}: that reference's "
+                          f"forward runs inside the last stage's loss, where the other stages are not; use "
+                          f"'precomputed' (the reference from the starting weights, one pass before training)")
     if pref.needs_reference and pref.reference == "adapters_off" and not job.lora.enabled:
         raise ConfigError(f"preference.reference='adapters_off' is the model with its LoRA adapters switched off, "
                           f"and lora.rank=0 adds none: set lora.rank (or preference.reference 'precomputed')")
-    if pref.needs_reference and pref.reference == "frozen":
-        raise ConfigError("preference.reference='frozen' (a second, frozen copy of the model) is not built yet; use "
-                          "'precomputed' (the reference's log-probabilities from the starting weights, in one pass "
-                          "before training: the same numbers, one model held), or 'adapters_off' with LoRA")
+    if pref.needs_reference and pref.reference == "frozen" and world_size > 1:
+        raise ConfigError(f"preference.reference='frozen' on {world_size} ranks: a second copy of the model sharded "
+                          f"like it is not built yet (one process copies its model); use 'precomputed' (the same "
+                          f"numbers from one pass before training, one model held) or 'adapters_off' with LoRA")
 
 
 def validate_attention_kernel(job: JobConfig, device_type: str) -> None:

@@ -1,6 +1,7 @@
 """The LightningModule every model family shares: the model, its objective (objectives/), optimizer,
 schedule, gradient clipping and the finiteness check."""
 
+import copy
 import functools
 import math
 from contextlib import nullcontext
@@ -80,6 +81,8 @@ class CausalLMModule(L.LightningModule):
         self.val_loss = torchmetrics.MeanMetric()
         self.last_grad_norm: Optional[torch.Tensor] = None
         self._objective: Optional[Objective] = None
+        # preference.reference="frozen": a copy of the model as it starts, outside the module's children.
+        self._frozen: Optional[torch.nn.Module] = None
         # The cross entropy of each reduction, built on first use (token_loss).
         self._token_losses: dict[str, Any] = {}
         # The last clipped step's losses and norm, not yet read on the host (check_finite).
@@ -261,7 +264,7 @@ class CausalLMModule(L.LightningModule):
         the whole step, else the mean over each microbatch's labelled tokens. A module with another
         objective overrides this (it reaches the cross entropy through ``token_loss``)."""
         if self.job.preference.enabled:
-            return PairMean(self.token_loss, self.job.preference)
+            return PairMean(self.token_loss, self.job.preference, self.device_mesh)
         kind = StepTokenMean if self.loss_over_step_tokens else MicrobatchTokenMean
         return kind(self.token_loss)
 
@@ -273,18 +276,29 @@ class CausalLMModule(L.LightningModule):
         objective = self.objective
         if not (isinstance(objective, PairMean) and objective.config.needs_reference):
             return
-        if objective.config.reference == "adapters_off":
+        if objective.config.reference == "frozen" and self._frozen is None:
+            # The parallelized, loaded model copied: the same shards and units, no gradients, no optimizer
+            # state; kept out of the module's children (its state dict, checkpoints, parameters).
+            self.__dict__["_frozen"] = copy.deepcopy(self.model).requires_grad_(False)
+        if objective.config.reference in ("adapters_off", "frozen"):
             objective.reference_losses = self._reference_losses
         elif objective.reference is None:
-            objective.reference = precompute_reference(self.trainer, self._reference_losses, self.device_mesh,
+            objective.reference = precompute_reference(self.trainer, self.device_mesh,
                                                        reference_cache(self.job))
 
     def _reference_losses(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Each label's loss under the reference (the model, with its adapters off for
         ``preference.reference="adapters_off"``), without gradients."""
-        off = adapters_off(self.model) if self.job.preference.reference == "adapters_off" else nullcontext()
-        with torch.no_grad(), off:
-            return local(self.token_loss(self._batch_input(batch), batch["labels"], "none"))
+        reference = self.job.preference.reference
+        off = adapters_off(self.model) if reference == "adapters_off" else nullcontext()
+        model = self._modules["model"]
+        if reference == "frozen":  # the frozen copy in the model's place, for this forward and its loss
+            self._modules["model"] = self._frozen
+        try:
+            with torch.no_grad(), off:
+                return local(self.token_loss(self._batch_input(batch), batch["labels"], "none"))
+        finally:
+            self._modules["model"] = model
 
     def token_loss(self, output: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """The cross entropy of what ``loss_input`` returned against ``labels``, over the labelled

@@ -267,6 +267,7 @@ def test_dp_shard_2_with_accumulation_equals_one_process_on_pairs_of_uneven_leng
     ({"data.sft_packing": "padded"}, "packs each pair whole into a window"),
     ({"parallelism.cp": 2}, "preference.loss='dpo' with parallelism.cp=2"),
     ({"preference.reference": "adapters_off"}, "lora.rank=0 adds none"),
+    ({"preference.reference": "frozen"}, "preference.reference='frozen' on 2 ranks"),
 ])
 def test_a_preference_job_that_cannot_run_is_refused_naming_the_field(change, message):
     from recipes.tests import features
@@ -280,7 +281,7 @@ def test_a_preference_job_that_cannot_run_is_refused_naming_the_field(change, me
         section, name = dotted.split(".")
         setattr(getattr(job, section), name, value)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate_preference(job)
+        validate_preference(job, world_size=2)
 
 
 def test_a_set_of_pairs_is_read_by_a_preference_run_only(prepared):
@@ -292,6 +293,14 @@ def test_a_set_of_pairs_is_read_by_a_preference_run_only(prepared):
     with pytest.raises(ValueError, match="holds no preference pairs"):
         check_pairs({"sft": {"train_on": "assistant"}}, "dpo", "data.dataset_path", "x")
     check_pairs(index, "simpo", "data.dataset_path", "x")
+
+
+def test_a_frozen_copy_of_the_starting_model_is_the_precomputed_reference(pairs_run):
+    import preference_cases as cases
+
+    root, folder, data, one = pairs_run
+    frozen = cases.dpo_run(folder=str(folder), data=str(data), run_dir=str(root / "frozen"), reference="frozen")
+    _assert_same_steps(frozen, one, rtol=1e-6)
 
 
 def test_with_lora_the_base_with_adapters_off_is_the_precomputed_reference(pairs_run):
