@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ADAPTER_NAMES = ("lora_a", "lora_b")
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # torchao's (and QLoRA's) defaults
 _CHILDREN = (*ADAPTER_NAMES, "lora_dropout")
 
 
@@ -79,7 +80,13 @@ def quantize_base_nf4(model: nn.Module) -> None:
         if hasattr(layer.weight, "device_mesh"):
             raise ValueError(f"lora.quantize_base='nf4': {name}.weight is sharded (FSDP2 / TP), and an NF4 base "
                              f"trains on one process for now; run one process or set lora.quantize_base=None")
-        layer.weight = nn.Parameter(to_nf4(layer.weight.detach()), requires_grad=False)
+        w = layer.weight.detach()
+        # (QLoRA's blocks: 64 weights a scale, 256 scales a scale of scales; fewer of them in a small layer)
+        scalers = w.numel() // NF4_BLOCK
+        if w.numel() % NF4_BLOCK:
+            raise ValueError(f"lora.quantize_base='nf4': {name}.weight has {w.numel()} values, not a multiple of "
+                             f"NF4's block of {NF4_BLOCK}; set lora.quantize_base=None")
+        layer.weight = nn.Parameter(to_nf4(w, NF4_BLOCK, math.gcd(NF4_SCALER_BLOCK, scalers)), requires_grad=False)
 
 
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:

@@ -22,6 +22,7 @@ def check_lora_job(job: Any, model: nn.Module, adapter: Optional[Any]) -> None:
         raise ConfigError(f"lora.rank={lora.rank} with quantize.float8.enable=True: float8 base linears with "
                           f"adapters are not built; set quantize.float8.enable=False")
     if lora.quantize_base is not None:
+        p = job.parallelism
         spread = [f"parallelism.{name}={getattr(p, name)}" for name in ("dp_shard", "dp_replicate", "cp")
                   if getattr(p, name) not in (1, -1)]
         if spread:

@@ -1,7 +1,7 @@
 """LoRA (``job.lora``, titan_lightning/lora/): the adapters compute what PEFT's compute on the
 transformers model of the same folder (step-1 loss and every adapter's gradient, fp32, CPU); a
 fresh adapter computes the base model; only adapters train, the base is frozen in the compute dtype
-with no optimizer state; FSDP2 and gradient accumulation train as one process does; a run from a
+with no optimizer state; gradient accumulation trains as one batch does; a run from a
 Hugging Face folder checkpoints its adapters alone, resumes exactly, and exports a PEFT adapter
 folder that PEFT loads onto the base with the merged export's logits."""
 
@@ -138,40 +138,16 @@ def test_an_unknown_target_is_one_line_naming_the_valid_names(change, message):
     assert "\n" not in str(caught.value)
 
 
-def test_a_layout_adapters_do_not_compose_with_yet_is_refused_before_launch():
-    from recipes.tests import features
-    from titan_lightning.config import validate_job
-    from titan_lightning.recipe import on_layout
-
-    run = on_layout(features.llama3_small(), tp=2)
-    run.job.lora = LoRAConfig(rank=4)
-    with pytest.raises(ConfigError, match=r"lora.rank=4 with parallelism.tp=2: .* set parallelism.tp=1"):
-        validate_job(run.job, world_size=2, max_steps=1, device_type="cpu")
+# -- layouts: gradient accumulation trains as one step (FSDP2, PP, CP: the llama3_lora_* suite entries) ---
 
 
-# -- layouts: FSDP2 and gradient accumulation train as one process ----------------------------------
-
-LORA = {"rank": 4, "alpha": 8.0}
-
-
-@pytest.fixture(scope="module")
-def one_process():
-    return cases.sft_run(lora=LORA, steps=3)
-
-
-def test_lora_with_gradient_accumulation_and_on_dp_shard_2_trains_as_one_process(one_process, tmp_path):
-    from titan_lightning.testing.launch import pythonpath_env
-    from titan_lightning.testing.spawn import run_function
-
-    grads = one_process["steps"][-1]["grads"]
+def test_only_adapters_get_gradients_and_accumulation_trains_as_one_batch():
+    lora = {"rank": 4, "alpha": 8.0}
+    one = cases.sft_run(lora=lora, steps=3)
+    grads = one["steps"][-1]["grads"]
     assert set(grads) == {name for name in grads if ".lora_" in name} and len(grads) == 2 * 7 * 2  # adapters only
     assert all(norm > 0 for norm, _ in grads.values())
-    _assert_same(cases.sft_run(lora=LORA, steps=3, accumulate=2), one_process)
-    ranks = run_function("sft_loss_cases:sft_run", 2, out_dir=tmp_path, timeout=300,
-                         env=pythonpath_env(Path(__file__).parent), init_process_group=False, degrees={"dp_shard": 2},
-                         lora=LORA, steps=3)
-    for rank in ranks:
-        _assert_same(rank, one_process)
+    _assert_same(cases.sft_run(lora=lora, steps=3, accumulate=2), one)
 
 
 # -- a run from a Hugging Face folder: checkpoints, resume, exports -----------------------------------
@@ -242,3 +218,62 @@ def test_a_lora_run_checkpoints_adapters_resumes_exactly_and_exports_what_peft_l
     model = found.load(torch.device("cpu"), torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(model.output(model(tokens)), logits, rtol=1e-5, atol=1e-5)
+
+
+# -- QLoRA: an NF4 base ----------------------------------------------------------------------------
+
+
+def test_qlora_stores_the_base_as_nf4_loads_into_it_and_computes_the_dequantized_base(tmp_path):
+    """The adapted layers' frozen weights are torchao NF4 (4 bits a weight and a scale per 64), a load
+    re-quantizes what it copies in, and the forward equals the LoRA model whose base is the dequantized
+    NF4 (adapters and their gradients alike)."""
+    from titan_lightning.pretrained import read_hf_model
+
+    folder = tmp_path / "hf"
+    save_hf_model(folder, "llama")
+    hf = read_hf_model(folder)
+    models = []
+    for quantize in ("nf4", None):
+        module = hf.module_class(hf.job_class(model=hf.args, lora=LoRAConfig(rank=4, alpha=8.0, quantize_base=quantize)))
+        with torch.device("meta"):
+            module.model = module.build_model()
+        module.materialize(torch.device("cpu"))
+        models.append(module.model)
+    qlora, dense = models
+    with base_only(qlora) as base:
+        hf.module_class.hf_adapter(hf.args).load_into(base, folder)
+    layers = dict(lora_layers(qlora))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        dense.load_state_dict({k: v for k, v in qlora.state_dict().items() if not k.endswith(tuple(
+            f"{name}.weight" for name in layers))}, strict=False)
+        for name, layer in lora_layers(dense):
+            nf4 = layers[name].weight
+            assert type(nf4).__name__ == "NF4Tensor" and nf4.quantized_data.numel() == layer.weight.numel() // 2
+            layer.weight.copy_(nf4.get_original_weight())
+            layers[name].lora_b.weight.copy_(0.1 * torch.randn(layer.lora_b.weight.shape, generator=g))
+            layer.lora_b.weight.copy_(layers[name].lora_b.weight)
+    from safetensors.torch import load_file
+    from torchao.dtypes.nf4tensor import to_nf4
+
+    original = load_file(folder / "model.safetensors")["model.layers.0.self_attn.o_proj.weight"]
+    loaded = layers["layers.0.attention.wo"].weight  # (o_proj: no RoPE permutation)
+    assert torch.equal(loaded.get_original_weight(), to_nf4(original, 64, 64).get_original_weight())
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=g)
+    losses = [_cross_entropy(model(tokens), tokens) for model in (qlora, dense)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
+    for name, layer in lora_layers(dense):
+        torch.testing.assert_close(layers[name].lora_a.weight.grad, layer.lora_a.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_qlora_with_data_parallelism_is_refused_before_launch():
+    from recipes.tests import features
+    from titan_lightning.config import validate_job
+    from titan_lightning.recipe import on_layout
+
+    run = on_layout(features.llama3_small(), dp_shard=2)
+    run.job.lora = LoRAConfig(rank=4, quantize_base="nf4")
+    with pytest.raises(ConfigError, match=r"lora.quantize_base='nf4' with parallelism.dp_shard=2: .* one process"):
+        validate_job(run.job, world_size=2, max_steps=1, device_type="cpu")
