@@ -94,6 +94,14 @@ def lora(initial_load_path: str, dataset_path: str) -> Run:
     return run
 
 
+def qlora(initial_load_path: str, dataset_path: str) -> Run:
+    """``lora`` on a base stored as NF4 (QLoRA: torchao's 4-bit NormalFloat, dequantized per forward):
+    the adapted linears' frozen weights in about a quarter of bf16's memory; one process for now."""
+    run = lora(initial_load_path, dataset_path)
+    run.job.lora.quantize_base = "nf4"
+    return run
+
+
 def dpo(initial_load_path: str, dataset_path: str) -> Run:
     """Preference training (DPO, TRL's defaults: beta 0.1, the sigmoid loss) of the model in
     ``initial_load_path`` on the pairs ``dataset_path`` (``titan-lightning prepare --preference`` with
