@@ -109,9 +109,9 @@ def folder_adapter(module: Any, folder: Any) -> Any:
     """``module``'s state-dict adapter for loading ``folder``, tied as its config.json says (a
     folder without one: untied); None for a module without an adapter."""
     adapter = module.state_dict_adapter() if hasattr(module, "state_dict_adapter") else None
-    if adapter is not None and (Path(folder) / CONFIG_FILE).is_file() and folder_model(module, folder).tie_word_embeddings:
-        adapter = type(adapter)(adapter.args, tie_word_embeddings=True)
-    return adapter
+    tied = adapter is not None and (Path(folder) / CONFIG_FILE).is_file() and \
+        folder_model(module, folder).tie_word_embeddings
+    return type(adapter)(adapter.args, tie_word_embeddings=True) if tied else adapter
 
 
 def check_hf_folder(path: str, module: Any) -> None:

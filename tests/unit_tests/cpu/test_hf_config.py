@@ -176,7 +176,8 @@ def test_a_fit_from_a_folder_reads_its_config_json_once(tmp_path, monkeypatch):
     shutil.copyfile(tokenizer_file(None), folder / "tokenizer.json")
     parsed = []
     read_json_object = hf_config_module.read_json_object
-    monkeypatch.setattr(hf_config_module, "read_json_object", lambda path: parsed.append(path) or read_json_object(path))
+    monkeypatch.setattr(hf_config_module, "read_json_object",
+                        lambda path: parsed.append(path) or read_json_object(path))
     monkeypatch.chdir(tmp_path)
     assert cli.main(["fit", "--recipe", "recipes.hf:pretrained", "--job.checkpoint.initial_load_path", str(folder),
                      "--trainer.max_steps", "1", "--trainer.accelerator", "cpu", "--trainer.limit_val_batches", "0",

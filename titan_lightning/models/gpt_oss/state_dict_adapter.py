@@ -29,7 +29,8 @@ from torch import Tensor
 from titan_lightning.checkpoint import Source
 from titan_lightning.config import ConfigError
 from titan_lightning.models.common.hf_checkpoint import HALF_ROTATED, LLAMA_BLOCK_KEYS, StateDictAdapter
-from titan_lightning.models.common.hf_config import DECODER_FIELDS, HFConfig, config_of, fields_of, sliding_window_fields
+from titan_lightning.models.common.hf_config import (DECODER_FIELDS, HFConfig, config_of, fields_of,
+                                                     sliding_window_fields)
 from titan_lightning.models.common.quantized import (  # noqa: F401 (dequantize_mxfp4: re-exported)
     MXFP4_QUANTIZATION, check_quantization, dequantize_mxfp4, mxfp4_dequantized)
 from titan_lightning.models.common.safetensors_io import HFTensors

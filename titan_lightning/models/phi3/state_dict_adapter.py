@@ -153,7 +153,8 @@ class Phi3StateDictAdapter(StateDictAdapter):
     @classmethod
     def write_rope(cls, args: Phi3Args) -> dict[str, Any]:
         s = args.rope_scaling
-        return {"original_max_position_embeddings": args.max_seq_len if s is None else s.original_max_position_embeddings,
+        original = args.max_seq_len if s is None else s.original_max_position_embeddings
+        return {"original_max_position_embeddings": original,
                 "partial_rotary_factor": args.rotated / args.head_dim, "rope_theta": args.rope_theta,
                 "rope_scaling": None if s is None else {"rope_type": "longrope", "short_factor": s.short_factor,
                                                         "long_factor": s.long_factor,

@@ -57,7 +57,8 @@ class Qwen3StateDictAdapter(StateDictAdapter):
                 config.expect(name, value)
             config.ignore("router_aux_loss_coef")  # a training loss weight; no routing bias here instead
             moe = fields_of(config, _MOE_FIELDS, route_norm=False)
-            moe = MoEArgs(**moe | {"route_norm": bool(moe["route_norm"])}, score_func="softmax", load_balance_coeff=None)
+            moe = MoEArgs(**moe | {"route_norm": bool(moe["route_norm"])}, score_func="softmax",
+                          load_balance_coeff=None)
         return {**fields, "qk_norm": True, "moe": moe}
 
     @classmethod
