@@ -93,6 +93,8 @@ ENTRIES = [
     # LoRA: adapters on every linear, the base frozen; every layout reproduces the one-process LoRA run.
     _entry("llama3_lora_fsdp2_accumulation", "LoRA: FSDP2, adapters sharded with their layer, 2 microbatches", 2,
            golden=True, seed=f"{_R}:llama3_lora"),
+    _entry("llama3_lora_tp2", "LoRA: TP2 (sequence parallel), A and B split as their base", 2, golden=True,
+           seed=f"{_R}:llama3_lora"),
     _entry("llama3_lora_cp2_ring", "LoRA: CP2, ring attention", 2, seed=f"{_R}:llama3_lora"),
     _entry("llama3_lora_pp2", "LoRA: PP2, adapters in their stage", 2, golden=True, seed=f"{_R}:llama3_lora",
            use_real_pg=True),

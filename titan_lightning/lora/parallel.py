@@ -24,7 +24,7 @@ def check_lora_layout(job: Any, model: nn.Module) -> None:
     """One-line ConfigError for a layout adapters do not compose with, before launch; ``model``:
     the job's model on the meta device."""
     lora, p = job.lora, job.parallelism
-    for name in ("tp", "ep"):
+    for name in ("ep",):
         if getattr(p, name) > 1:
             raise ConfigError(f"lora.rank={lora.rank} with parallelism.{name}={getattr(p, name)}: adapters compose "
                               f"with dp_shard, dp_replicate, cp and pp for now; set parallelism.{name}=1")

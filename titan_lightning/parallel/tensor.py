@@ -59,11 +59,16 @@ def apply_tp(
     tp = tp_mesh.size()
     resolved, heads = checked_plan(model, plan, tp, sequence_parallel)
     float8_entries = _float8_entries(resolved) if float8 else set()
+    # (torch's SequenceParallel makes every parameter it replicates trainable: a frozen one, such as a
+    # LoRA run's norm, is frozen again)
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     for entry in resolved:
         factory: StyleFactory = entry.record.float8 if entry.fqn in float8_entries else entry.record.parallel_style
         parallel_style = factory(Target(entry.module, sequence_parallel, loss_parallel, entry.parts))
         if parallel_style is not None:
             parallelize_module(entry.module, tp_mesh, parallel_style, src_data_rank=None)
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
     for count in heads:
         setattr(count.owner, count.attr, count.value // tp)
     explain_shape_errors(model, resolved, heads, tp)

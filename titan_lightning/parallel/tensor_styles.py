@@ -243,10 +243,63 @@ def _float8_colwise(t: Target) -> ParallelStyle:
     return float8_tp_styles().colwise()
 
 
+ADAPTERS = ("lora_a", "lora_b")  # a linear's low-rank adapters (titan_lightning/lora/layer.py LoRALinear)
+
+
+class AdaptedLinearParallel(ParallelStyle):
+    """``base``'s style on a linear with low-rank adapters, children ``lora_a`` [r, in] and ``lora_b``
+    [out, r]: the base's weight, input and output as ``base`` lays them out, A and B as ``placements``
+    say. Under colwise A is replicated and B split on its rows like the base's (the update is split
+    like the base's output); under rowwise A is split on its columns like the base's (its output,
+    partial sums, is reduced with the base's) and B replicated. B's input keeps a local boundary, as
+    a colwise linear's does: its gradient is summed over the ranks there, A's stays replicated."""
+
+    def __init__(self, base: ParallelStyle, a: Placement, b: Placement) -> None:
+        super().__init__()
+        self.base, self.placements = base, (a, b)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        children = dict(module._modules)  # (the adapters and their dropout) the base's style sees the linear alone
+        module._modules.clear()
+        try:
+            self.base.src_data_rank = self.src_data_rank
+            self.base._apply(module, device_mesh)
+        finally:
+            module._modules.update(children)
+        for name, placement in zip(ADAPTERS, self.placements):
+            child = children[name]
+            weight = child.weight
+            child.register_parameter("weight", nn.Parameter(
+                distribute_tensor(weight, device_mesh, [placement], src_data_rank=self.src_data_rank),
+                requires_grad=weight.requires_grad))
+        children["lora_b"].register_forward_pre_hook(lambda mod, inputs: tuple(_local_boundary(x) for x in inputs))
+        return module
+
+
+def _local_boundary(x):
+    """B's input replicated: A's partial sums reduced (rowwise: r features a token), or a replicated
+    one as it is, its gradient's partial sums reduced (colwise): A's and B's gradients replicated."""
+    if not isinstance(x, DTensor):
+        return x
+    if any(p.is_partial() for p in x.placements):
+        return x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+    return DTensor.from_local(x.to_local(), x.device_mesh, x.placements, run_check=False)
+
+
+def _adapted(style: Callable[[Target], ParallelStyle],
+             placements: Callable[[Target], tuple[Placement, Placement]]) -> StyleFactory:
+    """``style``, or on a linear with adapters ``AdaptedLinearParallel`` over it with A and B placed
+    as ``placements`` says: chosen by the module."""
+    def factory(t: Target) -> ParallelStyle:
+        base = style(t)
+        return AdaptedLinearParallel(base, *placements(t)) if all(hasattr(t.module, n) for n in ADAPTERS) else base
+    return factory
+
+
 FUSED = "colwise_fused"
 HEADS = "heads"  # plan style of an integer attribute that counts heads (not a module)
-_COLWISE = dict(parallel_style=lambda t: ColwiseParallel(), sharded_weight_dim=0, splits_heads=True,
-                float8=_float8_colwise)
+_COLWISE = dict(parallel_style=_adapted(lambda t: ColwiseParallel(), lambda t: (Replicate(), Shard(0))),
+                sharded_weight_dim=0, splits_heads=True, float8=_float8_colwise)
 
 STYLES: dict[str, TPStyle] = {style.name: style for style in (
     TPStyle("embedding", "rows of the table (vocab); the output is replicated, or sharded on the sequence with "
@@ -260,7 +313,8 @@ STYLES: dict[str, TPStyle] = {style.name: style for style in (
             **_COLWISE),
     TPStyle("rowwise", "input features; the output is all-reduced (replicated), or reduce-scattered on the sequence "
             "with sequence parallelism",
-            lambda t: RowwiseParallel(output_layouts=_activation(t.sequence_parallel)), sharded_weight_dim=1,
+            _adapted(lambda t: RowwiseParallel(output_layouts=_activation(t.sequence_parallel)),
+                     lambda t: (Shard(1), Replicate())), sharded_weight_dim=1,
             splits_inputs=True,
             float8=lambda t: float8_tp_styles().rowwise(output_layouts=_activation(t.sequence_parallel))),
     TPStyle("norm", "replicated weights; with sequence parallelism it runs on the local sequence shard, without it "
@@ -304,7 +358,9 @@ STYLES: dict[str, TPStyle] = {style.name: style for style in (
             "saves it replicated (the unsharded rows). Limit: FSDP on top trains, but gives the weight placements "
             "that no longer say where its rows are (``full_tensor()`` is out of order): refused before launch "
             "(config/validation.py), and such checkpoints are refused (checkpoint/placements.py)",
-            lambda t: FusedColwiseParallel(t.parts), sharded_weight_dim=0, splits_heads=True,
+            _adapted(lambda t: FusedColwiseParallel(t.parts),
+                     lambda t: (Replicate(), _StridedShard(0, split_factor=t.parts))),
+            sharded_weight_dim=0, splits_heads=True,
             argument="N (N >= 2 equal blocks of output rows)"),
     TPStyle(HEADS, "not a module: an integer attribute that counts heads (parallel/tensor_plan_check.py)", None),
 )}
