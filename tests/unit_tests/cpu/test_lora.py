@@ -153,12 +153,12 @@ def test_only_adapters_get_gradients_and_accumulation_trains_as_one_batch():
 # -- a run from a Hugging Face folder: checkpoints, resume, exports -----------------------------------
 
 
-def _fit(folder: Path, data: Path, run_dir: Path, monkeypatch, *extra: str) -> None:
+def _fit(folder: Path, data: Path, run_dir: Path, monkeypatch, *extra: str, recipe: str = "recipes.hf:lora") -> None:
     from titan_lightning.cli import main
     from titan_lightning.trainer import RUN_DIR_ENV
 
     monkeypatch.setenv(RUN_DIR_ENV, str(run_dir))
-    assert main(["fit", "--recipe", "recipes.hf:lora", "--job.checkpoint.initial_load_path", str(folder),
+    assert main(["fit", "--recipe", recipe, "--job.checkpoint.initial_load_path", str(folder),
                  "--job.data.dataset_path", str(data), "--trainer.accelerator", "cpu", "--trainer.max_steps", "4",
                  "--trainer.max_epochs", "-1", "--trainer.enable_progress_bar", "false",
                  "--job.checkpoint.interval", "2", "--job.data.val_fraction", "0",
@@ -218,6 +218,13 @@ def test_a_lora_run_checkpoints_adapters_resumes_exactly_and_exports_what_peft_l
     model = found.load(torch.device("cpu"), torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(model.output(model(tokens)), logits, rtol=1e-5, atol=1e-5)
+
+    # recipes.hf:qlora: the same run on the NF4 base; its adapters load onto the base as LoRA's do
+    _fit(folder, data, tmp_path / "qlora", monkeypatch, "--trainer.max_steps", "2", recipe="recipes.hf:qlora")
+    qlora = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                                           tmp_path / "qlora" / "export_hf" / "adapter").eval()
+    with torch.no_grad():
+        assert qlora(input_ids=tokens).logits.isfinite().all()
 
 
 # -- QLoRA: an NF4 base ----------------------------------------------------------------------------
