@@ -259,6 +259,9 @@ WORKLOADS["llama3_8b_lora"] = Workload(recipe="recipes.hf:lora", folder=("llama3
                                        seq_len=4096, overrides=_LORA, contenders=("titan", "hf_packed"))
 WORKLOADS["llama3_8b_lora_hf_ac"] = dataclasses.replace(WORKLOADS["llama3_8b_lora"], hf_ac=True,
                                                         contenders=("hf_packed",))
+# QLoRA (recipes.hf:qlora: the same adapters on an NF4 base) of the same shape: tokens/s and peak memory.
+WORKLOADS["llama3_8b_qlora"] = dataclasses.replace(WORKLOADS["llama3_8b_lora"], recipe="recipes.hf:qlora",
+                                                   contenders=("titan",))
 
 # The fine-tuning contenders on CPU, on a tiny folder (that each runs; its numbers mean nothing):
 #   python -m benchmarks.throughput --device cpu --steps 2 --warmup 1 --workload tiny_sft --contenders titan,hf_padded,trl
