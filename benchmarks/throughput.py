@@ -308,7 +308,7 @@ def _user_args(w: Workload, device: str, total_steps: int) -> list[str]:
             "--trainer.accelerator", "gpu" if device == "cuda" else "cpu", "--trainer.devices", "1",
             "--trainer.max_steps", str(total_steps), "--trainer.limit_val_batches", "0",
             "--trainer.enable_checkpointing", "false", "--job.checkpoint.export_format", "null"]
-    return args + (["--job.data.dataset_path", str(data)] if w.recipe.endswith((":sft", ":lora")) else [])
+    return args + (["--job.data.dataset_path", str(data)] if w.recipe.endswith((":sft", ":lora", ":qlora")) else [])
 
 
 def resolve_run(w: Workload, device: str, total_steps: int):
