@@ -264,7 +264,7 @@ class CausalLMModule(L.LightningModule):
         the whole step, else the mean over each microbatch's labelled tokens. A module with another
         objective overrides this (it reaches the cross entropy through ``token_loss``)."""
         if self.job.preference.enabled:
-            return PairMean(self.token_loss, self.job.preference)
+            return PairMean(self.token_loss, self.job.preference, self.device_mesh)
         kind = StepTokenMean if self.loss_over_step_tokens else MicrobatchTokenMean
         return kind(self.token_loss)
 
@@ -283,7 +283,7 @@ class CausalLMModule(L.LightningModule):
         if objective.config.reference in ("adapters_off", "frozen"):
             objective.reference_losses = self._reference_losses
         elif objective.reference is None:
-            objective.reference = precompute_reference(self.trainer, self._reference_losses, self.device_mesh,
+            objective.reference = precompute_reference(self.trainer, self.device_mesh,
                                                        reference_cache(self.job))
 
     def _reference_losses(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

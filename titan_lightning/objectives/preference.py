@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from titan_lightning.config.preference import PreferenceConfig
 from titan_lightning.objectives.base import Objective, Record, StepEnd, TokenLoss, local
 from titan_lightning.objectives.next_token import label_copies, scale_grads_
+from titan_lightning.parallel.context import sequence_sums
 
 # The folder of a pair set where precomputed reference log-probabilities are kept.
 REFERENCE_FOLDER = "reference_logps"
@@ -107,15 +108,18 @@ def pair_losses(config: PreferenceConfig, logps: torch.Tensor, tokens: torch.Ten
 
 
 def batch_sums(config: PreferenceConfig, token_losses: torch.Tensor, batch: dict[str, torch.Tensor],
-               reference: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+               reference: Optional[torch.Tensor] = None, group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One microbatch of windows: (the sum of its pairs' losses, 0-d with the gradient; fp64 [1 +
     len(METRICS)]: its pairs, then each metric's sum over them, detached). ``token_losses``
     [B, S]: each label's loss (0 where unsupervised); ``batch["sequence_ids"]`` [B, S] and
     ``batch["sequence_docs"]`` [B, 2P]; ``reference`` [documents of the set]: the precomputed
     reference log-probabilities (None: SimPO, or ``batch["reference_logps"]`` [B, 2P] from a
-    reference model's forward)."""
+    reference model's forward). ``group``: the context-parallel ranks, each of which holds a slice of
+    every sequence (its ``token_losses`` and ``sequence_ids``): the sequences' sums are theirs together."""
     docs = batch["sequence_docs"]
     logps, tokens = window_logps(token_losses, batch)
+    if group is not None:
+        logps, tokens = sequence_sums(logps, group), sequence_sums(tokens, group)
     if "reference_logps" in batch:
         reference = batch["reference_logps"].flatten()
     elif reference is not None:
@@ -133,11 +137,16 @@ def reference_pass(token_losses, batches, documents: int, device: torch.device) 
     under no_grad: the reference's log-probabilities, from the starting weights, in one pass."""
     out = torch.zeros(documents, dtype=torch.float64, device=device)
     for batch in batches:
-        logps, _ = window_logps(token_losses(batch), batch)
-        flat = batch["sequence_docs"].flatten()
-        keep = flat >= 0
-        out.index_add_(0, torch.where(keep, flat, 0), torch.where(keep, logps.double(), 0.0))
+        _add_to_documents(out, token_losses(batch), batch)
     return out
+
+
+def _add_to_documents(out: torch.Tensor, token_losses: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
+    """Add each slot's summed log-probability (``window_logps``) to ``out`` [documents] at its document."""
+    logps, _ = window_logps(token_losses, batch)
+    flat = batch["sequence_docs"].flatten()
+    keep = flat >= 0
+    out.index_add_(0, torch.where(keep, flat, 0), torch.where(keep, logps.double(), 0.0))
 
 
 class PairMean(Objective):
@@ -150,27 +159,40 @@ class PairMean(Objective):
     tokens. The reference's log-probabilities: ``reference``, precomputed [documents of the set] by
     the module before training; or ``reference_losses(batch)``, the per-token losses of the
     reference's forward of the batch (the model with its LoRA adapters off), run here without
-    gradients; neither for SimPO."""
+    gradients; neither for SimPO.
 
-    def __init__(self, token_loss: TokenLoss, config: PreferenceConfig) -> None:
+    ``mesh``: under context parallelism each rank holds a slice of every sequence; the ranks of its
+    ``cp`` dim sum their parts of each sequence's log-probability before the pair loss, and each
+    counts a ``cp``-th of the pairs, their loss and metrics (K counts each rank's microbatch losses,
+    which the gradient reduction averages over ``cp`` too)."""
+
+    def __init__(self, token_loss: TokenLoss, config: PreferenceConfig, mesh: Any = None) -> None:
         super().__init__(token_loss)
         self.config = config
         self.reference: Optional[torch.Tensor] = None
         self.reference_losses: Optional[Callable[[dict[str, torch.Tensor]], torch.Tensor]] = None
+        names = getattr(mesh, "mesh_dim_names", None) or ()
+        cp = mesh["cp"] if "cp" in names and mesh["cp"].size() > 1 else None
+        self.sequence_group = None if cp is None else cp.get_group()
+        self._share = 1.0 if cp is None else 1.0 / cp.size()  # of each pair this rank counts
         self._sums: list[torch.Tensor] = []  # per microbatch: loss sum, pairs, metric sums (fp64)
         self._eval: Optional[torch.Tensor] = None  # the same over the held-out batches
+        self._collect: Optional[torch.Tensor] = None  # precompute_reference's sums [documents] fp64
 
     def _sums_of(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         token_losses = local(self.token_loss(output, batch["labels"], "none"))
         reference = self.reference
         if self.config.needs_reference and self.reference_losses is not None:
             with torch.no_grad():
-                batch = {**batch, "reference_logps": window_logps(self.reference_losses(batch), batch)[0]}
+                logps = window_logps(self.reference_losses(batch), batch)[0]
+                if self.sequence_group is not None:
+                    logps = sequence_sums(logps, self.sequence_group)
+                batch = {**batch, "reference_logps": logps}
         if self.config.needs_reference and reference is None and "reference_logps" not in batch:
             raise RuntimeError(f"preference.loss={self.config.loss!r} needs the reference's log-probabilities, and "
                                f"none were computed (preference.reference={self.config.reference!r})")
-        total, stats = batch_sums(self.config, token_losses, batch, reference)
-        return total, torch.cat([local(total).detach().double().reshape(1), stats])
+        total, stats = batch_sums(self.config, token_losses, batch, reference, self.sequence_group)
+        return total, torch.cat([local(total).detach().double().reshape(1), stats]) * self._share
 
     def loss(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[Record]]:
         total, sums = self._sums_of(output, batch)
@@ -191,11 +213,17 @@ class PairMean(Objective):
         return StepEnd([loss], pairs, [("train/loss", loss, {}), *_metric_records("train", totals[2:], mesh)])
 
     def eval_loss(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the mean loss over the batch's pairs, their number); the metrics' sums kept for ``eval_records``."""
+        """(the mean loss over the batch's pairs, their number); the metrics' sums kept for ``eval_records``.
+        During ``precompute_reference``'s pass: each document's log-probability (this rank's part)
+        added to its sums instead, weight 0."""
+        if self._collect is not None:
+            _add_to_documents(self._collect, local(self.token_loss(output, batch["labels"], "none")), batch)
+            zero = torch.zeros((), device=self._collect.device)
+            return zero, zero
         _, sums = self._sums_of(output, batch)
         self._eval = sums if self._eval is None else self._eval + sums
-        pairs = sums[1]
-        return (sums[0] / pairs.clamp(min=1.0)).float(), pairs
+        pairs = sums[1]  # (under CP, this rank's share of them)
+        return (sums[0] / pairs.clamp(min=self._share)).float(), pairs
 
     def eval_records(self, prefix: str, loss: torch.Tensor, mesh: Any) -> list[Record]:
         """The held-out pairs' metrics (``prefix``/rewards/chosen, ...), over every rank; on every rank
@@ -222,20 +250,23 @@ def _metric_records(prefix: str, totals: torch.Tensor, mesh: Any) -> list[Record
     return [*records, (f"{prefix}/pairs", totals[0].float() / label_copies(mesh), {})]
 
 
-def precompute_reference(trainer, token_losses: Callable[[dict], torch.Tensor], mesh: Any,
-                         cache: Optional[Path] = None) -> torch.Tensor:
+def precompute_reference(trainer, mesh: Any, cache: Optional[Path] = None) -> torch.Tensor:
     """The reference log-probability of every document of the pairs' shard set [documents] fp32 on
     the module's device: the model as it starts (before any step) over every train and held-out
     window once, under no_grad, each data-parallel rank a share of the windows (all ranks run as
     many batches: a rank short of windows runs fillers that add nothing), summed over the ranks.
-    ``token_losses(batch)``: the module's per-token loss of a batch on the device. ``cache``: a
-    ``.npy`` file read instead when it exists (same starting weights), written by rank 0 otherwise."""
+    Each batch runs as a validation step of the strategy (so on every layout: a CP rank's slice,
+    TP's loss parallel, the pipeline's stages), the module's ``PairMean`` adding each sequence's
+    log-probability (its part of it) in place of the loss. ``cache``: a ``.npy`` file read instead
+    when it exists (same starting weights and layout), written by rank 0 otherwise; none under the
+    fake process group (its numbers are no reference)."""
     from torch.utils.data import default_collate
 
     datamodule = trainer.datamodule
     windows = [w for w in (datamodule.train_windows(), datamodule.val_windows) if w is not None]
     documents = len(windows[0].tokens.shards.document_ends())
     device = trainer.strategy.root_device
+    cache = None if getattr(trainer.strategy, "fake_pg", False) else cache
     if cache is not None and cache.is_file():
         saved = np.load(cache)
         if saved.shape == (documents,):
@@ -247,14 +278,22 @@ def precompute_reference(trainer, token_losses: Callable[[dict], torch.Tensor], 
 
     def batches():
         for dataset in windows:
-            share = -(-len(dataset) // size)
+            share = per_batch * -(-len(dataset) // (size * per_batch))  # (whole batches: pipeline microbatches)
             mine = list(range(rank, len(dataset), size))
             samples = [dataset[i] for i in mine] + [_filler(dataset[0]) for _ in range(share - len(mine))]
             for first in range(0, share, per_batch):
                 yield trainer.strategy.batch_to_device(prepare(default_collate(samples[first:first + per_batch])))
 
-    out = reference_pass(token_losses, batches(), documents, device)
-    _all_reduce(out)
+    objective = trainer.lightning_module.objective
+    out = torch.zeros(documents, dtype=torch.float64, device=device)
+    objective._collect = out
+    try:
+        with torch.no_grad():
+            for index, batch in enumerate(batches()):
+                trainer.strategy.validation_step(batch, index)
+    finally:
+        objective._collect = None
+    _all_reduce(out)  # (CP ranks' parts add up; pipeline stages before the last add nothing)
     out = (out / label_copies(mesh)).float()
     if cache is not None and rank == 0 and trainer.global_rank == 0:
         try:
@@ -278,7 +317,8 @@ def reference_cache(job: Any) -> Optional[Path]:
     """Where ``precompute_reference`` keeps the reference of ``job``'s starting weights: next to the
     shards, ``reference_logps/<hash>.npy``, the hash of what decides the numbers (the weights loaded,
     by their files' names, sizes and times; else the init seed; the model, its adapters, its
-    precision)."""
+    precision; the layout and the microbatch, whose sums run in another order: a run reads only
+    what its own layout wrote, so it repeats bit for bit)."""
     if job.data.dataset_path is None:
         return None
     load = job.checkpoint.initial_load_path
@@ -289,5 +329,6 @@ def reference_cache(job: Any) -> Optional[Path]:
                       "model": repr(job.model), "lora": repr(job.lora), "quantize": repr(job.quantize),
                       "dtype": job.training.dtype,
                       "compute": job.training.mixed_precision_param, "seq_len": job.training.seq_len,
-                      "packing": job.data.sft_packing}, sort_keys=True)
+                      "packing": job.data.sft_packing, "layout": repr(job.parallelism),
+                      "microbatch": job.training.tokens_per_microbatch_per_dp_rank}, sort_keys=True)
     return Path(job.data.dataset_path) / REFERENCE_FOLDER / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.npy"

@@ -185,12 +185,16 @@ def shard(module: L.LightningModule, mesh: Mesh, job: JobConfig, device: torch.d
 
 
 def shard_sequence(cp: Optional[ContextParallel], args: tuple) -> tuple:
-    """Under CP, each rank keeps its slice of every [B, S, ...] tensor of the batch (dim 1)."""
+    """Under CP, each rank keeps its slice of every [B, S, ...] tensor of the batch (dim 1; S the
+    longest dim 1 of the batch: a [B, k] tensor of another length, a window's preference slots, is
+    whole on every rank)."""
     if cp is None or not args:
         return args
     batch = args[0]
     if isinstance(batch, dict):
-        batch = {k: cp.shard(v) if isinstance(v, Tensor) and v.dim() >= 2 else v for k, v in batch.items()}
+        sequence = max((v.shape[1] for v in batch.values() if isinstance(v, Tensor) and v.dim() >= 2), default=0)
+        batch = {k: cp.shard(v) if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[1] == sequence else v
+                 for k, v in batch.items()}
     elif isinstance(batch, Tensor) and batch.dim() >= 2:
         batch = cp.shard(batch)
     return (batch, *args[1:])

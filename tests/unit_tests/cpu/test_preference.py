@@ -265,7 +265,9 @@ def test_dp_shard_2_with_accumulation_equals_one_process_on_pairs_of_uneven_leng
 @pytest.mark.parametrize("change, message", [
     ({"data.sft": False}, "preference.loss='dpo' trains on the loss masks of pairs"),
     ({"data.sft_packing": "padded"}, "packs each pair whole into a window"),
-    ({"parallelism.cp": 2}, "preference.loss='dpo' with parallelism.cp=2"),
+    ({"parallelism.pp": 2, "preference.reference": "adapters_off"},
+     "preference.reference='adapters_off' with parallelism.pp=2: that reference's forward runs inside the last "
+     "stage's loss"),
     ({"preference.reference": "adapters_off"}, "lora.rank=0 adds none"),
     ({"preference.reference": "frozen"}, "preference.reference='frozen' on 2 ranks"),
 ])
