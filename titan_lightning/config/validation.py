@@ -347,11 +347,10 @@ def validate_preference(job: JobConfig, world_size: int = 1) -> None:
     if data.sft_packing == "padded":
         raise ConfigError(f"{loss} packs each pair whole into a window: data.sft_packing='padded' is for "
                           f"conversations; use 'best_fit' or 'packed'")
-    for name in ("pp", "cp"):
-        if getattr(p, name) > 1:
-            raise ConfigError(f"{loss} with parallelism.{name}={getattr(p, name)}: a sequence's log-probability is "
-                              f"summed on one rank, which {name} > 1 does not give yet; use dp_shard, dp_replicate "
-                              f"and tp")
+    if p.pp > 1 and pref.needs_reference and pref.reference != "precomputed":
+        raise ConfigError(f"preference.reference={pref.reference!r} with parallelism.pp={p.pp}: that reference's "
+                          f"forward runs inside the last stage's loss, where the other stages are not; use "
+                          f"'precomputed' (the reference from the starting weights, one pass before training)")
     if pref.needs_reference and pref.reference == "adapters_off" and not job.lora.enabled:
         raise ConfigError(f"preference.reference='adapters_off' is the model with its LoRA adapters switched off, "
                           f"and lora.rank=0 adds none: set lora.rank (or preference.reference 'precomputed')")
