@@ -276,15 +276,22 @@ class CausalLMModule(L.LightningModule):
         objective = self.objective
         if not (isinstance(objective, PairMean) and objective.config.needs_reference):
             return
-        if objective.config.reference == "frozen" and self._frozen is None:
+        reference, cache = objective.config.reference, reference_cache(self.job)
+        if self.trainer.ckpt_path is not None and (reference == "frozen" or (
+                reference == "precomputed" and objective.reference is None and (cache is None or not cache.is_file()))):
+            # The model is the checkpoint's now, not the starting one the reference is.
+            where = "is not in the checkpoint" if reference == "frozen" else f"is not kept ({cache} is gone)"
+            raise RuntimeError(f"resuming {self.trainer.ckpt_path}: the reference model (preference.reference="
+                               f"{reference!r}, the starting weights) {where}; start the run again, or use "
+                               f"'precomputed' with the shards' reference_logps/ kept")
+        if reference == "frozen" and self._frozen is None:
             # The parallelized, loaded model copied: the same shards and units, no gradients, no optimizer
             # state; kept out of the module's children (its state dict, checkpoints, parameters).
             self.__dict__["_frozen"] = copy.deepcopy(self.model).requires_grad_(False)
         if objective.config.reference in ("adapters_off", "frozen"):
             objective.reference_losses = self._reference_losses
         elif objective.reference is None:
-            objective.reference = precompute_reference(self.trainer, self.device_mesh,
-                                                       reference_cache(self.job))
+            objective.reference = precompute_reference(self.trainer, self.device_mesh, cache)
 
     def _reference_losses(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Each label's loss under the reference (the model, with its adapters off for

@@ -315,3 +315,23 @@ def test_with_lora_the_base_with_adapters_off_is_the_precomputed_reference(pairs
                           microbatches=2, reference=reference) for reference in ("precomputed", "adapters_off")]
     _assert_same_steps(runs[1], runs[0], rtol=1e-6)
     assert runs[0]["steps"][1]["train/rewards/margins"] != 0  # the adapters moved the policy off its reference
+
+
+@pytest.mark.parametrize("reference", ["precomputed", "frozen"])
+def test_resuming_without_the_starting_model_s_reference_stops_naming_it(reference, tmp_path):
+    """A resumed run's model is the checkpoint's: a reference from it would be wrong. The precomputed
+    one is read back from next to the shards; without that file, or with a frozen copy (never in a
+    checkpoint), the run stops saying so."""
+    from types import SimpleNamespace
+
+    from recipes.tests import features
+
+    run = features.llama3_small()
+    job = run.job
+    job.preference.loss, job.preference.reference = "dpo", reference
+    job.data.dataset_path = str(tmp_path)
+    module = type(run.module)(job)
+    module._trainer = SimpleNamespace(ckpt_path="runs/x/checkpoints/step-2")
+    what = "is not in the checkpoint" if reference == "frozen" else "reference_logps"
+    with pytest.raises(RuntimeError, match=rf"resuming runs/x/checkpoints/step-2: the reference model .*{what}"):
+        module.on_fit_start()
