@@ -44,6 +44,17 @@ class LoRALinear(nn.Linear):
         lora.lora_b.to_empty(device=w.device)
         return lora
 
+    def _apply(self, fn, recurse: bool = True):
+        """An NF4 weight (QLoRA) stays as it is: ``to_empty`` would copy its quantization tables
+        uninitialized, a cast would undo the quantization; the rest of the layer as usual."""
+        if not is_nf4(self.weight):
+            return super()._apply(fn, recurse)
+        weight = self._parameters.pop("weight")
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._parameters = {"weight": weight, **self._parameters}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_nf4(self.weight):  # (QLoRA: dequantized for this forward, its backward to x alone)
             base = linear_nf4(x, self.weight)
@@ -70,23 +81,25 @@ def linear_nf4(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_base_nf4(model: nn.Module) -> None:
-    """QLoRA: every adapted layer's frozen weight as torchao's NF4 (4-bit NormalFloat, blocks of 64
-    with their scales), from its present values; a later load re-quantizes what it copies in. On
-    one process: a weight sharded by FSDP2 is refused (its composition is #48's next step)."""
+def quantize_base_nf4(model: nn.Module, device: torch.device) -> None:
+    """QLoRA, before the model is materialized: every adapted layer's frozen weight becomes torchao's
+    NF4 (4-bit NormalFloat, a scale per 64 weights, a scale of scales per 256) on ``device``, one
+    layer's dense weight at a time (a base larger than the device in bf16 never exists whole);
+    ``to_empty`` leaves it be, and the init and a load quantize what they copy into it. On one
+    process: a weight sharded by FSDP2 is refused (its composition is #48's next step)."""
     from torchao.dtypes.nf4tensor import to_nf4
 
     for name, layer in lora_layers(model):
-        if hasattr(layer.weight, "device_mesh"):
+        w = layer.weight
+        if hasattr(w, "device_mesh"):
             raise ValueError(f"lora.quantize_base='nf4': {name}.weight is sharded (FSDP2 / TP), and an NF4 base "
                              f"trains on one process for now; run one process or set lora.quantize_base=None")
-        w = layer.weight.detach()
-        # (QLoRA's blocks: 64 weights a scale, 256 scales a scale of scales; fewer of them in a small layer)
-        scalers = w.numel() // NF4_BLOCK
         if w.numel() % NF4_BLOCK:
             raise ValueError(f"lora.quantize_base='nf4': {name}.weight has {w.numel()} values, not a multiple of "
                              f"NF4's block of {NF4_BLOCK}; set lora.quantize_base=None")
-        layer.weight = nn.Parameter(to_nf4(w, NF4_BLOCK, math.gcd(NF4_SCALER_BLOCK, scalers)), requires_grad=False)
+        dense = torch.ones(w.shape, dtype=w.dtype, device=device)  # (the values come with the init or a load)
+        scaler_block = math.gcd(NF4_SCALER_BLOCK, w.numel() // NF4_BLOCK)  # (fewer scales in a small layer)
+        layer.weight = nn.Parameter(to_nf4(dense, NF4_BLOCK, scaler_block), requires_grad=False)
 
 
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:

@@ -151,10 +151,10 @@ class CausalLMModule(L.LightningModule):
         self.model.to(getattr(torch, self.job.training.dtype))
         if self.job.lora.enabled:
             store_frozen_in(self.model, getattr(torch, self.job.training.mixed_precision_param))
+            if self.job.lora.quantize_base == "nf4":
+                quantize_base_nf4(self.model, device)  # (QLoRA: the init and a load quantize what they copy in)
         self.model.to_empty(device=device)
         self.model.init_weights(self.job.training.seed)
-        if self.job.lora.enabled and self.job.lora.quantize_base == "nf4":
-            quantize_base_nf4(self.model)  # (QLoRA: a load into it re-quantizes what it copies)
 
     @property
     def tp_plan(self) -> Optional[dict[str, str]]:
