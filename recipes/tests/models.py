@@ -234,3 +234,23 @@ def qwen3_moe_sft() -> Run:
 
 def qwen3_moe_sft_fsdp2_ep2() -> Run:
     return features._sft(qwen3_moe_fsdp2_ep2())
+
+
+# LoRA on the routed experts (lora.target_parameters, PEFT's): the Qwen 3 MoE debug model cut to 2
+# layers of 8 experts, top-2, on 4 sequences of 64 tokens for 3 steps; adapters on every linear and
+# on both expert tensors. EP2 reproduces the one-process run (the factors sharded with the experts).
+def qwen3_moe_lora() -> Run:
+    """One process: the seed of the expert-adapter layouts."""
+    from titan_lightning.config.lora import LoRAConfig
+
+    run = qwen3_moe_debugmodel()
+    model, training = run.job.model, run.job.training
+    model.n_layers, model.moe.num_experts, model.moe.top_k = 2, 8, 2
+    training.seq_len, training.tokens_per_microbatch_per_dp_rank = 64, 256
+    run.job.lora = LoRAConfig(rank=4, alpha=8.0, target_parameters=["gate_up_proj", "down_proj"])
+    run.trainer["max_steps"] = 3
+    return run
+
+
+def qwen3_moe_lora_fsdp2_ep2() -> Run:
+    return on_layout(qwen3_moe_lora(), dp_shard=2, ep=2)

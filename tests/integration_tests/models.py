@@ -55,4 +55,6 @@ ENTRIES = [
     _entry("qwen3_moe_pp2_fsdp2_ep2", "Qwen 3 MoE: PP2 x FSDP2, experts over EP2 in each stage", 4,
            "qwen3_moe_debugmodel", golden=True, use_real_pg=True),
     _entry("qwen3_moe_sft_fsdp2_ep2", "Qwen 3 MoE SFT: FSDP2, experts over EP2", 2, "qwen3_moe_sft"),
+    _entry("qwen3_moe_lora_fsdp2_ep2", "Qwen 3 MoE LoRA on every linear and on the routed experts (per-expert "
+           "factors): FSDP2, experts and their adapters over EP2", 2, "qwen3_moe_lora", golden=True),
 ]

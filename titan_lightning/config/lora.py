@@ -5,6 +5,7 @@ from typing import Optional
 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 BASE_QUANTIZATIONS = ("nf4",)
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # transformers 5's names of the routed experts' tensors
 
 
 @dataclass(kw_only=True)
@@ -23,6 +24,11 @@ class LoRAConfig:
     # "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj" ...), or "all-linear". A comma-separated
     # string is split. Checked against the family's names before launch (titan_lightning/lora/).
     target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])
+    # PEFT's ``target_parameters``: the routed experts' tensors to adapt, as transformers 5 names them
+    # in every MoE layer ("gate_up_proj": the gate and up projections, one adapter over both;
+    # "down_proj"); per-expert factors, sharded with the experts under expert parallelism
+    # (titan_lightning/lora/experts.py). A comma-separated string is split.
+    target_parameters: list[str] = field(default_factory=list)
     # None: the frozen base is stored in the compute dtype (training.mixed_precision_param: bf16, no
     # fp32 copy). "nf4": QLoRA, the base linears stored as torchao NF4 and dequantized per forward.
     quantize_base: Optional[str] = None
@@ -34,6 +40,15 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         if isinstance(self.target_modules, str):
             self.target_modules = [name.strip() for name in self.target_modules.split(",") if name.strip()]
+        if isinstance(self.target_parameters, str):
+            self.target_parameters = [name.strip() for name in self.target_parameters.split(",") if name.strip()]
+        unknown = [name for name in self.target_parameters if name not in EXPERT_PARAMETERS]
+        if unknown or len(set(self.target_parameters)) != len(self.target_parameters):
+            raise ValueError(f"lora.target_parameters={','.join(map(str, self.target_parameters))}: each of "
+                             f"{', '.join(EXPERT_PARAMETERS)} at most once (the routed experts' tensors)")
+        if self.target_parameters and self.dropout:
+            raise ValueError(f"lora.dropout={self.dropout} with lora.target_parameters: the experts' adapters add "
+                             f"to their weights (as PEFT's), which leaves no input to drop out; set lora.dropout=0")
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
             raise ValueError(f"lora.rank={self.rank!r} must be an integer >= 0 (0: no adapters)")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:

@@ -106,8 +106,13 @@ def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
     return ((name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear))
 
 
+def adapted_modules(model: nn.Module) -> list[nn.Module]:
+    """Every module with adapters: the LoRALinears and the routed experts' (lora/experts.py)."""
+    return [m for m in model.modules() if hasattr(m, "adapters_on")]
+
+
 def has_adapters(model: nn.Module) -> bool:
-    return any(True for _ in lora_layers(model))
+    return bool(adapted_modules(model))
 
 
 class _InitWithAdapters:
@@ -154,7 +159,8 @@ def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
 def base_only(model: nn.Module) -> Iterator[nn.Module]:
     """``model`` as its base checkpoint holds it: the adapters detached from their layers (a state
     dict, a load, an init see the base's names alone); put back on exit."""
-    detached = [(layer, {name: layer._modules.pop(name) for name in _CHILDREN}) for _, layer in lora_layers(model)]
+    detached = [(layer, {name: layer._modules.pop(name) for name in _CHILDREN if name in layer._modules})
+                for layer in adapted_modules(model)]
     try:
         yield model
     finally:
@@ -165,7 +171,7 @@ def base_only(model: nn.Module) -> Iterator[nn.Module]:
 @contextmanager
 def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
     """``model`` computing its base alone (a preference run's reference model, ``reference: adapters_off``)."""
-    layers = [layer for _, layer in lora_layers(model)]
+    layers = adapted_modules(model)
     for layer in layers:
         layer.adapters_on = False
     try:

@@ -18,13 +18,19 @@ from typing import Any
 from torch import nn
 
 from titan_lightning.config import ConfigError
+from titan_lightning.lora.experts import routed_experts
 
 
 def check_lora_layout(job: Any, model: nn.Module) -> None:
     """One-line ConfigError for a layout adapters do not compose with, before launch; ``model``:
     the job's model on the meta device."""
     lora, p = job.lora, job.parallelism
-    for name in ("ep",):
-        if getattr(p, name) > 1:
-            raise ConfigError(f"lora.rank={lora.rank} with parallelism.{name}={getattr(p, name)}: adapters compose "
-                              f"with dp_shard, dp_replicate, cp and pp for now; set parallelism.{name}=1")
+    if not lora.target_parameters:
+        return
+    if not routed_experts(model):
+        raise ConfigError(f"lora.target_parameters={','.join(lora.target_parameters)}: {type(model).__name__} has "
+                          f"no routed experts (no MoE layer); leave lora.target_parameters empty")
+    if p.tp > 1 and p.ep == 1:
+        raise ConfigError(f"lora.target_parameters={','.join(lora.target_parameters)} with parallelism.tp={p.tp} and "
+                          f"ep=1: the experts' adapters are not split over their hidden dim (expert tensor "
+                          f"parallelism); set parallelism.ep to a multiple of tp, or leave target_parameters empty")

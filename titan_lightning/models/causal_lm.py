@@ -14,8 +14,8 @@ import torchmetrics
 from torch.distributed.fsdp import FSDPModule
 
 from titan_lightning.config import ConfigError, JobConfig
-from titan_lightning.lora import (adapters_off, add_adapters, check_lora_job, lora_targets, quantize_base_nf4,
-                                  store_frozen_in)
+from titan_lightning.lora import (adapters_off, add_adapters, add_expert_adapters, check_lora_job, lora_targets,
+                                  quantize_base_nf4, store_frozen_in)
 from titan_lightning.models.common.decoder import Decoder, decoder_class
 from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.models.common.masking import varlen_offsets
@@ -128,6 +128,7 @@ class CausalLMModule(L.LightningModule):
         if lora.enabled:  # (the model as it trains: a checkpoint's and a load's names see its adapters)
             targets = lora_targets(model, self.state_dict_adapter(), lora)
             add_adapters(model, list(targets), rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
+            add_expert_adapters(model, lora, getattr(self.state_dict_adapter(), "family", None))
         return model
 
     # -- model lifecycle ---------------------------------------------------------------

@@ -140,9 +140,11 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, dispatch: str = "splits") -
         raise ConfigError(f"parallelism.ep_dispatch={dispatch!r} is not one of {', '.join(EP_DISPATCHES)}")
     context = ExpertParallel(group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank(), size=size, dispatch=dispatch)
     for module in modules:
-        for name, param in list(module.named_parameters(recurse=False)):
+        for name, param in list(module.named_parameters()):  # (their LoRA factors too: lora/experts.py)
+            owner, _, leaf = name.rpartition(".")
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
-            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            sharded = nn.Parameter(sharded, requires_grad=param.requires_grad)
+            module.get_submodule(owner).register_parameter(leaf, sharded)
         module.ep = context
     return context
 

@@ -333,6 +333,9 @@ class GroupedExperts(nn.Module):
         self.ep = None
         # Factor on the weights' gradients (set with expert FSDP: parallel/fsdp.py).
         self.grad_scale = 1.0
+        # LoRA on the experts (titan_lightning/lora/experts.py): (self, (w1, w2, w3)) -> the weights
+        # the experts compute with, each plus its adapters' update.
+        self.adapt = None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, dim] sorted by expert, ``counts`` [num_experts] tokens per expert -> [N, dim]."""
@@ -343,6 +346,8 @@ class GroupedExperts(nn.Module):
     def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's expert weights as plain tensors in ``dtype`` (the local shard under EP)."""
         weights = [_local(w).to(dtype) for w in (self.w1, self.w2, self.w3)]
+        if self.adapt is not None:
+            weights = list(self.adapt(self, weights))
         if self.grad_scale != 1.0:
             weights = [_ScaleGrad.apply(w, self.grad_scale) for w in weights]
         return tuple(weights)

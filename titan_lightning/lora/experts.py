@@ -1,0 +1,110 @@
+"""LoRA on the routed experts, as PEFT adapts transformers 5's fused expert tensors
+(``LoraConfig.target_parameters``: ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``).
+
+``lora.target_parameters`` names the tensors: ``gate_up_proj`` (the gate and up projections of
+every expert, one adapter over both, as PEFT's) and ``down_proj``. Each gets per-expert factors
+stacked like the experts' weights, A [E, r, in] and B [E, out, r] (PEFT's ``lora_A`` [E * r, in]
+and ``lora_B`` [out, r * E] viewed per expert; A drawn as PEFT draws it, B zero), held by the
+``GroupedExperts`` as its children ``lora_a`` / ``lora_b`` (ParameterDicts keyed by tensor name).
+
+Every forward the experts compute with ``W + alpha / r * B A``, per expert, as PEFT does (it folds
+the update into the weight for the call): the grouped GEMM and the per-expert loop run unchanged.
+Under expert parallelism the factors are sharded on the expert dim with the weights
+(parallel/expert.py shards every parameter of the experts), and under expert FSDP they are
+sharded with them; the gradient factor of expert FSDP (``grad_scale``) applies to them too.
+
+The rows of ``gate_up_proj``'s update split into the gate's (our ``w1``) and the up projection's
+(``w3``) as the family's Hugging Face tensor holds them: gate rows then up rows, or interleaved
+(gpt-oss: gate the even rows).
+"""
+
+import math
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from titan_lightning.config.lora import LoRAConfig
+
+# Families (their state-dict adapter's ``family``) whose gate_up_proj interleaves gate and up (gate the even rows of the update).
+INTERLEAVED_GATE_UP = ("gpt-oss",)
+
+
+def routed_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if getattr(m, "routed_experts", False)]
+
+
+def add_expert_adapters(model: nn.Module, lora: LoRAConfig, family: Optional[str] = None) -> None:
+    """Adapters on the expert tensors ``lora.target_parameters`` names, in every MoE layer of
+    ``model``; trainable, like the linears' (``add_adapters``, which runs first)."""
+    if not lora.target_parameters:
+        return
+    for _, experts in routed_experts(model):
+        num_experts, hidden, dim = experts.w1.shape
+        shapes = {"gate_up_proj": (dim, 2 * hidden), "down_proj": (hidden, dim)}  # (in, out)
+        device, dtype = experts.w1.device, experts.w1.dtype
+        experts.lora_a, experts.lora_b = nn.ParameterDict(), nn.ParameterDict()
+        for name in lora.target_parameters:
+            fan_in, out = shapes[name]
+            experts.lora_a[name] = nn.Parameter(torch.empty(num_experts, lora.rank, fan_in, device=device, dtype=dtype))
+            experts.lora_b[name] = nn.Parameter(torch.empty(num_experts, out, lora.rank, device=device, dtype=dtype))
+        experts.lora_scaling = lora.alpha / lora.rank
+        experts.lora_interleaved = family in INTERLEAVED_GATE_UP
+        experts.adapters_on = True
+        experts.adapt = adapted_weights
+    if hasattr(model, "init_param"):
+        model.init_param = _InitExpertAdapters(model.init_param)
+
+
+def expert_adapters(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The routed experts that carry adapters (their names within ``model``)."""
+    return [(name, m) for name, m in routed_experts(model) if getattr(m, "adapt", None) is not None]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def expert_updates(experts: nn.Module, dtype: torch.dtype,
+                   local: Callable[[torch.Tensor], torch.Tensor] = _local) -> dict[str, torch.Tensor]:
+    """``alpha / r * B A`` of each adapted tensor ([E, out, in], this rank's experts), in ``dtype``."""
+    return {name: torch.bmm(local(experts.lora_b[name]).to(dtype), local(a).to(dtype)) * experts.lora_scaling
+            for name, a in experts.lora_a.items()}
+
+
+def split_gate_up(experts: nn.Module, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up_proj's update [E, 2 * hidden, dim] -> the gate's (w1) and the up projection's (w3)."""
+    if experts.lora_interleaved:
+        return update[:, 0::2], update[:, 1::2]
+    return update.chunk(2, dim=1)
+
+
+def adapted_weights(experts: nn.Module, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``GroupedExperts.weights``' (w1, w2, w3) with the adapters' updates added (``GroupedExperts.adapt``)."""
+    if not experts.adapters_on:
+        return weights
+    w1, w2, w3 = weights
+    updates = expert_updates(experts, w1.dtype)
+    if "gate_up_proj" in updates:
+        gate, up = split_gate_up(experts, updates["gate_up_proj"])
+        w1, w3 = w1 + gate, w3 + up
+    if "down_proj" in updates:
+        w2 = w2 + updates["down_proj"]
+    return w1, w2, w3
+
+
+class _InitExpertAdapters:
+    """The model's init law, and the expert adapters': A as PEFT draws its [E * r, in] ``lora_A``
+    (``kaiming_uniform_(a=sqrt(5))``: fan-in ``in``), B zero."""
+
+    def __init__(self, law: Any) -> None:
+        self.law = law
+
+    def __call__(self, fqn: str, w: torch.Tensor, g: torch.Generator) -> None:
+        owner, _, _ = fqn.rpartition(".")
+        if owner.endswith(".lora_a") and w.dim() == 3:
+            nn.init.kaiming_uniform_(w.view(-1, w.shape[-1]), a=math.sqrt(5), generator=g)
+        elif owner.endswith(".lora_b") and w.dim() == 3:
+            nn.init.zeros_(w)
+        else:
+            self.law(fqn, w, g)
