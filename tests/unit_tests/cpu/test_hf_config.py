@@ -183,3 +183,20 @@ def test_a_fit_from_a_folder_reads_its_config_json_once(tmp_path, monkeypatch):
                      "--trainer.max_steps", "1", "--trainer.accelerator", "cpu", "--trainer.limit_val_batches", "0",
                      "--trainer.enable_progress_bar", "false"]) == 0
     assert [path for path in parsed if path.name == "config.json"] == [folder / "config.json"]
+
+
+def test_every_family_folder_is_listed_once_and_found_by_its_model_types():
+    """models/registry.py lists every package under models/ with a module.py; a config.json's
+    model_type finds the family whose adapter reads it."""
+    from pathlib import Path
+
+    import titan_lightning.models
+    from titan_lightning.models.registry import FAMILIES, family, hf_families
+
+    packages = {path.parent.name for path in Path(titan_lightning.models.__file__).parent.glob("*/module.py")}
+    assert packages == set(FAMILIES)
+    found = hf_families()
+    for package in FAMILIES:
+        job_class, module_class = family(package)
+        assert job_class.__dataclass_fields__["model"].type is module_class.hf_adapter.args_class
+        assert all(found[t] == (job_class, module_class) for t in module_class.hf_adapter.hf_model_types)
