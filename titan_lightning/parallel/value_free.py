@@ -8,8 +8,8 @@ run (they compute as always); inside ``assuming(...)``, the ``Assumptions`` to u
                            and whether tokens take the grouped GEMM (``grouped_mm_available``)
     parallel/expert.py     expert parallelism's split sizes (``ExpertParallel.splits``: exchanged,
                            then read on the host)
-    parallel/context.py    all-gather CP's ``causal_lower_right`` mask (a tensor subclass that fake
-                           tensors refuse)
+    parallel/context_attention.py   all-gather CP's ``causal_lower_right`` mask (a tensor subclass
+                           that fake tensors refuse)
 """
 
 from contextlib import contextmanager

@@ -198,7 +198,7 @@ def test_torch_internals_used_where_they_stand():
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     aten = torch.ops.aten
-    for op in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",  # parallel/context.py
+    for op in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",  # parallel/context_ring.py
                "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention_backward",
                "_local_scalar_dense", "_unique2"):  # testing/host_sync.py
         assert hasattr(aten, op), op

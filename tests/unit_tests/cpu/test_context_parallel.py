@@ -158,10 +158,10 @@ def test_thread_ranks_exchange_real_data_like_process_ranks():
 def test_ring_math_kernel_is_exact_too(balancer, monkeypatch):
     # The explicit fallback (fp64 on GPU, value head dim != query head dim) behind the flash kernels.
     from cp_cases import attention_parity
-    from titan_lightning.parallel import context
+    from titan_lightning.parallel import context_ring
     from titan_lightning.testing.threaded import run_threaded
 
-    monkeypatch.setattr(context, "_ring_kernel", lambda q, v: "math")
+    monkeypatch.setattr(context_ring, "_ring_kernel", lambda q, v: "math")
     for errors in run_threaded(attention_parity, 2, backend="ring", load_balancer=balancer, n_heads=4,
                                n_kv_heads=2, seq_len=32):
         assert all(errors[name] < 1e-10 for name in ("out", "dq", "dk", "dv")), errors
