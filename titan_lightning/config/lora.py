@@ -1,7 +1,7 @@
 """Low-rank adapters (LoRA; QLoRA with an NF4 base): ``job.lora``, with PEFT's meaning of each field."""
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 BASE_QUANTIZATIONS = ("nf4",)
@@ -22,8 +22,9 @@ class LoRAConfig:
     dropout: float = 0.0
     # The linears to adapt, as the model's Hugging Face family names them ("q_proj", "k_proj",
     # "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj" ...), or "all-linear". A comma-separated
-    # string is split. Checked against the family's names before launch (titan_lightning/lora/).
-    target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])
+    # string is split (``--job.lora.target_modules q_proj,v_proj``). Checked against the family's names
+    # before launch (titan_lightning/lora/).
+    target_modules: Union[list[str], str] = field(default_factory=lambda: [ALL_LINEAR])
     # PEFT's ``target_parameters``: the routed experts' tensors to adapt, as transformers 5 names them
     # in every MoE layer ("gate_up_proj": the gate and up projections, one adapter over both;
     # "down_proj"); per-expert factors, sharded with the experts under expert parallelism
