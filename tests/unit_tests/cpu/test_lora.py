@@ -138,6 +138,14 @@ def test_an_unknown_target_is_one_line_naming_the_valid_names(change, message):
     assert "\n" not in str(caught.value)
 
 
+def test_target_modules_on_the_command_line_as_a_comma_separated_list():
+    from titan_lightning.cli import parse_run
+
+    run = parse_run(["--recipe", "recipes.llama3:debugmodel", "--job.lora.rank", "4",
+                     "--job.lora.target_modules", "q_proj,v_proj"])
+    assert run.job.lora.target_modules == ["q_proj", "v_proj"]
+
+
 # -- layouts: gradient accumulation trains as one step (FSDP2, PP, CP: the llama3_lora_* suite entries) ---
 
 
