@@ -42,7 +42,7 @@ from titan_lightning.checkpoint import DCP_METADATA, latest_checkpoint, load_sha
 from titan_lightning.config import ConfigError
 from titan_lightning.data.chat import compile_template, read_chat_template
 from titan_lightning.data.tokenizer import Tokenizer, load_tokenizer
-from titan_lightning.lora import add_adapters, base_only, lora_targets
+from titan_lightning.lora import add_adapters, base_only, lora_targets, quantize_base_nf4
 from titan_lightning.models.common.decoder import decoder_class
 from titan_lightning.models.common.hf_config import CONFIG_FILE, read_json_object
 from titan_lightning.models.common.kv_cache import KVCache, cached_attentions
@@ -270,7 +270,7 @@ class Loaded:
 
 def _load_base_with_adapters(model: torch.nn.Module, lora: Any, folder: Optional[Path]) -> None:
     """``model`` with ``lora``'s adapters (their values left to the checkpoint), its base loaded from
-    the Hugging Face ``folder`` the run started from."""
+    the Hugging Face ``folder`` the run started from (NF4, as it trained, for QLoRA)."""
     if folder is None:
         raise GenerateError(f"--model: a checkpoint of a LoRA run (lora.rank={lora.rank}) holds its adapters alone; "
                             f"give the run's --job.checkpoint.initial_load_path (its base Hugging Face folder)")
@@ -278,6 +278,8 @@ def _load_base_with_adapters(model: torch.nn.Module, lora: Any, folder: Optional
     adapter = hf.module_class.hf_adapter(hf.args, tie_word_embeddings=hf.tie_word_embeddings)
     targets = lora_targets(model, adapter, lora)
     add_adapters(model, list(targets), rank=lora.rank, alpha=lora.alpha)
+    if lora.quantize_base == "nf4":  # (the base it trained on: the folder's weights quantized as they load)
+        quantize_base_nf4(model, next(model.parameters()).device)
     with base_only(model) as base:
         adapter.load_into(base, folder)
 
