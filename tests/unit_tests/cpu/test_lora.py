@@ -227,12 +227,17 @@ def test_a_lora_run_checkpoints_adapters_resumes_exactly_and_exports_what_peft_l
     with torch.no_grad():
         torch.testing.assert_close(model.output(model(tokens)), logits, rtol=1e-5, atol=1e-5)
 
-    # recipes.hf:qlora: the same run on the NF4 base; its adapters load onto the base as LoRA's do
+    # recipes.hf:qlora: the same run on the NF4 base; its merged export (the dequantized base plus the
+    # update) is what generate computes on its checkpoint (the adapters on the base quantized as it loads)
     _fit(folder, data, tmp_path / "qlora", monkeypatch, "--trainer.max_steps", "2", recipe="recipes.hf:qlora")
-    qlora = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
-                                           tmp_path / "qlora" / "export_hf" / "adapter").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "qlora" / "export_hf", dtype=torch.float32)
+    found = find_model(str(tmp_path / "qlora" / "checkpoints" / "epoch=0-step=2.ckpt"),
+                       ["--recipe", "recipes.hf:qlora", "--job.checkpoint.initial_load_path", str(folder),
+                        "--job.data.dataset_path", str(data)], parse_run)
+    model = found.load(torch.device("cpu"), torch.float32)
     with torch.no_grad():
-        assert qlora(input_ids=tokens).logits.isfinite().all()
+        torch.testing.assert_close(model.output(model(tokens)), merged.eval()(input_ids=tokens).logits,
+                                   rtol=1e-5, atol=1e-5)
 
 
 # -- QLoRA: an NF4 base ----------------------------------------------------------------------------
