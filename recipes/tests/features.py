@@ -464,3 +464,41 @@ def llama3_lora_cp2_ring() -> Run:
 
 def llama3_lora_pp2() -> Run:
     return on_layout(llama3_lora(), dp_shard=1, pp=2, pp_schedule="1F1B", pp_microbatches=2)
+
+
+# Preference training (job.preference, DPO): 48 pairs whose answers run from 1 to 20 tokens, packed
+# whole, on llama3_small's shape for 3 steps; each layout reproduces the one-process DPO run, whose
+# loss is the mean over each step's pairs (titan_lightning/objectives/preference.py), its reference
+# precomputed from the starting weights on the layout itself.
+def llama3_dpo() -> Run:
+    """One process: the seed of the DPO layouts."""
+    from titan_lightning.config.preference import PreferenceConfig
+    from titan_lightning.testing.sft_shards import cached_synthetic_set  # (writes the set once, when asked)
+
+    run = _sft(llama3_small())
+    run.job.data.dataset_path, run.job.data.val_fraction = str(cached_synthetic_set(48, pairs=True)), 0.0
+    run.job.preference = PreferenceConfig(loss="dpo")
+    run.trainer["max_steps"] = 3
+    return run
+
+
+def llama3_dpo_fsdp2_accumulation() -> Run:
+    """FSDP2 with 2 accumulated microbatches of 1 window per rank: the seed's 4 windows per step."""
+    run = on_layout(llama3_dpo(), dp_shard=2)
+    t = run.job.training
+    t.tokens_per_step, t.tokens_per_microbatch_per_dp_rank = 4 * t.seq_len, t.seq_len
+    return run
+
+
+def llama3_dpo_tp2() -> Run:
+    return on_layout(llama3_dpo(), dp_shard=1, tp=2)
+
+
+def llama3_dpo_cp2_ring() -> Run:
+    """Contiguous halves (no load balancer): under the fake group, whose sums over cp are a rank's own
+    part, the first half still holds whole pairs to count."""
+    return with_cp(llama3_dpo(), "ring", cp=2, dp_shard=1, cp_load_balancer=None)
+
+
+def llama3_dpo_pp2() -> Run:
+    return on_layout(llama3_dpo(), dp_shard=1, pp=2, pp_schedule="1F1B", pp_microbatches=2)

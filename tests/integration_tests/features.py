@@ -98,4 +98,13 @@ ENTRIES = [
     _entry("llama3_lora_cp2_ring", "LoRA: CP2, ring attention", 2, seed=f"{_R}:llama3_lora"),
     _entry("llama3_lora_pp2", "LoRA: PP2, adapters in their stage", 2, golden=True, seed=f"{_R}:llama3_lora",
            use_real_pg=True),
+    # DPO on pairs of very uneven lengths: the loss is the mean over each step's pairs on every layout.
+    _entry("llama3_dpo_fsdp2_accumulation", "DPO: FSDP2, 2 microbatches of 1 window per rank", 2, golden=True,
+           seed=f"{_R}:llama3_dpo"),
+    _entry("llama3_dpo_tp2", "DPO: TP2 (sequence and loss parallel), per-sequence sums of vocab-parallel losses", 2,
+           golden=True, seed=f"{_R}:llama3_dpo"),
+    _entry("llama3_dpo_cp2_ring", "DPO: CP2, ring attention, each sequence's log-probability summed over cp", 2,
+           golden=True, seed=f"{_R}:llama3_dpo"),
+    _entry("llama3_dpo_pp2", "DPO: PP2, the pairs' losses on the last stage", 2, golden=True,
+           seed=f"{_R}:llama3_dpo", use_real_pg=True),
 ]
