@@ -19,14 +19,17 @@ The rows of ``gate_up_proj``'s update split into the gate's (our ``w1``) and the
 """
 
 import math
+import re
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from titan_lightning.config.lora import LoRAConfig
+from titan_lightning.config.lora import EXPERT_PARAMETERS, LoRAConfig
+from titan_lightning.models.common.init import canonical_fqn
 
-# Families (their state-dict adapter's ``family``) whose gate_up_proj interleaves gate and up (gate the even rows of the update).
+# Families (their state-dict adapter's ``family``) whose gate_up_proj interleaves gate and up (gate
+# the even rows of the update).
 INTERLEAVED_GATE_UP = ("gpt-oss",)
 
 
@@ -44,7 +47,7 @@ def add_expert_adapters(model: nn.Module, lora: LoRAConfig, family: Optional[str
         shapes = {"gate_up_proj": (dim, 2 * hidden), "down_proj": (hidden, dim)}  # (in, out)
         device, dtype = experts.w1.device, experts.w1.dtype
         experts.lora_a, experts.lora_b = nn.ParameterDict(), nn.ParameterDict()
-        for name in lora.target_parameters:
+        for name in (name for name in EXPERT_PARAMETERS if name in lora.target_parameters):
             fan_in, out = shapes[name]
             experts.lora_a[name] = nn.Parameter(torch.empty(num_experts, lora.rank, fan_in, device=device, dtype=dtype))
             experts.lora_b[name] = nn.Parameter(torch.empty(num_experts, out, lora.rank, device=device, dtype=dtype))
@@ -79,12 +82,13 @@ def split_gate_up(experts: nn.Module, update: torch.Tensor) -> tuple[torch.Tenso
     return update.chunk(2, dim=1)
 
 
-def adapted_weights(experts: nn.Module, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+def adapted_weights(experts: nn.Module, weights: tuple[torch.Tensor, ...],
+                    local: Callable[[torch.Tensor], torch.Tensor] = _local) -> tuple[torch.Tensor, ...]:
     """``GroupedExperts.weights``' (w1, w2, w3) with the adapters' updates added (``GroupedExperts.adapt``)."""
     if not experts.adapters_on:
         return weights
     w1, w2, w3 = weights
-    updates = expert_updates(experts, w1.dtype)
+    updates = expert_updates(experts, w1.dtype, local)
     if "gate_up_proj" in updates:
         gate, up = split_gate_up(experts, updates["gate_up_proj"])
         w1, w3 = w1 + gate, w3 + up
@@ -108,3 +112,57 @@ class _InitExpertAdapters:
             nn.init.zeros_(w)
         else:
             self.law(fqn, w, g)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+
+@torch.no_grad()
+def merged_expert_weights(experts: nn.Module) -> dict[str, torch.Tensor]:
+    """``w1``, ``w2``, ``w3`` (full tensors: a DTensor's are gathered) plus their adapters' updates,
+    in the weights' dtype, computed in fp32: what a merged export writes."""
+    weights = {name: _full(getattr(experts, name)) for name in ("w1", "w2", "w3")}
+    merged = adapted_weights(experts, tuple(w.float() for w in weights.values()), local=_full)
+    return {name: m.to(w.dtype) for (name, w), m in zip(weights.items(), merged)}
+
+
+def hf_experts_module(adapter: Any, name: str) -> str:
+    """The Hugging Face module of the experts ``name`` (``model.layers.0.mlp.experts``)."""
+    hf = adapter.hf_key(f"{name}.w2")  # ('...experts.*.down_proj.weight', or fused: '...experts.down_proj')
+    return hf.split(".*.")[0] if ".*." in hf else hf.rpartition(".")[0]
+
+
+def expert_peft_state(model: nn.Module, adapter: Any) -> dict[str, torch.Tensor]:
+    """The experts' factors as PEFT's ParamWrapper saves them, keys within the model: per Hugging Face
+    experts module ``<experts>.lora_A.weight`` [E * r, in] and ``lora_B.weight`` [out, r * E], PEFT's
+    wrappers nested in the order of the experts' tensors (gate_up_proj innermost: ``base_layer.``)."""
+    state = {}
+    for name, experts in expert_adapters(model):
+        module = hf_experts_module(adapter, canonical_fqn(name))
+        tensors = list(experts.lora_a)
+        for depth, tensor in enumerate(tensors):
+            prefix = f"{module}." + "base_layer." * (len(tensors) - 1 - depth)
+            a, b = _full(experts.lora_a[tensor]), _full(experts.lora_b[tensor])
+            state[f"{prefix}lora_A.weight"] = a.reshape(-1, a.shape[-1])
+            state[f"{prefix}lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], -1)
+    return state
+
+
+def _unwrapped(module: str) -> str:
+    while module.endswith(".base_layer"):
+        module = module.removesuffix(".base_layer")
+    return module
+
+
+def is_expert_factor(key: str) -> bool:
+    """Whether a PEFT key (``expert_peft_state``'s) is an expert factor."""
+    return _unwrapped(key.rsplit(".", 2)[0]).endswith(".experts")
+
+
+def peft_target_parameters(state: dict[str, torch.Tensor], lora: LoRAConfig) -> list[str]:
+    """adapter_config.json's ``target_parameters`` for ``state``'s expert factors (``mlp.experts.gate_up_proj``)."""
+    modules = {re.sub(r"^.*\blayers\.\d+\.", "", _unwrapped(key.rsplit(".", 2)[0]))
+               for key in state if is_expert_factor(key)}
+    return [f"{module}.{tensor}" for module in sorted(modules) for tensor in EXPERT_PARAMETERS
+            if tensor in lora.target_parameters]

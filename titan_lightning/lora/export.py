@@ -18,6 +18,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from titan_lightning.lora.experts import (expert_adapters, expert_peft_state, is_expert_factor, merged_expert_weights,
+                                          peft_target_parameters)
 from titan_lightning.lora.layer import base_only, lora_layers, merged_weight
 from titan_lightning.lora.targets import short_name
 from titan_lightning.models.common.init import canonical_fqn
@@ -47,16 +49,20 @@ def peft_state(model: nn.Module, adapter: Any, dtype: torch.dtype = torch.float3
         b = adapter.to_hf({key: b})[f"{hf_module}.weight"]
         state[f"{PEFT_PREFIX}{hf_module}.lora_A.weight"] = a.to("cpu", dtype).contiguous()
         state[f"{PEFT_PREFIX}{hf_module}.lora_B.weight"] = b.to("cpu", dtype).contiguous()
+    for key, factor in expert_peft_state(model, adapter).items():  # (the routed experts': lora/experts.py)
+        state[f"{PEFT_PREFIX}{key}"] = factor.to("cpu", dtype).contiguous()
     return state
 
 
 def peft_config(state: dict[str, torch.Tensor], lora: Any, base: Optional[str]) -> dict[str, Any]:
     """adapter_config.json for ``state`` (``peft_state``): PEFT's LoraConfig fields."""
-    modules = sorted({short_name(key.removesuffix(".lora_A.weight")) for key in state if key.endswith(".lora_A.weight")})
+    modules = sorted({short_name(key.removesuffix(".lora_A.weight")) for key in state
+                      if key.endswith(".lora_A.weight") and not is_expert_factor(key)})
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
             "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none",
             "fan_in_fan_out": False, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
-            "inference_mode": True, "modules_to_save": None}
+            "inference_mode": True, "modules_to_save": None,
+            "target_parameters": peft_target_parameters(state, lora) or None}
 
 
 def write_peft_folder(folder: Path, state: dict[str, torch.Tensor], lora: Any, base: Optional[str]) -> None:
@@ -73,8 +79,12 @@ class MergedState(Mapping):
         with base_only(model):
             self.base = model.state_dict()
         self.layers = {f"{canonical_fqn(name)}.weight": layer for name, layer in lora_layers(model)}
+        self.experts = {f"{canonical_fqn(name)}.{w}": experts for name, experts in expert_adapters(model)
+                        for w in ("w1", "w2", "w3")}
 
     def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self.experts:
+            return merged_expert_weights(self.experts[key])[key.rpartition(".")[2]]
         return merged_weight(self.layers[key]) if key in self.layers else self.base[key]
 
     def __iter__(self) -> Iterator[str]:

@@ -3,8 +3,7 @@
 before launch. That each layout equals one process is the suites' (features: llama3_lora_*, models:
 qwen3_moe_lora_fsdp2_ep2)."""
 
-import math
-import os
+import shutil
 
 import pytest
 import torch
@@ -80,6 +79,30 @@ def test_expert_adapters_step_one_loss_and_gradients_equal_peft_target_parameter
             torch.testing.assert_close(peft_b(experts.lora_b[name].grad), w.lora_B["default"].weight.grad,
                                        rtol=1e-5, atol=1e-6)
     assert all(p.grad is None for p in ours.parameters() if not p.requires_grad)
+
+    # The exports: PEFT's folder (the experts' factors as its ParamWrapper saves them) loads on the base
+    # folder with our logits, and so does the merged folder (every expert's W + alpha / r * B A).
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from titan_lightning.lora.export import MergedState, peft_state, write_peft_folder
+
+    write_peft_folder(tmp_path / "adapter", peft_state(ours, adapter), lora, str(folder))
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                                            tmp_path / "adapter").eval()
+    merged_folder = tmp_path / "merged"
+    merged_folder.mkdir()
+    shutil.copy(folder / "config.json", merged_folder)
+    save_file({k: v.contiguous() for k, v in adapter.to_hf(dict(MergedState(ours))).items()},
+              str(merged_folder / "model.safetensors"), metadata={"format": "pt"})
+    merged = AutoModelForCausalLM.from_pretrained(merged_folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = ours(tokens)
+        torch.testing.assert_close(loaded(input_ids=tokens).logits, logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(merged(input_ids=tokens).logits, logits, rtol=1e-5, atol=1e-5)
+        for _, experts in adapted:  # (the experts' adapters alone off: they count)
+            experts.adapters_on = False
+        assert (ours(tokens) - logits).abs().max() > 1e-3
 
 
 def _linears(model):
