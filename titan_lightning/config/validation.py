@@ -237,18 +237,24 @@ def validate_expert_parallel(job: JobConfig) -> None:
         if p.ep > 1:
             raise ConfigError(f"parallelism.ep={p.ep} needs a mixture-of-experts model, and model.moe is None")
         return
-    if moe.num_experts % p.ep:
-        raise ConfigError(f"parallelism.ep={p.ep} must divide model.moe.num_experts={moe.num_experts}")
     if p.tp > 1 and not p.sequence_parallel:
         raise ConfigError(
             f"MoE layers with parallelism.tp={p.tp} need parallelism.sequence_parallel=True: without it every "
             f"TP rank routes the same tokens and the experts' gradients count each token {p.tp} times"
         )
-    hidden = getattr(moe, "hidden_dim", None)
-    if p.tp > 1 and p.ep == 1 and hidden is not None and hidden % p.tp:
+    validate_expert_split("model.moe", moe.num_experts, getattr(moe, "hidden_dim", None), ep=p.ep, tp=p.tp)
+
+
+def validate_expert_split(owner: str, num_experts: int, hidden_dim: Optional[int], *, ep: int, tp: int) -> None:
+    """The routed experts split over the degrees: ``ep`` divides their number; with ``tp`` > 1 and
+    ep = 1 (expert tensor parallelism) ``tp`` divides their hidden dim. Before launch from the job's
+    ``model.moe``; when parallel/expert.py shards a model built at setup, from its experts (``owner``)."""
+    if num_experts % ep:
+        raise ConfigError(f"parallelism.ep={ep} must divide {owner}.num_experts={num_experts}")
+    if tp > 1 and ep == 1 and hidden_dim is not None and hidden_dim % tp:
         raise ConfigError(
-            f"parallelism.tp={p.tp} with ep=1 splits the experts' hidden dim: model.moe.hidden_dim={hidden} "
-            f"must be divisible by {p.tp}"
+            f"parallelism.tp={tp} with ep=1 splits the experts' hidden dim: {owner}.hidden_dim={hidden_dim} "
+            f"must be divisible by {tp}"
         )
 
 

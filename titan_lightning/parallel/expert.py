@@ -48,7 +48,7 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from titan_lightning.config import ConfigError
-from titan_lightning.config.parallelism import EP_DISPATCHES
+from titan_lightning.config.validation import validate_expert_split
 from titan_lightning.parallel.collectives import (all_gather, all_gather_autograd, all_to_all, all_to_all_autograd,
                                                   reduce_scatter_autograd)
 from titan_lightning.parallel import value_free
@@ -58,7 +58,7 @@ from titan_lightning.parallel.contracts import ContractError, expert_modules, mo
 @dataclass
 class ExpertParallel:
     """The ep group of one rank; ``run`` is what GroupedExperts calls under EP. ``dispatch``:
-    one of ``EP_DISPATCHES`` (the module docstring)."""
+    ``parallelism.ep_dispatch`` (the module docstring)."""
 
     group: dist.ProcessGroup
     rank: int
@@ -128,16 +128,11 @@ def _expert_major_order(matrix: list[list[int]], device: torch.device) -> torch.
 
 def apply_expert_parallel(model: nn.Module, ep_mesh, dispatch: str = "splits") -> ExpertParallel:
     """Shard every MoE layer's routed experts over ``ep_mesh`` (dim 0) and route through it,
-    the tokens' all-to-alls sized as ``dispatch`` says (``EP_DISPATCHES``)."""
+    the tokens' all-to-alls sized as ``dispatch`` says (``parallelism.ep_dispatch``, checked there)."""
     size = ep_mesh.size()
     modules = expert_modules(model, size)
     for module in modules:
-        if module.num_experts % size:
-            raise ConfigError(
-                f"parallelism.ep={size} must divide the number of experts ({module.num_experts})"
-            )
-    if dispatch not in EP_DISPATCHES:
-        raise ConfigError(f"parallelism.ep_dispatch={dispatch!r} is not one of {', '.join(EP_DISPATCHES)}")
+        validate_expert_split(type(module).__name__, module.num_experts, None, ep=size, tp=1)
     context = ExpertParallel(group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank(), size=size, dispatch=dispatch)
     for module in modules:
         for name, param in list(module.named_parameters()):  # (their LoRA factors too: lora/experts.py)
@@ -177,8 +172,7 @@ def apply_expert_tensor_parallel(model: nn.Module, tp_mesh) -> ExpertTensorParal
         if getattr(experts, "b1", None) is not None:  # (the down bias would be added once per TP rank)
             raise ConfigError(f"parallelism.tp={size} with parallelism.ep=1: experts with biases (gpt-oss) are not "
                               f"tensor-parallel here; set parallelism.ep to a multiple of tp")
-        if experts.w1.shape[1] % size:
-            raise ConfigError(f"parallelism.tp={size} must divide the experts' hidden dim ({experts.w1.shape[1]})")
+        validate_expert_split(type(experts).__name__, experts.w1.shape[0], experts.w1.shape[1], ep=1, tp=size)
         for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):  # w1/w3 [E, hidden, dim], w2 [E, dim, hidden]
             param = getattr(experts, name)
             sharded = distribute_tensor(param.data, tp_mesh, [Shard(dim)], src_data_rank=None)

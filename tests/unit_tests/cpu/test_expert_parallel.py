@@ -93,3 +93,22 @@ def test_a_235b_scale_layout_runs_a_step_under_the_fake_process_group(tmp_path, 
             "--trainer.num_sanity_val_steps", "0"]
     assert cli.main(argv) == 0
     assert "[fake_pg] world_size=256 rank=0 FSDP=64, TP=4, EP=64" in capsys.readouterr().out
+
+
+def test_experts_built_at_setup_meet_the_rules_validate_job_gives_model_moe():
+    """One rule (config/validation.py validate_expert_split), applied to the built experts when
+    parallel/expert.py shards them: a model the job's model.moe does not describe is held to it too."""
+    from types import SimpleNamespace
+
+    from titan_lightning.config import ConfigError
+    from titan_lightning.models.common.moe import MoE, MoEArgs
+    from titan_lightning.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel
+
+    with torch.device("meta"):
+        moe = MoE(16, MoEArgs(num_experts=8, hidden_dim=7))
+    mesh = lambda size: SimpleNamespace(size=lambda: size, get_group=lambda: None)  # noqa: E731 (refused before any use)
+    with pytest.raises(ConfigError, match=r"^parallelism.ep=3 must divide GroupedExperts.num_experts=8$"):
+        apply_expert_parallel(moe, mesh(3))
+    with pytest.raises(ConfigError, match=r"^parallelism.tp=2 with ep=1 splits the experts' hidden dim: "
+                                          r"GroupedExperts.hidden_dim=7 must be divisible by 2$"):
+        apply_expert_tensor_parallel(moe, mesh(2))
