@@ -254,7 +254,8 @@ def test_qlora_stores_the_base_as_nf4_loads_into_it_and_computes_the_dequantized
     hf = read_hf_model(folder)
     models = []
     for quantize in ("nf4", None):
-        module = hf.module_class(hf.job_class(model=hf.args, lora=LoRAConfig(rank=4, alpha=8.0, quantize_base=quantize)))
+        lora = LoRAConfig(rank=4, alpha=8.0, quantize_base=quantize)
+        module = hf.module_class(hf.job_class(model=hf.args, lora=lora))
         with torch.device("meta"):
             module.model = module.build_model()
         module.materialize(torch.device("cpu"))

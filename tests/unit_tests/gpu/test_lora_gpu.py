@@ -63,5 +63,6 @@ def test_lora_and_qlora_train_on_one_gpu_with_a_frozen_bf16_or_nf4_base(inputs, 
         assert losses[-1] < losses[0], losses
         peaks[recipe] = max(float(r["train/memory_peak_gib"]) for r in rows[-5:])
         speed = np.median([float(r["train/tokens_per_s"]) for r in rows[-10:]])
-        print(f"\n{recipe}: {speed:,.0f} tokens/s, peak {peaks[recipe]:.2f} GiB, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        print(f"\n{recipe}: {speed:,.0f} tokens/s, peak {peaks[recipe]:.2f} GiB, "
+              f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     assert peaks["qlora"] < peaks["lora"]
