@@ -253,8 +253,8 @@ for _shape, _layers in (("qwen2_5_1_5b", None), ("llama3_8b", 16)):
 # python -m benchmarks.throughput --rounds 1 --steps 10 --warmup 6 --reference 'titan (llama3_8b_lora)' \
 #   --workload llama3_8b_lora,llama3_8b_lora_hf_ac
 _LORA = ("--trainer.precision", "bf16-mixed", "--job.compile.enable", "true",
-         "--job.activation_checkpoint.mode", "none", "--job.training.seq_len", "4096", "--job.training.tokens_per_microbatch_per_dp_rank", "4096",
-         "--job.model.attention", "varlen")
+         "--job.activation_checkpoint.mode", "none", "--job.training.seq_len", "4096",
+         "--job.training.tokens_per_microbatch_per_dp_rank", "4096", "--job.model.attention", "varlen")
 WORKLOADS["llama3_8b_lora"] = Workload(recipe="recipes.hf:lora", folder=("llama3_8b", None), as_user=True,
                                        seq_len=4096, overrides=_LORA, contenders=("titan", "hf_packed"))
 WORKLOADS["llama3_8b_lora_hf_ac"] = dataclasses.replace(WORKLOADS["llama3_8b_lora"], hf_ac=True,
