@@ -9,7 +9,7 @@ from titan_lightning.models.common.norms import RMSNorm
 from titan_lightning.models.common.rope import apply_rope
 from titan_lightning.parallel.context import ContextParallel, context_parallel_attention
 
-# Tensor-parallel plan entries inside ``layers.*.attention`` (parallel/tensor.py styles):
+# Tensor-parallel plan entries inside ``layers.*.attention`` (parallel/tensor_styles.py styles):
 # each rank holds n_heads/tp query heads and n_kv_heads/tp key/value heads.
 ATTENTION_TP_PLAN: dict[str, str] = {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"}
 

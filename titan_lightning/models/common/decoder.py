@@ -31,7 +31,7 @@ from titan_lightning.models.common.moe import MoE, reset_moe_buffers
 from titan_lightning.models.common.norms import RMSNorm
 from titan_lightning.models.common.rope import precompute_rope_cache
 
-# The plan entries of the decoder skeleton (parallel/tensor.py styles), around a family's
+# The plan entries of the decoder skeleton (parallel/tensor_styles.py styles), around a family's
 # attention entries: embeddings and head split over the vocab, norms on the sequence shard
 # (sequence parallelism), each block input gathered, the SwiGLU split column- then row-wise.
 SKELETON_TP_PLAN: dict[str, str] = {

@@ -50,7 +50,7 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit).
 ACTIVATIONS = ("silu", "clamped_swiglu")
 
-# Tensor-parallel plan entries for MoE layers at ``layers.*.moe`` (parallel/tensor.py styles):
+# Tensor-parallel plan entries for MoE layers at ``layers.*.moe`` (parallel/tensor_styles.py styles):
 # under sequence parallelism each TP rank routes its own tokens (the routed experts are
 # expert-parallel); the router gate and the shared experts are replicated per-token modules.
 MOE_TP_PLAN: dict[str, str] = {

@@ -8,7 +8,7 @@ output is normalized before it joins the residual stream,
 and QK-norm spans the whole q projection (n_heads * head_dim features) and the whole k projection,
 before the heads are split and RoPE turns them (``ProjectionNorm``). Under tensor parallelism
 each rank holds its heads' features of those projections, so the norm's mean square is a sum
-over the TP ranks (``colwise_norm`` in parallel/tensor.py).
+over the TP ranks (``colwise_norm`` in parallel/tensor_styles.py).
 """
 
 from dataclasses import dataclass
