@@ -7,13 +7,12 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from titan_lightning.config import ConfigError
 from titan_lightning.config.lora import LoRAConfig
-from titan_lightning.lora import adapters_off, base_only, expert_adapters
-from titan_lightning.lora.experts import expert_updates, split_gate_up
+from titan_lightning.lora import LoRALinear, base_only, expert_adapters
+from titan_lightning.testing.threaded import run_threaded
 
 from tests.hf_folders import VOCAB, save_hf_model
 
@@ -119,3 +118,138 @@ def _hf_names(model, adapter):
 
 def _cross_entropy(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _adapted_pair(rank: int, world_size: int, style: str) -> dict:
+    """A linear with adapters (B off zero) under ``style`` on ``world_size`` thread ranks against the
+    same linear on one: each output block and the full gradients of A and B."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from titan_lightning.parallel.tensor_styles import STYLES, Target
+
+    def linear() -> LoRALinear:
+        g = torch.Generator().manual_seed(0)
+        layer = LoRALinear(8, 12, rank=2, alpha=4.0)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        layer.weight.requires_grad_(False)
+        return layer
+
+    x = torch.randn(3, 8 if style != "rowwise" else 12, generator=torch.Generator().manual_seed(1))
+    one, tp = (linear() if style != "rowwise" else _transposed(linear()) for _ in range(2))
+    name, _, parts = style.partition(":")
+    parallelize_module(tp, init_device_mesh("cpu", (world_size,)),
+                       STYLES[name].parallel_style(Target(tp, False, False, int(parts) if parts else None)),
+                       src_data_rank=None)
+    want = one(x)
+    if name == "rowwise":  # each rank its features of the input; the output summed over the ranks
+        got = tp(x.chunk(world_size, dim=-1)[rank])
+    else:  # each rank its rows of every block of the output ([q_r, k_r, v_r] for colwise_fused:3)
+        blocks = int(parts or 1)
+        want = torch.cat([b.chunk(world_size, dim=-1)[rank] for b in want.chunk(blocks, dim=-1)], dim=-1)
+        got = tp(x)
+    got.square().sum().backward()  # (rowwise: every rank's whole output; colwise: the ranks' parts sum to it)
+    one(x).square().sum().backward()
+    errors = {"out": ((got - want).abs().max() / want.abs().max()).item()}
+    for child in ("lora_a", "lora_b"):
+        grad, reference = getattr(tp, child).weight.grad, getattr(one, child).weight.grad
+        errors[child] = ((grad.full_tensor() - reference).abs().max() / reference.abs().max()).item()
+        errors[f"{child} placement"] = str(grad.placements[0]) == str(getattr(tp, child).weight.placements[0])
+    return errors
+
+
+def _transposed(layer: LoRALinear) -> LoRALinear:
+    """``layer``'s shape with in and out swapped (a rowwise projection 12 -> 8)."""
+    g = torch.Generator().manual_seed(2)
+    out = LoRALinear(12, 8, rank=2, alpha=4.0)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    out.weight.requires_grad_(False)
+    return out
+
+
+@pytest.mark.parametrize("style", ["colwise", "rowwise", "colwise_fused:3"])
+def test_a_linear_with_adapters_under_tp_computes_and_trains_as_one_process(style):
+    """The style of a LoRALinear's plan entry shards A and B with the base (AdaptedLinearParallel):
+    the same outputs, A's and B's full gradients equal one process's, each placed as its weight."""
+    for rank, errors in enumerate(run_threaded(_adapted_pair, 2, style=style)):
+        assert errors["out"] < 1e-6, f"rank {rank}: {errors}"
+        for child in ("lora_a", "lora_b"):
+            assert errors[child] < 1e-6 and errors[f"{child} placement"], f"rank {rank} {child}: {errors}"
+
+
+def _moe_with_adapters(grouped: bool, family=None):
+    """An MoE layer whose experts carry adapters on both tensors, B off zero; inside a module, as in a model."""
+    from titan_lightning.lora.experts import add_expert_adapters
+    from titan_lightning.models.common.moe import MoE, MoEArgs
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.moe = MoE(16, MoEArgs(num_experts=4, top_k=2, hidden_dim=8, use_grouped_mm=grouped, load_balance_coeff=None))
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.2)
+    add_expert_adapters(model, LoRAConfig(rank=2, alpha=4.0, target_parameters="down_proj,gate_up_proj"), family)
+    for factor in (*model.moe.experts.lora_a.values(), *model.moe.experts.lora_b.values()):
+        nn.init.normal_(factor, std=0.2)
+    return model
+
+
+@pytest.mark.parametrize("family", [None, "gpt-oss"])
+def test_expert_adapters_compute_the_merged_experts_on_the_loop_and_the_grouped_gemm(family):
+    """Each expert computes with W + alpha / r * B A (gate_up_proj's rows split into w1 and w3 as the
+    family's tensor holds them: gate rows then up rows, or interleaved), on either kernel."""
+    from titan_lightning.models.common.moe import CPU_GROUPED_MM
+
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    loop = _moe_with_adapters(False, family)
+    experts = loop.moe.experts
+    assert list(experts.lora_a) == ["gate_up_proj", "down_proj"]  # (PEFT's nesting order: the tensors' own)
+    scale = 2.0
+    update = {name: torch.bmm(experts.lora_b[name], experts.lora_a[name]) * scale for name in experts.lora_a}
+    gate, up = ((update["gate_up_proj"][:, 0::2], update["gate_up_proj"][:, 1::2]) if family
+                else update["gate_up_proj"].chunk(2, dim=1))
+    merged = _moe_with_adapters(False, family)
+    with torch.no_grad(), base_only(merged):  # (the base alone: its own state dict, no factor)
+        assert not any("lora" in key for key in merged.state_dict())
+        for name, delta in (("w1", gate), ("w3", up), ("w2", update["down_proj"])):
+            getattr(merged.moe.experts, name).add_(delta)
+        merged.moe.experts.adapters_on = False
+    want = merged.moe(x)
+    torch.testing.assert_close(loop.moe(x), want, rtol=1e-5, atol=1e-6)
+    if CPU_GROUPED_MM:
+        torch.testing.assert_close(_moe_with_adapters(True, family).moe(x), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe, change, message", [
+    ("recipes.tests.features:llama3_lora", dict(target_parameters=["gate_up_proj"]), "has no routed experts"),
+    ("recipes.tests.models:qwen3_moe_lora", dict(tp=2, sequence_parallel=True), "set parallelism.ep to a multiple"),
+])
+def test_a_layout_expert_adapters_do_not_take_is_refused_before_launch_in_one_line(recipe, change, message):
+    from dataclasses import replace
+
+    from titan_lightning.lora.parallel import check_lora_layout
+    from titan_lightning.models.common.decoder import decoder_class
+    from titan_lightning.recipe import build_run
+
+    job = build_run(recipe).job
+    lora = {k: v for k, v in change.items() if k == "target_parameters"}
+    degrees = {k: v for k, v in change.items() if k != "target_parameters"}
+    job = replace(job, lora=replace(job.lora, **lora), parallelism=replace(job.parallelism, **degrees))
+    with torch.device("meta"):
+        model = decoder_class(type(job.model))(job.model)
+    with pytest.raises(ConfigError, match=message) as error:
+        check_lora_layout(job, model)
+    assert "\n" not in str(error.value) and "lora.target_parameters=" in str(error.value)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(target_parameters="gate_proj"), "lora.target_parameters=gate_proj: each of gate_up_proj, down_proj"),
+    (dict(target_parameters="down_proj,down_proj"), "at most once"),
+    (dict(target_parameters="down_proj", dropout=0.1), "lora.dropout=0.1 with lora.target_parameters"),
+])
+def test_target_parameters_name_the_experts_tensors(fields, message):
+    with pytest.raises(ValueError, match=message):
+        LoRAConfig(rank=4, **fields)
