@@ -364,7 +364,11 @@ def _batch_size(batch: Any) -> int:
 def clip_across_stages(plugin: Any, pp_group: dist.ProcessGroup) -> None:
     """Lightning's ``gradient_clip_val`` clips by the norm of this rank's gradients only; under
     PP the norm must cover every stage (and every DTensor shard): the precision plugin clips by
-    the global norm."""
+    the global norm. It acts for a user's module only: a module whose ``configure_gradient_clipping``
+    clips by itself (CausalLM: the norm over the stages, ``global_grad_norm``) never reaches the
+    plugin. No other seam carries it: Lightning picks the plugin's class from the trainer's
+    ``precision`` (for FSDPStrategy and DeepSpeed only, a class of the strategy's own), and the
+    module's hook is the user's."""
 
     def clip_grad_by_norm(optimizer, clip_val) -> None:
         clip_grad_norm_(plugin.main_params(optimizer), clip_val, pp_group=pp_group)
