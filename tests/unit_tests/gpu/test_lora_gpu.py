@@ -12,37 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+from test_device_defaults_gpu import inputs  # noqa: F401 (the fixture: a ~0.25B Qwen 2 folder and its chats)
 from titan_lightning import cli
-from titan_lightning.data.shards import tokenizer_identity
-from titan_lightning.data.tokenizer import load_tokenizer
 from titan_lightning.lora import lora_layers
 from titan_lightning.recipe import execute
-from titan_lightning.testing.sft_shards import synthetic_conversations, write_sft_shards
 from titan_lightning.trainer import RUN_DIR_ENV
-
-from tests.hf_folders import save_hf_folder
 
 pytestmark = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-# A Qwen 2 folder of ~0.25B parameters (every linear's size a multiple of NF4's blocks).
-SHAPE = dict(vocab_size=32768, hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=2,
-             intermediate_size=2816, max_position_embeddings=8192)
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora_gpu")
-    folder = save_hf_folder(root / "model", "qwen2", **SHAPE)
-    tokenizer = load_tokenizer(str(folder))
-    identity = tokenizer_identity(folder / "tokenizer.json", tokenizer.vocab_size, tokenizer.eot_id,
-                                  tokenizer.bos_id if tokenizer.add_bos else None)
-    conversations = [(np.where(t == 0, tokenizer.eot_id, t % (tokenizer.vocab_size - 1)), m)
-                     for t, m in synthetic_conversations(600, seed=0, mean_turn=120, max_turns=3)]
-    write_sft_shards(root / "sft", conversations, tokenizer=identity)
-    return ["--job.checkpoint.initial_load_path", str(folder), "--job.data.dataset_path", str(root / "sft"),
-            "--trainer.accelerator", "gpu", "--trainer.devices", "1", "--trainer.log_every_n_steps", "1",
-            "--trainer.max_steps", "20", "--trainer.max_epochs", "-1", "--job.data.val_fraction", "0"]
 
 
 @needs_gpu
@@ -50,7 +27,8 @@ def test_lora_and_qlora_train_on_one_gpu_with_a_frozen_bf16_or_nf4_base(inputs, 
     peaks = {}
     for recipe in ("lora", "qlora"):
         monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / recipe))
-        command, run, trainer = cli.prepare(["fit", "--recipe", f"recipes.hf:{recipe}", *inputs])
+        argv = [f"recipes.hf:{recipe}" if arg == "recipes.hf:sft" else arg for arg in inputs]
+        command, run, trainer = cli.prepare([*argv, "--trainer.max_steps", "20", "--job.data.val_fraction", "0"])
         execute(command, run, trainer)
         model = trainer.lightning_module.model
         for _, layer in lora_layers(model):
