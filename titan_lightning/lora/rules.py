@@ -23,8 +23,8 @@ def check_lora_job(job: Any, model: nn.Module, adapter: Optional[Any]) -> None:
                           f"adapters are not built; set quantize.float8.enable=False")
     if lora.quantize_base is not None:
         p = job.parallelism
-        spread = [f"parallelism.{name}={getattr(p, name)}" for name in ("dp_shard", "dp_replicate", "cp")
-                  if getattr(p, name) not in (1, -1)]
+        spread = [f"parallelism.{name}={getattr(p, name)}"
+                  for name in ("tp", "pp", "ep", "dp_shard", "dp_replicate", "cp") if getattr(p, name) not in (1, -1)]
         if spread:
             raise ConfigError(f"lora.quantize_base={lora.quantize_base!r} with {spread[0]}: an NF4 base trains on one "
                               f"process for now; set lora.quantize_base=None, or {spread[0].split('=')[0]}=1")

@@ -289,12 +289,13 @@ def test_qlora_stores_the_base_as_nf4_loads_into_it_and_computes_the_dequantized
         torch.testing.assert_close(layers[name].lora_a.weight.grad, layer.lora_a.weight.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_qlora_with_data_parallelism_is_refused_before_launch():
+@pytest.mark.parametrize("degree", ["dp_shard", "tp"])
+def test_qlora_on_several_ranks_is_refused_before_launch(degree):
     from recipes.tests import features
     from titan_lightning.config import validate_job
     from titan_lightning.recipe import on_layout
 
-    run = on_layout(features.llama3_small(), dp_shard=2)
+    run = on_layout(features.llama3_small(), **{degree: 2})
     run.job.lora = LoRAConfig(rank=4, quantize_base="nf4")
-    with pytest.raises(ConfigError, match=r"lora.quantize_base='nf4' with parallelism.dp_shard=2: .* one process"):
+    with pytest.raises(ConfigError, match=rf"lora.quantize_base='nf4' with parallelism.{degree}=2: .* one process"):
         validate_job(run.job, world_size=2, max_steps=1, device_type="cpu")
