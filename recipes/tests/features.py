@@ -502,3 +502,8 @@ def llama3_dpo_cp2_ring() -> Run:
 
 def llama3_dpo_pp2() -> Run:
     return on_layout(llama3_dpo(), dp_shard=1, pp=2, pp_schedule="1F1B", pp_microbatches=2)
+
+
+def llama3_lora_pp2_every2() -> Run:
+    """llama3_lora_pp2 saving its adapters at step 2 (test_lora_layouts resumes it)."""
+    return _every2(llama3_lora_pp2())
