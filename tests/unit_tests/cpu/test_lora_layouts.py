@@ -23,12 +23,14 @@ def _experts_ours(folder, lora: LoRAConfig):
     return _ours(folder, lora)
 
 
-def test_expert_adapters_step_one_loss_and_gradients_equal_peft_target_parameters(tmp_path):
-    """Qwen3-MoE with adapters on the attention and both expert tensors against PEFT's ParamWrapper
-    on transformers' fused experts: the same loss and the same gradients of every factor."""
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_expert_adapters_step_one_loss_and_gradients_equal_peft_target_parameters(model_type, tmp_path):
+    """Adapters on the attention and both expert tensors against PEFT's ParamWrapper on transformers'
+    fused experts ([E, out, in] for Qwen3-MoE; gpt-oss's [E, in, out], gate and up interleaved): the
+    same loss, the same gradients of every factor, and the exports' logits."""
     peft = pytest.importorskip("peft", reason="PEFT is the reference for LoRA (setup.cfg's dev extra)")
     folder = tmp_path / "hf"
-    theirs = save_hf_model(folder, "qwen3_moe").train()
+    theirs = save_hf_model(folder, model_type).train()
     lora = LoRAConfig(rank=4, alpha=8.0, target_modules="q_proj,v_proj", target_parameters="gate_up_proj,down_proj")
     ours, adapter = _experts_ours(folder, lora)
     theirs = peft.get_peft_model(theirs, peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=["q_proj", "v_proj"],
