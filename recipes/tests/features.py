@@ -446,12 +446,21 @@ def llama3_lora() -> Run:
     return run
 
 
-def llama3_lora_fsdp2_accumulation() -> Run:
-    """FSDP2 with 2 accumulated microbatches of 1 sequence per rank: the seed's 4 sequences per step."""
-    run = on_layout(llama3_lora(), dp_shard=2)
+def _fsdp2_accumulation(run: Run) -> Run:
+    """FSDP2 with 2 accumulated microbatches of 1 sequence per rank: llama3_small's 4 sequences per step."""
+    run = on_layout(run, dp_shard=2)
     t = run.job.training
     t.tokens_per_step, t.tokens_per_microbatch_per_dp_rank = 4 * t.seq_len, t.seq_len
     return run
+
+
+def _pp2(run: Run) -> Run:
+    """PP2, 1F1B over 2 microbatches: one layer of llama3_small's two on each stage."""
+    return on_layout(run, dp_shard=1, pp=2, pp_schedule="1F1B", pp_microbatches=2)
+
+
+def llama3_lora_fsdp2_accumulation() -> Run:
+    return _fsdp2_accumulation(llama3_lora())
 
 
 def llama3_lora_tp2() -> Run:
@@ -463,7 +472,7 @@ def llama3_lora_cp2_ring() -> Run:
 
 
 def llama3_lora_pp2() -> Run:
-    return on_layout(llama3_lora(), dp_shard=1, pp=2, pp_schedule="1F1B", pp_microbatches=2)
+    return _pp2(llama3_lora())
 
 
 # Preference training (job.preference, DPO): 48 pairs whose answers run from 1 to 20 tokens, packed
@@ -483,11 +492,7 @@ def llama3_dpo() -> Run:
 
 
 def llama3_dpo_fsdp2_accumulation() -> Run:
-    """FSDP2 with 2 accumulated microbatches of 1 window per rank: the seed's 4 windows per step."""
-    run = on_layout(llama3_dpo(), dp_shard=2)
-    t = run.job.training
-    t.tokens_per_step, t.tokens_per_microbatch_per_dp_rank = 4 * t.seq_len, t.seq_len
-    return run
+    return _fsdp2_accumulation(llama3_dpo())
 
 
 def llama3_dpo_tp2() -> Run:
@@ -501,7 +506,7 @@ def llama3_dpo_cp2_ring() -> Run:
 
 
 def llama3_dpo_pp2() -> Run:
-    return on_layout(llama3_dpo(), dp_shard=1, pp=2, pp_schedule="1F1B", pp_microbatches=2)
+    return _pp2(llama3_dpo())
 
 
 def llama3_lora_pp2_every2() -> Run:
