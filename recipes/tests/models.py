@@ -254,3 +254,8 @@ def qwen3_moe_lora() -> Run:
 
 def qwen3_moe_lora_fsdp2_ep2() -> Run:
     return on_layout(qwen3_moe_lora(), dp_shard=2, ep=2)
+
+
+def qwen3_moe_lora_tp2_ep2() -> Run:
+    """TP2 (sequence parallel) for attention and its adapters, the experts and theirs over EP2, on 2 ranks."""
+    return on_layout(qwen3_moe_lora(), dp_shard=1, tp=2, ep=2)

@@ -57,4 +57,6 @@ ENTRIES = [
     _entry("qwen3_moe_sft_fsdp2_ep2", "Qwen 3 MoE SFT: FSDP2, experts over EP2", 2, "qwen3_moe_sft"),
     _entry("qwen3_moe_lora_fsdp2_ep2", "Qwen 3 MoE LoRA on every linear and on the routed experts (per-expert "
            "factors): FSDP2, experts and their adapters over EP2", 2, "qwen3_moe_lora", golden=True),
+    _entry("qwen3_moe_lora_tp2_ep2", "Qwen 3 MoE LoRA: TP2 for attention and its adapters, the experts and theirs "
+           "over EP2", 2, "qwen3_moe_lora"),
 ]

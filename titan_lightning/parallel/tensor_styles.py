@@ -347,7 +347,8 @@ STYLES: dict[str, TPStyle] = {style.name: style for style in (
             _moe),
     TPStyle("moe_replicated", "a per-token module inside an MoE layer (router gate, shared experts): weights "
             "replicated on the TP mesh, run on the rank's own tokens (dim 0), gradients summed over the TP ranks",
-            lambda t: SequenceParallel(sequence_dim=0, use_local_output=True)),
+            _adapted(lambda t: SequenceParallel(sequence_dim=0, use_local_output=True),
+                     lambda t: (Replicate(), Replicate()))),
     TPStyle("head_params", "a module of per-head parameters ([n_heads, ...]: gpt-oss's attention sinks) sharded on "
             "dim 0 with the heads; it reads them as local tensors", lambda t: HeadParams()),
     TPStyle(FUSED, "colwise for an nn.Linear whose output rows are N equal blocks: [all q; all k; all v] "
