@@ -122,13 +122,14 @@ def make(shape: str, layers=None, root=None) -> tuple[Path, Path]:
     return model, data
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(make_folders=make, doc: str = __doc__) -> None:
+    """The command line of ``make_folders`` (this one's, or benchmarks/preference_pairs.py's)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("shape", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--root", default=None)
     args = parser.parse_args()
-    print(*make(args.shape, args.layers, args.root))
+    print(*make_folders(args.shape, args.layers, args.root))
 
 
 if __name__ == "__main__":

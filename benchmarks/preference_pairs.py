@@ -12,13 +12,12 @@ last answer, the chosen answer that answer, the rejected one the last answer of 
 that a pair fits the recipe's window of 2,048 tokens.
 """
 
-import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.finetune_folder import SHAPES, make
+from benchmarks.finetune_folder import main, make
 
 MAX_TOKENS = 1024  # per answer: a pair fits recipes.hf:dpo's window of min(2048, max_position_embeddings)
 
@@ -43,14 +42,5 @@ def make_pairs(shape: str, layers=None, root=None) -> tuple[Path, Path]:
     return model, pairs
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("shape", choices=sorted(SHAPES))
-    parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--root", default=None)
-    args = parser.parse_args()
-    print(*make_pairs(args.shape, args.layers, args.root))
-
-
 if __name__ == "__main__":
-    main()
+    main(make_pairs, __doc__)
