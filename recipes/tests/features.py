@@ -467,8 +467,16 @@ def llama3_lora_tp2() -> Run:
     return on_layout(llama3_lora(), dp_shard=1, tp=2)
 
 
+def llama3_lora_cp2() -> Run:
+    return with_cp(llama3_lora(), "allgather", cp=2, dp_shard=1)
+
+
 def llama3_lora_cp2_ring() -> Run:
     return with_cp(llama3_lora(), "ring", cp=2, dp_shard=1)
+
+
+def llama3_lora_cp2_ulysses() -> Run:
+    return with_cp(llama3_lora(), "ulysses", cp=2, dp_shard=1)
 
 
 def llama3_lora_pp2() -> Run:

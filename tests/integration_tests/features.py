@@ -95,7 +95,9 @@ ENTRIES = [
            golden=True, seed=f"{_R}:llama3_lora"),
     _entry("llama3_lora_tp2", "LoRA: TP2 (sequence parallel), A and B split as their base", 2, golden=True,
            seed=f"{_R}:llama3_lora"),
+    _entry("llama3_lora_cp2", "LoRA: CP2, all-gather K/V", 2, seed=f"{_R}:llama3_lora"),
     _entry("llama3_lora_cp2_ring", "LoRA: CP2, ring attention", 2, seed=f"{_R}:llama3_lora"),
+    _entry("llama3_lora_cp2_ulysses", "LoRA: CP2, Ulysses all-to-all", 2, seed=f"{_R}:llama3_lora"),
     _entry("llama3_lora_pp2", "LoRA: PP2, adapters in their stage", 2, golden=True, seed=f"{_R}:llama3_lora",
            use_real_pg=True),
     # DPO on pairs of very uneven lengths: the loss is the mean over each step's pairs on every layout.
