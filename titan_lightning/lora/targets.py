@@ -6,8 +6,8 @@ A linear is a target when it is a plain ``nn.Linear`` whose weight is one whole 
 not the output head (PEFT's ``all-linear`` leaves it out), not a part of a fused tensor (Phi-3's
 ``qkv_proj``, ``gate_up_proj``: PEFT's single A and B over the fused rows are no sum of per-part
 adapters). An MoE router's gate is one (``gate``). The routed experts are stacked weights, no
-``nn.Linear``: they take no adapters yet, so ``all-linear`` on an MoE model adapts attention and
-routers (PEFT 0.21 adapts transformers' fused experts too; #48's second phase).
+``nn.Linear``: they take adapters through ``lora.target_parameters`` as PEFT's ``target_parameters``
+(lora/experts.py), so ``all-linear`` on an MoE model adapts attention and routers, as PEFT's does.
 """
 
 from typing import Any, Optional
