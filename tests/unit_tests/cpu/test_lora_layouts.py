@@ -66,11 +66,13 @@ def test_expert_adapters_step_one_loss_and_gradients_equal_peft_target_parameter
             their.lora_B["default"].weight.copy_(adapter.to_hf({f"{name}.weight": layer.lora_b.weight})[
                 f"{names[name]}.weight"])
     tokens = torch.randint(0, VOCAB, (2, 16), generator=g)
-    loss = _cross_entropy(ours(tokens), tokens)
-    loss.backward()
-    their_loss = _cross_entropy(theirs(input_ids=tokens).logits, tokens)
-    their_loss.backward()
-    torch.testing.assert_close(loss, their_loss, rtol=0, atol=1e-6)
+
+    def step_one(logits: torch.Tensor) -> torch.Tensor:
+        loss = _cross_entropy(logits, tokens)
+        loss.backward()
+        return loss
+
+    torch.testing.assert_close(step_one(ours(tokens)), step_one(theirs(input_ids=tokens).logits), rtol=0, atol=1e-6)
     for index, (_, experts) in enumerate(adapted):
         for name in experts.lora_a:
             w = wrapper(index, name)
@@ -130,17 +132,9 @@ def _adapted_pair(rank: int, world_size: int, style: str) -> dict:
 
     from titan_lightning.parallel.tensor_styles import STYLES, Target
 
-    def linear() -> LoRALinear:
-        g = torch.Generator().manual_seed(0)
-        layer = LoRALinear(8, 12, rank=2, alpha=4.0)
-        with torch.no_grad():
-            for p in layer.parameters():
-                p.copy_(torch.randn(p.shape, generator=g))
-        layer.weight.requires_grad_(False)
-        return layer
-
-    x = torch.randn(3, 8 if style != "rowwise" else 12, generator=torch.Generator().manual_seed(1))
-    one, tp = (linear() if style != "rowwise" else _transposed(linear()) for _ in range(2))
+    features = (12, 8) if style == "rowwise" else (8, 12)
+    x = torch.randn(3, features[0], generator=torch.Generator().manual_seed(1))
+    one, tp = (_random_lora(*features) for _ in range(2))
     name, _, parts = style.partition(":")
     parallelize_module(tp, init_device_mesh("cpu", (world_size,)),
                        STYLES[name].parallel_style(Target(tp, False, False, int(parts) if parts else None)),
@@ -162,15 +156,15 @@ def _adapted_pair(rank: int, world_size: int, style: str) -> dict:
     return errors
 
 
-def _transposed(layer: LoRALinear) -> LoRALinear:
-    """``layer``'s shape with in and out swapped (a rowwise projection 12 -> 8)."""
-    g = torch.Generator().manual_seed(2)
-    out = LoRALinear(12, 8, rank=2, alpha=4.0)
+def _random_lora(in_features: int, out_features: int) -> LoRALinear:
+    """A frozen linear with adapters, every value drawn (B off zero), the same on every call."""
+    g = torch.Generator().manual_seed(0)
+    layer = LoRALinear(in_features, out_features, rank=2, alpha=4.0)
     with torch.no_grad():
-        for p in out.parameters():
+        for p in layer.parameters():
             p.copy_(torch.randn(p.shape, generator=g))
-    out.weight.requires_grad_(False)
-    return out
+    layer.weight.requires_grad_(False)
+    return layer
 
 
 @pytest.mark.parametrize("style", ["colwise", "rowwise", "colwise_fused:3"])
