@@ -198,7 +198,7 @@ def _estimate(run: Run, world_size: int, rank: int, fake_mode) -> MemoryEstimate
         cp.runs(t.seq_len // job.parallelism.cp, CPU)
     # The batch as the data module hands it over (on the host, with values), then as the module
     # prepares it before the transfer (varlen's document offsets) and CP slices it.
-    batch = module.prepare_batch_on_host(host_batch(t.microbatch_size, t.seq_len))
+    batch = module.prepare_batch_on_host(host_batch(t.microbatch_size, t.seq_len, pairs=job.preference.enabled))
     batch = batch if cp is None else {key: cp.shard(value) if key in SEQUENCES else value for key, value in batch.items()}
     with fake_mode:
         optimizer = build_optimizer(module.model.parameters(), job.optimizer, CPU)
@@ -213,18 +213,25 @@ def _estimate(run: Run, world_size: int, rank: int, fake_mode) -> MemoryEstimate
 
 
 DOCUMENTS_PER_ROW = 4
-SEQUENCES = ("input_ids", "labels", "position_ids")  # a batch's [B, S] tensors, which CP slices
+SEQUENCES = ("input_ids", "labels", "position_ids", "sequence_ids")  # a batch's [B, S] tensors, which CP slices
 
 
-def host_batch(rows: int, seq_len: int) -> dict[str, torch.Tensor]:
+def host_batch(rows: int, seq_len: int, pairs: bool = False) -> dict[str, torch.Tensor]:
     """A microbatch of ``rows`` windows of ``seq_len`` tokens as the data module hands one over, on
     the host: token ids, labels and ``position_ids``, each row packed with ``DOCUMENTS_PER_ROW``
     documents (what ``block_causal`` masks, ``per_document`` positions and varlen's document offsets
     read; the bytes of the masks and kernels do not depend on where the boundaries fall). Under the
-    fake mode the step's ops take it as fake tensors."""
+    fake mode the step's ops take it as fake tensors. ``pairs``: preference pairs (data/preference.py),
+    each document a sequence slot and two a pair, their reference log-probabilities with them (as a
+    step holds them, whichever ``preference.reference`` gave them)."""
     tokens = torch.zeros(rows, seq_len, dtype=torch.long)
     positions = (torch.arange(seq_len) % -(-seq_len // DOCUMENTS_PER_ROW)).expand(rows, seq_len).contiguous()
-    return {"input_ids": tokens, "labels": tokens, "position_ids": positions}
+    batch = {"input_ids": tokens, "labels": tokens, "position_ids": positions}
+    if pairs:
+        batch["sequence_ids"] = torch.cumsum(positions == 0, dim=1) - 1
+        batch["sequence_docs"] = torch.arange(DOCUMENTS_PER_ROW).expand(rows, DOCUMENTS_PER_ROW).contiguous()
+        batch["reference_logps"] = torch.zeros(rows, DOCUMENTS_PER_ROW)
+    return batch
 
 
 def _result(module, held: dict[str, int], live, mesh: Mesh, world_size: int, rank: int, batch: str) -> MemoryEstimate:
@@ -270,11 +277,12 @@ def _estimate_pipeline(run: Run, mesh: Mesh, split: PipelineSplit, world_size: i
     # What travels between stages: the residual stream, in the dtype the blocks compute in.
     hidden = getattr(torch, t.mixed_precision_param if fsdp else t.dtype)
     m = job.model  # each stage takes the microbatch's document boundaries when the model reads them
-    positions = host_batch(rows, t.seq_len)["position_ids"] if (m.mask, m.positions) != ("causal", "global") else None
+    batch = host_batch(rows, t.seq_len, pairs=job.preference.enabled)  # (its labels: the last stage's loss)
+    positions = batch["position_ids"] if (m.mask, m.positions) != ("causal", "global") else None
     with fake_mode:
         optimizer = build_optimizer(module.model.parameters(), job.optimizer, CPU)
         step = _PipelineStep(module, optimizer, split.stages, split.local, len(split.names), held, rows, t.seq_len,
-                             job.model.dim, hidden, positions)
+                             job.model.dim, hidden, batch, positions)
         with stage_autocast(t, fsdp, CPU.type):  # what the strategy runs the schedule under
             step()  # creates the optimizer state, compiles
             with _LiveBytes(fake_mode) as live:
@@ -294,8 +302,9 @@ class _PipelineStep:
     live: Optional["_LiveBytes"] = None  # set for the measured step
 
     def __init__(self, module, optimizer, stages, local, num_stages, held, rows, seq_len, dim, hidden,
-                 positions: Optional[torch.Tensor] = None) -> None:
+                 batch: dict[str, torch.Tensor], positions: Optional[torch.Tensor] = None) -> None:
         self.module, self.optimizer, self.stages, self.positions = module, optimizer, stages, positions
+        self.batch = batch
         self.local, self.last, self.held = local, num_stages - 1, held
         self.shape, self.hidden = (rows, seq_len), (rows, seq_len, dim, hidden)
 
@@ -311,7 +320,7 @@ class _PipelineStep:
                 out = stage(x) if self.positions is None else stage(x, self.positions)
                 out = out[0] if isinstance(out, tuple) else out  # (hidden states, position_ids) to the next stage
                 if stage_id == self.last:  # the objective's loss, as the last stage's loss function runs it
-                    out, _ = self.module.objective.loss(out, {"labels": torch.zeros(self.shape, dtype=torch.long)})
+                    out, _ = self.module.objective.loss(out, self.batch)
                 pending.append(out)
                 del x, out
         while pending:

@@ -60,3 +60,13 @@ def test_a_fake_group_run_neither_reads_nor_writes_the_kept_reference(tmp_path, 
                                  "--job.data.dataset_path", str(pairs)])
     assert report["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
     assert list(kept.parent.iterdir()) == [kept]
+
+
+@pytest.mark.parametrize("recipe", ["llama3_dpo_cp2_ring", "llama3_dpo_pp2"])
+def test_a_preference_layout_is_estimated_with_pair_batches(recipe):
+    """The dry run's step holds a batch of pairs (each sequence's slot, its reference) through the pair loss."""
+    from recipes.tests import features
+    from titan_lightning.estimate import estimate
+
+    memory = estimate(getattr(features, recipe)(), world_size=2, rank=1)
+    assert memory.activations > 0 and memory.gradients > 0
