@@ -29,7 +29,7 @@ class LoRAConfig:
     # in every MoE layer ("gate_up_proj": the gate and up projections, one adapter over both;
     # "down_proj"); per-expert factors, sharded with the experts under expert parallelism
     # (titan_lightning/lora/experts.py). A comma-separated string is split.
-    target_parameters: list[str] = field(default_factory=list)
+    target_parameters: Union[list[str], str] = field(default_factory=list)
     # None: the frozen base is stored in the compute dtype (training.mixed_precision_param: bf16, no
     # fp32 copy). "nf4": QLoRA, the base linears stored as torchao NF4 and dequantized per forward.
     quantize_base: Optional[str] = None
