@@ -499,6 +499,14 @@ def llama3_dpo() -> Run:
     return run
 
 
+def llama3_dpo_accumulation() -> Run:
+    """One process, the seed's 4 windows a step in 2 microbatches of 2."""
+    run = llama3_dpo()
+    t = run.job.training
+    t.tokens_per_step, t.tokens_per_microbatch_per_dp_rank = 4 * t.seq_len, 2 * t.seq_len
+    return run
+
+
 def llama3_dpo_fsdp2_accumulation() -> Run:
     return _fsdp2_accumulation(llama3_dpo())
 

@@ -101,6 +101,8 @@ ENTRIES = [
     _entry("llama3_lora_pp2", "LoRA: PP2, adapters in their stage", 2, golden=True, seed=f"{_R}:llama3_lora",
            use_real_pg=True),
     # DPO on pairs of very uneven lengths: the loss is the mean over each step's pairs on every layout.
+    TestEntry(recipes=(f"{_R}:llama3_dpo_accumulation",), name="llama3_dpo_accumulation",
+              description="DPO: the same pairs in 2 microbatches a step", seed_recipe=f"{_R}:llama3_dpo"),
     _entry("llama3_dpo_fsdp2_accumulation", "DPO: FSDP2, 2 microbatches of 1 window per rank", 2, golden=True,
            seed=f"{_R}:llama3_dpo"),
     _entry("llama3_dpo_tp2", "DPO: TP2 (sequence and loss parallel), per-sequence sums of vocab-parallel losses", 2,
