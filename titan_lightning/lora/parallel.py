@@ -2,15 +2,22 @@
 
 - FSDP2 (dp_shard), HSDP, DDP: the adapters are parameters of their layer, sharded or replicated
   with it; only they train, so only their gradients are reduced.
-- TP (+SP): ``lora_a`` / ``lora_b`` are children of their ``LoRALinear``; a colwise base splits B on
-  its rows (the update is split like the base's output, A replicated), a rowwise base splits A on
-  its columns (the update's partial sums are reduced with the base's, B replicated): the style
-  records of parallel/tensor_styles.py. A fused projection (``colwise_fused``) takes no adapters.
+- TP (+SP): ``lora_a`` / ``lora_b`` are children of their ``LoRALinear``, and the style of the
+  plan's entry places them with the base (``AdaptedLinearParallel``, parallel/tensor_styles.py):
+  under colwise (and colwise_fused: B strided like the fused rows) A is replicated and B split on
+  its rows, so the update is split like the base's output; under rowwise A is split on its columns,
+  its partial sums reduced before B, B replicated; under moe_replicated (a router gate, a shared
+  expert) both replicated. Each gradient is placed as its weight. A frozen parameter stays frozen
+  (``apply_tp``).
 - PP: the adapters live in their layer, so in its stage; an adapter-only checkpoint is every
   stage's adapters.
 - EP: the routed experts' adapters (lora/experts.py) are stacked per expert like the experts'
-  weights and sharded with them on the expert dim.
+  weights and sharded with them on the expert dim (parallel/expert.py shards every parameter of
+  the experts), FSDP-sharded with them over the expert FSDP ranks. Expert tensor parallelism
+  (tp > 1 with ep = 1) does not split them: refused below.
 - CP and gradient accumulation: nothing of the adapters' own (the layout is the activations').
+
+Each layout equals one process: the llama3_lora_* (features) and qwen3_moe_lora_* (models) entries.
 """
 
 from typing import Any
