@@ -483,6 +483,22 @@ def llama3_lora_pp2() -> Run:
     return _pp2(llama3_lora())
 
 
+# QLoRA (lora.quantize_base nf4): the LoRA runs at the debug model's width (256: every weight holds 4
+# or more NF4 scale blocks, so 2 ranks keep whole ones), the base stored as NF4.
+def llama3_qlora() -> Run:
+    """One process: the seed of the QLoRA layouts."""
+    run = llama3_lora()
+    model = run.job.model
+    model.dim, model.n_heads, model.n_kv_heads = 256, 16, 16
+    run.job.lora.quantize_base = "nf4"
+    return run
+
+
+def llama3_qlora_fsdp2_accumulation() -> Run:
+    """FSDP2, the NF4 base sharded on its rows, 2 accumulated microbatches per rank."""
+    return _fsdp2_accumulation(llama3_qlora())
+
+
 # Preference training (job.preference, DPO): 48 pairs whose answers run from 1 to 20 tokens, packed
 # whole, on llama3_small's shape for 3 steps; each layout reproduces the one-process DPO run, whose
 # loss is the mean over each step's pairs (titan_lightning/objectives/preference.py), its reference
