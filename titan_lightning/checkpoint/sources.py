@@ -10,6 +10,7 @@ import torch
 
 from titan_lightning._compat import compute_local_shape_and_global_offset
 from titan_lightning.checkpoint.placements import _one_chunk_placements
+from titan_lightning.models.common.nf4 import copy_into_sharded_nf4, sharded_nf4
 
 
 class Source:
@@ -56,7 +57,9 @@ def load_sources(model: torch.nn.Module, sources: dict[str, Source], *, source: 
         if sources[name].shape != tuple(target.shape):
             raise ValueError(f"{source}: {name} has shape {sources[name].shape}, the model's is {tuple(target.shape)}")
     for name, target in own.items():
-        if isinstance(target, DTensor):
+        if sharded_nf4(target):  # (QLoRA under FSDP2: quantized whole, then this rank's rows)
+            copy_into_sharded_nf4(target, sources[name].full().to(device=target.device, dtype=target.dtype))
+        elif isinstance(target, DTensor):
             block = local_block(target)
             if block is None:
                 full = sources[name].full().to(device=target.device, dtype=target.dtype)

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_lightning.models.common.nf4 import holds_nf4, is_nf4, nf4_shard
+
 ADAPTER_NAMES = ("lora_a", "lora_b")
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # torchao's (and QLoRA's) defaults
 _CHILDREN = (*ADAPTER_NAMES, "lora_dropout")
@@ -47,7 +49,7 @@ class LoRALinear(nn.Linear):
     def _apply(self, fn, recurse: bool = True):
         """An NF4 weight (QLoRA) stays as it is: ``to_empty`` would copy its quantization tables
         uninitialized, a cast would undo the quantization; the rest of the layer as usual."""
-        if not is_nf4(self.weight):
+        if not holds_nf4(self.weight):
             return super()._apply(fn, recurse)
         weight = self._parameters.pop("weight")
         try:
@@ -69,11 +71,6 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, rank={self.lora_a.out_features}, scaling={self.scaling:g}"
 
 
-def is_nf4(t: torch.Tensor) -> bool:
-    """torchao's NF4Tensor (checked by name: a run without QLoRA never imports torchao)."""
-    return type(t).__name__ == "NF4Tensor"
-
-
 def linear_nf4(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     from torchao.dtypes.nf4tensor import linear_nf4 as nf4  # (torchao: only a QLoRA run imports it)
 
@@ -82,24 +79,33 @@ def linear_nf4(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def quantize_base_nf4(model: nn.Module, device: torch.device) -> None:
-    """QLoRA, before the model is materialized: every adapted layer's frozen weight becomes torchao's
-    NF4 (4-bit NormalFloat, a scale per 64 weights, a scale of scales per 256) on ``device``, one
-    layer's dense weight at a time (a base larger than the device in bf16 never exists whole);
-    ``to_empty`` leaves it be, and the init and a load quantize what they copy into it. On one
-    process: a weight sharded by FSDP2 is refused (its composition is #48's next step)."""
+    """QLoRA: every adapted layer's frozen weight becomes torchao's NF4 (4-bit NormalFloat, a scale per
+    64 weights, a scale of scales per 256) on ``device``, one layer's dense weight at a time (a base
+    larger than the device in bf16 never exists whole). Run when the model is built (on the meta
+    device: FSDP2 then shards the NF4 weights, models/common/nf4.py) and again before it is
+    materialized: ``to_empty`` leaves NF4 be, and the init and a load quantize what they copy into it.
+    A weight FSDP2 sharded keeps its rows of the whole NF4 tensor."""
     from torchao.dtypes.nf4tensor import to_nf4
 
     for name, layer in lora_layers(model):
         w = layer.weight
-        if hasattr(w, "device_mesh"):
-            raise ValueError(f"lora.quantize_base='nf4': {name}.weight is sharded (FSDP2 / TP), and an NF4 base "
-                             f"trains on one process for now; run one process or set lora.quantize_base=None")
         if w.numel() % NF4_BLOCK:
             raise ValueError(f"lora.quantize_base='nf4': {name}.weight has {w.numel()} values, not a multiple of "
                              f"NF4's block of {NF4_BLOCK}; set lora.quantize_base=None")
+        if hasattr(w, "device_mesh") and not holds_nf4(w):
+            raise ValueError(f"lora.quantize_base='nf4': {name}.weight was sharded dense (tensor parallel); an NF4 "
+                             f"base shards under FSDP2 alone: set parallelism.tp=1 or lora.quantize_base=None")
+        local = getattr(w, "_local_tensor", w)
+        scaler_block = local.scaler_block_size if is_nf4(local) else nf4_scaler_block(w.numel())
         dense = torch.ones(w.shape, dtype=w.dtype, device=device)  # (the values come with the init or a load)
-        scaler_block = math.gcd(NF4_SCALER_BLOCK, w.numel() // NF4_BLOCK)  # (fewer scales in a small layer)
-        layer.weight = nn.Parameter(to_nf4(dense, NF4_BLOCK, scaler_block), requires_grad=False)
+        nf4 = to_nf4(dense, NF4_BLOCK, scaler_block)
+        layer.weight = nn.Parameter(nf4_shard(nf4, w) if hasattr(w, "device_mesh") else nf4, requires_grad=False)
+
+
+def nf4_scaler_block(numel: int) -> int:
+    """The scales of how many 64-weight blocks are quantized together in an NF4 weight of ``numel``
+    values: NF4_SCALER_BLOCK, fewer in a small layer (one that holds fewer blocks)."""
+    return math.gcd(NF4_SCALER_BLOCK, numel // NF4_BLOCK)
 
 
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:

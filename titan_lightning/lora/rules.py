@@ -7,6 +7,7 @@ from torch import nn
 
 from titan_lightning.config import ConfigError
 from titan_lightning.config.quantize import INSTALL
+from titan_lightning.lora.layer import NF4_BLOCK, nf4_scaler_block
 from titan_lightning.lora.parallel import check_lora_layout
 from titan_lightning.lora.targets import lora_targets
 
@@ -22,12 +23,7 @@ def check_lora_job(job: Any, model: nn.Module, adapter: Optional[Any]) -> None:
         raise ConfigError(f"lora.rank={lora.rank} with quantize.float8.enable=True: float8 base linears with "
                           f"adapters are not built; set quantize.float8.enable=False")
     if lora.quantize_base is not None:
-        p = job.parallelism
-        spread = [f"parallelism.{name}={getattr(p, name)}"
-                  for name in ("tp", "pp", "ep", "dp_shard", "dp_replicate", "cp") if getattr(p, name) not in (1, -1)]
-        if spread:
-            raise ConfigError(f"lora.quantize_base={lora.quantize_base!r} with {spread[0]}: an NF4 base trains on one "
-                              f"process for now; set lora.quantize_base=None, or {spread[0].split('=')[0]}=1")
+        check_nf4_layout(job.parallelism, lora.quantize_base)
         if find_spec("torchao") is None:
             raise ConfigError(f"lora.quantize_base={lora.quantize_base!r} needs torchao, which is not installed: "
                               f"{INSTALL}")
@@ -36,6 +32,33 @@ def check_lora_job(job: Any, model: nn.Module, adapter: Optional[Any]) -> None:
         raise ConfigError(f"lora.rank={lora.rank} with checkpoint.initial_load_format={c.initial_load_format!r}: "
                           f"adapters start from a Hugging Face base folder; set initial_load_format=hf")
     try:
-        lora_targets(model, adapter, lora)
+        targets = lora_targets(model, adapter, lora)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if lora.quantize_base is not None and job.parallelism.dp_shard > 1:
+        check_nf4_shards(model, list(targets), job.parallelism.dp_shard)
+
+
+def check_nf4_layout(p: Any, quantize: str) -> None:
+    """QLoRA's layouts: one process, FSDP2 (dp_shard) and HSDP, the NF4 base sharded on its rows
+    (models/common/nf4.py); one-line ConfigError for any other degree."""
+    spread = [f"parallelism.{name}={getattr(p, name)}" for name in ("tp", "pp", "ep", "cp") if getattr(p, name) != 1]
+    if p.dp_replicate > 1 and p.dp_shard == 1:
+        spread.append(f"parallelism.dp_replicate={p.dp_replicate}")
+    if spread:
+        raise ConfigError(f"lora.quantize_base={quantize!r} with {spread[0]}: an NF4 base trains on one process or "
+                          f"sharded by FSDP2 / HSDP (dp_shard) alone; set lora.quantize_base=None, or "
+                          f"{spread[0].split('=')[0]}=1")
+
+
+def check_nf4_shards(model: nn.Module, targets: list[str], dp_shard: int) -> None:
+    """Each rank of ``dp_shard`` keeps whole rows and whole scale blocks of every NF4 weight (its
+    ``NF4_SCALER_BLOCK`` scales of 64 weights each): a one-line ConfigError naming the first weight
+    that does not split so."""
+    for name in targets:
+        rows, columns = model.get_submodule(name).weight.shape
+        scale_blocks = rows * columns // NF4_BLOCK // nf4_scaler_block(rows * columns)
+        if rows % dp_shard or scale_blocks % dp_shard:
+            raise ConfigError(f"lora.quantize_base='nf4' with parallelism.dp_shard={dp_shard}: {name}.weight "
+                              f"[{rows}, {columns}] has {rows} rows and {scale_blocks} NF4 scale blocks, which "
+                              f"{dp_shard} ranks cannot share evenly; set dp_shard to a divisor of both")

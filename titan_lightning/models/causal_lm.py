@@ -129,6 +129,9 @@ class CausalLMModule(L.LightningModule):
             targets = lora_targets(model, self.state_dict_adapter(), lora)
             add_adapters(model, list(targets), rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
             add_expert_adapters(model, lora, getattr(self.state_dict_adapter(), "family", None))
+            if lora.quantize_base == "nf4":  # (QLoRA: NF4 from the start, so FSDP2 shards the base as NF4)
+                store_frozen_in(model, getattr(torch, self.job.training.mixed_precision_param))
+                quantize_base_nf4(model, next(model.parameters()).device)
         return model
 
     # -- model lifecycle ---------------------------------------------------------------

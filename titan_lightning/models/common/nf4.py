@@ -1,0 +1,55 @@
+"""QLoRA's NF4 weights (torchao's ``NF4Tensor``) as the rest of the code meets them: whether a tensor
+is one (or FSDP2's shard of one: a DTensor whose local block is NF4), and a full tensor written into
+one, on one process or sharded.
+
+NF4 quantizes a weight whole: a scale per 64 values, and those scales quantized per 256 around the
+mean of all of them (one number for the whole tensor). A shard is therefore never quantized from its
+own rows, as a dense shard is copied from its block (its mean would be its own): the full tensor is
+quantized as one process quantizes it, then each rank keeps its rows (torchao splits an NF4Tensor on
+dim 0 into its blocks' parts, and FSDP2 all-gathers them back into the whole one: its
+``fsdp_pre_all_gather``). So the weights a sharded run computes with are the one-process run's, bit
+for bit. torchao is imported only where an NF4 weight exists.
+"""
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from titan_lightning._compat import compute_local_shape_and_global_offset
+
+
+def is_nf4(t: object) -> bool:
+    """torchao's NF4Tensor (checked by name: a run without QLoRA never imports torchao)."""
+    return type(t).__name__ == "NF4Tensor"
+
+
+def sharded_nf4(t: object) -> bool:
+    """A DTensor whose local block is an NF4Tensor (an NF4 weight sharded by FSDP2)."""
+    return isinstance(t, DTensor) and is_nf4(t._local_tensor)
+
+
+def holds_nf4(t: object) -> bool:
+    return is_nf4(t) or sharded_nf4(t)
+
+
+def local_rows(t: DTensor) -> tuple[int, int]:
+    """(first row, rows) of the global tensor that this rank's block of ``t`` holds (dim 0: FSDP2's shard)."""
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return offset[0], shape[0]
+
+
+def nf4_shard(nf4: torch.Tensor, like: DTensor) -> DTensor:
+    """The rows of the whole NF4 tensor ``nf4`` that this rank of ``like`` holds, as a DTensor placed as ``like``."""
+    start, rows = local_rows(like)
+    return DTensor.from_local(nf4.split(rows)[start // rows], like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+@torch.no_grad()
+def copy_into_sharded_nf4(target: DTensor, full: torch.Tensor) -> None:
+    """``full`` (the whole tensor) into the NF4 weight sharded as ``target``: quantized whole, as one
+    process's ``copy_`` into an NF4Tensor quantizes it, then this rank's rows copied into its block."""
+    from torchao.dtypes.nf4tensor import to_nf4
+
+    local = target._local_tensor
+    nf4 = to_nf4(full.to(local.device).contiguous(), local.block_size, local.scaler_block_size)
+    local.copy_(nf4_shard(nf4, target)._local_tensor)
