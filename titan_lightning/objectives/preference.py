@@ -317,8 +317,9 @@ def reference_cache(job: Any) -> Optional[Path]:
     """Where ``precompute_reference`` keeps the reference of ``job``'s starting weights: next to the
     shards, ``reference_logps/<hash>.npy``, the hash of what decides the numbers (the weights loaded,
     by their files' names, sizes and times; else the init seed; the model, its adapters, its
-    precision; the layout and the microbatch, whose sums run in another order: a run reads only
-    what its own layout wrote, so it repeats bit for bit)."""
+    precision; with ``training.deterministic``, the layout and the microbatch too, whose sums run
+    in another order: such a run reads only what its own layout wrote, so it repeats bit for bit;
+    other runs share the reference of the same weights, whatever the layout that computed it)."""
     if job.data.dataset_path is None:
         return None
     load = job.checkpoint.initial_load_path
@@ -329,6 +330,7 @@ def reference_cache(job: Any) -> Optional[Path]:
                       "model": repr(job.model), "lora": repr(job.lora), "quantize": repr(job.quantize),
                       "dtype": job.training.dtype,
                       "compute": job.training.mixed_precision_param, "seq_len": job.training.seq_len,
-                      "packing": job.data.sft_packing, "layout": repr(job.parallelism),
-                      "microbatch": job.training.tokens_per_microbatch_per_dp_rank}, sort_keys=True)
+                      "packing": job.data.sft_packing,
+                      **({"layout": repr(job.parallelism), "microbatch": job.training.tokens_per_microbatch_per_dp_rank}
+                         if job.training.deterministic else {})}, sort_keys=True)
     return Path(job.data.dataset_path) / REFERENCE_FOLDER / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.npy"

@@ -1,7 +1,8 @@
 """Preference training on every layout (#49): what the features suite's DPO entries (llama3_dpo_*:
 dp_shard 2 with accumulation, tp 2, cp 2, pp 2, each equal to the one-process run, in both lanes)
 rest on, checked here without launching ranks: a window's preference slots are not sliced by
-context parallelism, and the kept reference is a layout's own and never the fake group's."""
+context parallelism, a deterministic run's kept reference is its layout's own, and the fake
+group's is never kept."""
 
 import math
 import shutil
@@ -27,15 +28,20 @@ def test_context_parallelism_slices_a_window_s_tokens_and_keeps_its_pair_slots_w
         assert torch.equal(sliced["sequence_docs"], batch["sequence_docs"])  # every rank finds each slot's document
 
 
-def test_the_kept_reference_is_a_layout_s_own(tmp_path):
-    """A layout sums in its own order: it reads only the reference it computed, so it repeats bit for bit."""
+def test_a_deterministic_run_keeps_the_reference_of_its_own_layout():
+    """A layout sums in its own order: a deterministic run reads only the reference its layout
+    computed, so it repeats bit for bit; other runs share one reference of the same weights."""
     from recipes.tests import features
     from titan_lightning.objectives.preference import reference_cache
 
-    kept = {name: reference_cache(getattr(features, name)().job)
-            for name in ("llama3_dpo", "llama3_dpo_tp2", "llama3_dpo_cp2_ring", "llama3_dpo_pp2")}
-    assert len(set(kept.values())) == len(kept)
-    assert reference_cache(features.llama3_dpo().job) == kept["llama3_dpo"]  # the same job: the same file
+    names = ("llama3_dpo", "llama3_dpo_accumulation", "llama3_dpo_tp2", "llama3_dpo_pp2")
+    jobs = {name: getattr(features, name)().job for name in names}
+    assert all(job.training.deterministic for job in jobs.values())
+    assert len({reference_cache(job) for job in jobs.values()}) == len(names)
+    assert reference_cache(features.llama3_dpo().job) == reference_cache(jobs["llama3_dpo"])
+    for job in jobs.values():
+        job.training.deterministic = False
+    assert len({reference_cache(job) for job in jobs.values()}) == 1
 
 
 def test_a_fake_group_run_neither_reads_nor_writes_the_kept_reference(tmp_path, monkeypatch):
