@@ -459,6 +459,14 @@ def _pp2(run: Run) -> Run:
     return on_layout(run, dp_shard=1, pp=2, pp_schedule="1F1B", pp_microbatches=2)
 
 
+def llama3_lora_accumulation() -> Run:
+    """One process, the seed's 4 sequences a step in 2 microbatches."""
+    run = llama3_lora()
+    run.job.training.tokens_per_step = run.job.training.tokens_per_microbatch_per_dp_rank
+    run.job.training.tokens_per_microbatch_per_dp_rank //= 2
+    return run
+
+
 def llama3_lora_fsdp2_accumulation() -> Run:
     return _fsdp2_accumulation(llama3_lora())
 

@@ -91,6 +91,8 @@ ENTRIES = [
     _entry("llama3_sft_cp2", "SFT: CP2, all-gather K/V", 2, golden=True, seed=f"{_R}:llama3_sft"),
     _entry("llama3_sft_pp2", "SFT: PP2, the last stage's loss", 2, seed=f"{_R}:llama3_sft", use_real_pg=True),
     # LoRA: adapters on every linear, the base frozen; every layout reproduces the one-process LoRA run.
+    TestEntry(recipes=(f"{_R}:llama3_lora_accumulation",), name="llama3_lora_accumulation",
+              description="LoRA: the same global batch in 2 microbatches", seed_recipe=f"{_R}:llama3_lora"),
     _entry("llama3_lora_fsdp2_accumulation", "LoRA: FSDP2, adapters sharded with their layer, 2 microbatches", 2,
            golden=True, seed=f"{_R}:llama3_lora"),
     _entry("llama3_lora_tp2", "LoRA: TP2 (sequence parallel), A and B split as their base", 2, golden=True,
