@@ -13,7 +13,9 @@ module (``Target``), so a style can shard a module's children with it: a linear 
 adapters ``lora_a`` / ``lora_b`` under colwise takes A replicated and B colwise (the update is
 split like the base's output), under rowwise A rowwise and B replicated (its partial sums are
 reduced with the base's), in a ``ParallelStyle`` whose ``_apply`` shards each child; the record
-keeps colwise's (or rowwise's) weight dim and head splitting.
+keeps colwise's (or rowwise's) weight dim and head splitting. ``colwise``, ``colwise_grouped``,
+``colwise_fused``, ``rowwise`` and ``moe_replicated`` do so (``_adapted``: where the entry's module
+has adapters, ``AdaptedLinearParallel`` over the base's style).
 
 Weights are not broadcast (``src_data_rank=None``): each rank shards the full weights it holds.
 Every parameter of a sharded module becomes a DTensor on the TP mesh, norms included, so one
