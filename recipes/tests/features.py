@@ -446,6 +446,14 @@ def llama3_lora() -> Run:
     return run
 
 
+def _accumulation(run: Run) -> Run:
+    """One process, llama3_small's 4 sequences a step in 2 microbatches."""
+    t = run.job.training
+    t.tokens_per_step = t.tokens_per_microbatch_per_dp_rank
+    t.tokens_per_microbatch_per_dp_rank //= 2
+    return run
+
+
 def _fsdp2_accumulation(run: Run) -> Run:
     """FSDP2 with 2 accumulated microbatches of 1 sequence per rank: llama3_small's 4 sequences per step."""
     run = on_layout(run, dp_shard=2)
@@ -460,11 +468,7 @@ def _pp2(run: Run) -> Run:
 
 
 def llama3_lora_accumulation() -> Run:
-    """One process, the seed's 4 sequences a step in 2 microbatches."""
-    run = llama3_lora()
-    run.job.training.tokens_per_step = run.job.training.tokens_per_microbatch_per_dp_rank
-    run.job.training.tokens_per_microbatch_per_dp_rank //= 2
-    return run
+    return _accumulation(llama3_lora())
 
 
 def llama3_lora_fsdp2_accumulation() -> Run:
@@ -524,11 +528,7 @@ def llama3_dpo() -> Run:
 
 
 def llama3_dpo_accumulation() -> Run:
-    """One process, the seed's 4 windows a step in 2 microbatches of 2."""
-    run = llama3_dpo()
-    t = run.job.training
-    t.tokens_per_step, t.tokens_per_microbatch_per_dp_rank = 4 * t.seq_len, 2 * t.seq_len
-    return run
+    return _accumulation(llama3_dpo())
 
 
 def llama3_dpo_fsdp2_accumulation() -> Run:
