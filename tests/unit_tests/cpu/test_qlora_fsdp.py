@@ -1,0 +1,107 @@
+"""QLoRA under FSDP2 (models/common/nf4.py, lora/layer.py ``quantize_base_nf4``): the NF4 base is
+sharded on its rows, each rank's block the rows of the whole weight quantized as one process
+quantizes it (from a Hugging Face folder here; from the init in the features suite, whose
+``llama3_qlora_fsdp2_accumulation`` trains as the one-process run); adapter-only checkpoints resume
+exactly; the layouts an NF4 base cannot take are refused before launch in one line."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from titan_lightning.config import ConfigError
+from titan_lightning.config.lora import LoRAConfig
+from titan_lightning.lora import base_only, lora_layers
+from titan_lightning.models.common.nf4 import is_nf4, local_rows, sharded_nf4
+
+from tests.hf_folders import save_hf_model
+
+pytest.importorskip("torchao", reason="QLoRA's NF4 is torchao's (a project dependency; this checks its install)")
+pytest.importorskip("transformers", reason="writes the Hugging Face folder; not a project dependency")
+
+# A folder whose every adapted weight splits into whole NF4 scale blocks on 2 ranks.
+WIDE = dict(hidden_size=256, intermediate_size=256)
+
+
+def _qlora_module(folder):
+    from titan_lightning.pretrained import read_hf_model
+
+    hf = read_hf_model(folder)
+    module = hf.module_class(hf.job_class(model=hf.args, lora=LoRAConfig(rank=4, alpha=8.0, quantize_base="nf4")))
+    with torch.device("meta"):
+        module.model = module.build_model()
+    return module, hf.module_class.hf_adapter(hf.args)
+
+
+def test_a_sharded_nf4_base_loads_each_ranks_rows_of_the_one_process_quantization(tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_lightning.parallel.fake import init_fake_process_group
+    from titan_lightning.parallel.fsdp import apply_fsdp
+
+    folder = tmp_path / "hf"
+    save_hf_model(folder, "llama", **WIDE)
+    one, adapter = _qlora_module(folder)
+    one.materialize(torch.device("cpu"))
+    with base_only(one.model) as base:
+        adapter.load_into(base, folder)
+    whole = {name: layer.weight.get_original_weight() for name, layer in lora_layers(one.model)}
+    init_fake_process_group(1, 2)  # (rank 1 of 2: its rows start past the first half)
+    try:
+        sharded, adapter = _qlora_module(folder)
+        apply_fsdp(sharded.model, init_device_mesh("cpu", (2,)), param_dtype=torch.float32,
+                   reduce_dtype=torch.float32)
+        sharded.materialize(torch.device("cpu"))
+        with base_only(sharded.model) as base:
+            adapter.load_into(base, folder)
+        layers = dict(lora_layers(sharded.model))
+        assert layers.keys() == whole.keys()
+        for name, layer in layers.items():
+            assert sharded_nf4(layer.weight) and is_nf4(layer.weight.to_local())
+            start, rows = local_rows(layer.weight)
+            assert (start, rows) == (whole[name].shape[0] // 2, whole[name].shape[0] // 2)
+            assert torch.equal(layer.weight.to_local().get_original_weight(), whole[name][start:start + rows]), name
+            assert layer.lora_a.weight.requires_grad and not layer.weight.requires_grad
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("degrees,message", [
+    ({"dp_shard": 2}, r"with parallelism.dp_shard=2: layers.0.attention.wq.weight \[128, 128\] has 128 rows and 1 NF4 scale blocks"),
+    ({"dp_shard": 1, "dp_replicate": 2}, r"with parallelism.dp_replicate=2: .* sharded by FSDP2 / HSDP"),
+    ({"dp_shard": 1, "tp": 2}, r"with parallelism.tp=2: .* sharded by FSDP2 / HSDP \(dp_shard\) alone"),
+])
+def test_a_layout_an_nf4_base_cannot_take_is_refused_before_launch_in_one_line(degrees, message):
+    from recipes.tests import features
+    from titan_lightning.config import validate_job
+    from titan_lightning.recipe import on_layout
+
+    run = on_layout(features.llama3_lora(), **degrees)  # (width 128: one NF4 scale block in each attention weight)
+    run.job.lora.quantize_base = "nf4"
+    with pytest.raises(ConfigError, match=rf"^lora.quantize_base='nf4' {message}") as err:
+        validate_job(run.job, world_size=2, max_steps=3, device_type="cpu")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.multi_process
+def test_adapter_only_checkpoints_of_qlora_under_fsdp2_resume_exactly(tmp_path):
+    """FSDP2 (gloo, 2 ranks): the checkpoint holds the adapters and their optimizer state alone (no
+    NF4 base); a new set of processes resumes from step 2 and repeats step 3 bitwise."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from titan_lightning.testing.launch import launch
+    from titan_lightning.trainer import RUN_DIR_ENV
+
+    def fit(recipe: str, out: str, *extra: str) -> dict:
+        argv = ["fit", "--recipe", f"recipes.tests.features:{recipe}", "--trainer.accelerator", "cpu",
+                "--trainer.devices", "2", *extra]
+        return launch(argv, 2, out_dir=tmp_path / out, timeout=300, env={RUN_DIR_ENV: str(tmp_path / out / "run")})
+
+    saved = fit("llama3_qlora_fsdp2_every2", "save").ranks[0]
+    checkpoint = tmp_path / "save" / "run" / "checkpoints" / "epoch=0-step=2.ckpt"
+    keys = [k for k in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+            if k.startswith(("state_dict.", "optimizer_0.state."))]
+    assert keys and all(".lora_" in k for k in keys)
+    resumed = fit("llama3_qlora_fsdp2_accumulation", "resume", "--job.checkpoint.resume_from", str(checkpoint)).ranks[0]
+    assert resumed["steps"] == [3]
+    assert (resumed["losses"], resumed["grad_norms"]) == (saved["losses"][2:], saved["grad_norms"][2:])
