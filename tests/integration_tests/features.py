@@ -102,6 +102,9 @@ ENTRIES = [
     _entry("llama3_lora_cp2_ulysses", "LoRA: CP2, Ulysses all-to-all", 2, seed=f"{_R}:llama3_lora"),
     _entry("llama3_lora_pp2", "LoRA: PP2, adapters in their stage", 2, golden=True, seed=f"{_R}:llama3_lora",
            use_real_pg=True),
+    # QLoRA: the NF4 base sharded on its rows, each rank's the rows of the one-process quantization.
+    _entry("llama3_qlora_fsdp2_accumulation", "QLoRA: FSDP2 over the NF4 base, adapters sharded with it, "
+           "2 microbatches", 2, golden=True, seed=f"{_R}:llama3_qlora"),
     # DPO on pairs of very uneven lengths: the loss is the mean over each step's pairs on every layout.
     TestEntry(recipes=(f"{_R}:llama3_dpo_accumulation",), name="llama3_dpo_accumulation",
               description="DPO: the same pairs in 2 microbatches a step", seed_recipe=f"{_R}:llama3_dpo"),
