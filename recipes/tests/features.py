@@ -540,6 +540,13 @@ def llama3_dpo_fsdp2_accumulation() -> Run:
     return _fsdp2_accumulation(llama3_dpo())
 
 
+def llama3_dpo_fsdp2_frozen() -> Run:
+    """The reference a frozen copy of the starting model, sharded like it (FSDP units of its own)."""
+    run = on_layout(llama3_dpo(), dp_shard=2)
+    run.job.preference.reference = "frozen"
+    return run
+
+
 def llama3_dpo_tp2() -> Run:
     return on_layout(llama3_dpo(), dp_shard=1, tp=2)
 

@@ -110,6 +110,8 @@ ENTRIES = [
               description="DPO: the same pairs in 2 microbatches a step", seed_recipe=f"{_R}:llama3_dpo"),
     _entry("llama3_dpo_fsdp2_accumulation", "DPO: FSDP2, 2 microbatches of 1 window per rank", 2, golden=True,
            seed=f"{_R}:llama3_dpo"),
+    _entry("llama3_dpo_fsdp2_frozen", "DPO: FSDP2, the reference a frozen copy sharded like the model", 2,
+           seed=f"{_R}:llama3_dpo"),
     _entry("llama3_dpo_tp2", "DPO: TP2 (sequence and loss parallel), per-sequence sums of vocab-parallel losses", 2,
            golden=True, seed=f"{_R}:llama3_dpo"),
     _entry("llama3_dpo_cp2_ring", "DPO: CP2, ring attention, each sequence's log-probability summed over cp", 2,

@@ -360,10 +360,6 @@ def validate_preference(job: JobConfig, world_size: int = 1) -> None:
     if pref.needs_reference and pref.reference == "adapters_off" and not job.lora.enabled:
         raise ConfigError(f"preference.reference='adapters_off' is the model with its LoRA adapters switched off, "
                           f"and lora.rank=0 adds none: set lora.rank (or preference.reference 'precomputed')")
-    if pref.needs_reference and pref.reference == "frozen" and world_size > 1:
-        raise ConfigError(f"preference.reference='frozen' on {world_size} ranks: a second copy of the model sharded "
-                          f"like it is not built yet (one process copies its model); use 'precomputed' (the same "
-                          f"numbers from one pass before training, one model held) or 'adapters_off' with LoRA")
 
 
 def validate_attention_kernel(job: JobConfig, device_type: str) -> None:

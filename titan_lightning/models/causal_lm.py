@@ -20,6 +20,7 @@ from titan_lightning.models.common.decoder import Decoder, decoder_class
 from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.models.common.masking import varlen_offsets
 from titan_lightning.models.common.moe import update_expert_bias
+from titan_lightning.models.reference_copy import sharded_copy
 from titan_lightning.objectives import MicrobatchTokenMean, Objective, Record, StepTokenMean
 from titan_lightning.objectives.base import local
 from titan_lightning.objectives.preference import PairMean, precompute_reference, reference_cache
@@ -27,6 +28,7 @@ from titan_lightning.optim import build_lr_scheduler, build_optimizer
 from titan_lightning.parallel.compile import compile_loss
 from titan_lightning.parallel.contracts import PipelinePlan
 from titan_lightning.parallel.grad_norm import clip_grads_, global_grad_norm
+from titan_lightning.parallel.mesh import Mesh
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -289,9 +291,11 @@ class CausalLMModule(L.LightningModule):
                                f"{reference!r}, the starting weights) {where}; start the run again, or use "
                                f"'precomputed' with the shards' reference_logps/ kept")
         if reference == "frozen" and self._frozen is None:
-            # The parallelized, loaded model copied: the same shards and units, no gradients, no optimizer
-            # state; kept out of the module's children (its state dict, checkpoints, parameters).
-            self.__dict__["_frozen"] = copy.deepcopy(self.model).requires_grad_(False)
+            # The parallelized, loaded model copied: the same shards, units of its own, no gradients, no
+            # optimizer state; kept out of the module's children (its state dict, checkpoints, parameters).
+            mesh = getattr(self.trainer.strategy, "mesh", None)
+            self.__dict__["_frozen"] = (sharded_copy(self, mesh) if isinstance(mesh, Mesh)
+                                        else copy.deepcopy(self.model).requires_grad_(False))
         if objective.config.reference in ("adapters_off", "frozen"):
             objective.reference_losses = self._reference_losses
         elif objective.reference is None:

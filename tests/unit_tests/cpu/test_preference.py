@@ -272,7 +272,6 @@ def test_dp_shard_2_with_accumulation_equals_one_process_on_pairs_of_uneven_leng
      "preference.reference='adapters_off' with parallelism.pp=2: that reference's forward runs inside the last "
      "stage's loss"),
     ({"preference.reference": "adapters_off"}, "lora.rank=0 adds none"),
-    ({"preference.reference": "frozen"}, "preference.reference='frozen' on 2 ranks"),
 ])
 def test_a_preference_job_that_cannot_run_is_refused_naming_the_field(change, message):
     from recipes.tests import features
