@@ -86,6 +86,7 @@ from titan_lightning.models.common import moe
 from titan_lightning.optim import build_optimizer
 from titan_lightning.parallel.fake import init_fake_process_group, memory_report
 from titan_lightning.parallel.mesh import Mesh, ParallelDims, release_dtensor_caches
+from titan_lightning.parallel.nf4 import stored_tensors
 from titan_lightning.parallel.parallelize import parallelize
 from titan_lightning.parallel.pipeline import PipelineSplit, describe_split, stage_autocast
 from titan_lightning.parallel.value_free import Assumptions, assuming
@@ -188,9 +189,8 @@ def _estimate(run: Run, world_size: int, rank: int, fake_mode) -> MemoryEstimate
                           pipeline_plan=module.pipeline_plan, ddp=False)
     if applied.pipeline is not None and rank == 0:
         log.info(f"[pipeline] {describe_split(applied.pipeline.names, job.parallelism, applied.pipeline.placement)}")
-    with fake_mode:  # as the module materializes: cast, then allocate on the device
-        module.model.to(getattr(torch, t.dtype))
-        module.model.to_empty(device=CPU)
+    with fake_mode:  # as the module materializes (its storage: a LoRA base frozen in bf16, QLoRA's NF4), no init
+        module.allocate(CPU)
     if applied.pipeline is not None:
         return _estimate_pipeline(run, mesh, applied.pipeline, world_size, rank, fake_mode)
     cp = applied.cp
@@ -463,7 +463,8 @@ class _LiveBytes(TorchDispatchMode):
         tensors += [p.grad for p in module.parameters() if p.grad is not None]
         tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         for tensor in tensors:
-            self._add(_local(tensor).untyped_storage())
+            for stored in stored_tensors(_local(tensor)):  # (an NF4 weight: its parts)
+                self._add(stored.untyped_storage())
 
     def _add(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata

@@ -10,7 +10,7 @@ import torch
 
 from titan_lightning._compat import compute_local_shape_and_global_offset
 from titan_lightning.checkpoint.placements import _one_chunk_placements
-from titan_lightning.models.common.nf4 import copy_into_sharded_nf4, sharded_nf4
+from titan_lightning.parallel.nf4 import copy_into_sharded_nf4, sharded_nf4
 
 
 class Source:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_lightning.models.common.nf4 import holds_nf4, is_nf4, nf4_shard
+from titan_lightning.parallel.nf4 import holds_nf4, is_nf4, nf4_shard
 
 ADAPTER_NAMES = ("lora_a", "lora_b")
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # torchao's (and QLoRA's) defaults
@@ -82,7 +82,7 @@ def quantize_base_nf4(model: nn.Module, device: torch.device) -> None:
     """QLoRA: every adapted layer's frozen weight becomes torchao's NF4 (4-bit NormalFloat, a scale per
     64 weights, a scale of scales per 256) on ``device``, one layer's dense weight at a time (a base
     larger than the device in bf16 never exists whole). Run when the model is built (on the meta
-    device: FSDP2 then shards the NF4 weights, models/common/nf4.py) and again before it is
+    device: FSDP2 then shards the NF4 weights, parallel/nf4.py) and again before it is
     materialized: ``to_empty`` leaves NF4 be, and the init and a load quantize what they copy into it.
     A weight FSDP2 sharded keeps its rows of the whole NF4 tensor."""
     from torchao.dtypes.nf4tensor import to_nf4

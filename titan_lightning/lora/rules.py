@@ -41,7 +41,7 @@ def check_lora_job(job: Any, model: nn.Module, adapter: Optional[Any]) -> None:
 
 def check_nf4_layout(p: Any, quantize: str) -> None:
     """QLoRA's layouts: one process, FSDP2 (dp_shard) and HSDP, the NF4 base sharded on its rows
-    (models/common/nf4.py); one-line ConfigError for any other degree."""
+    (parallel/nf4.py); one-line ConfigError for any other degree."""
     spread = [f"parallelism.{name}={getattr(p, name)}" for name in ("tp", "pp", "ep", "cp") if getattr(p, name) != 1]
     if p.dp_replicate > 1 and p.dp_shard == 1:
         spread.append(f"parallelism.dp_replicate={p.dp_replicate}")

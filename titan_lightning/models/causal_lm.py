@@ -153,14 +153,19 @@ class CausalLMModule(L.LightningModule):
             self.materialize(self.trainer.strategy.root_device)
 
     def materialize(self, device: torch.device) -> None:
-        # Cast before init: init_weights keeps its fp32 buffers (RoPE) in fp32.
+        self.allocate(device)
+        self.model.init_weights(self.job.training.seed)
+
+    def allocate(self, device: torch.device) -> None:
+        """The model's storage on ``device`` as it trains, its values not yet drawn (the estimator
+        allocates fake tensors so): cast before the init (init_weights keeps its fp32 buffers, RoPE's,
+        in fp32), a LoRA base frozen in the compute dtype, QLoRA's NF4 base."""
         self.model.to(getattr(torch, self.job.training.dtype))
         if self.job.lora.enabled:
             store_frozen_in(self.model, getattr(torch, self.job.training.mixed_precision_param))
             if self.job.lora.quantize_base == "nf4":
                 quantize_base_nf4(self.model, device)  # (QLoRA: the init and a load quantize what they copy in)
         self.model.to_empty(device=device)
-        self.model.init_weights(self.job.training.seed)
 
     @property
     def tp_plan(self) -> Optional[dict[str, str]]:

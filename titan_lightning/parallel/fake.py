@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titan_lightning._compat import fake_store, funcol, resolve_process_group
+from titan_lightning.parallel.nf4 import stored_tensors
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:
@@ -139,7 +140,7 @@ def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     total = 0
     for t in tensors:
         local = t.to_local() if isinstance(t, DTensor) else t
-        total += local.numel() * local.element_size()
+        total += sum(s.numel() * s.element_size() for s in stored_tensors(local))  # (an NF4 weight: its parts)
     return total
 
 

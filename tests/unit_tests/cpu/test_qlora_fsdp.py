@@ -1,4 +1,4 @@
-"""QLoRA under FSDP2 (models/common/nf4.py, lora/layer.py ``quantize_base_nf4``): the NF4 base is
+"""QLoRA under FSDP2 (parallel/nf4.py, lora/layer.py ``quantize_base_nf4``): the NF4 base is
 sharded on its rows, each rank's block the rows of the whole weight quantized as one process
 quantizes it (from a Hugging Face folder here; from the init in the features suite, whose
 ``llama3_qlora_fsdp2_accumulation`` trains as the one-process run); adapter-only checkpoints resume
@@ -11,7 +11,7 @@ import torch.distributed as dist
 from titan_lightning.config import ConfigError
 from titan_lightning.config.lora import LoRAConfig
 from titan_lightning.lora import base_only, lora_layers
-from titan_lightning.models.common.nf4 import is_nf4, local_rows, sharded_nf4
+from titan_lightning.parallel.nf4 import is_nf4, local_rows, sharded_nf4
 
 from tests.hf_folders import save_hf_model
 
@@ -105,3 +105,32 @@ def test_adapter_only_checkpoints_of_qlora_under_fsdp2_resume_exactly(tmp_path):
     resumed = fit("llama3_qlora_fsdp2_accumulation", "resume", "--job.checkpoint.resume_from", str(checkpoint)).ranks[0]
     assert resumed["steps"] == [3]
     assert (resumed["losses"], resumed["grad_norms"]) == (saved["losses"][2:], saved["grad_norms"][2:])
+
+
+@pytest.mark.parametrize("recipe,world_size", [("llama3_qlora", 1), ("llama3_qlora_fsdp2_accumulation", 2)])
+def test_the_estimate_counts_the_nf4_base_and_the_adapters_as_a_run_stores_them(recipe, world_size):
+    """Parameters: each NF4 weight's 4-bit values (a byte per 2), its int8 block scales and their
+    fp32 scales (sharded on their rows), the mean of its scales and NF4's 16-value table (whole on
+    every rank); the rest as stored (the frozen base in the compute dtype). Gradients and AdamW's
+    state: the adapters' alone."""
+    from recipes.tests import features
+    from titan_lightning.estimate import estimate
+    from titan_lightning.recipe import build_run
+
+    module = features.llama3_qlora().module  # (the model a run trains, real tensors on one process)
+    with torch.device("meta"):
+        module.model = module.build_model()
+    module.materialize(torch.device("cpu"))
+    params = list(module.model.parameters())
+    nf4 = [p for p in params if is_nf4(p)]
+    assert len(nf4) == 2 * 7  # (every linear of 2 layers)
+    sharded = sum(t.numel() * t.element_size() for p in nf4
+                  for t in (p.quantized_data, p.quantized_scalers, p.quantization_factor))
+    whole = sum(p.scaler_mean.numel() * 4 + p.nf4.numel() * 4 for p in nf4)
+    dense = sum(p.numel() * p.element_size() for p in params if not is_nf4(p))
+    adapters = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    assert sharded < sum(p.numel() for p in nf4) * 0.6  # (4 bits a weight and its scales)
+    result = estimate(build_run(f"recipes.tests.features:{recipe}"), world_size)
+    assert result.parameters == (sharded + dense) // world_size + whole
+    assert result.gradients == adapters // world_size
+    assert result.optimizer_state == 2 * adapters // world_size

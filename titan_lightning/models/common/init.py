@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan_lightning.models.common.nf4 import copy_into_sharded_nf4, sharded_nf4
+from titan_lightning.parallel.nf4 import copy_into_sharded_nf4, sharded_nf4
 
 # Name parts added by wrappers (activation checkpointing, torch.compile); dropped so a
 # wrapped model draws the same weights as a plain one.
@@ -39,7 +39,7 @@ def init_params(module: nn.Module, seed: int, law: InitLaw) -> None:
         fqn = canonical_fqn(fqn)
         full = torch.empty(param.shape, dtype=torch.float32, device="cpu")  # whatever the default device
         law(fqn, full, param_generator(seed, fqn))
-        if sharded_nf4(param):  # (quantized whole, then this rank's rows: nf4.py)
+        if sharded_nf4(param):  # (quantized whole, then this rank's rows: parallel/nf4.py)
             copy_into_sharded_nf4(param, full)
         elif isinstance(param, DTensor):
             # src_data_rank=None: no communication, each rank cuts its own chunk.

@@ -14,8 +14,6 @@ for bit. torchao is imported only where an NF4 weight exists.
 import torch
 from torch.distributed.tensor import DTensor
 
-from titan_lightning._compat import compute_local_shape_and_global_offset
-
 
 def is_nf4(t: object) -> bool:
     """torchao's NF4Tensor (checked by name: a run without QLoRA never imports torchao)."""
@@ -32,9 +30,14 @@ def holds_nf4(t: object) -> bool:
 
 
 def local_rows(t: DTensor) -> tuple[int, int]:
-    """(first row, rows) of the global tensor that this rank's block of ``t`` holds (dim 0: FSDP2's shard)."""
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return offset[0], shape[0]
+    """(first row, rows) of the global tensor that this rank's block of ``t`` holds: FSDP2's (or
+    HSDP's) even split of dim 0, worked out from the mesh alone (the estimator's tensors hold no values)."""
+    start, rows = 0, t.shape[0]
+    for placement, coordinate, size in zip(t.placements, t.device_mesh.get_coordinate(), t.device_mesh.shape):
+        if placement.is_shard(0):
+            rows //= size  # (even: lora/rules.py's check_nf4_shards, before launch)
+            start += coordinate * rows
+    return start, rows
 
 
 def nf4_shard(nf4: torch.Tensor, like: DTensor) -> DTensor:
@@ -53,3 +56,12 @@ def copy_into_sharded_nf4(target: DTensor, full: torch.Tensor) -> None:
     local = target._local_tensor
     nf4 = to_nf4(full.to(local.device).contiguous(), local.block_size, local.scaler_block_size)
     local.copy_(nf4_shard(nf4, target)._local_tensor)
+
+
+def stored_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold ``t``'s bytes: an NF4Tensor's packed 4-bit values, block scales, their
+    scales, mean and lookup table; any other tensor itself."""
+    if not is_nf4(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [getattr(t, name) for name in names]
