@@ -511,11 +511,6 @@ def llama3_qlora_fsdp2_accumulation() -> Run:
     return _fsdp2_accumulation(llama3_qlora())
 
 
-def llama3_qlora_fsdp2_every2() -> Run:
-    """llama3_qlora_fsdp2_accumulation saving its adapters at step 2 (test_qlora_fsdp resumes it)."""
-    return _every2(llama3_qlora_fsdp2_accumulation())
-
-
 # Preference training (job.preference, DPO): 48 pairs whose answers run from 1 to 20 tokens, packed
 # whole, on llama3_small's shape for 3 steps; each layout reproduces the one-process DPO run, whose
 # loss is the mean over each step's pairs (titan_lightning/objectives/preference.py), its reference

@@ -82,37 +82,82 @@ def test_a_layout_an_nf4_base_cannot_take_is_refused_before_launch_in_one_line(d
     assert "\n" not in str(err.value)
 
 
+def _conversations(tmp_path):
+    """A Hugging Face folder (WIDE) with its tokenizer, and 16 conversations of 10 to 60 tokens as SFT shards."""
+    import numpy as np
+
+    from titan_lightning.data.shards import tokenizer_identity
+    from titan_lightning.data.tokenizer import load_tokenizer
+    from titan_lightning.testing.sft_shards import write_sft_shards
+
+    from tests.hf_folders import save_hf_folder
+
+    folder = save_hf_folder(tmp_path / "hf", "llama", **WIDE)
+    tokenizer = load_tokenizer(str(folder))
+    rng = np.random.default_rng(0)
+    conversations = []
+    for length in rng.integers(10, 60, 16):
+        tokens = rng.integers(1, tokenizer.vocab_size - 1, length)
+        tokens[-1] = tokenizer.eot_id
+        conversations.append((tokens, (np.arange(length) >= length // 2).astype(np.uint8)))
+    identity = tokenizer_identity(folder / "tokenizer.json", tokenizer.vocab_size, tokenizer.eot_id, None)
+    return folder, write_sft_shards(tmp_path / "sft", conversations, tokenizer=identity)
+
+
 @pytest.mark.slow
 @pytest.mark.multi_process
-def test_adapter_only_checkpoints_of_qlora_under_fsdp2_resume_exactly(tmp_path):
-    """FSDP2 (gloo, 2 ranks): the checkpoint holds the adapters and their optimizer state alone (no
-    NF4 base); a new set of processes resumes from step 2 and repeats step 3 bitwise."""
+def test_qlora_of_a_folder_under_fsdp2_checkpoints_its_adapters_resumes_exactly_and_exports_the_merged_model(tmp_path):
+    """recipes.hf:qlora at dp_shard 2 (gloo): the checkpoint holds the adapters and their optimizer
+    state alone (no NF4 base); a new set of processes, the base quantized from the folder again,
+    repeats steps 3-4 bitwise and exports the same folders; the merged export is the dequantized NF4
+    base plus the exported adapters' update."""
+    from safetensors.torch import load_file
     from torch.distributed.checkpoint import FileSystemReader
+    from torchao.dtypes.nf4tensor import to_nf4
 
     from titan_lightning.testing.launch import launch
     from titan_lightning.trainer import RUN_DIR_ENV
 
-    def fit(recipe: str, out: str, *extra: str) -> dict:
-        argv = ["fit", "--recipe", f"recipes.tests.features:{recipe}", "--trainer.accelerator", "cpu",
-                "--trainer.devices", "2", *extra]
+    folder, data = _conversations(tmp_path)
+
+    def fit(out: str, *extra: str) -> dict:
+        argv = ["fit", "--recipe", "recipes.hf:qlora", "--job.checkpoint.initial_load_path", str(folder),
+                "--job.data.dataset_path", str(data), "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+                "--job.parallelism.dp_shard", "2", "--trainer.max_steps", "4", "--trainer.max_epochs", "-1",
+                "--trainer.enable_progress_bar", "false", "--job.checkpoint.interval", "2",
+                "--job.data.val_fraction", "0", "--job.training.tokens_per_step", "256",
+                "--job.training.tokens_per_microbatch_per_dp_rank", "64", *extra]
         return launch(argv, 2, out_dir=tmp_path / out, timeout=300, env={RUN_DIR_ENV: str(tmp_path / out / "run")})
 
-    saved = fit("llama3_qlora_fsdp2_every2", "save").ranks[0]
+    saved = fit("save").ranks[0]
     checkpoint = tmp_path / "save" / "run" / "checkpoints" / "epoch=0-step=2.ckpt"
     keys = [k for k in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
             if k.startswith(("state_dict.", "optimizer_0.state."))]
     assert keys and all(".lora_" in k for k in keys)
-    resumed = fit("llama3_qlora_fsdp2_accumulation", "resume", "--job.checkpoint.resume_from", str(checkpoint)).ranks[0]
-    assert resumed["steps"] == [3]
+    resumed = fit("resume", "--job.checkpoint.resume_from", str(checkpoint)).ranks[0]
+    assert resumed["steps"] == [3, 4]
     assert (resumed["losses"], resumed["grad_norms"]) == (saved["losses"][2:], saved["grad_norms"][2:])
 
+    def export(run: str) -> dict:
+        tensors = {}
+        for file in (tmp_path / run / "run" / "export_hf").rglob("*.safetensors"):
+            tensors.update({f"{file.parent.name}/{k}": v for k, v in load_file(file).items()})
+        return tensors
 
-@pytest.mark.parametrize("recipe,world_size", [("llama3_qlora", 1), ("llama3_qlora_fsdp2_accumulation", 2)])
-def test_the_estimate_counts_the_nf4_base_and_the_adapters_as_a_run_stores_them(recipe, world_size):
-    """Parameters: each NF4 weight's 4-bit values (a byte per 2), its int8 block scales and their
-    fp32 scales (sharded on their rows), the mean of its scales and NF4's 16-value table (whole on
-    every rank); the rest as stored (the frozen base in the compute dtype). Gradients and AdamW's
-    state: the adapters' alone."""
+    want, got = export("save"), export("resume")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    module = "model.layers.0.self_attn.o_proj"  # (no RoPE permutation)
+    a, b = (want[f"adapter/base_model.model.{module}.lora_{x}.weight"] for x in "AB")
+    base = to_nf4(load_file(folder / "model.safetensors")[f"{module}.weight"], 64, 256).get_original_weight()
+    merged = next(v for k, v in want.items() if k.endswith(f"{module}.weight") and not k.startswith("adapter/"))
+    torch.testing.assert_close(merged, base + 32.0 / 16 * (b @ a), rtol=1e-6, atol=1e-6)  # (recipes.hf:lora's r, alpha)
+
+
+def test_the_estimate_counts_the_nf4_base_and_the_adapters_as_a_run_stores_them():
+    """At dp_shard 2, rank 0's parameters: each NF4 weight's 4-bit values (a byte per 2), its int8
+    block scales and their fp32 scales (sharded on their rows), the mean of its scales and NF4's
+    16-value table (whole on every rank); the rest as stored (the frozen base in the compute dtype),
+    sharded. Gradients and AdamW's state: the adapters' alone."""
     from recipes.tests import features
     from titan_lightning.estimate import estimate
     from titan_lightning.recipe import build_run
@@ -130,7 +175,8 @@ def test_the_estimate_counts_the_nf4_base_and_the_adapters_as_a_run_stores_them(
     dense = sum(p.numel() * p.element_size() for p in params if not is_nf4(p))
     adapters = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     assert sharded < sum(p.numel() for p in nf4) * 0.6  # (4 bits a weight and its scales)
-    result = estimate(build_run(f"recipes.tests.features:{recipe}"), world_size)
+    world_size = 2
+    result = estimate(build_run("recipes.tests.features:llama3_qlora_fsdp2_accumulation"), world_size)
     assert result.parameters == (sharded + dense) // world_size + whole
     assert result.gradients == adapters // world_size
     assert result.optimizer_state == 2 * adapters // world_size
