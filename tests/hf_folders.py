@@ -125,6 +125,27 @@ def save_hf_folder(folder: Path, model_type: str, tie: bool = False, seed: int =
     return folder
 
 
+def folder_and_conversations(root: Path, model_type: str, **overrides) -> tuple[Path, Path]:
+    """``save_hf_folder(root / "hf", ...)``, and 16 conversations of 10 to 60 tokens in its tokenizer
+    (the second half of each the answer) as SFT shards in ``root / "sft"``."""
+    import numpy as np
+
+    from titan_lightning.data.shards import tokenizer_identity
+    from titan_lightning.data.tokenizer import load_tokenizer
+    from titan_lightning.testing.sft_shards import write_sft_shards
+
+    folder = save_hf_folder(root / "hf", model_type, **overrides)
+    tokenizer = load_tokenizer(str(folder))
+    rng = np.random.default_rng(0)
+    conversations = []
+    for length in rng.integers(10, 60, 16):
+        tokens = rng.integers(1, tokenizer.vocab_size - 1, length)
+        tokens[-1] = tokenizer.eot_id
+        conversations.append((tokens, (np.arange(length) >= length // 2).astype(np.uint8)))
+    identity = tokenizer_identity(folder / "tokenizer.json", tokenizer.vocab_size, tokenizer.eot_id, None)
+    return folder, write_sft_shards(root / "sft", conversations, tokenizer=identity)
+
+
 def load_ours(folder: Path):
     """Our decoder of the folder's family, its args read from config.json (as ``recipes.hf:pretrained``
     reads them), the weights loaded through the family's adapter; in eval mode, fp32."""

@@ -8,7 +8,6 @@ folder that PEFT loads onto the base with the merged export's logits."""
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,7 +18,7 @@ from titan_lightning.config.lora import LoRAConfig
 from titan_lightning.lora import base_only, lora_layers
 from titan_lightning.lora.targets import hf_linears
 
-from tests.hf_folders import VOCAB, save_hf_folder, save_hf_model
+from tests.hf_folders import VOCAB, folder_and_conversations, save_hf_model
 
 transformers = pytest.importorskip("transformers", reason="the reference implementation; not a project dependency")
 peft = pytest.importorskip("peft", reason="PEFT is the reference for LoRA (setup.cfg's dev extra)")
@@ -178,21 +177,7 @@ def test_a_lora_run_checkpoints_adapters_resumes_exactly_and_exports_what_peft_l
     from safetensors.torch import load_file
     from torch.distributed.checkpoint import FileSystemReader
 
-    from titan_lightning.data.shards import tokenizer_identity
-    from titan_lightning.data.tokenizer import load_tokenizer
-    from titan_lightning.testing.sft_shards import write_sft_shards
-
-    folder = save_hf_folder(tmp_path / "hf", "qwen3")
-    tokenizer = load_tokenizer(str(folder))
-    rng = np.random.default_rng(0)
-    conversations = []
-    for length in rng.integers(10, 60, 16):
-        tokens = rng.integers(1, tokenizer.vocab_size - 1, length)
-        tokens[-1] = tokenizer.eot_id
-        conversations.append((tokens, (np.arange(length) >= length // 2).astype(np.uint8)))
-    identity = tokenizer_identity(folder / "tokenizer.json", tokenizer.vocab_size, tokenizer.eot_id, None)
-    data = write_sft_shards(tmp_path / "sft", conversations, tokenizer=identity)
-
+    folder, data = folder_and_conversations(tmp_path, "qwen3")
     _fit(folder, data, tmp_path / "run", monkeypatch)
     checkpoint = tmp_path / "run" / "checkpoints" / "epoch=0-step=2.ckpt"
     saved = [k for k in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata

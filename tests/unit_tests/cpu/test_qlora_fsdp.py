@@ -13,7 +13,7 @@ from titan_lightning.config.lora import LoRAConfig
 from titan_lightning.lora import base_only, lora_layers
 from titan_lightning.parallel.nf4 import is_nf4, local_rows, sharded_nf4
 
-from tests.hf_folders import save_hf_model
+from tests.hf_folders import folder_and_conversations, save_hf_model
 
 pytest.importorskip("torchao", reason="QLoRA's NF4 is torchao's (a project dependency; this checks its install)")
 pytest.importorskip("transformers", reason="writes the Hugging Face folder; not a project dependency")
@@ -82,28 +82,6 @@ def test_a_layout_an_nf4_base_cannot_take_is_refused_before_launch_in_one_line(d
     assert "\n" not in str(err.value)
 
 
-def _conversations(tmp_path):
-    """A Hugging Face folder (WIDE) with its tokenizer, and 16 conversations of 10 to 60 tokens as SFT shards."""
-    import numpy as np
-
-    from titan_lightning.data.shards import tokenizer_identity
-    from titan_lightning.data.tokenizer import load_tokenizer
-    from titan_lightning.testing.sft_shards import write_sft_shards
-
-    from tests.hf_folders import save_hf_folder
-
-    folder = save_hf_folder(tmp_path / "hf", "llama", **WIDE)
-    tokenizer = load_tokenizer(str(folder))
-    rng = np.random.default_rng(0)
-    conversations = []
-    for length in rng.integers(10, 60, 16):
-        tokens = rng.integers(1, tokenizer.vocab_size - 1, length)
-        tokens[-1] = tokenizer.eot_id
-        conversations.append((tokens, (np.arange(length) >= length // 2).astype(np.uint8)))
-    identity = tokenizer_identity(folder / "tokenizer.json", tokenizer.vocab_size, tokenizer.eot_id, None)
-    return folder, write_sft_shards(tmp_path / "sft", conversations, tokenizer=identity)
-
-
 @pytest.mark.slow
 @pytest.mark.multi_process
 def test_qlora_of_a_folder_under_fsdp2_checkpoints_its_adapters_resumes_exactly_and_exports_the_merged_model(tmp_path):
@@ -118,7 +96,7 @@ def test_qlora_of_a_folder_under_fsdp2_checkpoints_its_adapters_resumes_exactly_
     from titan_lightning.testing.launch import launch
     from titan_lightning.trainer import RUN_DIR_ENV
 
-    folder, data = _conversations(tmp_path)
+    folder, data = folder_and_conversations(tmp_path, "llama", **WIDE)
 
     def fit(out: str, *extra: str) -> dict:
         argv = ["fit", "--recipe", "recipes.hf:qlora", "--job.checkpoint.initial_load_path", str(folder),
