@@ -156,16 +156,18 @@ class CausalLMModule(L.LightningModule):
         self.allocate(device)
         self.model.init_weights(self.job.training.seed)
 
-    def allocate(self, device: torch.device) -> None:
-        """The model's storage on ``device`` as it trains, its values not yet drawn (the estimator
+    def allocate(self, device: torch.device, model: Optional[torch.nn.Module] = None) -> None:
+        """The storage of ``model`` (default ``self.model``; another of ``build_model``'s, such as a
+        frozen reference) on ``device`` as it trains, its values not yet drawn (the estimator
         allocates fake tensors so): cast before the init (init_weights keeps its fp32 buffers, RoPE's,
         in fp32), a LoRA base frozen in the compute dtype, QLoRA's NF4 base."""
-        self.model.to(getattr(torch, self.job.training.dtype))
+        model = self.model if model is None else model
+        model.to(getattr(torch, self.job.training.dtype))
         if self.job.lora.enabled:
-            store_frozen_in(self.model, getattr(torch, self.job.training.mixed_precision_param))
+            store_frozen_in(model, getattr(torch, self.job.training.mixed_precision_param))
             if self.job.lora.quantize_base == "nf4":
-                quantize_base_nf4(self.model, device)  # (QLoRA: the init and a load quantize what they copy in)
-        self.model.to_empty(device=device)
+                quantize_base_nf4(model, device)  # (QLoRA: the init and a load quantize what they copy in)
+        model.to_empty(device=device)
 
     @property
     def tp_plan(self) -> Optional[dict[str, str]]:
