@@ -47,8 +47,8 @@ class LoRALinear(nn.Linear):
         return lora
 
     def _apply(self, fn, recurse: bool = True):
-        """An NF4 weight (QLoRA) stays as it is: ``to_empty`` would copy its quantization tables
-        uninitialized, a cast would undo the quantization; the rest of the layer as usual."""
+        """An NF4 weight (QLoRA; or FSDP2's shard of one) stays as it is: ``to_empty`` would copy its
+        quantization tables uninitialized, a cast would undo the quantization; the rest of the layer as usual."""
         if not holds_nf4(self.weight):
             return super()._apply(fn, recurse)
         weight = self._parameters.pop("weight")

@@ -40,10 +40,15 @@ def local_rows(t: DTensor) -> tuple[int, int]:
     return start, rows
 
 
-def nf4_shard(nf4: torch.Tensor, like: DTensor) -> DTensor:
-    """The rows of the whole NF4 tensor ``nf4`` that this rank of ``like`` holds, as a DTensor placed as ``like``."""
+def _block(nf4: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """The rows of the whole NF4 tensor ``nf4`` that this rank of ``like`` holds (an NF4Tensor)."""
     start, rows = local_rows(like)
-    return DTensor.from_local(nf4.split(rows)[start // rows], like.device_mesh, like.placements, run_check=False,
+    return nf4.split(rows)[start // rows]
+
+
+def nf4_shard(nf4: torch.Tensor, like: DTensor) -> DTensor:
+    """``_block`` as a DTensor placed as ``like``."""
+    return DTensor.from_local(_block(nf4, like), like.device_mesh, like.placements, run_check=False,
                               shape=like.shape, stride=like.stride())
 
 
@@ -55,7 +60,7 @@ def copy_into_sharded_nf4(target: DTensor, full: torch.Tensor) -> None:
 
     local = target._local_tensor
     nf4 = to_nf4(full.to(local.device).contiguous(), local.block_size, local.scaler_block_size)
-    local.copy_(nf4_shard(nf4, target)._local_tensor)
+    local.copy_(_block(nf4, target))
 
 
 def stored_tensors(t: torch.Tensor) -> list[torch.Tensor]:

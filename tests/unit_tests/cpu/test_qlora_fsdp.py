@@ -66,7 +66,8 @@ def test_a_sharded_nf4_base_loads_each_ranks_rows_of_the_one_process_quantizatio
 
 
 @pytest.mark.parametrize("degrees,message", [
-    ({"dp_shard": 2}, r"with parallelism.dp_shard=2: layers.0.attention.wq.weight \[128, 128\] has 128 rows and 1 NF4 scale blocks"),
+    ({"dp_shard": 2},
+     r"with parallelism.dp_shard=2: layers.0.attention.wq.weight \[128, 128\] has 128 rows and 1 NF4 scale blocks"),
     ({"dp_shard": 1, "dp_replicate": 2}, r"with parallelism.dp_replicate=2: .* sharded by FSDP2 / HSDP"),
     ({"dp_shard": 1, "tp": 2}, r"with parallelism.tp=2: .* sharded by FSDP2 / HSDP \(dp_shard\) alone"),
 ], ids=["dp_shard_splitting_scale_blocks", "ddp", "tp"])
