@@ -10,6 +10,7 @@ from titan_lightning.config.quantize import INSTALL
 from titan_lightning.lora.layer import NF4_BLOCK, nf4_scaler_block
 from titan_lightning.lora.parallel import check_lora_layout
 from titan_lightning.lora.targets import lora_targets
+from titan_lightning.parallel.nf4 import uneven_split
 
 
 def check_lora_job(job: Any, model: nn.Module, adapter: Optional[Any]) -> None:
@@ -52,13 +53,12 @@ def check_nf4_layout(p: Any, quantize: str) -> None:
 
 
 def check_nf4_shards(model: nn.Module, targets: list[str], dp_shard: int) -> None:
-    """Each rank of ``dp_shard`` keeps whole rows and whole scale blocks of every NF4 weight (its
-    ``NF4_SCALER_BLOCK`` scales of 64 weights each): a one-line ConfigError naming the first weight
-    that does not split so."""
+    """Each rank of ``dp_shard`` keeps whole rows and whole scale blocks of every NF4 weight
+    (parallel/nf4.py ``uneven_split``): a one-line ConfigError naming the first weight that does not
+    split so."""
     for name in targets:
         rows, columns = model.get_submodule(name).weight.shape
         scale_blocks = rows * columns // NF4_BLOCK // nf4_scaler_block(rows * columns)
-        if rows % dp_shard or scale_blocks % dp_shard:
-            raise ConfigError(f"lora.quantize_base='nf4' with parallelism.dp_shard={dp_shard}: {name}.weight "
-                              f"[{rows}, {columns}] has {rows} rows and {scale_blocks} NF4 scale blocks, which "
-                              f"{dp_shard} ranks cannot share evenly; set dp_shard to a divisor of both")
+        problem = uneven_split(f"{name}.weight", (rows, columns), scale_blocks, dp_shard)
+        if problem is not None:
+            raise ConfigError(problem)

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from titan_lightning.config.parallelism import FSDP_RESHARD_POLICIES
 from titan_lightning.parallel.contracts import grouped_experts
+from titan_lightning.parallel.nf4 import check_even_split
 
 
 def apply_fsdp(
@@ -50,6 +51,7 @@ def apply_fsdp(
             f"FSDP mesh has {mesh.ndim} dims {mesh.mesh_dim_names}; pass 1 (dp_shard_cp) "
             f"or 2 (dp_replicate, dp_shard_cp) for HSDP"
         )
+    check_even_split(model, mesh.shape[-1])  # (QLoRA's NF4 base: whole scale blocks on every rank)
     config = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     if cpu_offload:
         config["offload_policy"] = CPUOffloadPolicy()

@@ -11,6 +11,8 @@ dim 0 into its blocks' parts, and FSDP2 all-gathers them back into the whole one
 for bit. torchao is imported only where an NF4 weight exists.
 """
 
+from typing import Optional
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -29,13 +31,35 @@ def holds_nf4(t: object) -> bool:
     return is_nf4(t) or sharded_nf4(t)
 
 
+def uneven_split(name: str, shape: tuple[int, ...], scale_blocks: int, shards: int) -> Optional[str]:
+    """Why ``shards`` ranks cannot each keep whole rows and whole scale blocks of the NF4 weight
+    ``name`` (``scale_blocks``: its groups of 256 (or fewer) block scales), or None when they can."""
+    rows, columns = shape
+    if rows % shards or scale_blocks % shards:
+        return (f"lora.quantize_base='nf4' with parallelism.dp_shard={shards}: {name} [{rows}, {columns}] has "
+                f"{rows} rows and {scale_blocks} NF4 scale blocks, which {shards} ranks cannot share evenly; set "
+                f"dp_shard to a divisor of both")
+    return None
+
+
+def check_even_split(model: torch.nn.Module, shards: int) -> None:
+    """Before FSDP2 shards ``model`` over ``shards`` ranks: a one-line ValueError for an NF4 weight
+    they cannot split evenly (``uneven_split``; a ``dp_shard`` given before launch is checked then,
+    by lora/rules.py, -1 only here)."""
+    for name, param in model.named_parameters():
+        if is_nf4(param):
+            problem = uneven_split(name, tuple(param.shape), param.quantization_factor.numel(), shards)
+            if problem is not None:
+                raise ValueError(problem)
+
+
 def local_rows(t: DTensor) -> tuple[int, int]:
     """(first row, rows) of the global tensor that this rank's block of ``t`` holds: FSDP2's (or
     HSDP's) even split of dim 0, worked out from the mesh alone (the estimator's tensors hold no values)."""
     start, rows = 0, t.shape[0]
     for placement, coordinate, size in zip(t.placements, t.device_mesh.get_coordinate(), t.device_mesh.shape):
         if placement.is_shard(0):
-            rows //= size  # (even: lora/rules.py's check_nf4_shards, before launch)
+            rows //= size  # (even: check_even_split)
             start += coordinate * rows
     return start, rows
 

@@ -83,6 +83,28 @@ def test_a_layout_an_nf4_base_cannot_take_is_refused_before_launch_in_one_line(d
     assert "\n" not in str(err.value)
 
 
+def test_dp_shard_minus_one_resolved_at_launch_is_checked_before_fsdp_shards_the_nf4_base():
+    """parallelism.dp_shard=-1 is the world's rest, known at launch only: apply_fsdp refuses an NF4
+    weight whose scale blocks the ranks cannot share, in the pre-launch check's words."""
+    from recipes.tests import features
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_lightning.parallel.fake import init_fake_process_group
+    from titan_lightning.parallel.fsdp import apply_fsdp
+
+    module = features.llama3_lora().module  # (width 128: one NF4 scale block in each attention weight)
+    module.job.lora.quantize_base = "nf4"
+    with torch.device("meta"):
+        model = module.build_model()
+    init_fake_process_group(0, 2)
+    try:
+        with pytest.raises(ValueError, match=r"^lora.quantize_base='nf4' with parallelism.dp_shard=2: "
+                                             r"layers.0.attention.wq.weight \[128, 128\] has 128 rows and 1 NF4"):
+            apply_fsdp(model, init_device_mesh("cpu", (2,)), param_dtype=torch.float32, reduce_dtype=torch.float32)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.slow
 @pytest.mark.multi_process
 def test_qlora_of_a_folder_under_fsdp2_checkpoints_its_adapters_resumes_exactly_and_exports_the_merged_model(tmp_path):
