@@ -21,7 +21,8 @@ from titan_lightning.data.dataset import (
     tokenize_documents,
 )
 from titan_lightning.data.mixture import ConcatWindows, MixtureSchedule, MixtureStream
-from titan_lightning.data.preference import PairWindows, check_pairs
+from titan_lightning.data.pair_windows import PairWindows
+from titan_lightning.data.preference import check_pairs
 from titan_lightning.data.sft import ConversationWindows, TrimPadding, check_loss_mask, sequence_multiple
 from titan_lightning.data.shards import ShardSet, TokenSpan, is_shard_set, tokenizer_identity
 from titan_lightning.data.chat import check_supervised

@@ -92,7 +92,7 @@ def test_a_pair_is_dropped_whole_and_bad_pairs_are_named(prepared, tmp_path):
 
 
 def test_pair_windows_hold_whole_pairs_and_label_each_sequence(prepared):
-    from titan_lightning.data.preference import PairWindows
+    from titan_lightning.data.pair_windows import PairWindows
 
     shards = ShardSet(prepared / "shards")
     docs = _documents(shards)
@@ -169,7 +169,7 @@ def step_one(prepared):
     import transformers
     from torch.utils.data import default_collate
 
-    from titan_lightning.data.preference import PairWindows
+    from titan_lightning.data.pair_windows import PairWindows
     from titan_lightning.objectives.preference import reference_pass
 
     shards = ShardSet(prepared / "shards")
