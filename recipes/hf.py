@@ -96,7 +96,7 @@ def lora(initial_load_path: str, dataset_path: str) -> Run:
 
 def qlora(initial_load_path: str, dataset_path: str) -> Run:
     """``lora`` on a base stored as NF4 (QLoRA: torchao's 4-bit NormalFloat, dequantized per forward):
-    the adapted linears' frozen weights in about a quarter of bf16's memory; one process for now."""
+    the adapted linears' frozen weights in about a quarter of bf16's memory; one process or FSDP2 / HSDP."""
     run = lora(initial_load_path, dataset_path)
     run.job.lora.quantize_base = "nf4"
     return run

@@ -357,6 +357,10 @@ def validate_preference(job: JobConfig, world_size: int = 1) -> None:
         raise ConfigError(f"preference.reference={pref.reference!r} with parallelism.pp={p.pp}: that reference's "
                           f"forward runs inside the last stage's loss, where the other stages are not; use "
                           f"'precomputed' (the reference from the starting weights, one pass before training)")
+    if pref.needs_reference and pref.reference == "frozen" and job.lora.enabled and job.lora.quantize_base == "nf4":
+        raise ConfigError("preference.reference='frozen' with lora.quantize_base='nf4' would keep a second NF4 base "
+                          "of the same weights: use 'adapters_off' (the base with the adapters switched off, which is "
+                          "the starting model) or 'precomputed'")
     if pref.needs_reference and pref.reference == "adapters_off" and not job.lora.enabled:
         raise ConfigError(f"preference.reference='adapters_off' is the model with its LoRA adapters switched off, "
                           f"and lora.rank=0 adds none: set lora.rank (or preference.reference 'precomputed')")

@@ -7,7 +7,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_lightning.lora import store_frozen_in
 from titan_lightning.parallel.mesh import Mesh
 from titan_lightning.parallel.parallelize import parallelize
 
@@ -22,11 +21,8 @@ def sharded_copy(module, mesh: Mesh) -> nn.Module:
     with torch.device("meta"):
         holder.model = module.build_model()
     parallelize(holder, mesh, module.job, model=holder.model, tp_plan=module.tp_plan, ddp=False)
-    copy, training = holder.model, module.job.training
-    copy.to(getattr(torch, training.dtype))  # (stored as CausalLMModule.materialize stores the policy)
-    if module.job.lora.enabled:
-        store_frozen_in(copy, getattr(torch, training.mixed_precision_param))
-    copy.to_empty(device=module.device)
+    copy = holder.model
+    module.allocate(module.device, copy)  # (stored as the policy is: dtypes, a LoRA base frozen in the compute dtype)
     policy = module.model
     targets = list(chain(copy.named_parameters(), copy.named_buffers()))
     sources = list(chain(policy.named_parameters(), policy.named_buffers()))

@@ -272,6 +272,8 @@ def test_dp_shard_2_with_accumulation_equals_one_process_on_pairs_of_uneven_leng
      "preference.reference='adapters_off' with parallelism.pp=2: that reference's forward runs inside the last "
      "stage's loss"),
     ({"preference.reference": "adapters_off"}, "lora.rank=0 adds none"),
+    ({"preference.reference": "frozen", "lora.rank": 8, "lora.quantize_base": "nf4"},
+     "preference.reference='frozen' with lora.quantize_base='nf4' would keep a second NF4 base"),
 ])
 def test_a_preference_job_that_cannot_run_is_refused_naming_the_field(change, message):
     from recipes.tests import features
