@@ -8,9 +8,11 @@ CPU or one GPU, with no export.
 ``PATH`` is a Hugging Face folder (config.json, safetensors, tokenizer files), a run folder
 (``runs/<name>/<time>``, or ``runs/<name>`` for its newest run: the run's Hugging Face export
 when it wrote one, else its sharded export, else its newest checkpoint), or a checkpoint folder.
-A checkpoint holds weights, not the model they belong to: its job comes from the run's own
-options, given after ours (``--recipe recipes.hf:sft --job.checkpoint.initial_load_path DIR
-...``, or ``--config run.yaml``), as when resuming it.
+A checkpoint holds weights, not the model they belong to: its job comes from the run's
+config.yaml (the run as --print_config prints it, written into the run folder at launch), with
+any ``--job.``/``--trainer.`` options given after ours applied on top; or, given instead, from
+the run's own options (``--recipe recipes.hf:sft --job.checkpoint.initial_load_path DIR ...``,
+or ``--config run.yaml``), as when resuming it.
 
 Sampling follows the folder's generation_config.json (``do_sample``, ``temperature``, ``top_k``,
 ``top_p``, ``max_new_tokens``, ``eos_token_id``), with transformers' defaults for what it leaves out
@@ -54,6 +56,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # transformers' GenerationConfig defaults, for what a generation_config.json leaves out.
 HF_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
 MAX_NEW_TOKENS = 256
+RUN_CONFIG = "config.yaml"  # a run's options, in its folder (cli.write_run_config)
 EXIT = "/exit"
 
 
@@ -333,11 +336,33 @@ def find_model(path: str, run_argv: Sequence[str] = (), parse_run: Optional[Call
 
 
 def _checkpoint_job(folder: Path, run_argv: list[str], parse_run: Optional[Callable]):
+    recorded = run_config(folder)
+    if not any(a.startswith(("--recipe", "--config")) for a in run_argv) and recorded is not None:
+        try:
+            run = parse_run(["--config", str(recorded), *run_argv]) if parse_run is not None else None
+        except Exception as err:  # noqa: BLE001 - any failure to read the recorded run is that file's
+            message = " ".join(str(err).split())[:300] or type(err).__name__
+            raise GenerateError(f"--model: {recorded} (the run's options) cannot be read: {message}; pass the run's "
+                                f"options after ours instead (--recipe MOD:FN and its --job overrides)") from None
+        return _decoder_job(run)
     if not run_argv or parse_run is None:
         raise GenerateError(f"--model: {folder} is a checkpoint, which holds weights but not the model they belong "
-                            f"to; give the run's options after ours (--recipe MOD:FN and the --job overrides it ran "
-                            f"with), or a Hugging Face folder (the run's export_hf)")
-    run = parse_run(run_argv)
+                            f"to, and its run folder has no {RUN_CONFIG}; give the run's options after ours "
+                            f"(--recipe MOD:FN and the --job overrides it ran with), or a Hugging Face folder "
+                            f"(the run's export_hf)")
+    return _decoder_job(parse_run(run_argv))
+
+
+def run_config(checkpoint: Path) -> Optional[Path]:
+    """The config.yaml of the run that wrote ``checkpoint`` (``<run>/checkpoints/<name>`` or
+    ``<run>/export``); None when there is none."""
+    for folder in (checkpoint.parent, checkpoint.parent.parent):
+        if (folder / RUN_CONFIG).exists():
+            return folder / RUN_CONFIG
+    return None
+
+
+def _decoder_job(run: Any):
     job = getattr(run.module, "job", None) if run is not None else None
     if job is None or decoder_class(type(job.model)) is None:
         raise GenerateError(f"--recipe: {type(run.module).__name__ if run else None} is not a model of ours "
