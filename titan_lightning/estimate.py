@@ -69,7 +69,7 @@ import logging
 import weakref
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -191,6 +191,11 @@ def _estimate(run: Run, world_size: int, rank: int, fake_mode) -> MemoryEstimate
         log.info(f"[pipeline] {describe_split(applied.pipeline.names, job.parallelism, applied.pipeline.placement)}")
     with fake_mode:  # as the module materializes (its storage: a LoRA base frozen in bf16, QLoRA's NF4), no init
         module.allocate(CPU)
+        reference = _reference(module, mesh)
+    # The frozen reference's shards and buffers, before its forward gathers them: FSDP keeps the
+    # weights of a unit that does not reshard after forward (the last one, by default) gathered, as no
+    # backward frees them; the rank holds both, which the measured step counts from its start.
+    frozen = [] if reference is None else [*reference.parameters(), *reference.buffers()]
     if applied.pipeline is not None:
         return _estimate_pipeline(run, mesh, applied.pipeline, world_size, rank, fake_mode)
     cp = applied.cp
@@ -205,11 +210,11 @@ def _estimate(run: Run, world_size: int, rank: int, fake_mode) -> MemoryEstimate
         step = _TrainingStep(module, optimizer, applied.loss_parallel)
         step(batch)  # creates the optimizer state, compiles
         with _LiveBytes(fake_mode) as live:
-            live.add_static(module, optimizer)
+            live.add_static(module, optimizer, frozen + ([] if reference is None else list(reference.parameters())))
             step.live = live
             step(batch)
     return _result(module, step.memory, live, mesh, world_size, rank,
-                   f"{t.microbatch_size} x {t.seq_len} tokens per microbatch")
+                   f"{t.microbatch_size} x {t.seq_len} tokens per microbatch", frozen)
 
 
 DOCUMENTS_PER_ROW = 4
@@ -234,15 +239,32 @@ def host_batch(rows: int, seq_len: int, pairs: bool = False) -> dict[str, torch.
     return batch
 
 
-def _result(module, held: dict[str, int], live, mesh: Mesh, world_size: int, rank: int, batch: str) -> MemoryEstimate:
+def _result(module, held: dict[str, int], live, mesh: Mesh, world_size: int, rank: int, batch: str,
+            frozen: Sequence[torch.Tensor] = ()) -> MemoryEstimate:
+    """``frozen``: a preference run's frozen reference model's parameters (sharded) and buffers,
+    which the rank holds too (no gradients, no optimizer state)."""
     buffers = sum(_local(b).untyped_storage().nbytes() for b in module.model.buffers())
-    at_peak = held["parameters"] + held["gradients_at_peak"] + held["optimizer_state"] + buffers
+    buffers += sum(_local(b).untyped_storage().nbytes() for b in frozen if not isinstance(b, torch.nn.Parameter))
+    parameters = held["parameters"] + sum(s.numel() * s.element_size() for p in frozen if isinstance(p, torch.nn.Parameter)
+                                          for s in stored_tensors(_local(p)))
+    at_peak = parameters + held["gradients_at_peak"] + held["optimizer_state"] + buffers
     return MemoryEstimate(
         world_size=world_size, rank=rank, layout=mesh.dims.describe(), batch=batch,
-        parameters=held["parameters"], gradients=held["gradients"], optimizer_state=held["optimizer_state"],
+        parameters=parameters, gradients=held["gradients"], optimizer_state=held["optimizer_state"],
         buffers=buffers, activations=max(live.peak - at_peak, 0), peak=live.peak,
         gradients_at_peak=held["gradients_at_peak"],
     )
+
+
+def _reference(module, mesh: Mesh) -> Optional[torch.nn.Module]:
+    """A preference run's reference forward in every step (``preference.reference`` "frozen" or
+    "adapters_off"; ``validate_preference`` refuses both under PP), set up as the run sets it up
+    (``CausalLMModule.attach_reference``), so the measured step runs it; returns the frozen copy
+    of the model, sharded like it (None for "adapters_off": the same model, its adapters off)."""
+    pref = module.job.preference
+    if not (pref.enabled and pref.needs_reference and pref.reference in ("frozen", "adapters_off")):
+        return None
+    return module.attach_reference(mesh)
 
 
 # -- pipeline parallelism ---------------------------------------------------------------------
@@ -457,9 +479,10 @@ class _LiveBytes(TorchDispatchMode):
         self.born: dict[int, int] = {}
         self.count = self.peak_at = 0
 
-    def add_static(self, module, optimizer) -> None:
-        """Count what exists before the step: parameters, buffers, gradients, optimizer state."""
-        tensors = [*module.parameters(), *module.buffers()]
+    def add_static(self, module, optimizer, frozen: Sequence[torch.Tensor] = ()) -> None:
+        """Count what exists before the step: parameters, buffers, gradients, optimizer state, and
+        ``frozen`` (a frozen reference model's tensors)."""
+        tensors = [*module.parameters(), *module.buffers(), *frozen]
         tensors += [p.grad for p in module.parameters() if p.grad is not None]
         tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         for tensor in tensors:

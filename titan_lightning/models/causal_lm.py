@@ -297,16 +297,22 @@ class CausalLMModule(L.LightningModule):
             raise RuntimeError(f"resuming {self.trainer.ckpt_path}: the reference model (preference.reference="
                                f"{reference!r}, the starting weights) {where}; start the run again, or use "
                                f"'precomputed' with the shards' reference_logps/ kept")
-        if reference == "frozen" and self._frozen is None:
-            # The parallelized, loaded model copied: the same shards, units of its own, no gradients, no
-            # optimizer state; kept out of the module's children (its state dict, checkpoints, parameters).
-            mesh = getattr(self.trainer.strategy, "mesh", None)
-            self.__dict__["_frozen"] = (sharded_copy(self, mesh) if isinstance(mesh, Mesh)
-                                        else copy.deepcopy(self.model).requires_grad_(False))
         if objective.config.reference in ("adapters_off", "frozen"):
-            objective.reference_losses = self._reference_losses
+            self.attach_reference(getattr(self.trainer.strategy, "mesh", None))
         elif objective.reference is None:
             objective.reference = precompute_reference(self.trainer, self.device_mesh, cache)
+
+    def attach_reference(self, mesh: Any) -> Optional[torch.nn.Module]:
+        """The reference's forward in every step (``preference.reference`` "adapters_off" or "frozen"),
+        as a run and the estimator set it up. For "frozen", the parallelized, loaded model copied (by
+        ``mesh``'s layout): the same shards, units of its own, no gradients, no optimizer state; kept
+        out of the module's children (its state dict, checkpoints, parameters) and returned (None for
+        "adapters_off", which holds no second model)."""
+        if self.job.preference.reference == "frozen" and self._frozen is None:
+            self.__dict__["_frozen"] = (sharded_copy(self, mesh) if isinstance(mesh, Mesh)
+                                        else copy.deepcopy(self.model).requires_grad_(False))
+        self.objective.reference_losses = self._reference_losses
+        return self._frozen
 
     def _reference_losses(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Each label's loss under the reference (the model, with its adapters off for

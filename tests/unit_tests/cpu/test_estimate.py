@@ -417,3 +417,54 @@ def test_estimate_runs_on_every_shipped_recipe(recipe, request):
         return
     result = estimate(run, world_size)
     assert result.parameters > 0 and result.activations > 0 and result.peak >= result.static - result.gradients
+
+
+def _materialized(run):
+    """``run``'s model as a run trains it: real tensors on one process (the init drawn)."""
+    module = run.module
+    with torch.device("meta"):
+        module.model = module.build_model()
+    module.materialize(torch.device("cpu"))
+    return module.model
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_a_frozen_reference_is_counted_as_a_second_model_sharded_like_the_policy():
+    """DPO with ``preference.reference="frozen"`` at dp_shard 2: the rank holds the policy's shards
+    (their gradients and AdamW's state) and a frozen copy's shards and buffers, whose forward runs
+    in each step; the precomputed reference holds neither, so its peak is lower by at least the copy."""
+    from recipes.tests import features
+
+    model = _materialized(features.llama3_dpo())
+    params, buffers = _nbytes(model.parameters()), _nbytes(model.buffers())
+    world_size = 2
+    frozen = estimate(features.llama3_dpo_fsdp2_frozen(), world_size)
+    assert frozen.parameters == 2 * params // world_size
+    assert frozen.gradients == params // world_size
+    assert frozen.optimizer_state == 2 * params // world_size
+    assert frozen.buffers == 2 * buffers  # (RoPE's, whole on every rank)
+    run = features.llama3_dpo_fsdp2_frozen()
+    run.job.preference.reference = "precomputed"
+    precomputed = estimate(run, world_size)
+    assert frozen.peak - precomputed.peak >= params // world_size + buffers
+
+
+def test_adapters_on_the_routed_experts_are_counted_with_their_gradients_and_optimizer_state():
+    """LoRA on every linear and on the routed experts' tensors (``lora.target_parameters``) at
+    dp_shard 2 x EP2: the base and the adapters sharded over the 2 ranks, gradients and AdamW's
+    state the adapters' alone, the experts' among them."""
+    from recipes.tests import models
+
+    model = _materialized(models.qwen3_moe_lora())
+    adapters = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    experts = [p for name, p in adapters if ".experts." in name]
+    assert experts and _nbytes(experts) < _nbytes(p for _, p in adapters)
+    params, trained = _nbytes(model.parameters()), _nbytes(p for _, p in adapters)
+    world_size = 2
+    result = estimate(models.qwen3_moe_lora_fsdp2_ep2(), world_size)
+    assert result.parameters == params // world_size
+    assert result.gradients == trained // world_size
+    assert result.optimizer_state == 2 * trained // world_size
