@@ -417,9 +417,12 @@ class ChatRenderer:
             raise BadRecord(f"no text in {o.response_field!r}")
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": parts[-1]}]
 
-    def render(self, messages: list[dict[str, Any]], tools: Optional[list] = None) -> tuple[str, list[Span]]:
+    def render(self, messages: list[dict[str, Any]], tools: Optional[list] = None,
+               skip: int = 0) -> tuple[str, list[Span]]:
         """The conversation's text and its supervised character spans (per ``train_on``); ``tools``:
-        its tool definitions, given to every render of it."""
+        its tool definitions, given to every render of it. ``skip``: its first assistant turns that are
+        not supervised (a preference pair's prompt, with ``train_on="assistant"``): neither bounded nor
+        returned, unless a later turn's bound needs the previous turn's end."""
         if self.template is None:
             prompt, response = messages[0]["content"], messages[1]["content"]
             text = prompt + PLAIN_SEPARATOR + response
@@ -432,14 +435,15 @@ class ChatRenderer:
             text = self._render(messages, tools, spans=spans)
             if not spans:
                 raise BadRecord("the chat template marks no text of it with {% generation %}")
+            spans = spans[skip:]
         else:
             text = self._render(messages, tools)
             turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
             if self.options.train_on == "last_assistant":
                 turns = turns[-1:]
             spans = []
-            for i in turns:
-                spans.append(self._turn(messages, tools, i, text, spans[-1][1] if spans else 0))
+            for i in turns[skip:]:
+                spans.append(self._turn(messages, tools, i, text, spans[-1][1] if spans else None if skip else 0))
         return text, spans[-1:] if self.options.train_on == "last_assistant" else spans
 
     def _render(self, messages: list, tools: Optional[list] = None, generation_prompt: bool = False,
@@ -470,13 +474,14 @@ class ChatRenderer:
             raise TemplateFailure(f"the chat template ({self.spec.origin}) fails"
                                   f"{f' at line {line}' if line else ''}: {message}") from None
 
-    def _turn(self, messages: list, tools: Optional[list], i: int, text: str, after: int = 0) -> Span:
+    def _turn(self, messages: list, tools: Optional[list], i: int, text: str, after: Optional[int] = 0) -> Span:
         """The supervised span of assistant turn ``i`` in ``text`` (a template without markers):
         from the end of what the model is given at inference (the conversation before the turn,
         with the generation prompt when the template adds one) through the end-of-turn token after
         its content. A template that adds no prompt and renders the turns before this one
         otherwise on their own (Mistral's puts the system message into the last user turn): from
-        the content, found after ``after`` (the previous turn's end), and the whitespace before it.
+        the content, found after ``after`` (the previous turn's end; None: not bounded yet, then bounded
+        here), and the whitespace before it.
         One render per turn for a template the probe understood; two or three otherwise."""
         end, start, adds = len(text), None, False
         if self._end_of_turn is None:  # bound the turn by rendering the conversation up to it
@@ -494,6 +499,9 @@ class ChatRenderer:
                 origin = len(before)
                 start = None if adds else origin  # no generation prompt: all that follows is the model's
             elif not adds:
+                if after is None:  # the previous assistant turn's end, bounded as render bounds it
+                    previous = [j for j in range(i) if messages[j]["role"] == "assistant"]
+                    after = self._turn(messages, tools, previous[-1], text, None)[1] if previous else 0
                 origin, loose = after, True
             else:
                 raise BadRecord(f"message {i}: the chat template renders the conversation before it differently "

@@ -126,8 +126,7 @@ class PreferenceRenderer(ChatRenderer):
         prior = sum(m["role"] == "assistant" for m in chosen[:shared])  # the prompt's own assistant turns
         out = []
         for messages in (chosen, rejected):
-            text, spans = self.render(messages)
-            spans = spans[prior:] if self.template is not None else spans
+            text, spans = self.render(messages, skip=prior if self.template is not None else 0)
             if not spans:
                 raise BadRecord("the chat template marks none of the answer's text")
             out.append((text, spans))
