@@ -468,3 +468,20 @@ def test_adapters_on_the_routed_experts_are_counted_with_their_gradients_and_opt
     assert result.parameters == params // world_size
     assert result.gradients == trained // world_size
     assert result.optimizer_state == 2 * trained // world_size
+
+
+def test_the_reference_forward_with_adapters_off_is_part_of_the_step():
+    """DPO with LoRA and ``preference.reference="adapters_off"``: no second model (the same parameters,
+    gradients and optimizer state as the precomputed reference), and each step's reference forward,
+    run after the policy's while its activations are held, raises the peak."""
+    from recipes.tests import features
+    from titan_lightning.config.lora import LoRAConfig
+
+    results = {}
+    for reference in ("precomputed", "adapters_off"):
+        run = features.llama3_dpo_fsdp2_frozen()
+        run.job.lora, run.job.preference.reference = LoRAConfig(rank=4, alpha=8.0), reference
+        results[reference] = estimate(run, 2)
+    precomputed, off = results["precomputed"], results["adapters_off"]
+    assert off.static == precomputed.static
+    assert off.peak > precomputed.peak
