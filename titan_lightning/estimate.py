@@ -244,9 +244,9 @@ def _result(module, held: dict[str, int], live, mesh: Mesh, world_size: int, ran
     """``frozen``: a preference run's frozen reference model's parameters (sharded) and buffers,
     which the rank holds too (no gradients, no optimizer state)."""
     buffers = sum(_local(b).untyped_storage().nbytes() for b in module.model.buffers())
+    copy = [p for p in frozen if isinstance(p, torch.nn.Parameter)]
     buffers += sum(_local(b).untyped_storage().nbytes() for b in frozen if not isinstance(b, torch.nn.Parameter))
-    parameters = held["parameters"] + sum(s.numel() * s.element_size() for p in frozen if isinstance(p, torch.nn.Parameter)
-                                          for s in stored_tensors(_local(p)))
+    parameters = held["parameters"] + sum(s.numel() * s.element_size() for p in copy for s in stored_tensors(_local(p)))
     at_peak = parameters + held["gradients_at_peak"] + held["optimizer_state"] + buffers
     return MemoryEstimate(
         world_size=world_size, rank=rank, layout=mesh.dims.describe(), batch=batch,
