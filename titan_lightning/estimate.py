@@ -21,6 +21,10 @@ Modeled:
     temporaries of each op while they live (the loss's fp32 logits, or one chunk's of them
     with ``training.loss_chunks``, FSDP's all-gathered
     parameters of the current and prefetched units, the optimizer step's);
+  - LoRA: the frozen base as stored (QLoRA's NF4 by its parts), gradients and optimizer state of
+    the adapters alone (the routed experts' among them); preference pairs: a ``frozen`` reference
+    copy's shards and buffers (and the weights FSDP keeps gathered after its forward), and each
+    step's reference forward (``frozen``, ``adapters_off``), as ``attach_reference`` sets it up;
   - mixed precision as the run does it: autocast's bf16 weight copies without FSDP, the
     MixedPrecisionPolicy's unsharded bf16 parameters with FSDP;
   - ``compile.enable``: the blocks and the loss go through AOT autograd with inductor's
