@@ -47,7 +47,6 @@ import typing
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any, Iterator, Optional, Sequence, Union
 
 import yaml
@@ -62,7 +61,6 @@ from titan_lightning.data.prepare import main as prepare_main
 from titan_lightning.device_defaults import explicit_line, named_fields
 from titan_lightning.flags import OPTIONS, RECIPE_REQUIRED, SUBCOMMANDS, recipe_arg, section_type, unknown_command
 from titan_lightning.generate import COMMANDS as GENERATE_COMMANDS
-from titan_lightning.generate import RUN_CONFIG
 from titan_lightning.generate import main as generate_main
 from titan_lightning.parallel.mesh import release_dtensor_caches
 from titan_lightning.recipe import RECIPE_PARAMETERS, Run, RecipeError, build_run, check_inputs, execute
@@ -121,8 +119,6 @@ def _main(argv: list[str]) -> int:
         return 0
     command, run, trainer = prepared
     rank = trainer.global_rank if trainer.world_size > 1 else None
-    if command == "fit" and trainer.global_rank == 0 and getattr(run, "config_text", None):
-        write_run_config(Path(trainer.default_root_dir), run.config_text)
     bar = trainer.progress_bar_callback is not None  # (its line may be unfinished: errors start a new one)
     try:
         execute(command, run, trainer)
@@ -248,7 +244,7 @@ def parse_run(argv: list[str]) -> Optional[Run]:
     text = _config_text(parser, namespace, run, named, skip_none=False)
     apply_namespace(run, parser, namespace)
     run.explicit = named
-    run.config_text = text  # (written into the run folder at launch: write_run_config)
+    run.config_text = text  # (written into the run folder at launch: trainer.RunConfig)
     return run
 
 
@@ -257,15 +253,6 @@ def _config_text(parser: ArgumentParser, namespace, run: Run, named: set[str], s
     ``skip_none`` False, also the fields set to null where the recipe sets a value)."""
     explicit = explicit_line(run, named)
     return parser.dump(namespace, skip_validation=True, skip_none=skip_none) + (explicit + "\n" if explicit else "")
-
-
-def write_run_config(folder: Path, text: str) -> None:
-    """``<run folder>/config.yaml``: the run as --print_config prints it, for generate / chat on its
-    checkpoints (written whole: a temporary file renamed)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    partial = folder / f".{RUN_CONFIG}.{os.getpid()}"
-    partial.write_text(text)
-    os.replace(partial, folder / RUN_CONFIG)
 
 
 def estimate_command(argv: list[str]) -> int:

@@ -50,13 +50,13 @@ from titan_lightning.models.common.hf_config import CONFIG_FILE, read_json_objec
 from titan_lightning.models.common.kv_cache import KVCache, cached_attentions
 from titan_lightning.models.common.moe import reset_moe_buffers
 from titan_lightning.pretrained import GENERATION_FILE, read_hf_model
+from titan_lightning.trainer import RUN_CONFIG
 
 COMMANDS = ("generate", "chat")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # transformers' GenerationConfig defaults, for what a generation_config.json leaves out.
 HF_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
 MAX_NEW_TOKENS = 256
-RUN_CONFIG = "config.yaml"  # a run's options, in its folder (cli.write_run_config)
 EXIT = "/exit"
 
 

@@ -34,6 +34,23 @@ from titan_lightning.strategies import TitanStrategy
 
 
 RUN_DIR_ENV = "TITAN_LIGHTNING_RUN_DIR"
+RUN_CONFIG = "config.yaml"  # a run's options in its folder, for generate / chat on its checkpoints
+
+
+class RunConfig(L.Callback):
+    """At the start of fit (rank 0): ``<run folder>/config.yaml``, the run as --print_config prints
+    it (``text``), written whole (a temporary file renamed)."""
+
+    def __init__(self, folder: Path, text: str) -> None:
+        self.folder, self.text = folder, text
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit" or not trainer.is_global_zero:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        partial = self.folder / f".{RUN_CONFIG}.{os.getpid()}"
+        partial.write_text(self.text)
+        os.replace(partial, self.folder / RUN_CONFIG)
 
 
 def run_dir(run: Run, root: Optional[str]) -> Path:
@@ -117,6 +134,8 @@ def build_trainer(run: Run) -> L.Trainer:
     if job is not None and job.checkpoint.export_format is not None:
         where = folder / ("export_hf" if job.checkpoint.export_format == "hf" else "export")
         callbacks.append(ExportWeights(where, job.checkpoint.export_format, job.checkpoint.export_dtype))
+    if getattr(run, "config_text", None):  # (parse_run's: the command line's run)
+        callbacks.append(RunConfig(folder, run.config_text))
     if kwargs.get("enable_progress_bar") is not False:
         callbacks = _progress_bar(callbacks)
     kwargs["callbacks"] = callbacks
