@@ -1,6 +1,7 @@
 """Preference training's frozen reference (``preference.reference="frozen"``) on several ranks: a
 second model sharded like the policy, with units of its own, no gradients and no optimizer state."""
 
+import dataclasses
 from itertools import chain
 
 import torch
@@ -20,7 +21,13 @@ def sharded_copy(module, mesh: Mesh) -> nn.Module:
     holder = nn.Module()  # (the TP plan names its modules from the LightningModule: "model.…")
     with torch.device("meta"):
         holder.model = module.build_model()
-    parallelize(holder, mesh, module.job, model=holder.model, tp_plan=module.tp_plan, ddp=False)
+    # No backward follows the copy's forward, so a unit left gathered after it ("default" keeps the
+    # last one for the backward) would stay gathered from step to step: every unit reshards.
+    job = module.job
+    if job.parallelism.fsdp_reshard_after_forward == "default":
+        always = dataclasses.replace(job.parallelism, fsdp_reshard_after_forward="always")
+        job = dataclasses.replace(job, parallelism=always)
+    parallelize(holder, mesh, job, model=holder.model, tp_plan=module.tp_plan, ddp=False)
     copy = holder.model
     module.allocate(module.device, copy)  # (stored as the policy is: dtypes, a LoRA base frozen in the compute dtype)
     policy = module.model
