@@ -239,7 +239,7 @@ def parse_run(argv: list[str]) -> Optional[Run]:
     named = named_fields(argv, config.text if config is not None else None)  # (kept by the device's choice)
     if namespace.print_config:
         namespace.print_config = False
-        print(_config_text(parser, namespace, run, named), end="")
+        print(_config_text(parser, namespace, run, named, skip_none=False), end="")
         return None
     text = _config_text(parser, namespace, run, named, skip_none=False)
     apply_namespace(run, parser, namespace)
