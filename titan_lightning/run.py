@@ -36,6 +36,9 @@ class Run:
     device_choice: Optional[Any] = None
     # The fields the command line named (job.training.seq_len, trainer.precision): that choice keeps them.
     explicit: set[str] = field(default_factory=set)
+    # The command line's run as YAML (what --print_config prints); written to <run folder>/config.yaml
+    # at launch, from which generate / chat rebuild the module of a checkpoint. None: not from the CLI.
+    config_text: Optional[str] = None
 
     @property
     def job(self) -> Optional[JobConfig]:

@@ -134,7 +134,7 @@ def build_trainer(run: Run) -> L.Trainer:
     if job is not None and job.checkpoint.export_format is not None:
         where = folder / ("export_hf" if job.checkpoint.export_format == "hf" else "export")
         callbacks.append(ExportWeights(where, job.checkpoint.export_format, job.checkpoint.export_dtype))
-    if getattr(run, "config_text", None):  # (parse_run's: the command line's run)
+    if run.config_text:  # (parse_run's: the command line's run)
         callbacks.append(RunConfig(folder, run.config_text))
     if kwargs.get("enable_progress_bar") is not False:
         callbacks = _progress_bar(callbacks)
