@@ -241,7 +241,10 @@ def parse_run(argv: list[str]) -> Optional[Run]:
         namespace.print_config = False
         print(_config_text(parser, namespace, run, named, skip_none=False), end="")
         return None
-    text = _config_text(parser, namespace, run, named, skip_none=False)
+    try:  # (a value YAML cannot hold, e.g. a callback object given in Python: no file; generate needs --recipe)
+        text = _config_text(parser, namespace, run, named, skip_none=False)
+    except Exception:  # noqa: BLE001 - jsonargparse/yaml raise their own types
+        text = None
     apply_namespace(run, parser, namespace)
     run.explicit = named
     run.config_text = text  # (written into the run folder at launch: trainer.RunConfig)
