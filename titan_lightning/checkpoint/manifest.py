@@ -139,6 +139,8 @@ def is_lightning_sharded(path: Path) -> bool:
     if not (path.is_dir() and not path.name.endswith(PARTIAL) and (path / DCP_METADATA).is_file()
             and (path / META).is_file() and not (path / MANIFEST).exists()):
         return False
+    if read_manifest(path) is not None:  # (ours: meta.pt read once, by the manifest's cache)
+        return False
     try:
         meta = torch.load(path / META, map_location="cpu", weights_only=True)
     except Exception:  # noqa: BLE001 - unreadable: not Lightning's checkpoint as far as we can tell
