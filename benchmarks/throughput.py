@@ -79,6 +79,8 @@ class Workload:
     # The command a user types: only the recipe, its paths, the device and the step count (plus
     # ``overrides``); the run's own settings (precision, compile, lengths, AC) are the recipe's choice.
     as_user: bool = False
+    # The folder's preference pairs (benchmarks/preference_pairs.py) as the data, not its chats.
+    pairs: bool = False
 
 
 def float8_overrides(recipe: str, emulate: bool = False) -> tuple[str, ...]:
@@ -272,6 +274,24 @@ WORKLOADS["tiny_sft"] = Workload(recipe="recipes.hf:sft", folder=("tiny", None),
 WORKLOADS["tiny_lora"] = dataclasses.replace(WORKLOADS["tiny_sft"], recipe="recipes.hf:lora",
                                              contenders=("titan", "hf_packed"))
 
+# Preference training (issue #49) as a user runs it: recipes.hf:dpo on the folder's pairs (each chat's
+# last answer against the next chat's; benchmarks/preference_pairs.py), no tuning flag, per reference
+# mode, next to the same folder's SFT row (_sft_default). MFU counts the policy's FLOPs only (the
+# reference's forward, where there is one, is not counted).
+# python -m benchmarks.throughput --rounds 1 --steps 8 --warmup 5 --reference 'titan (qwen2_5_1_5b_sft_default)' \
+#   --workload qwen2_5_1_5b_sft_default,qwen2_5_1_5b_dpo,qwen2_5_1_5b_dpo_frozen,qwen2_5_1_5b_dpo_lora
+for _shape, _layers in (("qwen2_5_1_5b", None), ("llama3_8b", 16), ("tiny", None)):
+    _name = _shape if _layers is None else f"{_shape}_{_layers}l"
+    _dpo = Workload(recipe="recipes.hf:dpo", folder=(_shape, _layers), as_user=True, pairs=True, contenders=("titan",))
+    if _shape == "tiny":
+        _dpo = dataclasses.replace(_dpo, seq_len=512, overrides=WORKLOADS["tiny_sft"].overrides)
+    WORKLOADS[f"{_name}_dpo"] = _dpo  # reference log-probabilities precomputed before the first step
+    WORKLOADS[f"{_name}_dpo_frozen"] = dataclasses.replace(
+        _dpo, overrides=_dpo.overrides + ("--job.preference.reference", "frozen"))
+    WORKLOADS[f"{_name}_dpo_lora"] = dataclasses.replace(
+        _dpo, overrides=_dpo.overrides + ("--job.lora.rank", "16", "--job.lora.alpha", "32",
+                                          "--job.preference.reference", "adapters_off"))
+
 # The float8 path of the harness on CPU (torchao's emulation): titan and bare must agree.
 WORKLOADS["overhead_float8"] = dataclasses.replace(
     WORKLOADS["overhead"], overrides=WORKLOADS["overhead"].overrides + float8_overrides("tensorwise", emulate=True),
@@ -304,11 +324,13 @@ def _user_args(w: Workload, device: str, total_steps: int) -> list[str]:
     from benchmarks.finetune_folder import folders
 
     model, data = folders(*w.folder)
+    if w.pairs:
+        data = data.parent / "pairs"
     args = ["--recipe", w.recipe, "--job.checkpoint.initial_load_path", str(model),
             "--trainer.accelerator", "gpu" if device == "cuda" else "cpu", "--trainer.devices", "1",
             "--trainer.max_steps", str(total_steps), "--trainer.limit_val_batches", "0",
             "--trainer.enable_checkpointing", "false", "--job.checkpoint.export_format", "null"]
-    return args + (["--job.data.dataset_path", str(data)] if w.recipe.endswith((":sft", ":lora", ":qlora")) else [])
+    return args + (["--job.data.dataset_path", str(data)] if w.recipe.endswith((":sft", ":lora", ":qlora", ":dpo")) else [])
 
 
 def resolve_run(w: Workload, device: str, total_steps: int):
@@ -510,7 +532,7 @@ def _sft_shares(run) -> dict[str, Any]:
     """What share of a step's window tokens are conversation tokens (not padding) and supervised
     labels, over the windows the run's data makes (SFT only): real and supervised tokens/s."""
     job = run.job
-    if not job.data.sft:
+    if not job.data.sft or job.preference.loss is not None:
         return {}
     from benchmarks.sft_data import window_stats
 
@@ -1225,8 +1247,9 @@ def orchestrate(args) -> int:
         w = _workload(wl, args.layers, args.ac)
         if w.folder is not None:
             from benchmarks.finetune_folder import make
+            from benchmarks.preference_pairs import make_pairs
 
-            make(*w.folder)
+            (make_pairs if w.pairs else make)(*w.folder)
     folder = Path(args.out or tempfile.mkdtemp(prefix=f"throughput_{workloads[0]}_"))
     folder.mkdir(parents=True, exist_ok=True)
     row = (lambda wl, n: n) if len(workloads) == 1 else (lambda wl, n: f"{n} ({wl})")
