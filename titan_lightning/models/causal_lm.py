@@ -11,6 +11,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.fsdp import FSDPModule
 
 from titan_lightning.config import ConfigError, JobConfig
@@ -162,9 +163,13 @@ class CausalLMModule(L.LightningModule):
         allocates fake tensors so): cast before the init (init_weights keeps its fp32 buffers, RoPE's,
         in fp32), a LoRA base frozen in the compute dtype, QLoRA's NF4 base."""
         model = self.model if model is None else model
-        model.to(getattr(torch, self.job.training.dtype))
+        # (dtype casts of the meta model: under the estimator's fake mode a cast would make a fake tensor
+        # that can only be swapped in, and the mode's own memo holds a weakref that forbids the swap)
+        with unset_fake_temporarily():
+            model.to(getattr(torch, self.job.training.dtype))
+            if self.job.lora.enabled:
+                store_frozen_in(model, getattr(torch, self.job.training.mixed_precision_param))
         if self.job.lora.enabled:
-            store_frozen_in(model, getattr(torch, self.job.training.mixed_precision_param))
             if self.job.lora.quantize_base == "nf4":
                 quantize_base_nf4(model, device)  # (QLoRA: the init and a load quantize what they copy in)
         model.to_empty(device=device)

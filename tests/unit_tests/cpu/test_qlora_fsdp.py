@@ -181,3 +181,31 @@ def test_the_estimate_counts_the_nf4_base_and_the_adapters_as_a_run_stores_them(
     assert result.parameters == (sharded + dense) // world_size + whole
     assert result.gradients == adapters // world_size
     assert result.optimizer_state == 2 * adapters // world_size
+
+
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_the_estimate_of_an_adapter_run_whose_base_is_frozen_in_bf16(quantize):
+    """A GPU run's storage (mixed_precision_param bfloat16: the frozen base in bf16) on one process,
+    LoRA and QLoRA: the estimator casts the meta model as the run does (a cast under its fake mode
+    could not be swapped in: "Couldn't swap Embedding.weight", before any recipe on a GPU launched)."""
+    from recipes.tests import features
+    from titan_lightning.estimate import estimate
+
+    def run():
+        r = features.llama3_lora()
+        r.job.training.mixed_precision_param = "bfloat16"
+        r.job.lora.quantize_base = quantize
+        return r
+
+    module = run().module
+    with torch.device("meta"):
+        module.model = module.build_model()
+    module.materialize(torch.device("cpu"))
+    params = list(module.model.parameters())
+    assert {p.dtype for p in params if not p.requires_grad and not is_nf4(p)} == {torch.bfloat16}
+    stored = sum(t.numel() * t.element_size() for p in params
+                 for t in ((p.quantized_data, p.quantized_scalers, p.quantization_factor, p.scaler_mean, p.nf4)
+                           if is_nf4(p) else (p,)))
+    adapters = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    result = estimate(run(), 1)
+    assert (result.parameters, result.gradients, result.optimizer_state) == (stored, adapters, 2 * adapters)
