@@ -156,11 +156,14 @@ def sft_argv(folder, *more):
             "--job.data.dataset_path", "data/sft", *more]
 
 
-def test_the_estimator_sizes_a_real_model(folder):
-    run = recipes.hf.sft(str(folder), "data/sft")
+@pytest.mark.parametrize("recipe", ["sft", "lora", "qlora", "dpo"])
+def test_the_estimator_sizes_a_real_model(folder, recipe):
+    """Every fine-tuning recipe's run is sized by the estimator on a GPU (a LoRA base frozen in bf16
+    once failed it, and the run kept the recipe's sizes)."""
+    run = getattr(recipes.hf, recipe)(str(folder), "data/sft")
     # (eager sdpa: the estimate of compiled blocks traces them, seconds a call; test_estimate covers the kernels)
     choice = choose(run.job, H200, explicit={"compile.enable", "model.attention"}, peak=device_defaults._estimator(run, 1))
-    assert choice.job.training.tokens_per_microbatch_per_dp_rank == device_defaults.TOKENS_PER_MICROBATCH
+    assert choice.job.training.tokens_per_microbatch_per_dp_rank == device_defaults.TOKENS_PER_MICROBATCH, choice.line
     assert "estimated peak 0 GiB of 141" in choice.line  # a model of 64 dimensions
 
 
