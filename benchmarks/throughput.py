@@ -265,6 +265,14 @@ WORKLOADS["llama3_8b_lora_hf_ac"] = dataclasses.replace(WORKLOADS["llama3_8b_lor
 WORKLOADS["llama3_8b_qlora"] = dataclasses.replace(WORKLOADS["llama3_8b_lora"], recipe="recipes.hf:qlora",
                                                    contenders=("titan",))
 
+# QLoRA of Llama 3 70B's shape (80 layers, random weights: recipes.llama3:llama3_70b, the shipped corpus)
+# on one H200 at seq 4096, full activation checkpointing (issue #48); MFU counts 6 FLOPs per parameter
+# and token as for every row (LoRA computes no weight gradients of the base: ~4 of them).
+# python -m benchmarks.throughput --rounds 1 --steps 4 --warmup 2 --workload llama3_70b_qlora --contenders titan
+WORKLOADS["llama3_70b_qlora"] = Workload(recipe="recipes.llama3:llama3_70b", seq_len=4096, ac="full", contenders=("titan",),
+                                         overrides=("--job.lora.rank", "16", "--job.lora.alpha", "32",
+                                                    "--job.lora.quantize_base", "nf4"))
+
 # The fine-tuning contenders on CPU, on a tiny folder (that each runs; its numbers mean nothing):
 #   python -m benchmarks.throughput --device cpu --steps 2 --warmup 1 --workload tiny_sft --contenders titan,hf_padded,trl
 WORKLOADS["tiny_sft"] = Workload(recipe="recipes.hf:sft", folder=("tiny", None), as_user=True, seq_len=512,
