@@ -8,6 +8,11 @@ not the output head (PEFT's ``all-linear`` leaves it out), not a part of a fused
 adapters). An MoE router's gate is one (``gate``). The routed experts are stacked weights, no
 ``nn.Linear``: they take adapters through ``lora.target_parameters`` as PEFT's ``target_parameters``
 (lora/experts.py), so ``all-linear`` on an MoE model adapts attention and routers, as PEFT's does.
+
+A family's adapter may list ``peft_expert_names``: names PEFT reads in ``target_modules`` as the routed
+experts' tensors (PEFT 0.21 on transformers 5 converts DeepSeek V3's ``gate_proj`` / ``up_proj`` /
+``down_proj`` to ``target_parameters``, as for checkpoints of the per-expert layout). Linears so named
+(the dense layers' MLP, the shared experts) take no adapters: PEFT could not load them onto the base.
 """
 
 from typing import Any, Optional
@@ -32,6 +37,8 @@ def hf_linears(model: nn.Module, adapter: Optional[Any]) -> dict[str, str]:
         hf = adapter.hf_key(key) if adapter is not None else key
         if hf is None or not hf.endswith(".weight") or (adapter is not None and adapter.export_group(key) != key):
             continue
+        if short_name(hf.removesuffix(".weight")) in getattr(adapter, "peft_expert_names", ()):
+            continue
         found[name] = hf.removesuffix(".weight")
     return found
 
@@ -46,9 +53,15 @@ def lora_targets(model: nn.Module, adapter: Optional[Any], lora: LoRAConfig) -> 
     linears = hf_linears(model, adapter)
     valid = sorted({short_name(hf) for hf in linears.values()})
     wanted = lora.target_modules
+    family = getattr(adapter, "family", None) or type(model).__name__
+    experts = [name for name in wanted if name in getattr(adapter, "peft_expert_names", ())]
+    if experts:
+        raise ValueError(f"lora.target_modules={','.join(wanted)}: PEFT reads {experts[0]!r} on {family} as the routed "
+                         f"experts' tensors, so adapters on the dense and shared MLPs would not load with PeftModel; "
+                         f"valid: {', '.join(valid)} or {ALL_LINEAR}, and lora.target_parameters=gate_up_proj,down_proj "
+                         f"for the experts")
     unknown = [name for name in wanted if name != ALL_LINEAR and name not in valid]
     if unknown or not linears:
-        family = getattr(adapter, "family", None) or type(model).__name__
         raise ValueError(f"lora.target_modules={','.join(wanted)}: {family} has no linear named {unknown[0]!r}; "
                          f"valid: {', '.join(valid)} or {ALL_LINEAR}" if unknown else
                          f"lora.target_modules={','.join(wanted)}: {family} has no linear that can take adapters")

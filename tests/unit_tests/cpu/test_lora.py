@@ -42,10 +42,12 @@ def _cross_entropy(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
 
-# (model_type, tied, target_modules): dense and tied; MoE (attention and router; the routed experts take
-# none yet); sliding-window layers beside global ones (Gemma 3).
+# (model_type, tied, target_modules): dense and tied; MoE (attention and router; the routed experts:
+# test_lora_layouts.py); sliding-window layers beside global ones (Gemma 3); DeepSeek V3's latent attention
+# (uncompressed queries; q_a_proj / q_b_proj: test_lora_layouts.py) and its sigmoid router.
 FAMILIES = [("llama", False, "all-linear"), ("qwen3", True, "all-linear"),
-            ("qwen3_moe", False, "q_proj,k_proj,v_proj,o_proj,gate"), ("gemma3_text", False, "all-linear")]
+            ("qwen3_moe", False, "q_proj,k_proj,v_proj,o_proj,gate"), ("gemma3_text", False, "all-linear"),
+            ("deepseek_v3", False, "q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,gate")]
 
 
 @pytest.mark.parametrize("model_type,tie,targets", FAMILIES, ids=[f[0] + ("_tied" if f[1] else "") for f in FAMILIES])
@@ -134,6 +136,28 @@ def test_an_unknown_target_is_one_line_naming_the_valid_names(change, message):
     run.job.lora = LoRAConfig(rank=4, **change)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as caught:
         validate_job(run.job, world_size=1, max_steps=1, device_type="cpu")
+    assert "\n" not in str(caught.value)
+
+
+def test_deepseek_v3_mlps_take_no_adapters_as_peft_reads_their_names_as_the_routed_experts(tmp_path):
+    """PEFT on transformers 5 converts DeepSeek V3's gate_proj / up_proj / down_proj targets to the routed
+    experts' tensors (so the dense and shared MLPs it cannot adapt, nor load adapters onto): ours refuses
+    them in one line, and all-linear leaves them out."""
+    folder = tmp_path / "hf"
+    mlp = ["gate_proj", "up_proj", "down_proj"]
+    theirs = peft.get_peft_model(save_hf_model(folder, "deepseek_v3"), peft.LoraConfig(r=4, target_modules=mlp))
+    adapted = {name.rsplit(".", 1)[1] for name, m in theirs.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
+    assert adapted == {"experts", "base_layer"}  # the experts' tensors, no linear (if this fails, lift the rule)
+    ours, adapter = _ours(folder, LoRAConfig(rank=4))  # (all-linear)
+    assert {name.rsplit(".", 1)[1] for name in hf_linears(ours, adapter).values()} == {
+        "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate"}
+    from titan_lightning.pretrained import read_hf_model
+
+    hf = read_hf_model(folder)
+    job = hf.job_class(model=hf.args, lora=LoRAConfig(rank=4, target_modules="q_proj,up_proj"))
+    with pytest.raises(ConfigError, match=r"lora.target_modules=q_proj,up_proj: PEFT reads 'up_proj' on DeepSeek V3 "
+                                          r"as the routed experts' tensors") as caught:
+        hf.module_class.check_config(job)  # (before launch: validate_job's family rules)
     assert "\n" not in str(caught.value)
 
 

@@ -23,25 +23,32 @@ def _experts_ours(folder, lora: LoRAConfig):
     return _ours(folder, lora)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
-def test_expert_adapters_step_one_loss_and_gradients_equal_peft_target_parameters(model_type, tmp_path):
+# (model_type, target_modules, config overrides): DeepSeek V3 with every projection of its latent attention
+# (compressed queries: q_a_proj, q_b_proj), its router, a dense layer before the MoE one.
+EXPERT_FAMILIES = [("qwen3_moe", "q_proj,v_proj", {}), ("gpt_oss", "q_proj,v_proj", {}),
+                   ("deepseek_v3", "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,gate", dict(q_lora_rank=16))]
+
+
+@pytest.mark.parametrize("model_type,targets,overrides", EXPERT_FAMILIES, ids=[f[0] for f in EXPERT_FAMILIES])
+def test_expert_adapters_step_one_loss_and_gradients_equal_peft_target_parameters(model_type, targets, overrides,
+                                                                                   tmp_path):
     """Adapters on the attention and both expert tensors against PEFT's ParamWrapper on transformers'
-    fused experts ([E, out, in] for Qwen3-MoE; gpt-oss's [E, in, out], gate and up interleaved): the
-    same loss, the same gradients of every factor, and the exports' logits."""
+    fused experts ([E, out, in] for Qwen3-MoE and DeepSeek V3; gpt-oss's [E, in, out], gate and up
+    interleaved): the same loss, the same gradients of every factor, and the exports' logits."""
     peft = pytest.importorskip("peft", reason="PEFT is the reference for LoRA (setup.cfg's dev extra)")
     folder = tmp_path / "hf"
-    theirs = save_hf_model(folder, model_type).train()
-    lora = LoRAConfig(rank=4, alpha=8.0, target_modules="q_proj,v_proj", target_parameters="gate_up_proj,down_proj")
+    theirs = save_hf_model(folder, model_type, **overrides).train()
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=targets, target_parameters="gate_up_proj,down_proj")
     ours, adapter = _experts_ours(folder, lora)
-    theirs = peft.get_peft_model(theirs, peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=["q_proj", "v_proj"],
+    theirs = peft.get_peft_model(theirs, peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=targets.split(","),
                                                          target_parameters=["mlp.experts.gate_up_proj",
                                                                             "mlp.experts.down_proj"]))
     adapted = expert_adapters(ours)
     assert adapted and all(set(experts.lora_a) == {"gate_up_proj", "down_proj"} for _, experts in adapted)
 
-    def wrapper(layer: int, name: str):  # PEFT nests its wrappers: the first target innermost
-        outer = theirs.base_model.model.model.layers[layer].mlp.experts
-        return outer.base_layer if name == "gate_up_proj" else outer
+    def wrapper(name: str, tensor: str):  # PEFT nests its wrappers: the first target innermost
+        outer = theirs.base_model.model.model.layers[int(name.split(".")[1])].mlp.experts  # ('layers.1.moe.experts')
+        return outer.base_layer if tensor == "gate_up_proj" else outer
 
     def peft_a(a: torch.Tensor) -> torch.Tensor:  # ours [E, r, in] -> PEFT's [E * r, in]
         return a.reshape(-1, a.shape[-1])
@@ -53,10 +60,10 @@ def test_expert_adapters_step_one_loss_and_gradients_equal_peft_target_parameter
     with torch.no_grad():  # B off zero: every factor changes the output and gets a gradient
         for _, layer in _linears(ours):
             layer.lora_b.weight.copy_(0.1 * torch.randn(layer.lora_b.weight.shape, generator=g))
-        for index, (_, experts) in enumerate(adapted):
+        for layer_name, experts in adapted:
             for name in experts.lora_a:
                 experts.lora_b[name].copy_(0.1 * torch.randn(experts.lora_b[name].shape, generator=g))
-                w = wrapper(index, name)
+                w = wrapper(layer_name, name)
                 w.lora_A["default"].weight.copy_(peft_a(experts.lora_a[name]))
                 w.lora_B["default"].weight.copy_(peft_b(experts.lora_b[name]))
         names = _hf_names(ours, adapter)
@@ -73,9 +80,9 @@ def test_expert_adapters_step_one_loss_and_gradients_equal_peft_target_parameter
         return loss
 
     torch.testing.assert_close(step_one(ours(tokens)), step_one(theirs(input_ids=tokens).logits), rtol=0, atol=1e-6)
-    for index, (_, experts) in enumerate(adapted):
+    for layer_name, experts in adapted:
         for name in experts.lora_a:
-            w = wrapper(index, name)
+            w = wrapper(layer_name, name)
             assert experts.lora_b[name].grad.abs().sum() > 0
             torch.testing.assert_close(peft_a(experts.lora_a[name].grad), w.lora_A["default"].weight.grad,
                                        rtol=1e-5, atol=1e-6)

@@ -73,6 +73,9 @@ class DeepSeekV3StateDictAdapter(StateDictAdapter):
     }
     ignored_hf_suffixes = ("rotary_emb.inv_freq",)
     ignores_layers_past_n_layers = True
+    # PEFT (0.21, transformers 5) reads these in target_modules as the routed experts' tensors: the dense
+    # and shared MLPs' linears take no LoRA adapters (lora/targets.py).
+    peft_expert_names = ("gate_proj", "up_proj", "down_proj")
     hf_model_types = ("deepseek_v3",)
     args_class, architecture = DeepSeekV3Args, "DeepseekV3ForCausalLM"
     fixed_fields = FIXED_FIELDS
