@@ -6,6 +6,7 @@ from itertools import chain
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 
 from titan_lightning.parallel.mesh import Mesh
@@ -19,15 +20,18 @@ def sharded_copy(module, mesh: Mesh) -> nn.Module:
     nothing to reduce), then each local shard copied from the policy's, which sits in the same
     place of the same mesh. Pipeline stages are not copied (``validate_preference`` refuses them)."""
     holder = nn.Module()  # (the TP plan names its modules from the LightningModule: "model.…")
-    with torch.device("meta"):
-        holder.model = module.build_model()
     # No backward follows the copy's forward, so a unit left gathered after it ("default" keeps the
     # last one for the backward) would stay gathered from step to step: every unit reshards.
     job = module.job
     if job.parallelism.fsdp_reshard_after_forward == "default":
         always = dataclasses.replace(job.parallelism, fsdp_reshard_after_forward="always")
         job = dataclasses.replace(job, parallelism=always)
-    parallelize(holder, mesh, job, model=holder.model, tp_plan=module.tp_plan, ddp=False)
+    # Built and sharded on the meta device as the policy was, also inside the estimator's fake mode
+    # (a fake parameter could not be cast in place, as ``allocate`` casts the meta model).
+    with unset_fake_temporarily():
+        with torch.device("meta"):
+            holder.model = module.build_model()
+        parallelize(holder, mesh, job, model=holder.model, tp_plan=module.tp_plan, ddp=False)
     copy = holder.model
     module.allocate(module.device, copy)  # (stored as the policy is: dtypes, a LoRA base frozen in the compute dtype)
     policy = module.model
