@@ -40,11 +40,19 @@ it includes data loading and everything the loop does; the first ``--warmup`` st
 (compilation) are dropped. Peak memory is ``torch.cuda.max_memory_allocated`` over the
 measured steps. MFU = tokens/s x the model's training FLOPs per token
 (``flops_per_token``, the same formula for every contender) / the device's dense bf16 peak.
+
+Where a step's time goes, on a GPU: ``--profile-steps N`` traces N steps after the measured ones
+(device busy time, kernel families, the host calls that took longest); ``BENCH_TRACE=DIR`` keeps
+that trace (``DIR/<contender>_<workload>_trace.json.gz``, ui.perfetto.dev);
+``BENCH_SYNC_AUDIT=DIR`` lists every call that made the host wait for the device in the first
+measured step, by the Python frames that made it (``DIR/<contender>_<workload>_syncs.txt``);
+``BENCH_MEMORY_SNAPSHOT=DIR`` records the first measured step's allocations.
 """
 
 import argparse
 import contextlib
 import dataclasses
+import gzip
 import json
 import math
 import os
@@ -54,6 +62,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -372,6 +382,50 @@ def memory_snapshot_hook(step_after_warmup: int, name: str) -> None:
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
+def sync_audit_hook(step_after_warmup: int, name: str) -> None:
+    """With ``BENCH_SYNC_AUDIT=DIR``: every call that makes the host wait for the device during the
+    first measured step (``torch.cuda.set_sync_debug_mode``: .item(), blocking copies, nonzero...),
+    counted by the Python frames that made it, written to ``DIR/<name>_syncs.txt``. Called after each
+    step with the steps since the warmup ended."""
+    import torch
+
+    folder = os.environ.get("BENCH_SYNC_AUDIT")
+    if not folder:
+        return
+    if step_after_warmup == 0:
+        _SYNCS.clear()
+        warnings.filterwarnings("always", message=".*synchronizing CUDA operation.*")
+        _SYNCS["showwarning"] = warnings.showwarning
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            if "synchronizing CUDA operation" not in str(message):
+                return _SYNCS["showwarning"](message, category, filename, lineno, file, line)
+            frames = [f for f in traceback.extract_stack()[:-1] if "/warnings.py" not in f.filename]
+            mine = [f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in frames[-8:]]
+            key = "\n    ".join(mine)
+            _SYNCS[key] = _SYNCS.get(key, 0) + 1
+
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+    elif step_after_warmup == 1 and "showwarning" in _SYNCS:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = _SYNCS.pop("showwarning")
+        counts = sorted(_SYNCS.items(), key=lambda kv: -kv[1])
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        text = f"{sum(c for _, c in counts)} synchronizing calls in one step of {name}\n" + "".join(
+            f"\n{c}x\n    {where}\n" for where, c in counts)
+        (Path(folder) / f"{_label(name)}_syncs.txt").write_text(text)
+        print(text, flush=True)
+
+
+_SYNCS: dict[str, Any] = {}
+
+
+def _label(name: str) -> str:
+    """``name`` (the contender) and the workload it runs, for the files the hooks write."""
+    return "_".join(part for part in (name, os.environ.get("BENCH_WORKLOAD")) if part)
+
+
 class StepClock:
     """Times optimizer steps end to end and resets the peak-memory counter after the warmup.
 
@@ -403,6 +457,7 @@ class StepClock:
             torch.cuda.reset_peak_memory_stats()
         if self.device == "cuda":
             memory_snapshot_hook(len(self.ends) - self.warmup, self.name)
+            sync_audit_hook(len(self.ends) - self.warmup, self.name)
         if self.profile_steps and len(self.ends) == self.warmup + self.steps:
             self._profiler = torch.profiler.profile(activities=profiler_activities(self.device))
             self._profiler.__enter__()
@@ -410,7 +465,11 @@ class StepClock:
         elif self._profiler is not None and len(self.ends) == self.warmup + self.steps + 1 + self.profile_steps:
             self._profiler.__exit__(None, None, None)
             wall = self.ends[-1] - self.ends[-1 - self.profile_steps]
-            self.profile = device_busy(self._profiler, wall, self.profile_steps)
+            keep = None  # with BENCH_TRACE=DIR: the profiled steps' Chrome trace (ui.perfetto.dev), gzipped
+            if os.environ.get("BENCH_TRACE"):
+                Path(os.environ["BENCH_TRACE"]).mkdir(parents=True, exist_ok=True)
+                keep = Path(os.environ["BENCH_TRACE"]) / f"{_label(self.name)}_trace.json.gz"
+            self.profile = device_busy(self._profiler, wall, self.profile_steps, keep)
             self._profiler = None
 
     def result(self, name: str, tokens_per_step: int, flops_per_token: float) -> dict[str, Any]:
@@ -435,11 +494,14 @@ def profiler_activities(device: str):
 DEVICE_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def device_busy(profiler, wall_s: float, steps: int) -> dict[str, float]:
-    """Per step: the wall time and the time the device ran anything (overlaps counted once)."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        profiler.export_chrome_trace(f.name)
-        events = json.loads(Path(f.name).read_text()).get("traceEvents", [])
+def device_busy(profiler, wall_s: float, steps: int, keep: Optional[Path] = None) -> dict[str, float]:
+    """Per step: the wall time and the time the device ran anything (overlaps counted once).
+    ``keep``: where the trace stays (a .gz name: gzipped), else it is read from a temporary file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = keep or Path(tmp) / "trace.json"
+        profiler.export_chrome_trace(str(path))
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rt") as f:
+            events = json.load(f).get("traceEvents", [])
     spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
                    if e.get("ph") == "X" and e.get("cat") in DEVICE_EVENT_CATEGORIES)
     busy = union_length_us(spans) / 1e3 / steps if spans else None  # None: no device events (CPU)
@@ -1322,6 +1384,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         problem = "unknown " + ", ".join(unknown) if unknown else "one per contender"
         parser.error(f"--workload={args.workload!r}: {problem}; valid: {', '.join(sorted(WORKLOADS))}")
     if args.contender:
+        os.environ["BENCH_WORKLOAD"] = args.workload  # (names the files the hooks write)
         use_sdpa_backend(args.sdpa)
         w = _workload(args.workload, args.layers, args.ac, args.profile_steps)
         data = RUNNERS[args.contender](w, args.device, args.steps, args.warmup)
