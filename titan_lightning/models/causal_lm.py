@@ -11,9 +11,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.fsdp import FSDPModule
 
+from titan_lightning._compat import unset_fake_temporarily
 from titan_lightning.config import ConfigError, JobConfig
 from titan_lightning.lora import (adapters_off, add_adapters, add_expert_adapters, check_lora_job, lora_targets,
                                   quantize_base_nf4, store_frozen_in)

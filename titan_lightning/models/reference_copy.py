@@ -6,9 +6,9 @@ from itertools import chain
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 
+from titan_lightning._compat import unset_fake_temporarily
 from titan_lightning.parallel.mesh import Mesh
 from titan_lightning.parallel.parallelize import parallelize
 
