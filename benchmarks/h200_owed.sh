@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The H200 measurements the open fine-tuning issues still owe (#44, #48, #49), in three parts that
+# each fit one call of the device tool (< 10 minutes on a warm machine, folders made on the way).
+# Output goes to files, never through a pipe (a killed run's compile workers would hold the pipe
+# open), each step under its own `timeout -k`; the tables and logs land in $OUT (or /tmp/h200).
+#
+#   bash benchmarks/h200_owed.sh 1   # #44: where the SFT step's host time goes; 8B-shaped SFT / pretraining rows
+#   bash benchmarks/h200_owed.sh 2   # #48: PEFT with checkpointing, QLoRA 8B and 70B shapes
+#   bash benchmarks/h200_owed.sh 3   # #49: DPO per reference mode; the GPU tests of LoRA / DPO / defaults
+set -u
+OUT=${OUT:-/tmp/h200}
+mkdir -p "$OUT"
+export TITAN_FT_BENCH=${TITAN_FT_BENCH:-/tmp/ftb} PYTHONUNBUFFERED=1
+T0=$(date +%s)
+left() { echo $(( $1 - ($(date +%s) - T0) )); }
+
+bench() {  # bench NAME SECONDS ARGS...: one benchmarks.throughput call, its table printed
+  local name=$1 seconds=$2; shift 2
+  timeout -k 5 "$seconds" python3 -m benchmarks.throughput --out "/tmp/$name" "$@" > "/tmp/$name.log" 2>&1
+  echo "== $name (rc $?, $(( $(date +%s) - T0 )) s)"
+  grep -E "^\||^\[round|on NVIDIA|train split" "/tmp/$name.log" | cut -c1-400
+  cp "/tmp/$name/summary.json" "$OUT/$name.json" 2>/dev/null || tail -5 "/tmp/$name.log"
+}
+
+case "${1:-}" in
+1)
+  BENCH_SYNC_AUDIT=$OUT BENCH_TRACE=/tmp/traces bench sft_syncs 240 --rounds 1 --steps 4 --warmup 4 \
+    --profile-steps 2 --contenders titan --workload qwen2_5_1_5b_sft_tuned,qwen2_5_1_5b_pretrain
+  bench sft_8b "$(left 560)" --rounds 1 --steps 5 --warmup 4 --reference 'titan (llama3_8b_16l_sft_tuned)' \
+    --contenders titan --workload llama3_8b_16l_sft_tuned,llama3_8b_16l_pretrain,llama3_8b_16l_sft_default
+  ;;
+2)
+  bench lora_8b 330 --rounds 1 --steps 5 --warmup 4 --reference 'titan (llama3_8b_lora)' \
+    --workload llama3_8b_lora,llama3_8b_lora_hf_ac,llama3_8b_qlora
+  bench qlora_70b "$(left 570)" --rounds 1 --steps 3 --warmup 2 --timeout 500 --workload llama3_70b_qlora --contenders titan
+  ;;
+3)
+  bench dpo "$(left 330)" --rounds 1 --steps 5 --warmup 3 --timeout 110 --reference 'titan (qwen2_5_1_5b_dpo)' \
+    --workload qwen2_5_1_5b_dpo,qwen2_5_1_5b_dpo_frozen,qwen2_5_1_5b_dpo_lora
+  for f in test_lora_gpu test_preference_gpu test_device_defaults_gpu; do
+    timeout -k 5 "$(( $(left 580) < 120 ? $(left 580) : 120 ))" python3 -m pytest -q -p no:cacheprovider -m gpu -s \
+      "tests/unit_tests/gpu/$f.py" > "/tmp/$f.log" 2>&1
+    echo "== $f (rc $?, $(( $(date +%s) - T0 )) s)"; grep -E "passed|failed|error|tokens/s|Error" "/tmp/$f.log" | tail -8
+  done
+  ;;
+*) echo "usage: bash benchmarks/h200_owed.sh 1|2|3" >&2; exit 2 ;;
+esac
+echo "== done in $(( $(date +%s) - T0 )) s"
