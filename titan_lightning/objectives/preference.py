@@ -73,6 +73,7 @@ def pair_losses(config: PreferenceConfig, logps: torch.Tensor, tokens: torch.Ten
     hold no token (an empty slot) has loss and metrics 0."""
     beta, eps = config.scale, float(config.label_smoothing)
     present = (tokens[0::2] > 0) & (tokens[1::2] > 0)
+    summed = (logps, reference)  # (IPO's metrics: TRL's DPOTrainer logs the summed ones for every loss)
     if config.loss in ("ipo", "simpo"):
         logps = logps / tokens.clamp(min=1)
         if reference is not None:
@@ -93,6 +94,10 @@ def pair_losses(config: PreferenceConfig, logps: torch.Tensor, tokens: torch.Ten
             loss = (logits - 1 / (2 * beta)) ** 2
         else:
             loss = -(1 - eps) * F.logsigmoid(beta * logits) - eps * F.logsigmoid(-beta * logits)
+        if config.loss == "ipo":  # (the loss on per-token means, the metrics on sums, as TRL logs them)
+            logps, reference = summed[0], summed[1].to(logps.dtype)
+            chosen, rejected = logps[0::2], logps[1::2]
+            ref_chosen, ref_rejected = reference[0::2], reference[1::2]
         chosen_rewards = beta * (chosen - ref_chosen).detach()
         rejected_rewards = beta * (rejected - ref_rejected).detach()
     zero = torch.zeros_like(loss)

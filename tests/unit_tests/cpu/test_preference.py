@@ -2,9 +2,9 @@
 other with the mask on the answers; PairWindows packs pairs whole; the DPO, IPO and SimPO losses and
 their gradients, from our chunked per-token loss over packed windows, equal an independent
 computation with the transformers model of the same folder on each sequence alone (fp32, CPU), the
-losses as TRL writes them (TRL itself is no test dependency: trl 1.16 pulls in datasets, pandas,
-pyarrow and multiprocess, and its DPOTrainer a whole training run); recipes.hf:dpo logs TRL's
-metrics, trains on 2 ranks with accumulation as in one process, and its three reference modes agree."""
+losses as TRL writes them (TRL's DPOTrainer itself on the same batch: test_preference_trl.py);
+recipes.hf:dpo logs TRL's metrics, trains on 2 ranks with accumulation as in one process, and its
+three reference modes agree."""
 
 import json
 import math

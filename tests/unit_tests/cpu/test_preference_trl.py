@@ -1,8 +1,8 @@
 """Preference training (#49) against TRL itself: on the pairs and token ids of test_preference.py,
 our step-1 DPO and IPO losses and gradients equal those of ``trl.DPOTrainer.compute_loss`` on one
 batch of its train dataloader (the transformers model of the same folder, the reference another seed,
-no truncation), and DPO's metrics equal those it logs (fp32, CPU). IPO's metrics differ by design:
-ours are the per-token means its loss uses, TRL logs the sums DPO uses."""
+no truncation), and so do the metrics it logs (fp32, CPU; IPO's loss takes per-token means, its
+metrics the sums, as TRL logs them for every loss)."""
 
 import pytest
 import torch
@@ -76,8 +76,6 @@ def test_step_one_loss_gradients_and_metrics_equal_trl_dpo_trainer_on_the_same_b
         assert scale > 0, name
         # Relative to the tensor's largest gradient, as in test_preference.py (sums in another order).
         assert (our_grads[name] - p.grad).abs().max().item() <= 2e-6 * max(1.0, scale), name
-    if loss == "ipo":  # our IPO logs the per-token means its loss uses; TRL logs DPO's sums (see the README)
-        return
     # Each log-probability is a sum over ~40 tokens (~150 in size: fp32 holds it to ~1e-5), each reward
     # beta times a difference of two of them.
     size = abs(logged["logps/chosen"]) + abs(logged["logps/rejected"])
