@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The H200 measurements the open fine-tuning issues still owe (#44, #48, #49), in three parts that
+# The H200 measurements the open fine-tuning issues still owe (#44, #48, #49), in four parts that
 # each fit one call of the device tool (< 10 minutes on a warm machine, folders made on the way).
 # Output goes to files, never through a pipe (a killed run's compile workers would hold the pipe
 # open), each step under its own `timeout -k`; the tables and logs land in $OUT (or /tmp/h200).
 #
 #   bash benchmarks/h200_owed.sh 1   # #44: where the SFT step's host time goes; 8B-shaped SFT / pretraining rows
-#   bash benchmarks/h200_owed.sh 2   # #48: PEFT with checkpointing, QLoRA 8B and 70B shapes
+#   bash benchmarks/h200_owed.sh 2   # #48: LoRA 8B profiled, PEFT with checkpointing, QLoRA 8B
 #   bash benchmarks/h200_owed.sh 3   # #49: DPO per reference mode; the GPU tests of LoRA / DPO / defaults
+#   bash benchmarks/h200_owed.sh 4   # #48: QLoRA of the 70B shape (estimated peak 50.2 GiB)
 set -u
 OUT=${OUT:-/tmp/h200}
 mkdir -p "$OUT"
@@ -30,9 +31,11 @@ case "${1:-}" in
     --contenders titan --workload llama3_8b_16l_sft_tuned,llama3_8b_16l_pretrain,llama3_8b_16l_sft_default
   ;;
 2)
-  bench lora_8b 330 --rounds 1 --steps 5 --warmup 4 --reference 'titan (llama3_8b_lora)' \
+  bench lora_8b 570 --rounds 1 --steps 5 --warmup 4 --profile-steps 2 --timeout 150 --reference 'titan (llama3_8b_lora)' \
     --workload llama3_8b_lora,llama3_8b_lora_hf_ac,llama3_8b_qlora
-  bench qlora_70b "$(left 570)" --rounds 1 --steps 3 --warmup 2 --timeout 500 --workload llama3_70b_qlora --contenders titan
+  ;;
+4)
+  bench qlora_70b 570 --rounds 1 --steps 3 --warmup 2 --timeout 560 --workload llama3_70b_qlora --contenders titan
   ;;
 3)
   bench dpo "$(left 330)" --rounds 1 --steps 5 --warmup 3 --timeout 110 --reference 'titan (qwen2_5_1_5b_dpo)' \
@@ -43,6 +46,6 @@ case "${1:-}" in
     echo "== $f (rc $?, $(( $(date +%s) - T0 )) s)"; grep -E "passed|failed|error|tokens/s|Error" "/tmp/$f.log" | tail -8
   done
   ;;
-*) echo "usage: bash benchmarks/h200_owed.sh 1|2|3" >&2; exit 2 ;;
+*) echo "usage: bash benchmarks/h200_owed.sh 1|2|3|4" >&2; exit 2 ;;
 esac
 echo "== done in $(( $(date +%s) - T0 )) s"
