@@ -395,11 +395,11 @@ def sync_audit_hook(step_after_warmup: int, name: str) -> None:
     if step_after_warmup == 0:
         _SYNCS.clear()
         warnings.filterwarnings("always", message=".*synchronizing CUDA operation.*")
-        _SYNCS["showwarning"] = warnings.showwarning
+        shown = _SHOWWARNING[:] = [warnings.showwarning]
 
         def record(message, category, filename, lineno, file=None, line=None):
             if "synchronizing CUDA operation" not in str(message):
-                return _SYNCS["showwarning"](message, category, filename, lineno, file, line)
+                return shown[0](message, category, filename, lineno, file, line)
             frames = [f for f in traceback.extract_stack()[:-1] if "/warnings.py" not in f.filename]
             mine = [f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in frames[-8:]]
             key = "\n    ".join(mine)
@@ -407,9 +407,9 @@ def sync_audit_hook(step_after_warmup: int, name: str) -> None:
 
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
-    elif step_after_warmup == 1 and "showwarning" in _SYNCS:
+    elif step_after_warmup == 1 and _SHOWWARNING:
         torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = _SYNCS.pop("showwarning")
+        warnings.showwarning = _SHOWWARNING.pop()
         counts = sorted(_SYNCS.items(), key=lambda kv: -kv[1])
         Path(folder).mkdir(parents=True, exist_ok=True)
         text = f"{sum(c for _, c in counts)} synchronizing calls in one step of {name}\n" + "".join(
@@ -418,7 +418,8 @@ def sync_audit_hook(step_after_warmup: int, name: str) -> None:
         print(text, flush=True)
 
 
-_SYNCS: dict[str, Any] = {}
+_SYNCS: dict[str, int] = {}  # the frames of a synchronizing call -> how often, in the audited step
+_SHOWWARNING: list = []  # warnings.showwarning while the audit replaces it
 
 
 def _label(name: str) -> str:

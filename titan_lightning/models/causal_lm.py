@@ -169,9 +169,8 @@ class CausalLMModule(L.LightningModule):
             model.to(getattr(torch, self.job.training.dtype))
             if self.job.lora.enabled:
                 store_frozen_in(model, getattr(torch, self.job.training.mixed_precision_param))
-        if self.job.lora.enabled:
-            if self.job.lora.quantize_base == "nf4":
-                quantize_base_nf4(model, device)  # (QLoRA: the init and a load quantize what they copy in)
+        if self.job.lora.enabled and self.job.lora.quantize_base == "nf4":
+            quantize_base_nf4(model, device)  # (QLoRA: the init and a load quantize what they copy in)
         model.to_empty(device=device)
 
     @property
