@@ -1,28 +1,30 @@
-"""Per-step training metrics that are not the model's business: LR, throughput, MFU, memory.
+"""Training metrics that are not the model's business: LR, throughput, MFU, memory.
 
 The model logs its own loss and grad norm (``train/loss``, ``train/grad_norm``); this
-callback adds, after every optimizer step:
+callback adds, on every optimizer step whose metrics reach the loggers
+(``trainer.log_every_n_steps``; the progress bar keeps the last ones in between):
 
-    train/lr                   the learning rate the step used
-    train/tokens_per_s         tokens the job trains per second, per device: the global batch
-                               (local batch x data-parallel replicas) over the world size, so
-                               TP, CP and PP ranks, which share their tokens, are divided out
+    train/lr                   the learning rate of the latest step
+    train/tokens_per_s         tokens the job trains per second, per device, over the steps since
+                               the last logged one: the global batch (local batch x data-parallel
+                               replicas) over the world size, so TP, CP and PP ranks, which share
+                               their tokens, are divided out
     train/supervised_tokens_per_s  the same for the tokens the loss trains on (loss-masked
                                fine-tuning, ``data.sft``: modules with ``loss_over_step_tokens``)
     train/mfu                  model FLOPs utilization in percent: tokens/s per device x the
                                module's ``flops_per_token(seq_len)`` / the device's dense bf16
                                peak (GPUs in ``PEAK_FLOPS`` only)
-    train/memory_peak_gib      peak allocated GPU memory during the step, and what the caching
-    train/memory_reserved_gib  allocator holds (GPU only)
+    train/memory_peak_gib      peak allocated GPU memory since the last logged step, and what the
+    train/memory_reserved_gib  caching allocator holds (GPU only)
 
-Step time runs from the start of the first microbatch of an optimizer step to the end of
-its last one, so gradient accumulation is counted once per step.
-
-The values are measured and logged on the steps whose metrics reach the loggers
-(``trainer.log_every_n_steps``; the progress bar keeps the last ones in between). Every
-``self.log`` call costs Lightning about a millisecond of host time, and every device
-synchronization exposes the host work that follows it; doing both on every step of a
-200 ms GPU step cost 3% of the throughput (benchmarks/RESULTS.md).
+Throughput is the host's clock between the ends of two logged optimizer steps (the first interval
+starts with the first step of the fit), validation left out, every microbatch counted; checkpoint
+saves in between count. The callback never waits for the device: a synchronization drains the
+GPU's queue and leaves it idle while the host prepares the next step (data, metadata, launches),
+which cost fine-tuning ~20% of its speed when a short run logged every step (benchmarks/RESULTS.md,
+"Fine-tuning on one H200, run 4"). Host values are logged as CPU tensors (a number would become a
+GPU tensor, a synchronizing copy); the supervised count stays on the device until Lightning reads
+the step's metrics, with the loss.
 """
 
 import time
@@ -33,7 +35,10 @@ import torch
 
 from titan_lightning._compat import logs_this_step
 from titan_lightning.models.common.loss import IGNORE_INDEX
-from titan_lightning.steps import ends_optimizer_step
+from titan_lightning.steps import ends_optimizer_step, starts_optimizer_step
+
+# The host clock the throughput is measured with (a test may replace it).
+clock = time.perf_counter
 
 # Dense bf16 peak FLOP/s by a substring of torch.cuda.get_device_name() (first match wins; add
 # yours here or pass peak_flops=): our H200 reports "NVIDIA H200".
@@ -64,20 +69,22 @@ def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak: float) -> 
 
 
 class TrainingMetrics(L.Callback):
-    """Logs LR, tokens/s per device, MFU and memory after every optimizer step (see the module docstring).
+    """Logs LR, tokens/s per device, MFU and memory on the logged optimizer steps (see the module docstring).
 
     ``peak_flops``: the device's peak FLOP/s, overriding the ``PEAK_FLOPS`` lookup.
     """
 
     def __init__(self, peak_flops: Optional[float] = None) -> None:
         self._peak_override = peak_flops
-        self._step_start: Optional[float] = None
-        self._tokens = 0
-        self._supervised: Optional[torch.Tensor] = None
+        self._peak: Optional[float] = None
+        self._since: Optional[float] = None  # host time the interval began (None: at the next step)
+        self._validating_since: Optional[float] = None
+        self._left_out = 0.0  # seconds of validation inside the interval
+        self._tokens = 0  # this rank's tokens in the interval
+        self._supervised: Optional[torch.Tensor] = None  # on the device
         self._seq_len = 0
         self._lr = 0.0
-        self._peak: Optional[float] = None
-        self._measuring = False
+        self._logs = False  # whether the optimizer step under way is logged
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         device = pl_module.device
@@ -85,53 +92,55 @@ class TrainingMetrics(L.Callback):
             self._peak = self._peak_override
         elif device.type == "cuda":
             self._peak = peak_flops(torch.cuda.get_device_name(device))
+        self._since = None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self._step_start is None:
-            self._measuring = logs_this_step(trainer)
-            if not self._measuring:
-                self._step_start = 0.0  # an optimizer step under way, not measured
-                return
-            _synchronize(pl_module.device)
-            if pl_module.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(pl_module.device)
-            self._step_start = time.perf_counter()
-            self._tokens = 0
-            self._supervised = None
-            # The scheduler steps before on_train_batch_end; read the LR this step used now.
+        if self._since is None:
+            self._restart(clock(), pl_module.device)
+        if starts_optimizer_step(trainer, batch_idx):
+            self._logs = logs_this_step(trainer)
+            # The scheduler steps before on_train_batch_end; read the LR this step uses now.
             self._lr = trainer.optimizers[0].param_groups[0]["lr"]
-        if not self._measuring:
-            return
         ids = batch["input_ids"]
         self._tokens += ids.numel()
         self._seq_len = ids.shape[-1]
         if getattr(pl_module, "loss_over_step_tokens", False) and "labels" in batch:
-            supervised = (batch["labels"] != IGNORE_INDEX).sum()  # on the device: read after the step
+            supervised = (batch["labels"] != IGNORE_INDEX).sum()
             self._supervised = supervised if self._supervised is None else self._supervised + supervised
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if not ends_optimizer_step(trainer, batch_idx):
+        if not self._logs or not ends_optimizer_step(trainer, batch_idx):
             return
-        if not self._measuring:
-            self._step_start = None
-            return
-        _synchronize(pl_module.device)
-        elapsed = time.perf_counter() - self._step_start
-        self._step_start = None
-        per_device = self._tokens * _data_parallel_size(trainer) / trainer.world_size / elapsed
-        # Progress-bar values as CPU tensors: Lightning reads them on the host after every step
-        # (a number would become a tensor on the GPU, and each read would wait for the device).
+        self._logs = False
+        now = clock()
+        per_token = _data_parallel_size(trainer) / trainer.world_size / max(now - self._since - self._left_out, 1e-9)
+        per_device = self._tokens * per_token
         pl_module.log("train/tokens_per_s", torch.tensor(per_device), prog_bar=True)
         if self._supervised is not None:
-            supervised = int(self._supervised) * _data_parallel_size(trainer) / trainer.world_size / elapsed
-            pl_module.log("train/supervised_tokens_per_s", torch.tensor(supervised))
-        pl_module.log("train/lr", self._lr)
+            pl_module.log("train/supervised_tokens_per_s", self._supervised.float() * per_token)
+        pl_module.log("train/lr", torch.tensor(self._lr))
         flops = getattr(pl_module, "flops_per_token", None)
         if self._peak is not None and flops is not None:
             pl_module.log("train/mfu", torch.tensor(mfu(per_device, flops(self._seq_len), self._peak)), prog_bar=True)
         if pl_module.device.type == "cuda":
-            pl_module.log("train/memory_peak_gib", torch.cuda.max_memory_allocated(pl_module.device) / 2**30)
-            pl_module.log("train/memory_reserved_gib", torch.cuda.memory_reserved(pl_module.device) / 2**30)
+            pl_module.log("train/memory_peak_gib", torch.tensor(torch.cuda.max_memory_allocated(pl_module.device) / 2**30))
+            pl_module.log("train/memory_reserved_gib", torch.tensor(torch.cuda.memory_reserved(pl_module.device) / 2**30))
+        self._restart(now, pl_module.device)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._since is not None:
+            self._validating_since = clock()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._validating_since is not None:
+            self._left_out += clock() - self._validating_since
+            self._validating_since = None
+
+    def _restart(self, now: float, device: torch.device) -> None:
+        """Begin the next interval at host time ``now`` (peak memory from here on; no synchronization)."""
+        self._since, self._left_out, self._tokens, self._supervised = now, 0.0, 0, None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
 
 
 def _data_parallel_size(trainer: L.Trainer) -> int:
@@ -140,11 +149,6 @@ def _data_parallel_size(trainer: L.Trainer) -> int:
     if isinstance(kwargs, dict) and "num_replicas" in kwargs:
         return int(kwargs["num_replicas"])
     return trainer.world_size
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class SourceTokens(L.Callback):
@@ -159,4 +163,4 @@ class SourceTokens(L.Callback):
         if not getattr(datamodule.job.data, "sources", None):
             return
         for name, tokens in datamodule.source_tokens().items():
-            pl_module.log(f"data/tokens/{name}", float(tokens), on_step=True, on_epoch=False, rank_zero_only=True)
+            pl_module.log(f"data/tokens/{name}", torch.tensor(float(tokens)), on_step=True, on_epoch=False, rank_zero_only=True)
