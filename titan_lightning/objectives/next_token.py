@@ -32,14 +32,14 @@ class StepTokenMean(Objective):
 
     def __init__(self, token_loss) -> None:
         super().__init__(token_loss)
-        # This step's microbatch (loss sum, supervised tokens), fp64.
+        # This step's microbatch (supervised tokens, loss sum), fp64.
         self._sums: list[torch.Tensor] = []
 
     def loss(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[Record]]:
         labels = batch["labels"]
         loss = self.token_loss(output, labels, "sum")
         supervised = (labels != IGNORE_INDEX).sum()
-        self._sums.append(torch.stack([local(loss).detach().double(), supervised.double()]))
+        self._sums.append(torch.stack([supervised.double(), local(loss).detach().double()]))
         return loss, []
 
     def end_step(self, grads: list[torch.Tensor], device: torch.device, mesh: Any) -> StepEnd:
@@ -56,10 +56,7 @@ class StepTokenMean(Objective):
         """
         sums, self._sums = self._sums, []
         device = grads[0].device if grads else device
-        totals = torch.zeros(3, dtype=torch.float64, device=device)
-        if sums:
-            totals[0] = len(sums)
-            totals[1:] = torch.stack(sums).sum(0).flip(0).to(device)  # [tokens, loss sum]
+        totals = step_totals(sums, 3, device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(totals)
         microbatches, tokens, loss_sum = totals.unbind()
@@ -67,6 +64,15 @@ class StepTokenMean(Objective):
         loss = (loss_sum / tokens.clamp(min=1.0)).float()
         records = [("train/loss", loss, {}), ("train/supervised_tokens", tokens.float() / label_copies(mesh), {})]
         return StepEnd([loss], tokens, records)
+
+
+def step_totals(sums: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
+    """[the number of ``sums``, then their sum]: ``width`` fp64 values on ``device``, made there (an
+    element set from the host is a synchronizing copy: the host would wait mid-step for the backward)."""
+    if not sums:
+        return torch.zeros(width, dtype=torch.float64, device=device)
+    summed = torch.stack(sums).sum(0).to(device)
+    return torch.cat([summed.new_full((1,), float(len(sums))), summed])
 
 
 def scale_grads_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:

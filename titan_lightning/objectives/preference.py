@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from titan_lightning.config.preference import PreferenceConfig
 from titan_lightning.objectives.base import Objective, Record, StepEnd, TokenLoss, local
-from titan_lightning.objectives.next_token import label_copies, scale_grads_
+from titan_lightning.objectives.next_token import label_copies, scale_grads_, step_totals
 from titan_lightning.parallel.context import sequence_sums
 
 # The folder of a pair set where precomputed reference log-probabilities are kept.
@@ -207,10 +207,7 @@ class PairMean(Objective):
     def end_step(self, grads: list[torch.Tensor], device: torch.device, mesh: Any) -> StepEnd:
         sums, self._sums = self._sums, []
         device = grads[0].device if grads else device
-        totals = torch.zeros(2 + 1 + len(METRICS), dtype=torch.float64, device=device)
-        if sums:
-            totals[0] = len(sums)
-            totals[1:] = torch.stack(sums).sum(0).to(device)  # [loss sum, pairs, metric sums]
+        totals = step_totals(sums, 2 + 1 + len(METRICS), device)  # [microbatches, loss sum, pairs, metric sums]
         _all_reduce(totals)
         microbatches, loss_sum, pairs = totals[0], totals[1], totals[2]
         scale_grads_(grads, microbatches / pairs.clamp(min=1.0))
