@@ -4,7 +4,7 @@
 # Output goes to files, never through a pipe (a killed run's compile workers would hold the pipe
 # open), each step under its own `timeout -k`; the tables and logs land in $OUT (or /tmp/h200).
 #
-#   bash benchmarks/h200_owed.sh 1   # #44: where the SFT step's host time goes; 8B-shaped SFT / pretraining rows
+#   bash benchmarks/h200_owed.sh 1   # #44: the SFT step's synchronizations, SFT vs pretraining; 8B-shaped default vs tuned
 #   bash benchmarks/h200_owed.sh 2   # #48: LoRA 8B profiled, PEFT with checkpointing, QLoRA 8B
 #   bash benchmarks/h200_owed.sh 3   # #49: DPO per reference mode; the GPU tests of LoRA / DPO / defaults
 #   bash benchmarks/h200_owed.sh 4   # #48: QLoRA of the 70B shape (estimated peak 50.2 GiB)
@@ -25,10 +25,11 @@ bench() {  # bench NAME SECONDS ARGS...: one benchmarks.throughput call, its tab
 
 case "${1:-}" in
 1)
-  BENCH_SYNC_AUDIT=$OUT BENCH_TRACE=/tmp/traces bench sft_syncs 240 --rounds 1 --steps 4 --warmup 4 \
-    --profile-steps 2 --contenders titan --workload qwen2_5_1_5b_sft_tuned,qwen2_5_1_5b_pretrain
-  bench sft_8b "$(left 560)" --rounds 1 --steps 5 --warmup 4 --reference 'titan (llama3_8b_16l_sft_tuned)' \
-    --contenders titan --workload llama3_8b_16l_sft_tuned,llama3_8b_16l_pretrain,llama3_8b_16l_sft_default
+  BENCH_SYNC_AUDIT=$OUT bench sft_syncs 270 --rounds 1 --steps 6 --warmup 4 --contenders titan \
+    --reference 'titan (qwen2_5_1_5b_pretrain)' \
+    --workload qwen2_5_1_5b_sft_tuned,qwen2_5_1_5b_sft_tuned_quiet,qwen2_5_1_5b_pretrain
+  bench sft_8b "$(left 580)" --rounds 1 --steps 5 --warmup 4 --reference 'titan (llama3_8b_16l_sft_tuned)' \
+    --contenders titan --workload llama3_8b_16l_sft_default,llama3_8b_16l_sft_tuned
   ;;
 2)
   bench lora_8b 570 --rounds 1 --steps 5 --warmup 4 --profile-steps 2 --timeout 150 --reference 'titan (llama3_8b_lora)' \
