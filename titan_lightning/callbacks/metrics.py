@@ -14,7 +14,7 @@ callback adds, on every optimizer step whose metrics reach the loggers
     train/mfu                  model FLOPs utilization in percent: tokens/s per device x the
                                module's ``flops_per_token(seq_len)`` / the device's dense bf16
                                peak (GPUs in ``PEAK_FLOPS`` only)
-    train/memory_peak_gib      peak allocated GPU memory since the last logged step, and what the
+    train/memory_peak_gib      peak allocated GPU memory in the steps since the last logged one, and what the
     train/memory_reserved_gib  caching allocator holds (GPU only)
 
 Throughput is the host's clock between the ends of two logged optimizer steps (the first interval
@@ -85,6 +85,7 @@ class TrainingMetrics(L.Callback):
         self._seq_len = 0
         self._lr = 0.0
         self._logs = False  # whether the optimizer step under way is logged
+        self._reset_peak = False  # at the next microbatch's start
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         device = pl_module.device
@@ -96,7 +97,12 @@ class TrainingMetrics(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._since is None:
-            self._restart(clock(), pl_module.device)
+            self._restart(clock())
+        if self._reset_peak and pl_module.device.type == "cuda":
+            # Here, not at the logged step's end: a reader of the peak after the fit (a benchmark)
+            # still sees a whole step's.
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+        self._reset_peak = False
         if starts_optimizer_step(trainer, batch_idx):
             self._logs = logs_this_step(trainer)
             # The scheduler steps before on_train_batch_end; read the LR this step uses now.
@@ -125,7 +131,7 @@ class TrainingMetrics(L.Callback):
         if pl_module.device.type == "cuda":
             pl_module.log("train/memory_peak_gib", torch.tensor(torch.cuda.max_memory_allocated(pl_module.device) / 2**30))
             pl_module.log("train/memory_reserved_gib", torch.tensor(torch.cuda.memory_reserved(pl_module.device) / 2**30))
-        self._restart(now, pl_module.device)
+        self._restart(now)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._since is not None:
@@ -136,11 +142,10 @@ class TrainingMetrics(L.Callback):
             self._left_out += clock() - self._validating_since
             self._validating_since = None
 
-    def _restart(self, now: float, device: torch.device) -> None:
-        """Begin the next interval at host time ``now`` (peak memory from here on; no synchronization)."""
+    def _restart(self, now: float) -> None:
+        """Begin the next interval at host time ``now``; peak memory from its first microbatch on."""
         self._since, self._left_out, self._tokens, self._supervised = now, 0.0, 0, None
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        self._reset_peak = True
 
 
 def _data_parallel_size(trainer: L.Trainer) -> int:
