@@ -6,7 +6,8 @@
 #
 #   bash benchmarks/h200_owed.sh 1   # #44: the SFT step's synchronizations, SFT vs pretraining; 8B-shaped default vs tuned
 #   bash benchmarks/h200_owed.sh 2   # #48: LoRA 8B profiled, PEFT with checkpointing, QLoRA 8B
-#   bash benchmarks/h200_owed.sh 3   # #49: DPO per reference mode; the GPU tests of LoRA / DPO / defaults
+#   bash benchmarks/h200_owed.sh 3   # #49: DPO per reference mode next to SFT (same folder, same run)
+#   bash benchmarks/h200_owed.sh 5   # the GPU tests of LoRA / DPO / device defaults
 #   bash benchmarks/h200_owed.sh 4   # #48: QLoRA of the 70B shape (estimated peak 50.2 GiB)
 set -u
 OUT=${OUT:-/tmp/h200}
@@ -39,14 +40,17 @@ case "${1:-}" in
   bench qlora_70b 570 --rounds 1 --steps 3 --warmup 2 --timeout 560 --workload llama3_70b_qlora --contenders titan
   ;;
 3)
-  bench dpo "$(left 330)" --rounds 1 --steps 5 --warmup 3 --timeout 110 --reference 'titan (qwen2_5_1_5b_dpo)' \
-    --workload qwen2_5_1_5b_dpo,qwen2_5_1_5b_dpo_frozen,qwen2_5_1_5b_dpo_lora
+  BENCH_SYNC_AUDIT=$OUT bench dpo "$(left 450)" --rounds 1 --steps 5 --warmup 3 --timeout 110 --contenders titan \
+    --reference 'titan (qwen2_5_1_5b_sft_default)' \
+    --workload qwen2_5_1_5b_dpo_frozen,qwen2_5_1_5b_dpo_lora,qwen2_5_1_5b_dpo,qwen2_5_1_5b_sft_default
+  ;;
+5)
   for f in test_lora_gpu test_preference_gpu test_device_defaults_gpu; do
     timeout -k 5 "$(( $(left 580) < 120 ? $(left 580) : 120 ))" python3 -m pytest -q -p no:cacheprovider -m gpu -s \
       "tests/unit_tests/gpu/$f.py" > "/tmp/$f.log" 2>&1
     echo "== $f (rc $?, $(( $(date +%s) - T0 )) s)"; grep -E "passed|failed|error|tokens/s|Error" "/tmp/$f.log" | tail -8
   done
   ;;
-*) echo "usage: bash benchmarks/h200_owed.sh 1|2|3|4" >&2; exit 2 ;;
+*) echo "usage: bash benchmarks/h200_owed.sh 1|2|3|4|5" >&2; exit 2 ;;
 esac
 echo "== done in $(( $(date +%s) - T0 )) s"
