@@ -14,17 +14,18 @@ callback adds, on every optimizer step whose metrics reach the loggers
     train/mfu                  model FLOPs utilization in percent: tokens/s per device x the
                                module's ``flops_per_token(seq_len)`` / the device's dense bf16
                                peak (GPUs in ``PEAK_FLOPS`` only)
-    train/memory_peak_gib      peak allocated GPU memory in the steps since the last logged one, and what the
-    train/memory_reserved_gib  caching allocator holds (GPU only)
+    train/memory_peak_gib      peak allocated GPU memory in the steps since the last logged one,
+    train/memory_reserved_gib  and what the caching allocator holds (GPU only)
 
 Throughput is the host's clock between the ends of two logged optimizer steps (the first interval
 starts with the first step of the fit), validation left out, every microbatch counted; checkpoint
 saves in between count. The callback never waits for the device: a synchronization drains the
-GPU's queue and leaves it idle while the host prepares the next step (data, metadata, launches),
-(with one blocking copy of the SFT normalization, they made a logged SFT step of the Qwen 2.5 1.5B
-shape 421 ms instead of 351 on an H200: benchmarks/RESULTS.md, "Fine-tuning on one H200, run 4"). Host values are logged as CPU tensors (a number would become a
-GPU tensor, a synchronizing copy); the supervised count stays on the device until Lightning reads
-the step's metrics, with the loss.
+GPU's queue and leaves it idle while the host prepares the next step (data, metadata, launches).
+Its synchronizations, with one blocking copy of the SFT normalization, made a logged SFT step of
+the Qwen 2.5 1.5B shape take 421 ms instead of 351 on an H200 (benchmarks/RESULTS.md, "Fine-tuning
+on one H200, run 4"). Host values are logged as CPU tensors (a number would become a GPU tensor:
+a synchronizing copy); the supervised count stays on the device until Lightning reads the step's
+metrics, with the loss.
 """
 
 import time
@@ -129,8 +130,8 @@ class TrainingMetrics(L.Callback):
         if self._peak is not None and flops is not None:
             pl_module.log("train/mfu", torch.tensor(mfu(per_device, flops(self._seq_len), self._peak)), prog_bar=True)
         if pl_module.device.type == "cuda":
-            pl_module.log("train/memory_peak_gib", torch.tensor(torch.cuda.max_memory_allocated(pl_module.device) / 2**30))
-            pl_module.log("train/memory_reserved_gib", torch.tensor(torch.cuda.memory_reserved(pl_module.device) / 2**30))
+            for name, read in (("peak", torch.cuda.max_memory_allocated), ("reserved", torch.cuda.memory_reserved)):
+                pl_module.log(f"train/memory_{name}_gib", torch.tensor(read(pl_module.device) / 2**30))
         self._restart(now)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -168,4 +169,5 @@ class SourceTokens(L.Callback):
         if not getattr(datamodule.job.data, "sources", None):
             return
         for name, tokens in datamodule.source_tokens().items():
-            pl_module.log(f"data/tokens/{name}", torch.tensor(float(tokens)), on_step=True, on_epoch=False, rank_zero_only=True)
+            pl_module.log(f"data/tokens/{name}", torch.tensor(float(tokens)), on_step=True, on_epoch=False,
+                          rank_zero_only=True)
