@@ -21,7 +21,7 @@ Throughput is the host's clock between the ends of two logged optimizer steps (t
 starts with the first step of the fit), validation left out, every microbatch counted; checkpoint
 saves in between count. The callback never waits for the device: a synchronization drains the
 GPU's queue and leaves it idle while the host prepares the next step (data, metadata, launches).
-Its synchronizations, with one blocking copy of the SFT normalization, made a logged SFT step of
+The ones it used to make, with one blocking copy of the SFT normalization, made a logged SFT step of
 the Qwen 2.5 1.5B shape take 421 ms instead of 351 on an H200 (benchmarks/RESULTS.md, "Fine-tuning
 on one H200, run 4"). Host values are logged as CPU tensors (a number would become a GPU tensor:
 a synchronizing copy); the supervised count stays on the device until Lightning reads the step's
