@@ -44,7 +44,9 @@ from titan_lightning.checkpoint import DCP_METADATA, latest_checkpoint, load_sha
 from titan_lightning.config import ConfigError
 from titan_lightning.data.chat import compile_template, read_chat_template
 from titan_lightning.data.tokenizer import Tokenizer, load_tokenizer
-from titan_lightning.lora import add_adapters, base_only, lora_targets, quantize_base_nf4
+from titan_lightning.lora import add_adapters, add_expert_adapters, base_only, lora_targets, quantize_base_nf4
+from titan_lightning.lora.peft_import import (is_peft_folder, load_peft_tensors, lora_config, peft_base, peft_tensors,
+                                              read_adapter_config)
 from titan_lightning.models.common.decoder import decoder_class
 from titan_lightning.models.common.hf_config import CONFIG_FILE, read_json_object
 from titan_lightning.models.common.kv_cache import KVCache, cached_attentions
@@ -254,11 +256,16 @@ class Loaded:
     # ``checkpoint.initial_load_path``.
     lora: Optional[Any] = None
     base_folder: Optional[Path] = None
+    # A PEFT adapter folder's (lora/peft_import.py): its adapters as our parameters, on ``base_folder``.
+    peft: Optional[dict[str, torch.Tensor]] = None
 
     def load(self, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
         """Our decoder with the weights, in eval mode on ``device``."""
         model = _build(self.args, device, dtype)
-        if self.adapter is not None:
+        if self.peft is not None:
+            _load_base_with_adapters(model, self.lora, self.base_folder)
+            load_peft_tensors(model, self.peft)
+        elif self.adapter is not None:
             self.adapter.load_into(model, self.weights)
         else:
             if self.lora is not None:
@@ -277,24 +284,35 @@ def _load_base_with_adapters(model: torch.nn.Module, lora: Any, folder: Optional
     if folder is None:
         raise GenerateError(f"--model: a checkpoint of a LoRA run (lora.rank={lora.rank}) holds its adapters alone; "
                             f"give the run's --job.checkpoint.initial_load_path (its base Hugging Face folder)")
-    hf = read_hf_model(folder)
-    adapter = hf.module_class.hf_adapter(hf.args, tie_word_embeddings=hf.tie_word_embeddings)
-    targets = lora_targets(model, adapter, lora)
-    add_adapters(model, list(targets), rank=lora.rank, alpha=lora.alpha)
+    adapter = _family_adapter(read_hf_model(folder))
+    _add_lora(model, lora, adapter)
     if lora.quantize_base == "nf4":  # (the base it trained on: the folder's weights quantized as they load)
         quantize_base_nf4(model, next(model.parameters()).device)
     with base_only(model) as base:
         adapter.load_into(base, folder)
 
 
+def _family_adapter(hf: Any) -> Any:
+    return hf.module_class.hf_adapter(hf.args, tie_word_embeddings=hf.tie_word_embeddings)
+
+
+def _add_lora(model: torch.nn.Module, lora: Any, adapter: Any) -> None:
+    """``lora``'s adapters on ``model`` (the linears it targets, the routed experts' tensors), as a run adds them."""
+    add_adapters(model, list(lora_targets(model, adapter, lora)), rank=lora.rank, alpha=lora.alpha)
+    add_expert_adapters(model, lora, getattr(adapter, "family", None))
+
+
 def resolve_model_path(path: str) -> tuple[str, Path]:
-    """("hf", folder) or ("checkpoint", folder) for ``--model PATH``; one line when it is neither."""
+    """("hf", folder), ("peft", folder) or ("checkpoint", folder) for ``--model PATH``; one line when it
+    is none of them."""
     folder = Path(path)
     if not folder.exists():
-        raise GenerateError(f"--model={path!r}: no such folder; give a Hugging Face model folder, a run folder "
-                            f"(runs/<name>/<time>) or a checkpoint folder")
+        raise GenerateError(f"--model={path!r}: no such folder; give a Hugging Face model folder, a PEFT adapter "
+                            f"folder, a run folder (runs/<name>/<time>) or a checkpoint folder")
     if not folder.is_dir():
         raise GenerateError(f"--model={path!r} is a file; give a folder")
+    if is_peft_folder(folder):  # (before config.json: some tools save the base's config.json beside the adapter)
+        return "peft", folder
     if (folder / CONFIG_FILE).is_file():
         return "hf", folder
     if (folder / DCP_METADATA).is_file():
@@ -308,22 +326,28 @@ def resolve_model_path(path: str) -> tuple[str, Path]:
         newest = latest_checkpoint(run / "checkpoints") if (run / "checkpoints").is_dir() else None
         if newest is not None:
             return "checkpoint", newest
-    raise GenerateError(f"--model={path!r} holds no config.json (a Hugging Face folder), no {DCP_METADATA} (a "
-                        f"checkpoint) and no run's export_hf/, export/ or complete checkpoints/")
+    raise GenerateError(f"--model={path!r} holds no config.json (a Hugging Face folder), no adapter_config.json "
+                        f"(a PEFT adapter folder), no {DCP_METADATA} (a checkpoint) and no run's export_hf/, export/ "
+                        f"or complete checkpoints/")
 
 
-def find_model(path: str, run_argv: Sequence[str] = (), parse_run: Optional[Callable] = None) -> Loaded:
+def find_model(path: str, run_argv: Sequence[str] = (), parse_run: Optional[Callable] = None,
+               base: Optional[str] = None) -> Loaded:
     """What ``--model PATH`` names (nothing loaded yet); ``run_argv``: the run's options (a
-    checkpoint's job), read with ``parse_run``."""
+    checkpoint's job), read with ``parse_run``; ``base``: ``--base``, an adapter folder's base model."""
     kind, folder = resolve_model_path(path)
+    if base is not None and kind != "peft":
+        raise GenerateError(f"--base={base!r} is for a PEFT adapter folder --model (adapter_config.json); "
+                            f"{folder} is not one: leave --base out")
+    if kind in ("hf", "peft") and run_argv:
+        raise GenerateError(f"unknown option {run_argv[0]!r} (run options such as --recipe are for a "
+                            f"checkpoint; {folder} is a {'Hugging Face' if kind == 'hf' else 'PEFT adapter'} folder)")
     if kind == "hf":
-        if run_argv:
-            raise GenerateError(f"unknown option {run_argv[0]!r} (run options such as --recipe are for a "
-                                f"checkpoint; {folder} is a Hugging Face folder)")
         hf = read_hf_model(folder)
         tokenizer_path = str(folder) if (folder / "tokenizer.json").is_file() else None
-        adapter = hf.module_class.hf_adapter(hf.args, tie_word_embeddings=hf.tie_word_embeddings)
-        return Loaded(hf.args, folder, adapter, _tokenizer(tokenizer_path), tokenizer_path, folder)
+        return Loaded(hf.args, folder, _family_adapter(hf), _tokenizer(tokenizer_path), tokenizer_path, folder)
+    if kind == "peft":
+        return _peft_model(folder, base)
     job = _checkpoint_job(folder, list(run_argv), parse_run)
     initial = job.checkpoint.initial_load_path
     settings = Path(initial) if initial is not None and (Path(initial) / CONFIG_FILE).is_file() else None
@@ -333,6 +357,40 @@ def find_model(path: str, run_argv: Sequence[str] = (), parse_run: Optional[Call
     lora = job.lora if job.lora.enabled else None
     return Loaded(job.model, folder, None, _tokenizer(tokenizer_path), tokenizer_path, settings, lora=lora,
                   base_folder=Path(initial) if initial is not None else None)
+
+
+def _peft_model(folder: Path, base: Optional[str]) -> Loaded:
+    """A PEFT adapter folder on its base: every field and tensor read and checked against our model
+    of the base (built on the meta device); the tokenizer and generation settings the adapter folder
+    holds, else the base's."""
+    config = read_adapter_config(folder)
+    base_folder = _peft_base_folder(folder, peft_base(config), base)
+    hf = read_hf_model(base_folder)
+    adapter = _family_adapter(hf)
+    with torch.device("meta"):
+        model = decoder_class(type(hf.args))(hf.args)
+    lora = lora_config(config, model, adapter, folder)
+    _add_lora(model, lora, adapter)
+    state = peft_tensors(folder, model, adapter)
+    tokenizer_folder = next((f for f in (folder, base_folder) if (f / "tokenizer.json").is_file()), None)
+    tokenizer_path = str(tokenizer_folder) if tokenizer_folder is not None else None
+    settings = folder if (folder / GENERATION_FILE).is_file() else base_folder
+    return Loaded(hf.args, folder, None, _tokenizer(tokenizer_path), tokenizer_path, settings, lora=lora,
+                  base_folder=base_folder, peft=state)
+
+
+def _peft_base_folder(folder: Path, recorded: Optional[str], base: Optional[str]) -> Path:
+    """``--base`` when given, else adapter_config.json's ``base_model_name_or_path``: a local Hugging Face
+    folder; one line naming both otherwise."""
+    given = base if base is not None else recorded
+    if given is not None and (Path(given) / CONFIG_FILE).is_file():
+        return Path(given)
+    if base is not None:
+        raise GenerateError(f"--base={base!r} holds no {CONFIG_FILE}; give the Hugging Face folder of the model the "
+                            f"adapter {folder} was made on (its adapter_config.json names {recorded!r})")
+    raise GenerateError(f"--model={str(folder)!r}: its adapter_config.json's base_model_name_or_path={recorded!r} is "
+                        f"not a local Hugging Face folder (no {CONFIG_FILE}) and no --base was given; give --base DIR, "
+                        f"the Hugging Face folder of the model the adapter was made on")
 
 
 def _checkpoint_job(folder: Path, run_argv: list[str], parse_run: Optional[Callable]):
@@ -400,7 +458,10 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                                      description=__doc__.split("\n\n")[0].replace("``", ""),
                                      epilog="\n\n".join(__doc__.split("\n\n")[2:4]).replace("``", ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="a Hugging Face folder, a run folder or a checkpoint folder (required)")
+    parser.add_argument("--model", help="a Hugging Face folder, a PEFT adapter folder, a run folder or a checkpoint "
+                                        "folder (required)")
+    parser.add_argument("--base", help="an adapter folder's base model (a Hugging Face folder; default: its "
+                                       "adapter_config.json's base_model_name_or_path)")
     if command == "generate":
         parser.add_argument("--prompt", help="the text to continue (required)")
     else:
@@ -437,7 +498,7 @@ def main(command: str, argv: list[str], parse_run: Optional[Callable] = None) ->
         raise GenerateError(f"{command}: unknown option {unknown[0]!r}; see titan-lightning {command} --help")
     device, dtype = _device(options)
     check_flags(options)
-    found = find_model(options.model, run_argv, parse_run)
+    found = find_model(options.model, run_argv, parse_run, base=options.base)
     sampling = read_sampling(found.settings_folder, options, found.tokenizer.eot_id)
     generator = torch.Generator().manual_seed(options.seed)
     try:

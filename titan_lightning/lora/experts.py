@@ -140,13 +140,18 @@ def expert_peft_state(model: nn.Module, adapter: Any) -> dict[str, torch.Tensor]
     state = {}
     for name, experts in expert_adapters(model):
         module = hf_experts_module(adapter, canonical_fqn(name))
-        tensors = list(experts.lora_a)
-        for depth, tensor in enumerate(tensors):
-            prefix = f"{module}." + "base_layer." * (len(tensors) - 1 - depth)
+        for tensor in experts.lora_a:
+            prefix = peft_factor_prefix(module, list(experts.lora_a), tensor)
             a, b = _full(experts.lora_a[tensor]), _full(experts.lora_b[tensor])
             state[f"{prefix}lora_A.weight"] = a.reshape(-1, a.shape[-1])
             state[f"{prefix}lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], -1)
     return state
+
+
+def peft_factor_prefix(module: str, tensors: list[str], tensor: str) -> str:
+    """The key prefix of ``tensor``'s factors among the adapted ``tensors`` of the Hugging Face experts
+    ``module``: PEFT nests a wrapper per tensor, the first innermost (``<module>.base_layer.``)."""
+    return f"{module}." + "base_layer." * (len(tensors) - 1 - tensors.index(tensor))
 
 
 def _unwrapped(module: str) -> str:

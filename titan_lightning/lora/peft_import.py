@@ -1,0 +1,216 @@
+"""A PEFT adapter folder written by any tool (PEFT, TRL, axolotl, Unsloth ...: ``adapter_config.json``
+and ``adapter_model.safetensors``) onto our model: the reverse of ``export``.
+
+``adapter_config.json`` becomes ``job.lora`` (``lora_config``): ``r`` the rank, ``lora_alpha`` the
+alpha (``use_rslora``'s ``alpha / sqrt(r)`` scaling as the alpha ``lora_alpha * sqrt(r)``), the
+modules PEFT adapts (``target_modules``: a list of names, a regex over module names, or
+``all-linear``; less ``exclude_modules``) as the names ``lora.target_modules`` gives (a name adapted
+in some layers and not in others cannot be), ``target_parameters`` as ``lora.target_parameters``.
+The tensors (``peft_tensors``) are mapped as ``export`` writes them, inverted: a target's Hugging Face
+module name from ``targets.hf_linears``, lora_B's rows through the family's ``from_hf`` (RoPE's row
+layout), the routed experts' factors back to per-expert stacks; PEFT's keys with or without its
+adapter name (``lora_A.weight``, ``lora_A.default.weight``). Anything else PEFT could compute is
+refused in one line naming the field (``REFUSED``), as is a key the model has no place for and a
+target the file holds no factor of.
+"""
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from titan_lightning.config import ConfigError
+from titan_lightning.config.lora import ALL_LINEAR, EXPERT_PARAMETERS, LoRAConfig
+from titan_lightning.lora.experts import expert_adapters, hf_experts_module, peft_factor_prefix
+from titan_lightning.lora.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
+from titan_lightning.lora.layer import lora_layers
+from titan_lightning.lora.targets import hf_linears, lora_targets, short_name
+from titan_lightning.models.common.init import canonical_fqn
+
+ADAPTER_BIN = "adapter_model.bin"  # PEFT's file before safetensors: a pickled state dict
+# Fields that change what PEFT computes -> (the values that leave plain LoRA, what is valid in words).
+REFUSED: dict[str, tuple[tuple, str]] = {
+    "use_dora": ((False, None), "false (DoRA's magnitude vectors are not built here)"),
+    "bias": (("none", None), '"none" (trained biases are not loaded here)'),
+    "lora_bias": ((False, None), "false (a bias on lora_B is not built here)"),
+    "modules_to_save": ((None, []), "null (whole trained modules beside the adapters are not loaded here)"),
+    "layers_to_transform": ((None, []), "null (adapters in every layer)"),
+    "layers_pattern": ((None, [], ""), "null (adapters in every layer)"),
+    "rank_pattern": (({}, None), "{} (one rank for every target)"),
+    "alpha_pattern": (({}, None), "{} (one alpha for every target)"),
+    "fan_in_fan_out": ((False, None), "false (nn.Linear's [out, in] weights)"),
+    "trainable_token_indices": ((None, {}, []), "null (trained embedding rows are not loaded here)"),
+    "layer_replication": ((None, []), "null (the base model's layers as they are)"),
+    "alora_invocation_tokens": ((None, []), "null (plain LoRA, active on every token)"),
+    "use_qalora": ((False, None), "false (QA-LoRA's pooled inputs are not built here)"),
+    "use_bdlora": ((None,), "null (full-rank A and B)"),
+    "arrow_config": ((None,), "null (one adapter, no routing between adapters)"),
+    "kasa_config": ((None,), "null (plain LoRA)"),
+    "velora_config": ((None,), "null (plain LoRA)"),
+    "monteclora_config": ((None,), "null (plain LoRA)"),
+}
+# Fields read here, and fields that leave a saved adapter's computation as it is (its init, its version,
+# how it trained).
+READ = ("peft_type", "r", "lora_alpha", "lora_dropout", "use_rslora", "target_modules", "exclude_modules",
+        "target_parameters", "base_model_name_or_path")
+IGNORED = ("task_type", "auto_mapping", "peft_version", "revision", "inference_mode", "init_lora_weights",
+           "megatron_config", "megatron_core", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
+           "qalora_group_size", "runtime_config", "ensure_weight_tying")
+_ADAPTER_NAME = re.compile(r"\.(lora_[AB])\.default\.weight$")  # PEFT's key with its adapter name kept
+
+
+def is_peft_folder(folder: Path) -> bool:
+    return (folder / ADAPTER_CONFIG).is_file()
+
+
+def read_adapter_config(folder: Path) -> dict[str, Any]:
+    """``folder``'s adapter_config.json, refused in one line (the file, the field, its value and what
+    is valid) when it asks for more than LoRA as ``job.lora`` computes it."""
+    where = folder / ADAPTER_CONFIG
+    try:
+        config = json.loads(where.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ConfigError(f"{where}: not a JSON file ({' '.join(str(err).split())})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(config).__name__}")
+    if config.get("peft_type") != "LORA":
+        raise ConfigError(f"{where}: peft_type={json.dumps(config.get('peft_type'))} is not an adapter built here; "
+                          f"valid: \"LORA\"")
+    for name, value in config.items():
+        if name in REFUSED and value not in REFUSED[name][0]:
+            raise ConfigError(f"{where}: {name}={json.dumps(value)} is not reproduced here; valid: {REFUSED[name][1]}")
+        if name not in REFUSED and name not in READ and name not in IGNORED and value:
+            raise ConfigError(f"{where}: {name}={json.dumps(value)} is a field this reader does not know (it reads "
+                              f"PEFT 0.21's LoRA); valid: the field left out, or null")
+    return config
+
+
+def peft_base(config: dict[str, Any]) -> Optional[str]:
+    """The base model the adapter was made on, as adapter_config.json names it (a folder or a Hub id)."""
+    return config.get("base_model_name_or_path")
+
+
+def _named(patterns: Any, name: str) -> bool:
+    """PEFT's match of a module (or parameter) name: a regex matching all of it, or a list of names each
+    matching all of it or its end (``check_target_module_exists``)."""
+    if isinstance(patterns, str):
+        return re.fullmatch(patterns, name) is not None
+    return any(name == p or name.endswith(f".{p}") for p in patterns or ())
+
+
+def _peft_targets(config: dict[str, Any], modules: list[str], weights: list[str]) -> list[str]:
+    """The ``modules`` (Hugging Face module names) PEFT adapts: not in ``exclude_modules``, and named by
+    ``target_modules`` (``all-linear``: every one) or their weight by ``weights`` (``target_parameters``
+    such as ``gate.weight``: PEFT adds ``B A`` to the weight, which computes what LoRA on the linear does)."""
+    wanted = config.get("target_modules")
+    every = isinstance(wanted, str) and wanted.lower() == ALL_LINEAR
+    return [m for m in modules if not _named(config.get("exclude_modules"), m)
+            and (every or _named(wanted, m) or _named(weights, f"{m}.weight"))]
+
+
+def lora_config(config: dict[str, Any], model: nn.Module, adapter: Any, where: Path) -> LoRAConfig:
+    """adapter_config.json (``read_adapter_config``'s) as ``job.lora`` for ``model`` (ours, without
+    adapters; the meta device will do) of the family ``adapter``: one line naming the field otherwise."""
+    rank, alpha = config.get("r"), config.get("lora_alpha", 8)
+    where = where / ADAPTER_CONFIG
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ConfigError(f"{where}: r={json.dumps(rank)}; valid: an integer >= 1")
+    if isinstance(alpha, (int, float)) and config.get("use_rslora"):
+        alpha = alpha * math.sqrt(rank)  # rsLoRA scales by alpha / sqrt(r): alpha * sqrt(r) / r
+    parameters = [str(p) for p in config.get("target_parameters") or []]
+    tensors = [p.rpartition(".")[2] for p in parameters if p.rpartition(".")[2] in EXPERT_PARAMETERS]
+    weights = [p for p in parameters if p.rpartition(".")[2] not in EXPERT_PARAMETERS]
+    linears = list(hf_linears(model, adapter).values())
+    strays = [p for p in weights if not any(_named([p], f"{m}.weight") for m in linears)]
+    if strays or len(set(tensors)) != len(tensors):
+        raise ConfigError(f"{where}: target_parameters={json.dumps(parameters)}: valid: the routed experts' "
+                          f"{' and '.join(EXPERT_PARAMETERS)} (mlp.experts.gate_up_proj ...) each once, and the "
+                          f"weights of linears (gate.weight)")
+    adapted = _peft_targets(config, linears, weights)
+    every = len(adapted) == len(linears)
+    names = [ALL_LINEAR] if every else sorted({short_name(m) for m in adapted})
+    try:
+        lora = LoRAConfig(rank=rank, alpha=alpha, dropout=config.get("lora_dropout", 0.0),
+                          target_modules=names or [ALL_LINEAR], target_parameters=tensors)
+        ours = set(lora_targets(model, adapter, lora).values())
+    except ValueError as err:
+        message = str(err).replace("lora.rank", "r").replace("lora.alpha", "lora_alpha").replace("lora.", "")
+        raise ConfigError(f"{where}: {message}") from None
+    if not adapted or ours != set(adapted):
+        family = getattr(adapter, "family", type(model).__name__)
+        left = sorted(ours - set(adapted))
+        why = f"adapts none of {family}'s linears (adapters on the routed experts alone are not built here)" \
+            if not adapted else \
+            f"adapts {sorted(adapted)[0]} but not {left[0]}, which job.lora cannot express"
+        raise ConfigError(f"{where}: target_modules={json.dumps(config.get('target_modules'))}: {why}; valid: "
+                          f"names adapted in every layer ({', '.join(sorted({short_name(m) for m in linears}))}) "
+                          f"or \"{ALL_LINEAR}\"")
+    return lora
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    if (folder / ADAPTER_WEIGHTS).is_file():
+        tensors = load_file(str(folder / ADAPTER_WEIGHTS))
+    elif (folder / ADAPTER_BIN).is_file():  # (plain tensors only: nothing a pickle could run)
+        tensors = torch.load(folder / ADAPTER_BIN, map_location="cpu", weights_only=True)
+    else:
+        raise ConfigError(f"{folder}: holds {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS} (or {ADAPTER_BIN}); give the "
+                          f"folder the adapter was saved to")
+    return {_ADAPTER_NAME.sub(r".\1.weight", key): t for key, t in tensors.items()}
+
+
+def peft_tensors(folder: Path, model: nn.Module, adapter: Any) -> dict[str, torch.Tensor]:
+    """The adapters of ``folder``'s weights file as ``model``'s parameters (names within ``model``, which
+    has its adapters: ``lora_config``'s; the meta device will do), in the file's dtype; one line for a
+    key with no place in the model, a factor missing from the file or a shape that differs."""
+    file = _read_weights(folder)
+    convert: dict[str, tuple[str, Any]] = {}  # PEFT key -> (our parameter, PEFT's layout -> ours)
+    hf_modules = hf_linears(model, adapter)
+    for name, _ in lora_layers(model):
+        hf, ours = hf_modules[name], f"{canonical_fqn(name)}.weight"
+        convert[f"{PEFT_PREFIX}{hf}.lora_A.weight"] = (f"{name}.lora_a.weight", lambda a: a)
+        convert[f"{PEFT_PREFIX}{hf}.lora_B.weight"] = (
+            f"{name}.lora_b.weight", lambda b, hf=hf, ours=ours: adapter.from_hf({f"{hf}.weight": b})[ours])
+    for name, experts in expert_adapters(model):
+        module, tensors = hf_experts_module(adapter, canonical_fqn(name)), list(experts.lora_a)
+        for tensor in tensors:
+            prefix = f"{PEFT_PREFIX}{peft_factor_prefix(module, tensors, tensor)}"
+            count, rank, _ = experts.lora_a[tensor].shape  # A [E * r, in] -> [E, r, in]; B [out, r * E] -> [E, out, r]
+            convert[f"{prefix}lora_A.weight"] = (f"{name}.lora_a.{tensor}", lambda a, e=count: a.reshape(e, -1, a.shape[-1]))
+            convert[f"{prefix}lora_B.weight"] = (f"{name}.lora_b.{tensor}",
+                                                 lambda b, e=count, r=rank: b.reshape(b.shape[0], r, e).permute(2, 0, 1))
+    source = folder / (ADAPTER_WEIGHTS if (folder / ADAPTER_WEIGHTS).is_file() else ADAPTER_BIN)
+    unmatched, missing = sorted(file.keys() - convert.keys()), sorted(convert.keys() - file.keys())
+    if unmatched:
+        raise ConfigError(f"{source}: {unmatched[0]} ({len(unmatched)} such keys) has no place in the model "
+                          f"adapter_config.json describes; valid: lora_A / lora_B of its targets "
+                          f"({next(iter(convert), 'none')} ...)")
+    if missing:
+        raise ConfigError(f"{source}: no {missing[0]} ({len(missing)} missing), an adapter adapter_config.json "
+                          f"targets; valid: a file holding every target's lora_A and lora_B")
+    state = {}
+    for key, (ours, to_ours) in convert.items():
+        value, want = to_ours(file[key]), model.get_parameter(ours).shape
+        if value.shape != want:
+            raise ConfigError(f"{source}: {key} has shape {list(file[key].shape)}, which is {list(value.shape)} as "
+                              f"{ours}; valid: {list(want)} (r={rank_of(model, ours)} on this base)")
+        state[ours] = value.contiguous()
+    return state
+
+
+def rank_of(model: nn.Module, parameter: str) -> int:
+    """The rank of the adapter factor ``parameter`` (lora_a [r, in], or the experts' [E, r, in] / [E, out, r])."""
+    shape = model.get_parameter(parameter).shape
+    return shape[-2] if ".lora_a" in parameter else shape[-1]
+
+
+@torch.no_grad()
+def load_peft_tensors(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """``peft_tensors``' values into ``model``'s adapters (cast to their dtype and device)."""
+    for name, value in state.items():
+        model.get_parameter(name).copy_(value)
