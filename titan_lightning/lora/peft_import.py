@@ -144,8 +144,8 @@ def lora_config(config: dict[str, Any], model: nn.Module, adapter: Any, where: P
     if not adapted or ours != set(adapted):
         family = getattr(adapter, "family", type(model).__name__)
         left = sorted(ours - set(adapted))
-        why = f"adapts none of {family}'s linears (adapters on the routed experts alone are not built here)" \
-            if not adapted else \
+        alone = " (adapters on the routed experts alone are not built here)" if tensors else ""
+        why = f"adapts none of {family}'s linears{alone}" if not adapted else \
             f"adapts {sorted(adapted)[0]} but not {left[0]}, which job.lora cannot express"
         raise ConfigError(f"{where}: target_modules={json.dumps(config.get('target_modules'))}: {why}; valid: "
                           f"names adapted in every layer ({', '.join(sorted({short_name(m) for m in linears}))}) "
