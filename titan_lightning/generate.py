@@ -3,9 +3,13 @@ CPU or one GPU, with no export.
 
     titan-lightning generate --model PATH --prompt "Once upon a time" [--max-new-tokens N]
         [--temperature T] [--top-p P] [--top-k K] [--seed S] [--greedy] [--device cuda] [--dtype bfloat16]
-    titan-lightning chat --model PATH [--system "You are ..."]
+    titan-lightning chat --model PATH [--system "You are ..."] [--base DIR]
 
-``PATH`` is a Hugging Face folder (config.json, safetensors, tokenizer files), a run folder
+``PATH`` is a Hugging Face folder (config.json, safetensors, tokenizer files), a PEFT adapter folder
+(adapter_config.json and adapter_model.safetensors, as PEFT, TRL, axolotl or Unsloth save a LoRA:
+its adapters on our model of its base, the Hugging Face folder its base_model_name_or_path names or
+``--base DIR``; the tokenizer, chat template and generation settings the adapter folder holds, else
+the base's; titan_lightning/lora/peft_import.py says what is refused), a run folder
 (``runs/<name>/<time>``, or ``runs/<name>`` for its newest run: the run's Hugging Face export
 when it wrote one, else its sharded export, else its newest checkpoint), or a checkpoint folder.
 A checkpoint holds weights, not the model they belong to: its job comes from the run's
