@@ -30,6 +30,7 @@ from titan_lightning.lora.experts import expert_adapters, hf_experts_module, pef
 from titan_lightning.lora.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 from titan_lightning.lora.layer import lora_layers
 from titan_lightning.lora.targets import hf_linears, lora_targets, short_name
+from titan_lightning.models.common.hf_config import read_json_object
 from titan_lightning.models.common.init import canonical_fqn
 
 ADAPTER_BIN = "adapter_model.bin"  # PEFT's file before safetensors: a pickled state dict
@@ -72,12 +73,7 @@ def read_adapter_config(folder: Path) -> dict[str, Any]:
     """``folder``'s adapter_config.json, refused in one line (the file, the field, its value and what
     is valid) when it asks for more than LoRA as ``job.lora`` computes it."""
     where = folder / ADAPTER_CONFIG
-    try:
-        config = json.loads(where.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise ConfigError(f"{where}: not a JSON file ({' '.join(str(err).split())})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{where}: expected a JSON object, got {type(config).__name__}")
+    config = read_json_object(where)
     if config.get("peft_type") != "LORA":
         raise ConfigError(f"{where}: peft_type={json.dumps(config.get('peft_type'))} is not an adapter built here; "
                           f"valid: \"LORA\"")
@@ -180,10 +176,11 @@ def peft_tensors(folder: Path, model: nn.Module, adapter: Any) -> dict[str, torc
         module, tensors = hf_experts_module(adapter, canonical_fqn(name)), list(experts.lora_a)
         for tensor in tensors:
             prefix = f"{PEFT_PREFIX}{peft_factor_prefix(module, tensors, tensor)}"
-            count, rank, _ = experts.lora_a[tensor].shape  # A [E * r, in] -> [E, r, in]; B [out, r * E] -> [E, out, r]
-            convert[f"{prefix}lora_A.weight"] = (f"{name}.lora_a.{tensor}", lambda a, e=count: a.reshape(e, -1, a.shape[-1]))
-            convert[f"{prefix}lora_B.weight"] = (f"{name}.lora_b.{tensor}",
-                                                 lambda b, e=count, r=rank: b.reshape(b.shape[0], r, e).permute(2, 0, 1))
+            count, rank, _ = experts.lora_a[tensor].shape  # (expert_peft_state's layouts, undone)
+            convert[f"{prefix}lora_A.weight"] = (f"{name}.lora_a.{tensor}",  # [E * r, in] -> [E, r, in]
+                                                 lambda a, e=count: a.reshape(e, -1, a.shape[-1]))
+            convert[f"{prefix}lora_B.weight"] = (f"{name}.lora_b.{tensor}",  # [out, r * E] -> [E, out, r]
+                                                 lambda b, e=count, r=rank: b.reshape(-1, r, e).permute(2, 0, 1))
     source = folder / (ADAPTER_WEIGHTS if (folder / ADAPTER_WEIGHTS).is_file() else ADAPTER_BIN)
     unmatched, missing = sorted(file.keys() - convert.keys()), sorted(convert.keys() - file.keys())
     if unmatched:
@@ -195,10 +192,14 @@ def peft_tensors(folder: Path, model: nn.Module, adapter: Any) -> dict[str, torc
                           f"targets; valid: a file holding every target's lora_A and lora_B")
     state = {}
     for key, (ours, to_ours) in convert.items():
-        value, want = to_ours(file[key]), model.get_parameter(ours).shape
-        if value.shape != want:
-            raise ConfigError(f"{source}: {key} has shape {list(file[key].shape)}, which is {list(value.shape)} as "
-                              f"{ours}; valid: {list(want)} (r={rank_of(model, ours)} on this base)")
+        want = model.get_parameter(ours).shape
+        try:
+            value = to_ours(file[key])
+        except (RuntimeError, ValueError):  # (a layout that cannot be undone: a shape that differs)
+            value = None
+        if value is None or value.shape != want:
+            raise ConfigError(f"{source}: {key} has shape {list(file[key].shape)}, not the adapter of {ours} "
+                              f"{list(want)}; valid: r={rank_of(model, ours)} on this base")
         state[ours] = value.contiguous()
     return state
 

@@ -171,7 +171,8 @@ REFUSALS = [
     ({"target_modules": ["lm_head"]}, "adapts none of Llama's linears;"),
     ("unmatched", "base_model.model.lm_head.lora_A.weight (1 such keys) has no place"),
     ("missing", "no base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight (1 missing)"),
-    ("bad shape", "valid: [4, 64] (r=4 on this base)"),
+    ("bad shape", "q_proj.lora_A.weight has shape [8, 64], not the adapter of layers.0.attention.wq.lora_a.weight "
+                  "[4, 64]; valid: r=4"),
 ]
 
 
