@@ -2,7 +2,7 @@
 ``save_pretrained`` writes it, tried with ``generate`` / ``chat`` on our model of its base computes
 PeftModel's logits (fp32, CPU; rsLoRA, a list, a regex, all-linear, a router's weight and the routed
 experts' tensors as targets); our export read back is the identity; PEFT's keys with the adapter name
-load; the base comes from adapter_config.json or --base, the tokenizer and generation settings from the
+and its older adapter_model.bin load; the base comes from adapter_config.json or --base, the tokenizer and generation settings from the
 adapter folder when it has them; whatever LoRA here does not compute is refused in one line."""
 
 import io
@@ -74,12 +74,17 @@ def test_generate_on_a_peft_folder_computes_peft_logits(model_type, tie, lora, t
     assert_peft_agrees(tmp_path / "adapter", theirs)
 
 
-def test_keys_with_peft_adapter_name_load(tmp_path):
+@pytest.mark.parametrize("form", ["adapter name in the keys", "adapter_model.bin"])
+def test_other_saved_forms_load(form, tmp_path):
     theirs = peft_folder(tmp_path / "base", "qwen3", tmp_path / "adapter", target_modules=["q_proj", "o_proj"])
     file = tmp_path / "adapter" / ADAPTER_WEIGHTS
     state = load_file(file)
-    save_file({k.replace(".weight", ".default.weight"): v for k, v in state.items()}, str(file))
-    assert all(".default.weight" in k for k in load_file(file))
+    if form == "adapter_model.bin":  # (PEFT's file before safetensors)
+        file.unlink()
+        torch.save(state, tmp_path / "adapter" / "adapter_model.bin")
+    else:  # (as some tools save them: lora_A.default.weight)
+        save_file({k.replace(".weight", ".default.weight"): v for k, v in state.items()}, str(file))
+        assert all(".default.weight" in k for k in load_file(file))
     assert_peft_agrees(tmp_path / "adapter", theirs)
 
 
