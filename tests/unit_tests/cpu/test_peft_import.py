@@ -2,8 +2,9 @@
 ``save_pretrained`` writes it, tried with ``generate`` / ``chat`` on our model of its base computes
 PeftModel's logits (fp32, CPU; rsLoRA, a list, a regex, all-linear, a router's weight and the routed
 experts' tensors as targets); our export read back is the identity; PEFT's keys with the adapter name
-and its older adapter_model.bin load; the base comes from adapter_config.json or --base, the tokenizer and generation settings from the
-adapter folder when it has them; whatever LoRA here does not compute is refused in one line."""
+and its older adapter_model.bin load; the base comes from adapter_config.json or --base, the tokenizer
+and generation settings from the adapter folder when it has them; whatever LoRA here does not compute
+is refused in one line."""
 
 import io
 import json
