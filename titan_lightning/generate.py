@@ -48,9 +48,9 @@ from titan_lightning.checkpoint import DCP_METADATA, latest_checkpoint, load_sha
 from titan_lightning.config import ConfigError
 from titan_lightning.data.chat import compile_template, read_chat_template
 from titan_lightning.data.tokenizer import Tokenizer, load_tokenizer
-from titan_lightning.lora import add_adapters, add_expert_adapters, base_only, lora_targets, quantize_base_nf4
-from titan_lightning.lora.peft_import import (is_peft_folder, load_peft_tensors, lora_config, peft_base, peft_tensors,
-                                              read_adapter_config)
+from titan_lightning.lora import base_only, quantize_base_nf4
+from titan_lightning.lora.peft_import import (add_job_adapters, is_peft_folder, load_peft_tensors, lora_config,
+                                              peft_base, peft_tensors, read_adapter_config)
 from titan_lightning.models.common.decoder import decoder_class
 from titan_lightning.models.common.hf_config import CONFIG_FILE, read_json_object
 from titan_lightning.models.common.kv_cache import KVCache, cached_attentions
@@ -289,7 +289,7 @@ def _load_base_with_adapters(model: torch.nn.Module, lora: Any, folder: Optional
         raise GenerateError(f"--model: a checkpoint of a LoRA run (lora.rank={lora.rank}) holds its adapters alone; "
                             f"give the run's --job.checkpoint.initial_load_path (its base Hugging Face folder)")
     adapter = _family_adapter(read_hf_model(folder))
-    _add_lora(model, lora, adapter)
+    add_job_adapters(model, lora, adapter)
     if lora.quantize_base == "nf4":  # (the base it trained on: the folder's weights quantized as they load)
         quantize_base_nf4(model, next(model.parameters()).device)
     with base_only(model) as base:
@@ -298,12 +298,6 @@ def _load_base_with_adapters(model: torch.nn.Module, lora: Any, folder: Optional
 
 def _family_adapter(hf: Any) -> Any:
     return hf.module_class.hf_adapter(hf.args, tie_word_embeddings=hf.tie_word_embeddings)
-
-
-def _add_lora(model: torch.nn.Module, lora: Any, adapter: Any) -> None:
-    """``lora``'s adapters on ``model`` (the linears it targets, the routed experts' tensors), as a run adds them."""
-    add_adapters(model, list(lora_targets(model, adapter, lora)), rank=lora.rank, alpha=lora.alpha)
-    add_expert_adapters(model, lora, getattr(adapter, "family", None))
 
 
 def resolve_model_path(path: str) -> tuple[str, Path]:
@@ -374,7 +368,7 @@ def _peft_model(folder: Path, base: Optional[str]) -> Loaded:
     with torch.device("meta"):
         model = decoder_class(type(hf.args))(hf.args)
     lora = lora_config(config, model, adapter, folder)
-    _add_lora(model, lora, adapter)
+    add_job_adapters(model, lora, adapter)
     state = peft_tensors(folder, model, adapter)
     tokenizer_folder = next((f for f in (folder, base_folder) if (f / "tokenizer.json").is_file()), None)
     tokenizer_path = str(tokenizer_folder) if tokenizer_folder is not None else None

@@ -29,6 +29,7 @@ from titan_lightning.checkpoint import (
     say,
 )
 from titan_lightning.lora import base_only, has_adapters
+from titan_lightning.lora.peft_import import load_peft_folder
 from titan_lightning.lora.export import MergedState, peft_state, write_peft_folder
 from titan_lightning.models.common.safetensors_io import (INDEX_FILE, SINGLE_FILE, split_shards, write_index,
                                                          write_shards)
@@ -111,7 +112,8 @@ class LoadWeights(L.Callback):
     ``path``: a Hugging Face safetensors folder (``fmt="hf"``) or a sharded folder of ours
     (a model export or a full checkpoint, ``fmt="dcp"``). A resumed fit keeps its checkpoint's; a
     model with adapters (LoRA) loads its frozen base from the Hugging Face folder, fresh or resumed
-    (its checkpoints hold the adapters alone)."""
+    (its checkpoints hold the adapters alone), and a fresh one its adapters from ``lora.init_from``'s
+    PEFT folder when the job names one."""
 
     def __init__(self, path: str, fmt: str = "dcp") -> None:
         self.path, self.fmt = Path(path), fmt
@@ -126,6 +128,9 @@ class LoadWeights(L.Callback):
             adapter = _adapter(pl_module, self.path)
             with base_only(pl_module.model) as base:
                 adapter.load_into(base, self.path, partial=_pipeline(trainer) is not None)
+            lora = getattr(getattr(pl_module, "job", None), "lora", None)
+            if adapters and trainer.ckpt_path is None and getattr(lora, "init_from", None) is not None:
+                load_peft_folder(pl_module.model, adapter, Path(lora.init_from), partial=_pipeline(trainer) is not None)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 

@@ -33,6 +33,11 @@ class LoRAConfig:
     # None: the frozen base is stored in the compute dtype (training.mixed_precision_param: bf16, no
     # fp32 copy). "nf4": QLoRA, the base linears stored as torchao NF4 and dequantized per forward.
     quantize_base: Optional[str] = None
+    # A PEFT adapter folder (adapter_config.json and adapter_model.safetensors, as PEFT, TRL, axolotl
+    # or Unsloth save one) whose adapters a fresh run starts from, in place of B zero and A drawn (a
+    # resumed run takes its checkpoint's); rank, alpha and targets must be the folder's, checked before
+    # launch (titan_lightning/lora/peft_import.py). The base still comes from checkpoint.initial_load_path.
+    init_from: Optional[str] = None
 
     @property
     def enabled(self) -> bool:
@@ -62,6 +67,9 @@ class LoRAConfig:
         if ALL_LINEAR in self.target_modules and len(self.target_modules) > 1:
             raise ValueError(f"lora.target_modules={','.join(self.target_modules)}: {ALL_LINEAR} already names "
                              f"every linear; give it alone")
+        if self.init_from is not None and not self.enabled:
+            raise ValueError(f"lora.init_from={self.init_from!r} with lora.rank=0: set lora.rank (and alpha, "
+                             f"target_modules) to the adapters' r, lora_alpha and target_modules")
         if self.quantize_base is not None and self.quantize_base not in BASE_QUANTIZATIONS:
             raise ValueError(f"lora.quantize_base={self.quantize_base!r} is not one of None, "
                              f"{', '.join(BASE_QUANTIZATIONS)}")

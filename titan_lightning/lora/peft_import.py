@@ -7,13 +7,17 @@ modules PEFT adapts (``target_modules``: a list of names, a regex over module na
 ``all-linear``; less ``exclude_modules``) as the names ``lora.target_modules`` gives (a name adapted
 in some layers and not in others cannot be), ``target_parameters`` as ``lora.target_parameters``.
 The tensors (``peft_tensors``) are mapped as ``export`` writes them, inverted: a target's Hugging Face
-module name from ``targets.hf_linears``, lora_B's rows through the family's ``from_hf`` (RoPE's row
-layout), the routed experts' factors back to per-expert stacks; PEFT's keys with or without its
-adapter name (``lora_A.weight``, ``lora_A.default.weight``). Anything else PEFT could compute is
-refused in one line naming the field (``REFUSED``), as is a key the model has no place for and a
-target the file holds no factor of.
+module name from the family's ``hf_key``, lora_B's rows through its ``from_hf`` (RoPE's row layout),
+the routed experts' factors back to per-expert stacks; PEFT's keys with or without its adapter name
+(``lora_A.weight``, ``lora_A.default.weight``). Anything else PEFT could compute is refused in one
+line naming the field (``REFUSED``), as is a key the model has no place for and a target the file
+holds no factor of.
+
+``generate`` / ``chat --model ADAPTER_FOLDER`` try such a folder; ``lora.init_from`` starts a run's
+adapters from one (``check_init_from`` before launch, ``load_peft_folder`` at the start of fit).
 """
 
+import copy
 import json
 import math
 import re
@@ -24,11 +28,12 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from titan_lightning.checkpoint.sources import Source, load_sources
 from titan_lightning.config import ConfigError
 from titan_lightning.config.lora import ALL_LINEAR, EXPERT_PARAMETERS, LoRAConfig
-from titan_lightning.lora.experts import expert_adapters, hf_experts_module, peft_factor_prefix
+from titan_lightning.lora.experts import add_expert_adapters, expert_adapters, hf_experts_module, peft_factor_prefix
 from titan_lightning.lora.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
-from titan_lightning.lora.layer import lora_layers
+from titan_lightning.lora.layer import add_adapters, lora_layers
 from titan_lightning.lora.targets import hf_linears, lora_targets, short_name
 from titan_lightning.models.common.hf_config import read_json_object
 from titan_lightning.models.common.init import canonical_fqn
@@ -160,15 +165,16 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return {_ADAPTER_NAME.sub(r".\1.weight", key): t for key, t in tensors.items()}
 
 
-def peft_tensors(folder: Path, model: nn.Module, adapter: Any) -> dict[str, torch.Tensor]:
+def peft_tensors(folder: Path, model: nn.Module, adapter: Any, *, partial: bool = False) -> dict[str, torch.Tensor]:
     """The adapters of ``folder``'s weights file as ``model``'s parameters (names within ``model``, which
     has its adapters: ``lora_config``'s; the meta device will do), in the file's dtype; one line for a
-    key with no place in the model, a factor missing from the file or a shape that differs."""
+    key with no place in the model (``partial``: a pipeline stage's, which holds some layers, skips
+    them), a factor missing from the file or a shape that differs."""
     file = _read_weights(folder)
     convert: dict[str, tuple[str, Any]] = {}  # PEFT key -> (our parameter, PEFT's layout -> ours)
-    hf_modules = hf_linears(model, adapter)
     for name, _ in lora_layers(model):
-        hf, ours = hf_modules[name], f"{canonical_fqn(name)}.weight"
+        ours = f"{canonical_fqn(name)}.weight"
+        hf = adapter.hf_key(ours).removesuffix(".weight")
         convert[f"{PEFT_PREFIX}{hf}.lora_A.weight"] = (f"{name}.lora_a.weight", lambda a: a)
         convert[f"{PEFT_PREFIX}{hf}.lora_B.weight"] = (
             f"{name}.lora_b.weight", lambda b, hf=hf, ours=ours: adapter.from_hf({f"{hf}.weight": b})[ours])
@@ -183,7 +189,7 @@ def peft_tensors(folder: Path, model: nn.Module, adapter: Any) -> dict[str, torc
                                                  lambda b, e=count, r=rank: b.reshape(-1, r, e).permute(2, 0, 1))
     source = folder / (ADAPTER_WEIGHTS if (folder / ADAPTER_WEIGHTS).is_file() else ADAPTER_BIN)
     unmatched, missing = sorted(file.keys() - convert.keys()), sorted(convert.keys() - file.keys())
-    if unmatched:
+    if unmatched and not partial:
         raise ConfigError(f"{source}: {unmatched[0]} ({len(unmatched)} such keys) has no place in the model "
                           f"adapter_config.json describes; valid: lora_A / lora_B of its targets "
                           f"({next(iter(convert), 'none')} ...)")
@@ -211,7 +217,47 @@ def rank_of(model: nn.Module, parameter: str) -> int:
 
 
 @torch.no_grad()
-def load_peft_tensors(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """``peft_tensors``' values into ``model``'s adapters (cast to their dtype and device)."""
+def load_peft_tensors(model: nn.Module, state: dict[str, torch.Tensor], source: str = "adapters") -> None:
+    """``peft_tensors``' values into ``model``'s adapters, cast to their dtype and device; a sharded
+    one (FSDP2, TP, EP: a DTensor) takes its own block."""
+    owners: dict[str, dict[str, Source]] = {}
     for name, value in state.items():
-        model.get_parameter(name).copy_(value)
+        owner, _, key = name.rpartition(".")
+        owners.setdefault(owner, {})[key] = Source.of(value)
+    for owner, sources in owners.items():  # (lora_a / lora_b: a Linear, or the experts' ParameterDict)
+        load_sources(model.get_submodule(owner), sources, source=source)
+
+
+def add_job_adapters(model: nn.Module, lora: LoRAConfig, adapter: Any) -> None:
+    """``lora``'s adapters on ``model`` (its targets' linears and the routed experts' tensors), as a run adds them."""
+    add_adapters(model, list(lora_targets(model, adapter, lora)), rank=lora.rank, alpha=lora.alpha,
+                 dropout=lora.dropout)
+    add_expert_adapters(model, lora, getattr(adapter, "family", None))
+
+
+def check_init_from(lora: LoRAConfig, model: nn.Module, adapter: Any) -> None:
+    """Before launch: ``lora.init_from`` is a PEFT folder whose adapters are the job's (rank, alpha,
+    targets: one line with the options that make them so) and whose every tensor has its place in
+    ``model`` (ours, without adapters, on the meta device)."""
+    folder = Path(lora.init_from)
+    if not is_peft_folder(folder):
+        raise ConfigError(f"lora.init_from={lora.init_from!r} holds no {ADAPTER_CONFIG}; valid: a PEFT adapter folder")
+    theirs = lora_config(read_adapter_config(folder), model, adapter, folder)
+    targets = [set(lora_targets(model, adapter, c).values()) for c in (lora, theirs)]
+    if (lora.rank != theirs.rank or not math.isclose(lora.alpha, theirs.alpha) or targets[0] != targets[1]
+            or set(lora.target_parameters) != set(theirs.target_parameters)):
+        experts = f" --job.lora.target_parameters {','.join(theirs.target_parameters)}" if theirs.target_parameters else ""
+        raise ConfigError(f"lora.init_from={lora.init_from!r} holds adapters of rank {theirs.rank}, alpha {theirs.alpha:g} "
+                          f"on {','.join(theirs.target_modules)}, not the job's lora.rank={lora.rank}, "
+                          f"lora.alpha={lora.alpha:g}, lora.target_modules={','.join(lora.target_modules)}; valid: "
+                          f"--job.lora.rank {theirs.rank} --job.lora.alpha {theirs.alpha:g} --job.lora.target_modules "
+                          f"{','.join(theirs.target_modules)}{experts}")
+    with_adapters = copy.deepcopy(model)
+    add_job_adapters(with_adapters, lora, adapter)
+    peft_tensors(folder, with_adapters, adapter)
+
+
+def load_peft_folder(model: nn.Module, adapter: Any, folder: Path, *, partial: bool = False) -> None:
+    """The adapters of the PEFT ``folder`` into ``model``'s (a run's: sharded, wrapped, a pipeline
+    stage's with ``partial``), as ``check_init_from`` checked them."""
+    load_peft_tensors(model, peft_tensors(folder, model, adapter, partial=partial), str(folder))

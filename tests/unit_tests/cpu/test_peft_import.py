@@ -21,6 +21,7 @@ from titan_lightning.config import ConfigError
 from titan_lightning.config.lora import LoRAConfig
 from titan_lightning.generate import GenerateError, find_model
 from titan_lightning.lora.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_state, write_peft_folder
+from titan_lightning.trainer import RUN_DIR_ENV
 
 from tests.hf_folders import VOCAB, save_hf_folder, save_hf_model
 
@@ -31,10 +32,16 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def peft_folder(base_folder: Path, model_type: str, out: Path, tie: bool = False, **lora) -> torch.nn.Module:
-    """A random model of ``model_type`` saved in ``base_folder``, and a PEFT adapter on it (B off zero, so
-    every adapter changes the output) saved by PEFT in ``out``, naming its base; the PeftModel, in eval mode."""
+    """A random model of ``model_type`` saved in ``base_folder``, and a PEFT adapter on it saved by PEFT in
+    ``out`` (``peft_folder_on``); the PeftModel, in eval mode."""
     base = save_hf_model(base_folder, model_type, tie=tie)
     base.name_or_path = str(base_folder)  # (as from_pretrained(base_folder) records it)
+    return peft_folder_on(base, out, **lora)
+
+
+def peft_folder_on(base: torch.nn.Module, out: Path, **lora) -> torch.nn.Module:
+    """A PEFT adapter on ``base`` (B off zero, so every adapter changes the output) saved by PEFT in ``out``,
+    naming its base; the PeftModel, in eval mode."""
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, **lora))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -202,3 +209,35 @@ def test_what_lora_here_does_not_compute_is_refused_in_one_line(made_by_peft, tm
         find_model(str(adapter))
     message = str(error.value)
     assert says in message and "\n" not in message and "valid:" in message, message
+
+
+def test_a_run_starts_its_adapters_from_a_peft_folder(tmp_path, monkeypatch, capsys):
+    """``--job.lora.init_from``: the fresh run's adapters are the folder's (its step 1 computes PeftModel's
+    logits, so its loss is PeftModel's: a step of lr 1e-30 leaves them as they were, and the merged export
+    computes them); adapters other than the job's are refused before launch with the options that fit."""
+    from tests.hf_folders import folder_and_conversations
+
+    folder, data = folder_and_conversations(tmp_path, "qwen3")
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    theirs = peft_folder_on(base, tmp_path / "adapter", target_modules=["q_proj", "v_proj"])
+    run = ["fit", "--recipe", "recipes.hf:lora", "--job.checkpoint.initial_load_path", str(folder),
+           "--job.data.dataset_path", str(data), "--trainer.accelerator", "cpu", "--trainer.max_steps", "1",
+           "--trainer.enable_progress_bar", "false", "--job.data.val_fraction", "0",
+           "--job.training.tokens_per_step", "128", "--job.training.tokens_per_microbatch_per_dp_rank", "128",
+           "--job.lora.init_from", str(tmp_path / "adapter"), "--job.lora.rank", "4", "--job.lora.alpha", "8"]
+    capsys.readouterr()
+    assert cli.main(run) == 2  # (the recipe's targets: all-linear)
+    err = capsys.readouterr().err
+    assert "--job.lora.target_modules q_proj,v_proj" in err and len(err.splitlines()) == 1, err
+
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "run"))
+    assert cli.main([*run, "--job.lora.target_modules", "v_proj,q_proj", "--job.optimizer.lr", "1e-30"]) == 0
+    export = tmp_path / "run" / "export_hf"
+    started = load_file(export / "adapter" / ADAPTER_WEIGHTS)
+    assert started.keys() == load_file(tmp_path / "adapter" / ADAPTER_WEIGHTS).keys()
+    assert all(torch.equal(t, load_file(tmp_path / "adapter" / ADAPTER_WEIGHTS)[k]) for k, t in started.items())
+    tokens = torch.randint(0, VOCAB, (2, 12))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=tokens).logits, theirs(input_ids=tokens).logits,
+                                   rtol=1e-5, atol=1e-5)
