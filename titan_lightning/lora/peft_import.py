@@ -246,12 +246,12 @@ def check_init_from(lora: LoRAConfig, model: nn.Module, adapter: Any) -> None:
     targets = [set(lora_targets(model, adapter, c).values()) for c in (lora, theirs)]
     if (lora.rank != theirs.rank or not math.isclose(lora.alpha, theirs.alpha) or targets[0] != targets[1]
             or set(lora.target_parameters) != set(theirs.target_parameters)):
-        experts = f" --job.lora.target_parameters {','.join(theirs.target_parameters)}" if theirs.target_parameters else ""
-        raise ConfigError(f"lora.init_from={lora.init_from!r} holds adapters of rank {theirs.rank}, alpha {theirs.alpha:g} "
-                          f"on {','.join(theirs.target_modules)}, not the job's lora.rank={lora.rank}, "
-                          f"lora.alpha={lora.alpha:g}, lora.target_modules={','.join(lora.target_modules)}; valid: "
-                          f"--job.lora.rank {theirs.rank} --job.lora.alpha {theirs.alpha:g} --job.lora.target_modules "
-                          f"{','.join(theirs.target_modules)}{experts}")
+        experts = theirs.target_parameters and f" --job.lora.target_parameters {','.join(theirs.target_parameters)}"
+        raise ConfigError(f"lora.init_from={lora.init_from!r} holds adapters of rank {theirs.rank}, alpha "
+                          f"{theirs.alpha} on {','.join(theirs.target_modules)}, not the job's lora.rank={lora.rank}, "
+                          f"lora.alpha={lora.alpha}, lora.target_modules={','.join(lora.target_modules)}; valid: "
+                          f"--job.lora.rank {theirs.rank} --job.lora.alpha {theirs.alpha} --job.lora.target_modules "
+                          f"{','.join(theirs.target_modules)}{experts or ''}")
     with_adapters = copy.deepcopy(model)
     add_job_adapters(with_adapters, lora, adapter)
     peft_tensors(folder, with_adapters, adapter)
