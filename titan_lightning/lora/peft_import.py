@@ -241,7 +241,8 @@ def check_init_from(lora: LoRAConfig, model: nn.Module, adapter: Any) -> None:
     ``model`` (ours, without adapters, on the meta device)."""
     folder = Path(lora.init_from)
     if not is_peft_folder(folder):
-        raise ConfigError(f"lora.init_from={lora.init_from!r} holds no {ADAPTER_CONFIG}; valid: a PEFT adapter folder")
+        raise ConfigError(f"lora.init_from={lora.init_from!r} holds no {ADAPTER_CONFIG}; valid: a PEFT adapter folder "
+                          f"(a resumed run takes its checkpoint's adapters: --job.lora.init_from null)")
     theirs = lora_config(read_adapter_config(folder), model, adapter, folder)
     targets = [set(lora_targets(model, adapter, c).values()) for c in (lora, theirs)]
     if (lora.rank != theirs.rank or not math.isclose(lora.alpha, theirs.alpha) or targets[0] != targets[1]
