@@ -201,8 +201,10 @@ class ExportWeights(L.Callback):
         share = _my_share(own, adapter, self.dtype)
         write_hf_shards(share, staging)
         job = getattr(pl_module, "job", None)
-        if adapters:  # (gathered on every rank, written by rank 0)
+        if adapters:  # (gathered on every rank, written by rank 0; a pipeline's stages each hold theirs)
             state = peft_state(pl_module.model, adapter, self.dtype)
+            if _pipeline(trainer) is not None:
+                state = _union_on_rank_zero(state)
             if trainer.is_global_zero:
                 write_peft_folder(staging / ADAPTER_FOLDER, state, job.lora, job.checkpoint.initial_load_path)
         trainer.strategy.barrier()
@@ -218,6 +220,17 @@ class ExportWeights(L.Callback):
 
 def _world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+
+def _union_on_rank_zero(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every rank's ``state`` in one dict on rank 0 (empty elsewhere); a key held by several ranks
+    holds the same tensor on each."""
+    rank, world = _world()
+    if world == 1:
+        return state
+    states: Optional[list[Any]] = [None] * world if rank == 0 else None
+    dist.gather_object(state, states, dst=0)
+    return {key: value for each in states for key, value in each.items()} if states is not None else {}
 
 
 def _my_share(own: dict[str, torch.Tensor], adapter: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:

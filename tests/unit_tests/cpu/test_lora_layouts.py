@@ -263,6 +263,7 @@ def test_target_parameters_name_the_experts_tensors(fields, message):
 def test_adapter_only_checkpoints_of_pipeline_stages_resume_exactly(tmp_path):
     """PP2 (gloo): each stage saves its adapters and their optimizer state alone; a new set of
     processes resumes from step 2 and repeats step 3 bitwise."""
+    from safetensors.torch import load_file
     from torch.distributed.checkpoint import FileSystemReader
 
     from titan_lightning.recipe import build_run
@@ -281,6 +282,10 @@ def test_adapter_only_checkpoints_of_pipeline_stages_resume_exactly(tmp_path):
     layers = build_run("recipes.tests.features:llama3_lora_pp2").job.model.n_layers  # (one a stage)
     assert {k.split(".layers.")[1].split(".")[0] for k in keys if ".layers." in k} == {str(i) for i in range(layers)}
     assert keys and all(".lora_" in k for k in keys)  # both stages' adapters, no base weight
-    resumed = fit("llama3_lora_pp2", "resume", "--job.checkpoint.resume_from", str(checkpoint)).ranks[0]
+    resumed = fit("llama3_lora_pp2", "resume", "--job.checkpoint.resume_from", str(checkpoint),
+                  "--job.checkpoint.export_format", "hf").ranks[0]
     assert resumed["steps"] == [3]
     assert (resumed["losses"], resumed["grad_norms"]) == (saved["losses"][2:], saved["grad_norms"][2:])
+    # The PEFT folder of the export holds both stages' adapters.
+    exported = load_file(tmp_path / "resume" / "run" / "export_hf" / "adapter" / "adapter_model.safetensors")
+    assert {k.split(".layers.")[1].split(".")[0] for k in exported} == {str(i) for i in range(layers)}
