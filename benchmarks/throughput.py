@@ -37,7 +37,11 @@ Each contender runs in its own process; ``--rounds`` repeats the set in alternat
 (A B C, C B A, ...) so that drift of the machine falls on all of them alike. Step time is
 the wall time between the ends of consecutive optimizer steps, the device synchronized, so
 it includes data loading and everything the loop does; the first ``--warmup`` steps
-(compilation) are dropped. Peak memory is ``torch.cuda.max_memory_allocated`` over the
+(compilation) are dropped. ``BENCH_CLOCK=events`` (a GPU): the steps are timed by CUDA events
+recorded at their ends instead, read once after the last one, and the losses read then too, so
+the clock never makes the host wait for the device (as a long run that logs rarely: the
+synchronization after each step exposes the host's work before the next one; a contender's own
+reads, such as the bare loop's clipping norm, still wait). Peak memory is ``torch.cuda.max_memory_allocated`` over the
 measured steps. MFU = tokens/s x the model's training FLOPs per token
 (``flops_per_token``, the same formula for every contender) / the device's dense bf16 peak.
 
@@ -444,7 +448,9 @@ class StepClock:
         self.device, self.warmup, self.steps, self.profile_steps = device, warmup, steps, profile_steps
         self.name = name
         self.ends: list[float] = []
-        self.losses: list[float] = []
+        self.losses: list[Any] = []  # floats, or (BENCH_CLOCK=events) 0-d tensors read at the end
+        # BENCH_CLOCK=events: a CUDA event at the end of each step, timed after the last one.
+        self.events: Optional[list[Any]] = [] if device == "cuda" and os.environ.get("BENCH_CLOCK") == "events" else None
         self._profiler = None
         self.profile: Optional[dict[str, float]] = None
 
@@ -452,19 +458,26 @@ class StepClock:
     def total(self) -> int:
         return self.warmup + self.steps + self.profile_steps
 
-    def step_done(self, loss: Optional[float] = None) -> None:
+    def step_done(self, loss: Any = None) -> None:
+        """The end of an optimizer step; ``loss``: its loss (a number, or a tensor read later)."""
         import torch
 
-        _sync(self.device)
+        profiled = self.profile_steps and len(self.ends) >= self.warmup + self.steps
+        if self.events is not None and not profiled:
+            self.events.append(torch.cuda.Event(enable_timing=True))
+            self.events[-1].record()
+        else:
+            _sync(self.device)
         self.ends.append(time.perf_counter())
         if loss is not None:
-            self.losses.append(float(loss))
+            self.losses.append(loss.detach() if self.events is not None and torch.is_tensor(loss) else float(loss))
         if len(self.ends) == self.warmup and self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         if self.device == "cuda":
             memory_snapshot_hook(len(self.ends) - self.warmup, self.name)
             sync_audit_hook(len(self.ends) - self.warmup, self.name)
         if self.profile_steps and len(self.ends) == self.warmup + self.steps:
+            _sync(self.device)  # (with BENCH_CLOCK=events the last timed step may still run)
             self._profiler = torch.profiler.profile(activities=profiler_activities(self.device))
             self._profiler.__enter__()
             self.ends.append(time.perf_counter())  # the profiler's start is not a step's time
@@ -481,11 +494,16 @@ class StepClock:
     def result(self, name: str, tokens_per_step: int, flops_per_token: float) -> dict[str, Any]:
         import torch
 
-        timed = self.ends[self.warmup - 1:self.warmup + self.steps]
-        times = [b - a for a, b in zip(timed, timed[1:])]
+        if self.events is not None:
+            torch.cuda.synchronize()
+            marks = self.events[self.warmup - 1:self.warmup + self.steps]
+            times = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+        else:
+            timed = self.ends[self.warmup - 1:self.warmup + self.steps]
+            times = [b - a for a, b in zip(timed, timed[1:])]
         return {
             "contender": name, "step_times": times, "tokens_per_step": tokens_per_step,
-            "flops_per_token": flops_per_token, "losses": self.losses,
+            "flops_per_token": flops_per_token, "losses": [float(loss) for loss in self.losses],
             "peak_memory_bytes": torch.cuda.max_memory_allocated() if self.device == "cuda" else None,
             "profile": self.profile,
         }
@@ -585,7 +603,7 @@ def _lightning_clock(clock: StepClock):
     class Clock(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             loss = trainer.callback_metrics.get("train/loss")
-            clock.step_done(None if loss is None else loss.item())
+            clock.step_done(loss)
 
     return Clock()
 
@@ -707,7 +725,7 @@ def run_bare(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         update_expert_bias(model)  # MoE load balancing, as the module's optimizer_step does
-        clock.step_done(loss.detach().item())
+        clock.step_done(loss.detach())
     return clock.result("bare", w.seq_len, run.module.flops_per_token(w.seq_len))
 
 
@@ -832,7 +850,7 @@ def run_hf(w: Workload, device: str, steps: int, warmup: int) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), job.training.max_grad_norm or math.inf)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        clock.step_done(loss.detach().item())
+        clock.step_done(loss.detach())
     return clock.result("hf", w.seq_len, run.module.flops_per_token(w.seq_len))
 
 
@@ -902,7 +920,7 @@ def _hf_sft_loop(w: Workload, device: str, steps: int, warmup: int, packing: str
         torch.nn.utils.clip_grad_norm_(model.parameters(), job.training.max_grad_norm or math.inf)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        clock.step_done(loss.detach().item())
+        clock.step_done(loss.detach())
     result = clock.result(name, window // steps, run.module.flops_per_token(job.training.seq_len))
     shares = _sft_shares(run) if packing != "padded" else {}
     return {**result, "tokens_share": shares.get("tokens_share", real / window),

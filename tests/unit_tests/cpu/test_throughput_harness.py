@@ -8,6 +8,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.contenders import torchtitan_run
 from benchmarks.throughput import (TORCHTITAN_SCRIPT, WORKLOADS, StepClock, _contender_command, kernel_breakdown,
@@ -217,3 +218,36 @@ def test_every_workload_fits_its_model_positions():
     too_long = {name: (w.seq_len, job.model.max_seq_len) for name, w in WORKLOADS.items()
                 if w.folder is None and (job := resolve_run(w, "cuda", 1).job).model.max_seq_len < w.seq_len}
     assert not too_long
+
+
+def test_the_event_clock_times_steps_on_the_device_and_waits_once(monkeypatch):
+    """BENCH_CLOCK=events on a GPU: each timed step records an event, no synchronization until the
+    result (the events' times, the losses read then); profiled steps synchronize as before."""
+    synchronized = []
+
+    class Event:  # a CUDA event whose record() reads a device clock advancing 0.1 s a step
+        now = 0.0
+
+        def __init__(self, enable_timing: bool) -> None:
+            self.at = None
+
+        def record(self) -> None:
+            Event.now += 0.1
+            self.at = Event.now
+
+        def elapsed_time(self, end: "Event") -> float:
+            return (end.at - self.at) * 1e3  # milliseconds, as CUDA's
+
+    monkeypatch.setenv("BENCH_CLOCK", "events")
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: synchronized.append(len(clock.ends)))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 0)
+    clock = StepClock("cuda", warmup=2, steps=3)
+    for i in range(clock.total):
+        clock.step_done(torch.tensor(float(i)))
+    assert synchronized == []
+    result = clock.result("titan", 100, 1.0)
+    assert synchronized == [5]
+    assert result["step_times"] == pytest.approx([0.1, 0.1, 0.1])
+    assert result["losses"] == [0.0, 1.0, 2.0, 3.0, 4.0]
