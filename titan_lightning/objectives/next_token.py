@@ -57,8 +57,6 @@ class StepTokenMean(Objective):
         sums, self._sums = self._sums, []
         device = grads[0].device if grads else device
         totals = step_totals(sums, 3, device)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(totals)
         microbatches, tokens, loss_sum = totals.unbind()
         scale_grads_(grads, microbatches / tokens.clamp(min=1.0))
         loss = (loss_sum / tokens.clamp(min=1.0)).float()
@@ -67,12 +65,22 @@ class StepTokenMean(Objective):
 
 
 def step_totals(sums: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
-    """[the number of ``sums``, then their sum]: ``width`` fp64 values on ``device``, made there (an
-    element set from the host is a synchronizing copy: the host would wait mid-step for the backward)."""
-    if not sums:
-        return torch.zeros(width, dtype=torch.float64, device=device)
-    summed = torch.stack(sums).sum(0).to(device)
-    return torch.cat([summed.new_full((1,), float(len(sums))), summed])
+    """[the number of ``sums``, then their sum]: ``width`` fp64 values on ``device``, summed over every
+    rank. Made on the device: an element set from the host is a synchronizing copy (the host would
+    wait mid-step for the backward)."""
+    if sums:
+        summed = torch.stack(sums).sum(0).to(device)
+        totals = torch.cat([summed.new_full((1,), float(len(sums))), summed])
+    else:
+        totals = torch.zeros(width, dtype=torch.float64, device=device)
+    sum_over_ranks(totals)
+    return totals
+
+
+def sum_over_ranks(totals: torch.Tensor) -> None:
+    """``totals`` summed in place over every rank of the run (unchanged in one process)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(totals)
 
 
 def scale_grads_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from titan_lightning.config.preference import PreferenceConfig
 from titan_lightning.objectives.base import Objective, Record, StepEnd, TokenLoss, local
-from titan_lightning.objectives.next_token import label_copies, scale_grads_, step_totals
+from titan_lightning.objectives.next_token import label_copies, scale_grads_, step_totals, sum_over_ranks
 from titan_lightning.parallel.context import sequence_sums
 
 # The folder of a pair set where precomputed reference log-probabilities are kept.
@@ -73,13 +73,12 @@ def pair_losses(config: PreferenceConfig, logps: torch.Tensor, tokens: torch.Ten
     hold no token (an empty slot) has loss and metrics 0."""
     beta, eps = config.scale, float(config.label_smoothing)
     present = (tokens[0::2] > 0) & (tokens[1::2] > 0)
-    summed = (logps, reference)  # (IPO's metrics: TRL's DPOTrainer logs the summed ones for every loss)
-    if config.loss in ("ipo", "simpo"):
-        logps = logps / tokens.clamp(min=1)
-        if reference is not None:
-            reference = reference / tokens.clamp(min=1)
-    chosen, rejected = logps[0::2], logps[1::2]
+    # IPO's and SimPO's losses compare per-token means; the metrics are TRL's: DPOTrainer's summed
+    # log-probabilities for DPO and IPO, CPOTrainer's means for SimPO.
+    per_token = (lambda x: x / tokens.clamp(min=1)) if config.loss in ("ipo", "simpo") else (lambda x: x)
     if config.loss == "simpo":
+        logps = per_token(logps)
+        chosen, rejected = logps[0::2], logps[1::2]
         chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
         margin = beta * (chosen - rejected) - config.gamma
         loss = -(1 - eps) * F.logsigmoid(margin) - eps * F.logsigmoid(-margin)
@@ -87,19 +86,16 @@ def pair_losses(config: PreferenceConfig, logps: torch.Tensor, tokens: torch.Ten
         if reference is None:
             raise ValueError(f"preference.loss={config.loss!r} compares with a reference model; no reference "
                              f"log-probabilities were given")
-        reference = reference.to(logps.dtype)
-        ref_chosen, ref_rejected = reference[0::2], reference[1::2]
-        logits = (chosen - rejected) - (ref_chosen - ref_rejected)
+        scored, ref_scored = per_token(logps), per_token(reference).to(logps.dtype)
+        logits = (scored[0::2] - scored[1::2]) - (ref_scored[0::2] - ref_scored[1::2])
         if config.loss == "ipo":
             loss = (logits - 1 / (2 * beta)) ** 2
         else:
             loss = -(1 - eps) * F.logsigmoid(beta * logits) - eps * F.logsigmoid(-beta * logits)
-        if config.loss == "ipo":  # (the loss on per-token means, the metrics on sums, as TRL logs them)
-            logps, reference = summed[0], summed[1].to(logps.dtype)
-            chosen, rejected = logps[0::2], logps[1::2]
-            ref_chosen, ref_rejected = reference[0::2], reference[1::2]
-        chosen_rewards = beta * (chosen - ref_chosen).detach()
-        rejected_rewards = beta * (rejected - ref_rejected).detach()
+        reference = reference.to(logps.dtype)
+        chosen, rejected = logps[0::2], logps[1::2]
+        chosen_rewards = beta * (chosen - reference[0::2]).detach()
+        rejected_rewards = beta * (rejected - reference[1::2]).detach()
     zero = torch.zeros_like(loss)
     metrics = {
         "rewards/chosen": chosen_rewards,
@@ -208,7 +204,6 @@ class PairMean(Objective):
         sums, self._sums = self._sums, []
         device = grads[0].device if grads else device
         totals = step_totals(sums, 2 + 1 + len(METRICS), device)  # [microbatches, loss sum, pairs, metric sums]
-        _all_reduce(totals)
         microbatches, loss_sum, pairs = totals[0], totals[1], totals[2]
         scale_grads_(grads, microbatches / pairs.clamp(min=1.0))
         loss = (loss_sum / pairs.clamp(min=1.0)).float()
@@ -234,15 +229,10 @@ class PairMean(Objective):
         totals = torch.zeros(2 + len(METRICS), dtype=torch.float64, device=loss.device)
         if sums is not None:  # (none on a rank that validated no batch)
             totals += sums.to(loss.device)
-        _all_reduce(totals)
+        sum_over_ranks(totals)
         # The same on every rank (reduced above): the max over the ranks returns it unchanged.
         return [(name, value, {"sync_dist": True, "reduce_fx": "max"})
                 for name, value, _ in _metric_records(prefix, totals[1:], mesh)]
-
-
-def _all_reduce(totals: torch.Tensor) -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(totals)
 
 
 def _metric_records(prefix: str, totals: torch.Tensor, mesh: Any) -> list[Record]:
@@ -295,7 +285,7 @@ def precompute_reference(trainer, mesh: Any, cache: Optional[Path] = None) -> to
                 trainer.strategy.validation_step(batch, index)
     finally:
         objective._collect = None
-    _all_reduce(out)  # (CP ranks' parts add up; pipeline stages before the last add nothing)
+    sum_over_ranks(out)  # (CP ranks' parts add up; pipeline stages before the last add nothing)
     out = (out / label_copies(mesh)).float()
     if cache is not None and rank == 0 and trainer.global_rank == 0:
         try:
