@@ -48,9 +48,9 @@ from titan_lightning.checkpoint import DCP_METADATA, latest_checkpoint, load_sha
 from titan_lightning.config import ConfigError
 from titan_lightning.data.chat import compile_template, read_chat_template
 from titan_lightning.data.tokenizer import Tokenizer, load_tokenizer
-from titan_lightning.lora import base_only, quantize_base_nf4
-from titan_lightning.lora.peft_import import (add_job_adapters, is_peft_folder, load_peft_tensors, lora_config,
-                                              peft_base, peft_tensors, read_adapter_config)
+from titan_lightning.lora import add_job_adapters, base_only, quantize_base_nf4
+from titan_lightning.lora.peft_import import (is_peft_folder, load_peft_tensors, lora_config, peft_base, peft_tensors,
+                                              read_adapter_config)
 from titan_lightning.models.common.decoder import decoder_class
 from titan_lightning.models.common.hf_config import CONFIG_FILE, read_json_object
 from titan_lightning.models.common.kv_cache import KVCache, cached_attentions

@@ -6,8 +6,8 @@ from titan_lightning.lora.experts import add_expert_adapters, expert_adapters
 from titan_lightning.lora.layer import (LoRALinear, adapters_off, add_adapters, base_only, has_adapters, lora_layers,
                                         merged_weight, quantize_base_nf4, store_frozen_in)
 from titan_lightning.lora.rules import check_lora_job
-from titan_lightning.lora.targets import hf_linears, lora_targets
+from titan_lightning.lora.targets import add_job_adapters, hf_linears, lora_targets
 
-__all__ = ["LoRALinear", "adapters_off", "add_adapters", "add_expert_adapters", "base_only", "check_lora_job",
+__all__ = ["LoRALinear", "adapters_off", "add_adapters", "add_expert_adapters", "add_job_adapters", "base_only", "check_lora_job",
            "expert_adapters", "has_adapters", "hf_linears", "lora_layers", "lora_targets", "merged_weight",
            "quantize_base_nf4", "store_frozen_in"]

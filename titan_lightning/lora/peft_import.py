@@ -31,10 +31,10 @@ from torch import nn
 from titan_lightning.checkpoint.sources import Source, load_sources
 from titan_lightning.config import ConfigError
 from titan_lightning.config.lora import ALL_LINEAR, EXPERT_PARAMETERS, LoRAConfig
-from titan_lightning.lora.experts import add_expert_adapters, expert_adapters, hf_experts_module, peft_factor_prefix
+from titan_lightning.lora.experts import expert_adapters, hf_experts_module, peft_factor_prefix
 from titan_lightning.lora.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
-from titan_lightning.lora.layer import add_adapters, lora_layers
-from titan_lightning.lora.targets import hf_linears, lora_targets, short_name
+from titan_lightning.lora.layer import lora_layers
+from titan_lightning.lora.targets import add_job_adapters, hf_linears, lora_targets, short_name
 from titan_lightning.models.common.hf_config import read_json_object
 from titan_lightning.models.common.init import canonical_fqn
 
@@ -226,13 +226,6 @@ def load_peft_tensors(model: nn.Module, state: dict[str, torch.Tensor], source: 
         owners.setdefault(owner, {})[key] = Source.of(value)
     for owner, sources in owners.items():  # (lora_a / lora_b: a Linear, or the experts' ParameterDict)
         load_sources(model.get_submodule(owner), sources, source=source)
-
-
-def add_job_adapters(model: nn.Module, lora: LoRAConfig, adapter: Any) -> None:
-    """``lora``'s adapters on ``model`` (its targets' linears and the routed experts' tensors), as a run adds them."""
-    add_adapters(model, list(lora_targets(model, adapter, lora)), rank=lora.rank, alpha=lora.alpha,
-                 dropout=lora.dropout)
-    add_expert_adapters(model, lora, getattr(adapter, "family", None))
 
 
 def check_init_from(lora: LoRAConfig, model: nn.Module, adapter: Any) -> None:

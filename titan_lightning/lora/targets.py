@@ -20,6 +20,8 @@ from typing import Any, Optional
 from torch import nn
 
 from titan_lightning.config.lora import ALL_LINEAR, LoRAConfig
+from titan_lightning.lora.experts import add_expert_adapters
+from titan_lightning.lora.layer import add_adapters
 
 HEAD = "output"
 
@@ -68,3 +70,10 @@ def lora_targets(model: nn.Module, adapter: Optional[Any], lora: LoRAConfig) -> 
     if wanted == [ALL_LINEAR]:
         return linears
     return {ours: hf for ours, hf in linears.items() if short_name(hf) in wanted}
+
+
+def add_job_adapters(model: nn.Module, lora: LoRAConfig, adapter: Any) -> None:
+    """``lora``'s adapters on ``model`` (its targets' linears and the routed experts' tensors), as a run adds them."""
+    add_adapters(model, list(lora_targets(model, adapter, lora)), rank=lora.rank, alpha=lora.alpha,
+                 dropout=lora.dropout)
+    add_expert_adapters(model, lora, getattr(adapter, "family", None))

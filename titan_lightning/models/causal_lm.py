@@ -15,8 +15,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from titan_lightning._compat import unset_fake_temporarily
 from titan_lightning.config import ConfigError, JobConfig
-from titan_lightning.lora import (adapters_off, add_adapters, add_expert_adapters, check_lora_job, lora_targets,
-                                  quantize_base_nf4, store_frozen_in)
+from titan_lightning.lora import (adapters_off, add_job_adapters, check_lora_job, quantize_base_nf4,
+                                  store_frozen_in)
 from titan_lightning.models.common.decoder import Decoder, decoder_class
 from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.models.common.masking import varlen_offsets
@@ -129,9 +129,7 @@ class CausalLMModule(L.LightningModule):
         model.head_in_loss = self.job.training.loss_chunks is not None
         lora = self.job.lora
         if lora.enabled:  # (the model as it trains: a checkpoint's and a load's names see its adapters)
-            targets = lora_targets(model, self.state_dict_adapter(), lora)
-            add_adapters(model, list(targets), rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
-            add_expert_adapters(model, lora, getattr(self.state_dict_adapter(), "family", None))
+            add_job_adapters(model, lora, self.state_dict_adapter())
             if lora.quantize_base == "nf4":  # (QLoRA: NF4 from the start, so FSDP2 shards the base as NF4)
                 store_frozen_in(model, getattr(torch, self.job.training.mixed_precision_param))
                 quantize_base_nf4(model, next(model.parameters()).device)
