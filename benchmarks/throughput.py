@@ -41,9 +41,10 @@ it includes data loading and everything the loop does; the first ``--warmup`` st
 recorded at their ends instead, read once after the last one, and the losses read then too, so
 the clock never makes the host wait for the device (as a long run that logs rarely: the
 synchronization after each step exposes the host's work before the next one; a contender's own
-reads, such as the bare loop's clipping norm, still wait). Peak memory is ``torch.cuda.max_memory_allocated`` over the
-measured steps. MFU = tokens/s x the model's training FLOPs per token
-(``flops_per_token``, the same formula for every contender) / the device's dense bf16 peak.
+reads, such as the bare loop's clipping norm, still wait). Peak memory is
+``torch.cuda.max_memory_allocated`` over the measured steps. MFU = tokens/s x the model's training
+FLOPs per token (``flops_per_token``, the same formula for every contender) / the device's dense
+bf16 peak.
 
 Where a step's time goes, on a GPU: ``--profile-steps N`` traces N steps after the measured ones
 (device busy time, kernel families, the host calls that took longest); ``BENCH_TRACE=DIR`` keeps
