@@ -62,3 +62,21 @@ def test_other_batches_are_left_alone(model, pp):
         module.job = dataclasses.replace(module.job, parallelism=dataclasses.replace(module.job.parallelism, pp=pp))
     batch = {"input_ids": torch.zeros_like(POSITIONS), "position_ids": POSITIONS}
     assert module.prepare_batch_on_host(batch) is batch
+
+
+def test_the_varlen_signature_check_traces_quietly_in_a_compiled_block():
+    """The kernel's ``enable_gqa`` support is read at import: a cache around the check (``lru_cache``)
+    made Dynamo warn in every compiled GQA block of a varlen run on torch 2.13."""
+    import warnings
+
+    from titan_lightning.models.common import masking
+
+    def block(x):
+        return x * 2 if masking._varlen_takes_enable_gqa() else x
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(block, backend="eager", fullgraph=True)(torch.ones(2))
+    assert [str(w.message) for w in caught if "lru_cache" in str(w.message)] == []
+    assert torch.equal(out, block(torch.ones(2)))

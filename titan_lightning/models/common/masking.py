@@ -233,15 +233,24 @@ def varlen_offsets(position_ids: Optional[torch.Tensor], B: int, S: int, device)
     return offsets, int(lengths.max())
 
 
-@functools.lru_cache(maxsize=1)
 def _varlen_takes_enable_gqa() -> bool:
     """torch 2.13's varlen_attn refuses fewer K/V heads than query heads unless ``enable_gqa=True``;
-    torch 2.11's has no such argument and serves them as they are."""
+    torch 2.11's has no such argument and serves them as they are. Read once, at import: called from
+    compiled blocks, where Dynamo traces through (and warns about) a cache such as ``lru_cache``."""
+    return _VARLEN_TAKES_ENABLE_GQA
+
+
+def _read_varlen_signature() -> bool:
     import inspect
 
-    from torch.nn.attention.varlen import varlen_attn
-
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # (a torch without varlen attention: the varlen backend is refused before launch)
+        return False
     return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+_VARLEN_TAKES_ENABLE_GQA = _read_varlen_signature()
 
 
 def _varlen(q, k, v, documents: Documents, scale, window: Optional[int] = None):
