@@ -160,8 +160,8 @@ def verify(path: Path, *, what: Optional[str] = None, ranks: bool = True) -> dic
         hint = (f"; it holds checkpoints, the newest is {inner}" if inner is not None
                 else "; a save that did not finish leaves such a folder (.partial)" if (path / META).exists()
                 else "")
-        raise NotACheckpointError(f"{what} is not a complete checkpoint (no manifest of titan_lightning in "
-                                  f"{META}){hint}")
+        raise NotACheckpointError(f"{what} does not point to a valid checkpoint: not complete (no manifest of "
+                                  f"titan_lightning in {META}){hint}")
     first_format = manifest["format"] == FORMAT_1
     names = [DCP_METADATA, META] + ([rank_file(r) for r in range(manifest["world_size"])]
                                     if ranks and first_format else [])

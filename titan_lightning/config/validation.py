@@ -27,6 +27,11 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message is one line."""
 
 
+class SizesError(ConfigError, RuntimeError):
+    """ModelParallelStrategy's sizes that do not multiply to the world size (Lightning's strategy
+    raises RuntimeError for them; code written for it may catch that)."""
+
+
 # id(job) -> (the job, weakly; what it passed for): the jobs validate_job has passed.
 _PASSED: dict[int, tuple[weakref.ref, tuple]] = {}
 
@@ -568,9 +573,10 @@ def validate_lightning_sizes(strategy: str, data_parallel, tensor_parallel, dp: 
     """ModelParallelStrategy's ``data_parallel_size`` and ``tensor_parallel_size`` (``dp``, ``tp``
     once "auto" is resolved) cover the world."""
     if dp * tp != world_size:
-        raise ConfigError(
+        raise SizesError(
             f"{strategy}(data_parallel_size={data_parallel!r}, tensor_parallel_size={tensor_parallel!r}): "
-            f"{dp} * {tp} = {dp * tp} must equal the world size {world_size} (num_nodes * devices)"
+            f"{dp} * {tp} = {dp * tp}; the sizes multiplied should equal the world size {world_size} (num_nodes * "
+            f"devices)"
         )
 
 

@@ -135,8 +135,8 @@ def _save_full(writer: CheckpointWriter, checkpoint: dict[str, Any], path: Path,
             return
         if path.is_dir():
             if not ckpt.is_complete(path):
-                raise ckpt.CheckpointIsADirectoryError(f"{path} is a folder that is not a checkpoint; not replacing it "
-                                                       f"with a file")
+                raise ckpt.CheckpointIsADirectoryError(f"{path} exists and is a directory that is not a checkpoint; "
+                                                       f"not replacing it with a file")
             shutil.rmtree(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.name + ckpt.PARTIAL)

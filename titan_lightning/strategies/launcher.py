@@ -107,7 +107,7 @@ def set_comm(module: L.LightningModule, backend: str, timeout: Optional[timedelt
     job = getattr(module, "job", None)
     try:
         root = Path(module.trainer.default_root_dir)
-    except RuntimeError:  # not attached to a Trainer
+    except (RuntimeError, AttributeError):  # not attached to a Trainer (or no module yet)
         root = Path.cwd()
     if job is not None:
         comm, fields = job.comm, ("comm.init_timeout_s", "comm.train_timeout_s")

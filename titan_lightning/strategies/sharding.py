@@ -80,6 +80,17 @@ def network_built(module: L.LightningModule) -> bool:
     return not hasattr(module, "materialize") and not parallelizes_itself(module)
 
 
+def refuse_fsdp1(module: torch.nn.Module, strategy: str) -> None:
+    """A TypeError, as ModelParallelStrategy's, for modules wrapped by the legacy FSDP API (FSDP1):
+    their flat parameters compose with none of the parallelisms here."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        raise TypeError(f"{strategy}: the module holds modules wrapped with torch.distributed.fsdp."
+                        f"FullyShardedDataParallel (FSDP1); {strategy} only supports the new FSDP2 APIs in PyTorch "
+                        f">= 2.4: shard them with fully_shard in configure_model, or leave the sharding to {strategy}")
+
+
 def applied_by_user(module: torch.nn.Module) -> tuple[bool, bool]:
     """(FSDP, TP) the module's own configure_model already applied: any ``fully_shard`` module;
     DTensor parameters on a tensor-parallel mesh dim (or any DTensor parameter without FSDP)."""

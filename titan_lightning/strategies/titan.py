@@ -153,6 +153,7 @@ class TitanStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         module, self._failed = self.lightning_module, False  # (a strategy may run again after a fit that raised)
+        self._check_own_degrees(self.world_size)  # (again: a cluster environment may say another world size)
         self.check_module(module)  # (done already when build_trainer built the Trainer)
         self._comm = set_comm(module, self._get_process_group_backend(), self._given_timeout, type(self).__name__)
         self._timeout = self._comm.timeout
@@ -175,6 +176,7 @@ class TitanStrategy(ModelParallelStrategy):
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
+        sharding.refuse_fsdp1(self.model, type(self).__name__)  # (configure_model, run since check_module, may wrap)
         self.accelerator.setup(trainer)
         self.parallelize(self.lightning_module)
         self.model = self.precision_plugin.convert_module(self.model)

@@ -417,7 +417,7 @@ CASES = [
      "holds no model.safetensors or model.safetensors.index.json"),
     ("resume from nothing", [*D, "--job.checkpoint.resume_from", "nope"], "checkpoint.resume_from='nope' does not exist"),
     ("resume from an empty folder", [*D, "--job.checkpoint.resume_from", "folder"],
-     "checkpoint.resume_from='folder' is not a complete checkpoint"),
+     "checkpoint.resume_from='folder' does not point to a valid checkpoint"),
     ("resume from an unfinished save", [*D, "--job.checkpoint.resume_from", "partial_ckpt"],
      "a save that did not finish leaves such a folder"),
     ("resume from a file", [*D, "--job.checkpoint.resume_from", "a_file.txt"], "is a file; TitanStrategy checkpoints are folders"),

@@ -83,11 +83,11 @@ def test_missing_keys_and_shapes_are_named(tmp_path):
 def test_incomplete_truncated_and_absent_checkpoints_are_named(tmp_path):
     path = _folder(tmp_path)
     (path / META).unlink()
-    with pytest.raises(CheckpointError, match=rf"{path} is not a complete checkpoint \(no manifest of titan_lightning "
-                                              rf"in meta.pt\)"):
+    with pytest.raises(CheckpointError, match=rf"{path} does not point to a valid checkpoint: not complete \(no "
+                                              rf"manifest of titan_lightning in meta.pt\)"):
         verify(path)
     torch.save({"global_step": 5}, path / META)  # Lightning's meta.pt, no manifest of ours
-    with pytest.raises(CheckpointError, match=rf"{path} is not a complete checkpoint"):
+    with pytest.raises(CheckpointError, match=rf"{path} does not point to a valid checkpoint"):
         verify(path)
     old = _folder_v1(tmp_path / "v1")
     (old / META).unlink()
@@ -121,7 +121,7 @@ def test_latest_is_the_highest_complete_step(tmp_path):
     assert resolve_resume("latest", tmp_path / "a" / "empty") is None  # nothing yet: start fresh
     with pytest.raises(CheckpointError, match=r"resume_from='/no/such' does not exist"):
         resolve_resume("/no/such", tmp_path)
-    with pytest.raises(CheckpointError, match=r"is not a complete checkpoint .*the newest is .*step=10.ckpt"):
+    with pytest.raises(CheckpointError, match=r"does not point to a valid checkpoint: .*the newest is .*step=10.ckpt"):
         resolve_resume(str(tmp_path / "b"), tmp_path)  # a folder of checkpoints, not one
 
 
@@ -159,7 +159,7 @@ def test_a_malicious_meta_or_rank_file_does_not_run(tmp_path):
                                                                          "world_size": 1, "ranks": []}}, path / META)
     with pytest.raises(CheckpointError, match=r"meta.pt holds (builtins.)?exec, which a weights-only load refuses"):
         load_meta(path)
-    with pytest.raises(CheckpointError, match=r"is not a complete checkpoint"):
+    with pytest.raises(CheckpointError, match=r"does not point to a valid checkpoint"):
         verify(path)  # (its manifest is in the refused file)
     old = _folder_v1(tmp_path / "v1")
     torch.save({"rng": Payload(marker)}, old / "rank0.pt")

@@ -129,8 +129,10 @@ def test_model_parallel_strategy_keywords_and_defaults():
     auto = TitanStrategy(data_parallel_size="auto")
     L.Trainer(strategy=auto, accelerator="cpu", devices=4, logger=False)
     assert (auto._parallelism.dp_shard, auto._parallelism.tp) == (1, 4)
-    with pytest.raises(ConfigError, match=r"data_parallel_size=3.*3 \* 2 = 6 must equal the world size 4"):
+    with pytest.raises(ConfigError, match=r"data_parallel_size=3.*3 \* 2 = 6; the sizes multiplied should equal the "
+                                          r"world size 4") as sizes:
         L.Trainer(strategy=TitanStrategy(data_parallel_size=3, tensor_parallel_size=2), accelerator="cpu", devices=4)
+    assert isinstance(sizes.value, RuntimeError)  # (ModelParallelStrategy's type too)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=0\): expected a positive int or 'auto'"):
         TitanStrategy(tensor_parallel_size=0)
     with pytest.raises(ValueError, match=r"either ModelParallelStrategy's data_parallel_size/tensor_parallel_size or its own degrees \(tp\)"):
