@@ -5,7 +5,8 @@
 # open), each step under its own `timeout -k`; the tables and logs land in $OUT (or /tmp/h200).
 #
 #   bash benchmarks/h200_owed.sh 1   # #44: the SFT step's synchronizations, SFT vs pretraining; 8B-shaped default vs tuned
-#   bash benchmarks/h200_owed.sh 2   # #48: LoRA 8B profiled, PEFT with checkpointing, QLoRA 8B
+#   bash benchmarks/h200_owed.sh 2   # #48: LoRA 8B (bf16 and float8 bases) profiled next to PEFT, QLoRA 8B
+#   bash benchmarks/h200_owed.sh 6   # #48: PEFT with gradient checkpointing (the reference row)
 #   bash benchmarks/h200_owed.sh 3   # #49: DPO per reference mode next to SFT (same folder, same run)
 #   bash benchmarks/h200_owed.sh 5   # the GPU tests of LoRA / DPO / device defaults
 #   bash benchmarks/h200_owed.sh 4   # #48: QLoRA of the 70B shape (estimated peak 50.2 GiB)
@@ -34,7 +35,10 @@ case "${1:-}" in
   ;;
 2)
   bench lora_8b 570 --rounds 1 --steps 5 --warmup 4 --profile-steps 2 --timeout 150 --reference 'titan (llama3_8b_lora)' \
-    --workload llama3_8b_lora,llama3_8b_lora_hf_ac,llama3_8b_qlora
+    --workload llama3_8b_lora,llama3_8b_lora_float8,llama3_8b_qlora
+  ;;
+6)
+  bench lora_8b_hf_ac 400 --rounds 1 --steps 5 --warmup 3 --timeout 300 --workload llama3_8b_lora_hf_ac
   ;;
 4)
   bench qlora_70b 570 --rounds 1 --steps 3 --warmup 2 --timeout 560 --workload llama3_70b_qlora --contenders titan
@@ -53,6 +57,6 @@ case "${1:-}" in
     echo "== $f (rc $?, $(( $(date +%s) - T0 )) s)"; grep -E "passed|failed|error|tokens/s|Error" "/tmp/$f.log" | tail -8
   done
   ;;
-*) echo "usage: bash benchmarks/h200_owed.sh 1|2|3|4|5" >&2; exit 2 ;;
+*) echo "usage: bash benchmarks/h200_owed.sh 1|2|3|4|5|6" >&2; exit 2 ;;
 esac
 echo "== done in $(( $(date +%s) - T0 )) s"

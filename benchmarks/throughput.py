@@ -281,6 +281,11 @@ WORKLOADS["llama3_8b_lora"] = Workload(recipe="recipes.hf:lora", folder=("llama3
                                        seq_len=4096, overrides=_LORA, contenders=("titan", "hf_packed"))
 WORKLOADS["llama3_8b_lora_hf_ac"] = dataclasses.replace(WORKLOADS["llama3_8b_lora"], hf_ac=True,
                                                         contenders=("hf_packed",))
+# The same adapters over float8 base linears (--job.quantize.float8.enable true, tensorwise: the frozen
+# base's matmuls and the activations' gradients through it in float8, the adapters in bf16; not PEFT's
+# precision, a row of its own next to the bf16 one).
+WORKLOADS["llama3_8b_lora_float8"] = dataclasses.replace(
+    WORKLOADS["llama3_8b_lora"], overrides=_LORA + ("--job.quantize.float8.enable", "true"), contenders=("titan",))
 # QLoRA (recipes.hf:qlora: the same adapters on an NF4 base) of the same shape: tokens/s and peak memory.
 WORKLOADS["llama3_8b_qlora"] = dataclasses.replace(WORKLOADS["llama3_8b_lora"], recipe="recipes.hf:qlora",
                                                    contenders=("titan",))

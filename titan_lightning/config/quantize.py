@@ -12,6 +12,7 @@ class Float8Config:
     # Swap the model's nn.Linear layers for torchao's Float8Linear (matmuls in float8, weights,
     # optimizer and everything else as before). Needs torchao (the `float8` extra), and on a GPU
     # SM89 or newer (Ada, Hopper, Blackwell) and compile.enable; MoE routed experts stay bf16.
+    # With LoRA (job.lora) the adapted linears keep their frozen base and compute it in float8.
     enable: bool = False
     # torchao's scaling: "tensorwise" (one scale per tensor; fastest) or "rowwise" (one per row;
     # closer to bf16, power-of-two scales).

@@ -34,6 +34,7 @@ class LoRALinear(nn.Linear):
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.scaling = alpha / rank
         self.adapters_on = True
+        self.float8 = None  # parallel/float8.py's Float8Base: the base matmul in float8 (quantize.float8)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, rank: int, alpha: float, dropout: float = 0.0) -> "LoRALinear":
@@ -61,6 +62,11 @@ class LoRALinear(nn.Linear):
         if is_nf4(self.weight):  # (QLoRA: dequantized for this forward, its backward to x alone)
             base = linear_nf4(x, self.weight)
             base = base if self.bias is None else base + self.bias
+        elif self.float8 is not None:  # (its backward to x alone too)
+            from titan_lightning.parallel.float8 import frozen_float8_linear
+
+            base = frozen_float8_linear(x, self.weight, self.float8)
+            base = base if self.bias is None else base + self.bias.to(base.dtype)
         else:
             base = F.linear(x, self.weight, self.bias)
         if not self.adapters_on:
@@ -68,7 +74,8 @@ class LoRALinear(nn.Linear):
         return base + self.lora_b(self.lora_a(self.lora_dropout(x))) * self.scaling
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, rank={self.lora_a.out_features}, scaling={self.scaling:g}"
+        float8 = ", float8 base" if self.float8 is not None else ""
+        return f"{super().extra_repr()}, rank={self.lora_a.out_features}, scaling={self.scaling:g}{float8}"
 
 
 def linear_nf4(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

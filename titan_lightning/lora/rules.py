@@ -22,8 +22,7 @@ def check_lora_job(job: Any, model: nn.Module, adapter: Optional[Any]) -> None:
         return
     check_lora_layout(job, model)
     if job.quantize.float8.enable:
-        raise ConfigError(f"lora.rank={lora.rank} with quantize.float8.enable=True: float8 base linears with "
-                          f"adapters are not built; set quantize.float8.enable=False")
+        check_float8_base(job)
     if lora.quantize_base is not None:
         check_nf4_layout(job.parallelism, lora.quantize_base)
         if find_spec("torchao") is None:
@@ -41,6 +40,23 @@ def check_lora_job(job: Any, model: nn.Module, adapter: Optional[Any]) -> None:
         check_init_from(lora, model, adapter)
     if lora.quantize_base is not None and job.parallelism.dp_shard > 1:
         check_nf4_shards(model, list(targets), job.parallelism.dp_shard)
+
+
+def check_float8_base(job: Any) -> None:
+    """Adapters over float8 base linears (parallel/float8.py): one process, FSDP2 / HSDP, CP, PP, EP;
+    a one-line ConfigError for what they do not combine with."""
+    lora, f8, tp = job.lora, job.quantize.float8, job.parallelism.tp
+    if lora.quantize_base is not None:
+        raise ConfigError(f"lora.quantize_base={lora.quantize_base!r} with quantize.float8.enable=True: an NF4 base "
+                          f"has no float8 matmul; set lora.quantize_base=None or quantize.float8.enable=False")
+    if tp > 1:
+        raise ConfigError(f"quantize.float8.enable=True with lora.rank={lora.rank} and parallelism.tp={tp}: adapters "
+                          f"over float8 base linears are built for one process, FSDP2 / HSDP, CP, PP and EP, not "
+                          f"tensor parallelism; set parallelism.tp=1 or quantize.float8.enable=False")
+    if f8.enable_fsdp_float8_all_gather:
+        raise ConfigError(f"quantize.float8.enable_fsdp_float8_all_gather=True with lora.rank={lora.rank}: a LoRA "
+                          f"run's frozen base is all-gathered in its own dtype and cast to float8 at each matmul; set "
+                          f"quantize.float8.enable_fsdp_float8_all_gather=False")
 
 
 def check_nf4_layout(p: Any, quantize: str) -> None:

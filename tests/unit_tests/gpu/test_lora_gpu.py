@@ -1,6 +1,8 @@
 """recipes.hf:lora and recipes.hf:qlora on one GPU as a user runs them (the device's choices: bf16-mixed,
 compiled blocks, varlen attention): the frozen base is bf16 (LoRA) or NF4 (QLoRA) with fp32 adapters,
-the loss falls, and QLoRA's peak memory is below LoRA's. Prints tokens/s and peak memory of each.
+or bf16 computing its matmuls in float8 (LoRA with ``--job.quantize.float8.enable true``: real float8
+kernels, SM89+), the loss falls, and QLoRA's peak memory is below LoRA's. Prints tokens/s and peak
+memory of each.
 
     pytest -m gpu tests/unit_tests/gpu/test_lora_gpu.py -s
 """
@@ -25,22 +27,27 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 @needs_gpu
 def test_lora_and_qlora_train_on_one_gpu_with_a_frozen_bf16_or_nf4_base(inputs, tmp_path, monkeypatch):
     peaks = {}
-    for recipe in ("lora", "qlora"):
-        monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / recipe))
+    float8 = torch.cuda.get_device_capability() >= (8, 9)
+    variants = [("lora", "lora", []), ("qlora", "qlora", [])] + (
+        [("lora_float8", "lora", ["--job.quantize.float8.enable", "true"])] if float8 else [])
+    for name, recipe, flags in variants:
+        monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / name))
         argv = [f"recipes.hf:{recipe}" if arg == "recipes.hf:sft" else arg for arg in inputs]
-        command, run, trainer = cli.prepare([*argv, "--trainer.max_steps", "20", "--job.data.val_fraction", "0"])
+        command, run, trainer = cli.prepare([*argv, "--trainer.max_steps", "20", "--job.data.val_fraction", "0",
+                                             *flags])
         execute(command, run, trainer)
         model = trainer.lightning_module.model
         for _, layer in lora_layers(model):
             assert layer.lora_a.weight.dtype == layer.lora_b.weight.dtype == torch.float32
             kind = type(layer.weight).__name__ if recipe == "qlora" else layer.weight.dtype
             assert kind == ("NF4Tensor" if recipe == "qlora" else torch.bfloat16), kind
-        rows = [r for r in csv.DictReader(open(next(Path(tmp_path / recipe).rglob("metrics.csv"))))
+            assert (layer.float8 is not None) == bool(flags)
+        rows = [r for r in csv.DictReader(open(next(Path(tmp_path / name).rglob("metrics.csv"))))
                 if r.get("train/tokens_per_s")]
         losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
         assert losses[-1] < losses[0], losses
-        peaks[recipe] = max(float(r["train/memory_peak_gib"]) for r in rows[-5:])
+        peaks[name] = max(float(r["train/memory_peak_gib"]) for r in rows[-5:])
         speed = np.median([float(r["train/tokens_per_s"]) for r in rows[-10:]])
-        print(f"\n{recipe}: {speed:,.0f} tokens/s, peak {peaks[recipe]:.2f} GiB, "
+        print(f"\n{name}: {speed:,.0f} tokens/s, peak {peaks[name]:.2f} GiB, "
               f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     assert peaks["qlora"] < peaks["lora"]
