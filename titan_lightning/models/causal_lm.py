@@ -39,7 +39,7 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     the strategy runs this and the backward inside ``loss_parallel()``.
     """
     return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="mean"
+        logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="mean"
     )
 
 
@@ -47,19 +47,22 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     """The sum of the cross entropies over the tokens whose label is not IGNORE_INDEX, in fp32 (what
     loss-masked training divides by the supervised tokens of the whole optimizer step)."""
     return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
+        logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
 
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Each token's cross entropy, in fp32, shaped as ``labels``; 0 where the label is IGNORE_INDEX."""
     return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="none"
+        logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     ).view(labels.shape)
 
 
 # The plain cross entropy of each reduction ``CausalLMModule.token_loss`` takes.
 _PLAIN_LOSSES = {"mean": cross_entropy_loss, "sum": cross_entropy_sum, "none": token_cross_entropy}
+# A batch's labelled rows (``prepare_batch_on_host``), when they are at most this share of its tokens
+# (a pretraining batch, every token but each document's last labelled, keeps the plain path).
+LABEL_ROWS, LABEL_ROWS_SHARE = "label_rows", 0.9
 
 
 class CausalLMModule(L.LightningModule):
@@ -198,10 +201,14 @@ class CausalLMModule(L.LightningModule):
 
     def model_input(self, batch: dict[str, Any]) -> tuple[tuple, dict]:
         """The arguments ``self.model`` is called with for ``batch``: its token ids, the document
-        boundaries when ``model.mask`` / ``model.positions`` use them, and the document offsets when
-        ``prepare_batch_on_host`` made them. What the first pipeline stage takes."""
+        boundaries when ``model.mask`` / ``model.positions`` use them, and the document offsets and
+        the labelled rows when ``prepare_batch_on_host`` made them. What the first pipeline stage takes."""
         offsets = (batch["cu_seqlens"], batch["max_seqlen"]) if "cu_seqlens" in batch else None
-        return self._model_args(batch["input_ids"], batch.get("position_ids"), offsets)
+        args, kwargs = self._model_args(batch["input_ids"], batch.get("position_ids"), offsets)
+        rows = batch.get(LABEL_ROWS)
+        if rows is not None and not self.model.head_in_loss:  # (the head runs on those rows alone)
+            kwargs["label_rows"] = rows
+        return args, kwargs
 
     def _model_args(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
                     varlen_offsets: Optional[tuple[torch.Tensor, int]]) -> tuple[tuple, dict]:
@@ -218,23 +225,34 @@ class CausalLMModule(L.LightningModule):
         return self._run_model(*self.model_input(batch))
 
     def prepare_batch_on_host(self, batch: Any) -> Any:
-        """With varlen attention over documents (``model.mask`` block_causal), the batch's document
-        offsets (``cu_seqlens``) and its longest document (``max_seqlen``) are computed here, on the
-        host, before the batch goes to the device (``TextDataModule.on_before_batch_transfer`` calls
-        this; a LightningModule overriding that hook itself makes Lightning warn on every run that
-        passes a data module). Computed on the device, reading the document count
-        and the longest one would make the host wait for the device before every forward: on an H200
-        the device then idled ~7% of a Qwen 2.5 1.5B SFT step. Not under pipeline parallelism (its
-        schedule splits the batch into microbatches)."""
-        m = self.job.model
-        if (getattr(m, "attention", None) != "varlen" or getattr(m, "mask", "causal") != "block_causal"
-                or self.job.parallelism.pp > 1 or not isinstance(batch, dict)):
+        """What the batch's forward needs from its values, computed here, on the host, before the
+        batch goes to the device (``TextDataModule.on_before_batch_transfer`` calls this; a
+        LightningModule overriding that hook itself makes Lightning warn on every run that passes a
+        data module); computed on the device, reading them would make the host wait for the device
+        before every forward (on an H200 the device then idled ~7% of a Qwen 2.5 1.5B SFT step):
+
+        - with varlen attention over documents (``model.mask`` block_causal), the document offsets
+          (``cu_seqlens``) and the longest document (``max_seqlen``);
+        - where a share of the tokens carries no label (fine-tuning's prompts, a preference pair's
+          prompt: ``label_rows``), the rows that do: the head and the loss run on those alone,
+          saving the head's matmuls and the cross entropy of the rest (the same loss and gradients;
+          not under tensor or context parallelism, whose head sees other rows).
+
+        Not under pipeline parallelism (its schedule splits the batch into microbatches)."""
+        p = self.job.parallelism
+        if p.pp > 1 or not isinstance(batch, dict):
             return batch
-        positions = batch.get("position_ids")
-        if positions is None or positions.device.type != "cpu" or positions.dim() != 2:
-            return batch
-        cu_seqlens, longest = varlen_offsets(positions, *positions.shape, positions.device)
-        return {**batch, "cu_seqlens": cu_seqlens, "max_seqlen": longest}
+        m, positions, labels = self.job.model, batch.get("position_ids"), batch.get("labels")
+        extra = {}
+        if (getattr(m, "attention", None) == "varlen" and getattr(m, "mask", "causal") == "block_causal"
+                and positions is not None and positions.device.type == "cpu" and positions.dim() == 2):
+            extra["cu_seqlens"], extra["max_seqlen"] = varlen_offsets(positions, *positions.shape, positions.device)
+        if (p.tp == 1 and p.cp == 1 and self.decoder_class is not None and labels is not None
+                and labels.device.type == "cpu"):
+            rows = (labels.flatten() != IGNORE_INDEX).nonzero().flatten()
+            if 0 < rows.numel() <= LABEL_ROWS_SHARE * labels.numel():
+                extra[LABEL_ROWS] = rows
+        return {**batch, **extra} if extra else batch
 
     def _autocast(self, device_type: str):
         """bf16 autocast over fp32 parameters; FSDP casts parameters itself (MixedPrecisionPolicy)."""
@@ -326,19 +344,34 @@ class CausalLMModule(L.LightningModule):
             self._modules["model"] = self._frozen
         try:
             with torch.no_grad(), off:
-                return local(self.token_loss(self._batch_input(batch), batch["labels"], "none"))
+                return local(self.objective.batch_loss(self._batch_input(batch), batch, "none"))
         finally:
             self._modules["model"] = model
 
-    def token_loss(self, output: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    def token_loss(self, output: torch.Tensor, labels: torch.Tensor, reduction: str = "mean",
+                   rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The cross entropy of what ``loss_input`` returned against ``labels``, over the labelled
         tokens: their mean, their sum, or ("none") each token's, shaped as ``labels``. On the logits,
         compiled when ``compile.enable`` and "loss" in ``compile.components``; with
         ``training.loss_chunks``, the head's own chunked loss on the hidden states (eager: it holds
-        no full logits to fuse away)."""
+        no full logits to fuse away). ``rows``: the batch's labelled rows (its ``label_rows``), the
+        only ones the model computed logits for (or, with ``loss_chunks``, the head computes)."""
         if reduction not in self._token_losses:
             self._token_losses[reduction] = self._build_loss_fn(reduction)
-        return self._token_losses[reduction](output, labels)
+        if rows is None:
+            return self._token_losses[reduction](output, labels)
+        chosen = labels.flatten().index_select(0, rows)
+        if self.job.training.loss_chunks is None:  # (the model computed these rows' logits alone)
+            losses = self._token_losses[reduction](output, chosen)
+        else:  # the head's chunks of the batch's chunk size, the last filled with unlabelled rows: the
+            size = -(-labels.numel() // self.job.training.loss_chunks)  # chunk kernels see no new shape
+            pad = -rows.numel() % size
+            h = output.flatten(0, -2).index_select(0, torch.cat([rows, rows.new_zeros(pad)]) if pad else rows)
+            chosen = torch.cat([chosen, chosen.new_full((pad,), IGNORE_INDEX)]) if pad else chosen
+            losses = self._head_loss(h, chosen, reduction, chunks=h.shape[0] // size)
+        if reduction != "none":
+            return losses
+        return losses.new_zeros(labels.numel()).index_copy(0, rows, losses[:rows.numel()]).view(labels.shape)
 
     @property
     def loss_fn(self):
@@ -354,12 +387,14 @@ class CausalLMModule(L.LightningModule):
             return compile_loss(plain, backend=c.backend)
         return plain
 
-    def _head_loss(self, h: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        """The head and the cross entropy over ``training.loss_chunks`` chunks of the tokens, in the
-        forward's precision; one call of the head, standalone after the model's forward (FSDP2
-        completes the head's unit then; under PP this runs in the last stage's loss)."""
+    def _head_loss(self, h: torch.Tensor, labels: torch.Tensor, reduction: str = "mean",
+                   chunks: Optional[int] = None) -> torch.Tensor:
+        """The head and the cross entropy over ``training.loss_chunks`` chunks of the tokens (or
+        ``chunks``), in the forward's precision; one call of the head, standalone after the model's
+        forward (FSDP2 completes the head's unit then; under PP this runs in the last stage's loss)."""
+        chunks = chunks or self.job.training.loss_chunks
         with self._autocast(h.device.type):
-            return self.model.output(h, labels=labels, chunks=self.job.training.loss_chunks, reduction=reduction)
+            return self.model.output(h, labels=labels, chunks=chunks, reduction=reduction)
 
     # -- steps ---------------------------------------------------------------------------
     #

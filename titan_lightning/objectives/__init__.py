@@ -21,9 +21,11 @@ A step, on every layout:
 
 ``output`` is what the module's ``loss_input`` returned for the batch: logits, or with
 ``training.loss_chunks`` the final norm's hidden states. An objective reaches the cross entropy
-only through ``token_loss(output, labels, reduction)`` (mean, sum, or "none": each token's, 0 where
-unlabelled), which the module gives it: the compiled loss, or the head's chunked one, full logits
-never held. ``CausalLMModule.build_objective`` picks the objective of a job.
+only through ``token_loss(output, labels, reduction[, rows])`` (mean, sum, or "none": each token's, 0
+where unlabelled), which the module gives it: the compiled loss, or the head's chunked one, full logits
+never held; ``Objective.batch_loss(output, batch, reduction)`` calls it with the batch's labels (and
+its ``label_rows``, when the host found them: the output then holds those rows alone).
+``CausalLMModule.build_objective`` picks the objective of a job.
 """
 
 from titan_lightning.objectives.base import Objective, Record, StepEnd, TokenLoss

@@ -37,6 +37,12 @@ class Objective:
         self.token_loss = token_loss
         self._losses: list[torch.Tensor] = []
 
+    def batch_loss(self, output: torch.Tensor, batch: dict[str, torch.Tensor], reduction: str) -> torch.Tensor:
+        """``token_loss`` of ``output`` against the batch's labels; over the labelled rows alone when
+        the host found them (``label_rows``: the model computed logits for those alone)."""
+        rows = batch.get("label_rows")
+        return self.token_loss(output, batch["labels"], reduction, *(() if rows is None else (rows,)))
+
     def loss(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[Record]]:
         """This microbatch's loss, which backward runs on, and what to log."""
         raise NotImplementedError
@@ -55,9 +61,8 @@ class Objective:
         """(the mean cross entropy over the batch's labelled tokens, their number): the validation
         metric weighs each batch by its tokens, so it is the mean over every held-out token (a
         filler batch, all labels ignored, adds nothing)."""
-        labels = batch["labels"]
-        loss_sum = local(self.token_loss(output, labels, "sum"))
-        tokens = (labels != IGNORE_INDEX).sum()
+        loss_sum = local(self.batch_loss(output, batch, "sum"))
+        tokens = (batch["labels"] != IGNORE_INDEX).sum()
         return loss_sum / tokens.clamp(min=1), tokens
 
 

@@ -15,7 +15,7 @@ class MicrobatchTokenMean(Objective):
     of its microbatches' (gradient accumulation and the data-parallel reduction average them)."""
 
     def loss(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[Record]]:
-        loss = self.token_loss(output, batch["labels"], "mean")
+        loss = self.batch_loss(output, batch, "mean")
         value = local(loss).detach()
         # Checked for finiteness with the grad norm, one step later (the module's clipping): a
         # check here would synchronize with the device between forward and backward on every step.
@@ -36,9 +36,8 @@ class StepTokenMean(Objective):
         self._sums: list[torch.Tensor] = []
 
     def loss(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[Record]]:
-        labels = batch["labels"]
-        loss = self.token_loss(output, labels, "sum")
-        supervised = (labels != IGNORE_INDEX).sum()
+        loss = self.batch_loss(output, batch, "sum")
+        supervised = (batch["labels"] != IGNORE_INDEX).sum()
         self._sums.append(torch.stack([supervised.double(), local(loss).detach().double()]))
         return loss, []
 

@@ -181,7 +181,7 @@ class PairMean(Objective):
         self._collect: Optional[torch.Tensor] = None  # precompute_reference's sums [documents] fp64
 
     def _sums_of(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        token_losses = local(self.token_loss(output, batch["labels"], "none"))
+        token_losses = local(self.batch_loss(output, batch, "none"))
         reference = self.reference
         if self.config.needs_reference and self.reference_losses is not None:
             with torch.no_grad():
@@ -214,7 +214,7 @@ class PairMean(Objective):
         During ``precompute_reference``'s pass: each document's log-probability (this rank's part)
         added to its sums instead, weight 0."""
         if self._collect is not None:
-            _add_to_documents(self._collect, local(self.token_loss(output, batch["labels"], "none")), batch)
+            _add_to_documents(self._collect, local(self.batch_loss(output, batch, "none")), batch)
             zero = torch.zeros((), device=self._collect.device)
             return zero, zero
         _, sums = self._sums_of(output, batch)

@@ -210,14 +210,17 @@ class Decoder(nn.Module):
         return matmul, args.n_layers * args.n_heads * 2 * head_dim
 
     def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None, *,
-                varlen_offsets: Optional[tuple[torch.Tensor, int]] = None) -> torch.Tensor:
+                varlen_offsets: Optional[tuple[torch.Tensor, int]] = None,
+                label_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, vocab_size], in the dtype of the parameters; with
         ``head_in_loss``, the final norm's hidden states [B, S, dim] instead (the loss then calls
         ``output(h, labels=...)``). ``position_ids`` [B, S] (each token's position in its document)
         serve ``args.mask`` / ``args.positions`` (models/common/masking.py); the defaults do not read
         them. A pipeline stage before the last (no ``output``) then hands them on with its hidden
         states. ``varlen_offsets``: varlen attention's (cu_seqlens, longest document) of the batch,
-        when the caller computed them (on the host: no wait for the device)."""
+        when the caller computed them (on the host: no wait for the device). ``label_rows``: the
+        logits of those token rows alone, [len(label_rows), vocab_size] (the head's matmul skips
+        the rest: the tokens the loss does not read)."""
         documents = documents_for(self.args, position_ids, tokens, offsets=varlen_offsets)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
@@ -225,7 +228,9 @@ class Decoder(nn.Module):
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:  # (flex/varlen without boundaries build Documents too: nothing to hand on)
             return h if position_ids is None or documents is None else (h, position_ids)
-        return h if self.head_in_loss else self.output(h)
+        if self.head_in_loss:
+            return h
+        return self.output(h if label_rows is None else h.flatten(0, -2).index_select(0, label_rows))
 
     def init_weights(self, seed: int) -> None:
         """Draw every parameter from (seed, its name), as in torchtitan; zero the MoE buffers;
