@@ -266,12 +266,19 @@ class CausalLMModule(L.LightningModule):
         6 x the parameters a token computes with (embedding lookups excluded, routed experts
         counted top_k times) + 6 x layers x heads x (query-key + value head dims) x seq_len for
         the attention scores (causal masking not discounted; a sliding layer counts min(window,
-        seq_len) keys per query, not seq_len). Families implement ``_flop_terms``."""
+        seq_len) keys per query, not seq_len). Families implement ``_flop_terms``. With LoRA the
+        frozen base computes no weight gradients: 4 x its parameters (the forward and the
+        activations' gradient), 6 x the adapters' (all of them: an MoE's per-expert adapters
+        counted whole, a bound)."""
         matmul_params, attention_per_position = self._flop_terms()
         args = self.job.model
         windows = [args.attention_window(i) for i in range(args.n_layers)]
         span = sum(seq_len if w is None else min(w, seq_len) for w in windows) / max(len(windows), 1)
-        return 6.0 * matmul_params + 6.0 * attention_per_position * span
+        weights = 6.0 * matmul_params
+        if self.job.lora.enabled and self.model is not None:
+            adapters = sum(p.numel() for name, p in self.model.named_parameters() if ".lora_" in name)
+            weights = 4.0 * matmul_params + 6.0 * adapters
+        return weights + 6.0 * attention_per_position * span
 
     def _flop_terms(self) -> tuple[int, int]:
         """(parameters a token multiplies with, layers x heads x (d_qk + d_v))."""

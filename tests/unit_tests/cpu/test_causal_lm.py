@@ -219,6 +219,25 @@ def test_flops_per_token_is_six_n_plus_attention_by_hand():
     assert ds._flop_terms()[1] == d.n_layers * d.n_heads * (d.qk_nope_head_dim + d.qk_rope_head_dim + d.v_head_dim)
 
 
+def test_lora_counts_four_flops_per_frozen_weight_and_six_per_adapter_weight():
+    """No weight gradient for a frozen base: its forward and the activations' gradient; the adapters
+    (r x (in + out) on each of the 7 linears of a block) take all three matmuls."""
+    from recipes import llama3
+    from titan_lightning.config.lora import LoRAConfig
+
+    full = llama3.llama3_8b().module
+    run = llama3.llama3_8b()
+    run.job.lora = LoRAConfig(rank=16, alpha=32.0)
+    lora = run.module
+    with torch.device("meta"):
+        lora.model = lora.build_model()
+    n = 8_030_261_248 - 128_256 * 4096
+    block = 16 * ((4096 + 4096) * 2 + (4096 + 1024) * 2 + (4096 + 14336) * 2 + (14336 + 4096))
+    attention = 12 * 32 * 32 * 128 * 8192
+    assert full.flops_per_token(8192) == 6 * n + attention
+    assert lora.flops_per_token(8192) == 4 * n + 6 * 32 * block + attention
+
+
 def test_mfu_and_peak_lookup():
     from titan_lightning.callbacks.metrics import PEAK_FLOPS, mfu, peak_flops
 
