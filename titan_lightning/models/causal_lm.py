@@ -275,8 +275,12 @@ class CausalLMModule(L.LightningModule):
         windows = [args.attention_window(i) for i in range(args.n_layers)]
         span = sum(seq_len if w is None else min(w, seq_len) for w in windows) / max(len(windows), 1)
         weights = 6.0 * matmul_params
-        if self.job.lora.enabled and self.model is not None:
-            adapters = sum(p.numel() for name, p in self.model.named_parameters() if ".lora_" in name)
+        if self.job.lora.enabled:
+            model = self.model
+            if model is None:  # (not built: a contender's row in a benchmark counts the same)
+                with torch.device("meta"):
+                    model = self.build_model()
+            adapters = sum(p.numel() for name, p in model.named_parameters() if ".lora_" in name)
             weights = 4.0 * matmul_params + 6.0 * adapters
         return weights + 6.0 * attention_per_position * span
 
