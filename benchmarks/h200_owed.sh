@@ -7,7 +7,8 @@
 #   bash benchmarks/h200_owed.sh 1   # #44: the SFT step's synchronizations, SFT vs pretraining; 8B-shaped default vs tuned
 #   bash benchmarks/h200_owed.sh 2   # #48: LoRA 8B (bf16 and float8 bases) profiled next to PEFT, QLoRA 8B
 #   bash benchmarks/h200_owed.sh 6   # #48: PEFT with gradient checkpointing (the reference row)
-#   bash benchmarks/h200_owed.sh 3   # #49: DPO per reference mode next to SFT (same folder, same run)
+#   bash benchmarks/h200_owed.sh 3   # #44: SFT (head on the labelled rows) vs pretraining, quiet and event-timed;
+#                                    # #49: DPO per reference mode next to SFT (same folder, same run)
 #   bash benchmarks/h200_owed.sh 5   # the GPU tests of LoRA / DPO / device defaults
 #   bash benchmarks/h200_owed.sh 4   # #48: QLoRA of the 70B shape (estimated peak 50.2 GiB)
 set -u
