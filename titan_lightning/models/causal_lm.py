@@ -236,7 +236,8 @@ class CausalLMModule(L.LightningModule):
         - where a share of the tokens carries no label (fine-tuning's prompts, a preference pair's
           prompt: ``label_rows``), the rows that do: the head and the loss run on those alone,
           saving the head's matmuls and the cross entropy of the rest (the same loss and gradients;
-          not under tensor or context parallelism, whose head sees other rows).
+          not under tensor or context parallelism, whose head sees other rows, nor for an objective
+          of one's own that calls ``token_loss`` with whole labels: ``Objective.label_rows``).
 
         Not under pipeline parallelism (its schedule splits the batch into microbatches)."""
         p = self.job.parallelism
@@ -248,7 +249,7 @@ class CausalLMModule(L.LightningModule):
                 and positions is not None and positions.device.type == "cpu" and positions.dim() == 2):
             extra["cu_seqlens"], extra["max_seqlen"] = varlen_offsets(positions, *positions.shape, positions.device)
         if (p.tp == 1 and p.cp == 1 and self.decoder_class is not None and labels is not None
-                and labels.device.type == "cpu"):
+                and labels.device.type == "cpu" and self.objective.label_rows):
             rows = (labels.flatten() != IGNORE_INDEX).nonzero().flatten()
             if 0 < rows.numel() <= LABEL_ROWS_SHARE * labels.numel():
                 extra[LABEL_ROWS] = rows

@@ -1,7 +1,7 @@
 """The seam every objective fills: a microbatch's loss, the step's end, the evaluation loss."""
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -32,6 +32,17 @@ class Objective:
     """What a training step optimizes, given the model's output and the batch (the package
     docstring: the calls of a step). A subclass writes ``loss``; ``end_step`` by default hands
     back the microbatch losses that ``loss`` kept with ``keep``."""
+
+    # Whether the model may compute the logits of a batch's labelled rows alone (the host's
+    # ``label_rows``): this objective reaches the cross entropy through ``batch_loss``. A subclass
+    # that overrides ``loss`` or ``eval_loss`` is taken to call ``token_loss`` with whole labels,
+    # unless it sets this itself.
+    label_rows: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "label_rows" not in cls.__dict__ and {"loss", "eval_loss"} & set(cls.__dict__):
+            cls.label_rows = False
 
     def __init__(self, token_loss: TokenLoss) -> None:
         self.token_loss = token_loss

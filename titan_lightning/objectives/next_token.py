@@ -14,6 +14,8 @@ class MicrobatchTokenMean(Objective):
     """The mean cross entropy over each microbatch's labelled tokens; the step's loss is the mean
     of its microbatches' (gradient accumulation and the data-parallel reduction average them)."""
 
+    label_rows = True
+
     def loss(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[Record]]:
         loss = self.batch_loss(output, batch, "mean")
         value = local(loss).detach()
@@ -29,6 +31,8 @@ class StepTokenMean(Objective):
     microbatches hold different numbers of supervised tokens, a mean per microbatch or per rank
     would weigh them wrongly. Each microbatch's loss is its sum; ``end_step`` rescales the step's
     gradients once every microbatch ran."""
+
+    label_rows = True
 
     def __init__(self, token_loss) -> None:
         super().__init__(token_loss)

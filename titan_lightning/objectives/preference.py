@@ -167,6 +167,8 @@ class PairMean(Objective):
     counts a ``cp``-th of the pairs, their loss and metrics (K counts each rank's microbatch losses,
     which the gradient reduction averages over ``cp`` too)."""
 
+    label_rows = True
+
     def __init__(self, token_loss: TokenLoss, config: PreferenceConfig, mesh: Any = None) -> None:
         super().__init__(token_loss)
         self.config = config

@@ -122,3 +122,30 @@ def test_a_fine_tuning_run_through_the_data_module_trains_as_on_the_full_rows(tm
     assert len(full) == len(chosen) == 3
     for (loss, norm), (loss_rows, norm_rows) in zip(full, chosen):
         assert loss_rows == pytest.approx(loss, rel=1e-6) and norm_rows == pytest.approx(norm, rel=1e-6)
+
+
+def test_an_objective_of_ones_own_gets_whole_batches_unless_it_says_it_reads_label_rows():
+    """An objective that overrides ``loss`` calls ``token_loss`` with the batch's labels itself (the
+    documented way before ``batch_loss``): its batches keep every row, unless it sets ``label_rows``."""
+    from titan_lightning.objectives import StepTokenMean
+
+    class OwnLoss(StepTokenMean):
+        def loss(self, output, batch):
+            return self.token_loss(output, batch["labels"], "sum"), []
+
+    class SaysSo(OwnLoss):
+        label_rows = True
+
+    class OnlyEndStep(StepTokenMean):  # (the loss is still StepTokenMean's)
+        def end_step(self, grads, device, mesh):
+            return super().end_step(grads, device, mesh)
+
+    assert (OwnLoss.label_rows, SaysSo.label_rows, OnlyEndStep.label_rows) == (False, True, True)
+    module = _module()
+    batch = _batch(module)
+    module._objective = OwnLoss(module.token_loss)
+    assert "label_rows" not in module.prepare_batch_on_host(batch)
+    loss, _ = module.objective.loss(module._batch_input(module.prepare_batch_on_host(batch)), batch)
+    assert torch.isfinite(loss)
+    module._objective = SaysSo(module.token_loss)
+    assert "label_rows" in module.prepare_batch_on_host(batch)
