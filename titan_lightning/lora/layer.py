@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_lightning.parallel.float8 import frozen_float8_linear
 from titan_lightning.parallel.nf4 import holds_nf4, is_nf4, nf4_shard
 
 ADAPTER_NAMES = ("lora_a", "lora_b")
@@ -63,8 +64,6 @@ class LoRALinear(nn.Linear):
             base = linear_nf4(x, self.weight)
             base = base if self.bias is None else base + self.bias
         elif self.float8 is not None:  # (its backward to x alone too)
-            from titan_lightning.parallel.float8 import frozen_float8_linear
-
             base = frozen_float8_linear(x, self.weight, self.float8)
             base = base if self.bias is None else base + self.bias.to(base.dtype)
         else:
