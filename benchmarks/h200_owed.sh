@@ -52,8 +52,9 @@ case "${1:-}" in
     --reference 'titan (qwen2_5_1_5b_dpo_frozen)' --workload qwen2_5_1_5b_dpo_frozen,qwen2_5_1_5b_dpo_lora
   ;;
 5)
-  for f in test_lora_gpu test_preference_gpu test_device_defaults_gpu; do
-    timeout -k 5 "$(( $(left 580) < 120 ? $(left 580) : 120 ))" python3 -m pytest -q -p no:cacheprovider -m gpu -s \
+  for f in test_lora_gpu:150 test_preference_gpu:120 test_device_defaults_gpu:280; do
+    s=${f#*:}; f=${f%:*}
+    timeout -k 5 "$(( $(left 580) < s ? $(left 580) : s ))" python3 -m pytest -q -p no:cacheprovider -m gpu -s \
       "tests/unit_tests/gpu/$f.py" > "/tmp/$f.log" 2>&1
     echo "== $f (rc $?, $(( $(date +%s) - T0 )) s)"; grep -E "passed|failed|error|tokens/s|Error" "/tmp/$f.log" | tail -8
   done

@@ -104,8 +104,8 @@ def test_the_estimates_before_the_run_cost_it_no_throughput(inputs, tmp_path):
 @needs_gpu
 def test_the_head_on_the_labelled_rows_trains_as_on_every_row_and_faster(inputs, tmp_path, monkeypatch):
     """The README's command with the head on the labelled rows (the default) and on every row
-    (``LABEL_ROWS_SHARE`` 0): the same loss curve (bf16: within 1%), each step's logits compiled for
-    at most two shapes (automatic dynamic: one recompile), and the tokens/s of each printed."""
+    (``LABEL_ROWS_SHARE`` 0): the same loss curve (bf16: within 1%), and the tokens/s of each printed
+    (the compiled loss sees a new number of rows each step: automatic dynamic shapes, one recompile)."""
     import titan_lightning.models.causal_lm as causal_lm
 
     share, curves = causal_lm.LABEL_ROWS_SHARE, {}
