@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 import lightning as L
 
 from titan_lightning.callbacks.progress import StepProgressBar  # noqa: F401 (re-exported: its home before)
-from titan_lightning.callbacks.weights import check_export, check_initial_weights, model_shapes
+from titan_lightning.callbacks.weights import LoadWeights, check_export, check_initial_weights, model_shapes
 from titan_lightning.checkpoint import check_model_shapes, resolve_resume, unfinished_checkpoints
 from titan_lightning.config import ConfigError, LRScheduleConfig, OptimizerConfig, TrainingConfig, validate_job
 from titan_lightning.config.job import CP_ATTENTIONS
@@ -171,6 +171,9 @@ def check_inputs(command: str, run: Run, trainer: L.Trainer) -> None:
     if command == "fit":
         check_export(run.module, job.checkpoint.export_format)
     run.ckpt_path = resume_path(run, trainer) if command == "fit" else None
+    fresh = getattr(run.module, "check_fresh_start", None)
+    if command == "fit" and run.ckpt_path is None and callable(fresh):  # (e.g. the adapters lora.init_from holds)
+        fresh()
     check = getattr(run.datamodule, "check_inputs", None)
     if callable(check):  # last: it reads and tokenizes the corpus (kept for setup); a run by epochs fills a step
         check(trainer if command == "fit" else None)
@@ -182,6 +185,9 @@ def execute(command: str, run: Run, trainer: L.Trainer) -> None:
     if not run.inputs_checked:
         check_inputs(command, run, trainer)
     kwargs: dict[str, Any] = {"ckpt_path": run.ckpt_path} if command == "fit" else {}
+    for callback in trainer.callbacks:  # (a resumed fit reads neither its starting weights nor its adapters')
+        if isinstance(callback, LoadWeights):
+            callback.resuming = command == "fit" and run.ckpt_path is not None
     getattr(trainer, command)(run.module, datamodule=run.datamodule, **kwargs)
 
 

@@ -117,10 +117,15 @@ class LoadWeights(L.Callback):
 
     def __init__(self, path: str, fmt: str = "dcp") -> None:
         self.path, self.fmt = Path(path), fmt
+        # Whether this fit resumes a checkpoint, as the recipe resolved it (``execute``): under
+        # ModelParallelStrategy-style strategies Lightning restores the checkpoint after on_fit_start,
+        # so ``trainer.ckpt_path`` is still None here (None: read it anyway).
+        self.resuming: Optional[bool] = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         adapters = has_adapters(pl_module.model)
-        if trainer.ckpt_path is not None and not adapters:
+        resuming = self.resuming if self.resuming is not None else trainer.ckpt_path is not None
+        if resuming and not adapters:
             return
         if not self.path.exists():
             raise CheckpointError(f"checkpoint.initial_load_path={str(self.path)!r} does not exist")
@@ -129,7 +134,7 @@ class LoadWeights(L.Callback):
             with base_only(pl_module.model) as base:
                 adapter.load_into(base, self.path, partial=_pipeline(trainer) is not None)
             lora = getattr(getattr(pl_module, "job", None), "lora", None)
-            if adapters and trainer.ckpt_path is None and getattr(lora, "init_from", None) is not None:
+            if adapters and not resuming and getattr(lora, "init_from", None) is not None:
                 load_peft_folder(pl_module.model, adapter, Path(lora.init_from), partial=_pipeline(trainer) is not None)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict

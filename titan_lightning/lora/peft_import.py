@@ -229,13 +229,14 @@ def load_peft_tensors(model: nn.Module, state: dict[str, torch.Tensor], source: 
 
 
 def check_init_from(lora: LoRAConfig, model: nn.Module, adapter: Any) -> None:
-    """Before launch: ``lora.init_from`` is a PEFT folder whose adapters are the job's (rank, alpha,
-    targets: one line with the options that make them so) and whose every tensor has its place in
-    ``model`` (ours, without adapters, on the meta device)."""
+    """Before the launch of a fresh run (a resumed one never reads the folder): ``lora.init_from`` is
+    a PEFT folder whose adapters are the job's (rank, alpha, targets: one line with the options that
+    make them so) and whose every tensor has its place in ``model`` (ours, without adapters, on the
+    meta device)."""
     folder = Path(lora.init_from)
     if not is_peft_folder(folder):
         raise ConfigError(f"lora.init_from={lora.init_from!r} holds no {ADAPTER_CONFIG}; valid: a PEFT adapter folder "
-                          f"(a resumed run takes its checkpoint's adapters: --job.lora.init_from null)")
+                          f"({ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
     theirs = lora_config(read_adapter_config(folder), model, adapter, folder)
     targets = [set(lora_targets(model, adapter, c).values()) for c in (lora, theirs)]
     if (lora.rank != theirs.rank or not math.isclose(lora.alpha, theirs.alpha) or targets[0] != targets[1]

@@ -9,7 +9,6 @@ from titan_lightning.config import ConfigError
 from titan_lightning.config.quantize import INSTALL
 from titan_lightning.lora.layer import NF4_BLOCK, nf4_scaler_block
 from titan_lightning.lora.parallel import check_lora_layout
-from titan_lightning.lora.peft_import import check_init_from
 from titan_lightning.lora.targets import lora_targets
 from titan_lightning.parallel.nf4 import uneven_split
 
@@ -36,8 +35,6 @@ def check_lora_job(job: Any, model: nn.Module, adapter: Optional[Any]) -> None:
         targets = lora_targets(model, adapter, lora)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if lora.init_from is not None:  # (the adapters a PEFT folder holds: the job's, every tensor in place)
-        check_init_from(lora, model, adapter)
     if lora.quantize_base is not None and job.parallelism.dp_shard > 1:
         check_nf4_shards(model, list(targets), job.parallelism.dp_shard)
 

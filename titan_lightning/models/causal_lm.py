@@ -17,6 +17,7 @@ from titan_lightning._compat import unset_fake_temporarily
 from titan_lightning.config import ConfigError, JobConfig
 from titan_lightning.lora import (adapters_off, add_job_adapters, check_lora_job, quantize_base_nf4,
                                   store_frozen_in)
+from titan_lightning.lora.peft_import import check_init_from
 from titan_lightning.models.common.decoder import Decoder, decoder_class
 from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.models.common.masking import varlen_offsets
@@ -121,6 +122,16 @@ class CausalLMModule(L.LightningModule):
         if job.lora.enabled and decoder is not None:
             with torch.device("meta"):
                 check_lora_job(job, decoder(job.model), cls.hf_adapter(job.model) if cls.hf_adapter else None)
+
+    def check_fresh_start(self) -> None:
+        """Before a fit that starts from step 0 (a resumed one takes its checkpoint's adapters and
+        never reads ``lora.init_from``): the PEFT folder's adapters are the job's (rank, alpha,
+        targets; one line with the options that fit) and every tensor of it has its place."""
+        lora = self.job.lora
+        if not lora.enabled or lora.init_from is None or self.decoder_class is None:
+            return
+        with torch.device("meta"):
+            check_init_from(lora, self.decoder_class(self.job.model), self.state_dict_adapter())
 
     def build_model(self) -> torch.nn.Module:
         if self.decoder_class is None:

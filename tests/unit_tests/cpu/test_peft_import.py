@@ -241,3 +241,31 @@ def test_a_run_starts_its_adapters_from_a_peft_folder(tmp_path, monkeypatch, cap
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=tokens).logits, theirs(input_ids=tokens).logits,
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_a_resumed_run_never_reads_the_folder_its_adapters_started_from(tmp_path, monkeypatch, capsys):
+    """The folder ``lora.init_from`` named may be gone when the run resumes (another machine, a cleaned
+    scratch disk): the checkpoint holds the adapters. A fresh run without it is refused before launch."""
+    from tests.hf_folders import folder_and_conversations
+
+    folder, data = folder_and_conversations(tmp_path, "qwen3")
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    peft_folder_on(base, tmp_path / "adapter", target_modules=["q_proj", "v_proj"])
+    run = ["fit", "--recipe", "recipes.hf:lora", "--job.checkpoint.initial_load_path", str(folder),
+           "--job.data.dataset_path", str(data), "--trainer.accelerator", "cpu", "--trainer.max_steps", "1",
+           "--trainer.enable_progress_bar", "false", "--job.data.val_fraction", "0", "--job.checkpoint.interval", "1",
+           "--job.training.tokens_per_step", "128", "--job.training.tokens_per_microbatch_per_dp_rank", "128",
+           "--job.lora.init_from", str(tmp_path / "adapter"), "--job.lora.rank", "4", "--job.lora.alpha", "8",
+           "--job.lora.target_modules", "q_proj,v_proj"]
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "run"))
+    assert cli.main(run) == 0
+    (checkpoint,) = (tmp_path / "run" / "checkpoints").glob("*step=1*")
+    shutil.rmtree(tmp_path / "adapter")
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "resumed"))
+    assert cli.main([*run, "--trainer.max_steps", "2", "--job.checkpoint.resume_from", str(checkpoint)]) == 0
+    capsys.readouterr()
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "fresh"))
+    assert cli.main(run) == 2
+    err = capsys.readouterr().err
+    assert f"lora.init_from={str(tmp_path / 'adapter')!r} holds no adapter_config.json" in err, err
+    assert len(err.strip().splitlines()) == 1, err
