@@ -185,7 +185,7 @@ def execute(command: str, run: Run, trainer: L.Trainer) -> None:
     if not run.inputs_checked:
         check_inputs(command, run, trainer)
     kwargs: dict[str, Any] = {"ckpt_path": run.ckpt_path} if command == "fit" else {}
-    for callback in trainer.callbacks:  # (a resumed fit reads neither its starting weights nor its adapters')
+    for callback in trainer.callbacks:  # (a resumed fit never reads the adapters it started from)
         if isinstance(callback, LoadWeights):
             callback.resuming = command == "fit" and run.ckpt_path is not None
     getattr(trainer, command)(run.module, datamodule=run.datamodule, **kwargs)

@@ -119,13 +119,15 @@ class LoadWeights(L.Callback):
         self.path, self.fmt = Path(path), fmt
         # Whether this fit resumes a checkpoint, as the recipe resolved it (``execute``): under
         # ModelParallelStrategy-style strategies Lightning restores the checkpoint after on_fit_start,
-        # so ``trainer.ckpt_path`` is still None here (None: read it anyway).
+        # so ``trainer.ckpt_path`` is still None here (None: read it anyway). A resumed LoRA run then
+        # never reads ``lora.init_from`` (its checkpoint holds the adapters). The starting weights are
+        # still loaded first (the checkpoint replaces them; a preference run's frozen or precomputed
+        # reference is made of them before the restore).
         self.resuming: Optional[bool] = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         adapters = has_adapters(pl_module.model)
-        resuming = self.resuming if self.resuming is not None else trainer.ckpt_path is not None
-        if resuming and not adapters:
+        if trainer.ckpt_path is not None and not adapters:
             return
         if not self.path.exists():
             raise CheckpointError(f"checkpoint.initial_load_path={str(self.path)!r} does not exist")
@@ -134,6 +136,7 @@ class LoadWeights(L.Callback):
             with base_only(pl_module.model) as base:
                 adapter.load_into(base, self.path, partial=_pipeline(trainer) is not None)
             lora = getattr(getattr(pl_module, "job", None), "lora", None)
+            resuming = self.resuming if self.resuming is not None else trainer.ckpt_path is not None
             if adapters and not resuming and getattr(lora, "init_from", None) is not None:
                 load_peft_folder(pl_module.model, adapter, Path(lora.init_from), partial=_pipeline(trainer) is not None)
             return

@@ -417,22 +417,3 @@ def test_an_injected_full_disk_fails_the_named_save_in_one_line_and_leaves_no_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step1.ckpt"] and verify(tmp_path / "step1.ckpt")
     with pytest.raises(ValueError, match="moment 'later' is not one of begin, files, written, enospc"):
         install_from_env({FAULT_ENV: "1:later"})
-
-
-def test_a_resumed_fit_reads_no_starting_weights(tmp_path):
-    """Lightning restores a ModelParallelStrategy-style checkpoint after ``on_fit_start`` (its
-    ``trainer.ckpt_path`` is still None there): the recipe tells ``LoadWeights`` the fit resumes, and
-    the starting weights (gone here) are not read; a fresh fit still names them."""
-    from types import SimpleNamespace
-
-    from torch import nn
-
-    from titan_lightning.callbacks.weights import LoadWeights
-
-    load = LoadWeights(str(tmp_path / "gone"), fmt="hf")
-    trainer, module = SimpleNamespace(ckpt_path=None), SimpleNamespace(model=nn.Linear(2, 2))
-    load.resuming = True
-    load.on_fit_start(trainer, module)
-    load.resuming = False
-    with pytest.raises(CheckpointError, match=r"checkpoint.initial_load_path='.*gone' does not exist"):
-        load.on_fit_start(trainer, module)
