@@ -24,7 +24,7 @@ from titan_lightning.models.common.masking import varlen_offsets
 from titan_lightning.models.common.moe import update_expert_bias
 from titan_lightning.models.reference_copy import sharded_copy
 from titan_lightning.objectives import MicrobatchTokenMean, Objective, Record, StepTokenMean
-from titan_lightning.objectives.base import local
+from titan_lightning.objectives.base import LABEL_ROWS, local
 from titan_lightning.objectives.preference import PairMean, precompute_reference, reference_cache
 from titan_lightning.optim import build_lr_scheduler, build_optimizer
 from titan_lightning.parallel.compile import compile_loss
@@ -63,7 +63,7 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 _PLAIN_LOSSES = {"mean": cross_entropy_loss, "sum": cross_entropy_sum, "none": token_cross_entropy}
 # A batch's labelled rows (``prepare_batch_on_host``), when they are at most this share of its tokens
 # (a pretraining batch, every token but each document's last labelled, keeps the plain path).
-LABEL_ROWS, LABEL_ROWS_SHARE = "label_rows", 0.9
+LABEL_ROWS_SHARE = 0.9
 
 
 class CausalLMModule(L.LightningModule):
@@ -94,6 +94,7 @@ class CausalLMModule(L.LightningModule):
         self._token_losses: dict[str, Any] = {}
         # The last clipped step's losses and norm, not yet read on the host (check_finite).
         self._unchecked: Optional[_Unchecked] = None
+        self._adapters: Optional[int] = None  # (the LoRA adapters' parameters, counted on first use)
 
     @property
     def loss_over_step_tokens(self) -> bool:
@@ -288,13 +289,17 @@ class CausalLMModule(L.LightningModule):
         span = sum(seq_len if w is None else min(w, seq_len) for w in windows) / max(len(windows), 1)
         weights = 6.0 * matmul_params
         if self.job.lora.enabled:
-            model = self.model
-            if model is None:  # (not built: a contender's row in a benchmark counts the same)
-                with torch.device("meta"):
-                    model = self.build_model()
-            adapters = sum(p.numel() for name, p in model.named_parameters() if ".lora_" in name)
-            weights = 4.0 * matmul_params + 6.0 * adapters
+            weights = 4.0 * matmul_params + 6.0 * self._adapter_parameters()
         return weights + 6.0 * attention_per_position * span
+
+    def _adapter_parameters(self) -> int:
+        """The whole model's adapter parameters (counted once, on a meta build: not a pipeline
+        stage's or a shard's, and the same for a benchmark's contender that never builds ours)."""
+        if self._adapters is None:
+            with torch.device("meta"):
+                model = self.build_model()
+            self._adapters = sum(p.numel() for name, p in model.named_parameters() if ".lora_" in name)
+        return self._adapters
 
     def _flop_terms(self) -> tuple[int, int]:
         """(parameters a token multiplies with, layers x heads x (d_qk + d_v))."""

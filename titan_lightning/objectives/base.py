@@ -13,6 +13,8 @@ from titan_lightning.models.common.loss import IGNORE_INDEX
 Record = tuple[str, Any, dict]
 # (what the model returned, labels, reduction: "mean" | "sum" | "none") -> the cross entropy.
 TokenLoss = Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]
+# A batch's key for its labelled rows, when the host found them (CausalLMModule.prepare_batch_on_host).
+LABEL_ROWS = "label_rows"
 
 
 @dataclass
@@ -51,7 +53,7 @@ class Objective:
     def batch_loss(self, output: torch.Tensor, batch: dict[str, torch.Tensor], reduction: str) -> torch.Tensor:
         """``token_loss`` of ``output`` against the batch's labels; over the labelled rows alone when
         the host found them (``label_rows``: the model computed logits for those alone)."""
-        rows = batch.get("label_rows")
+        rows = batch.get(LABEL_ROWS)
         return self.token_loss(output, batch["labels"], reduction, *(() if rows is None else (rows,)))
 
     def loss(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[Record]]:
