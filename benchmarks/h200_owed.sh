@@ -7,10 +7,16 @@
 #   bash benchmarks/h200_owed.sh 1   # #44: the SFT step's synchronizations, SFT vs pretraining; 8B-shaped default vs tuned
 #   bash benchmarks/h200_owed.sh 2   # #48: LoRA 8B (bf16 and float8 bases) profiled next to PEFT, QLoRA 8B
 #   bash benchmarks/h200_owed.sh 6   # #48: PEFT with gradient checkpointing (the issue's reference row)
-#   bash benchmarks/h200_owed.sh 3   # #44: SFT (head on the labelled rows) vs pretraining, quiet and event-timed;
-#                                    # #49: DPO per reference mode next to SFT (same folder, same run)
+#   bash benchmarks/h200_owed.sh 3   # #44: SFT (head on the labelled rows) vs pretraining, quiet and event-timed
+#   bash benchmarks/h200_owed.sh 7   # #49: DPO per reference mode (frozen, LoRA adapters off), same folder
 #   bash benchmarks/h200_owed.sh 5   # the GPU tests of LoRA / DPO / device defaults
 #   bash benchmarks/h200_owed.sh 4   # #48: QLoRA of the 70B shape (estimated peak 50.2 GiB)
+#
+# When machines are scarce (a start can fail and costs minutes), one machine runs the parts back to
+# back in the background and each device call only waits for the next part to end:
+#   bash benchmarks/h200_owed.sh chain 3 2 7 5 4   # returns at once; parts run in that order
+#   bash benchmarks/h200_owed.sh wait 3 580        # waits (<= 580 s) for part 3, prints it, files to $OUT
+# (the machine must stay held: the next call has to come within its idle time, or the chain is lost).
 set -u
 OUT=${OUT:-/tmp/h200}
 mkdir -p "$OUT"
@@ -48,6 +54,8 @@ case "${1:-}" in
   # #44: SFT against pretraining, neither logging in the measured steps nor waiting for the device
   BENCH_CLOCK=events bench sft_quiet "${QUIET_S:-200}" --rounds 1 --steps 6 --warmup 4 --contenders titan \
     --reference 'titan (qwen2_5_1_5b_pretrain)' --workload qwen2_5_1_5b_sft_tuned_quiet,qwen2_5_1_5b_pretrain
+  ;;
+7)
   BENCH_SYNC_AUDIT=$OUT bench dpo "$(left 480)" --rounds 1 --steps 5 --warmup 3 --timeout 110 --contenders titan \
     --reference 'titan (qwen2_5_1_5b_dpo_frozen)' --workload qwen2_5_1_5b_dpo_frozen,qwen2_5_1_5b_dpo_lora
   ;;
@@ -59,6 +67,22 @@ case "${1:-}" in
     echo "== $f (rc $?, $(( $(date +%s) - T0 )) s)"; grep -E "passed|failed|error|tokens/s|Error" "/tmp/$f.log" | tail -8
   done
   ;;
-*) echo "usage: bash benchmarks/h200_owed.sh 1|2|3|4|5|6" >&2; exit 2 ;;
+chain)
+  shift
+  mkdir -p /tmp/h200chain
+  setsid nohup bash -c 'for p in "$@"; do OUT=/tmp/h200chain/$p bash benchmarks/h200_owed.sh "$p" \
+    > "/tmp/h200chain/$p.out" 2>&1; touch "/tmp/h200chain/$p.done"; done' _ "$@" > /dev/null 2>&1 < /dev/null &
+  echo "== chain of parts $* started"
+  exit 0
+  ;;
+wait)
+  part=$2 limit=${3:-580}
+  while [ ! -e "/tmp/h200chain/$part.done" ] && [ "$(left "$limit")" -gt 0 ]; do sleep 5; done
+  [ -e "/tmp/h200chain/$part.done" ] || echo "== part $part still running after $limit s"
+  cat "/tmp/h200chain/$part.out" 2>/dev/null
+  cp /tmp/h200chain/"$part"/* "$OUT"/ 2>/dev/null
+  exit 0
+  ;;
+*) echo "usage: bash benchmarks/h200_owed.sh 1|2|3|4|5|6|7, or chain PART..., or wait PART [SECONDS]" >&2; exit 2 ;;
 esac
 echo "== done in $(( $(date +%s) - T0 )) s"
