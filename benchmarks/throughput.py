@@ -321,9 +321,7 @@ for _shape, _layers in (("qwen2_5_1_5b", None), ("llama3_8b", 16), ("tiny", None
     WORKLOADS[f"{_name}_dpo"] = _dpo  # reference log-probabilities precomputed before the first step
     WORKLOADS[f"{_name}_dpo_frozen"] = dataclasses.replace(
         _dpo, overrides=_dpo.overrides + ("--job.preference.reference", "frozen"))
-    WORKLOADS[f"{_name}_dpo_lora"] = dataclasses.replace(
-        _dpo, overrides=_dpo.overrides + ("--job.lora.rank", "16", "--job.lora.alpha", "32",
-                                          "--job.preference.reference", "adapters_off"))
+    WORKLOADS[f"{_name}_dpo_lora"] = dataclasses.replace(_dpo, recipe="recipes.hf:dpo_lora")  # adapters_off
 
 # The float8 path of the harness on CPU (torchao's emulation): titan and bare must agree.
 WORKLOADS["overhead_float8"] = dataclasses.replace(

@@ -8,10 +8,10 @@ tokenizer, and exports a folder ``from_pretrained`` loads (runs/hf_pretrained/<t
     titan-lightning prepare --chat --input chats.jsonl --tokenizer DIR --output data/sft
     titan-lightning fit --recipe recipes.hf:sft --job.checkpoint.initial_load_path DIR --job.data.dataset_path data/sft
 
-fine-tunes it on chat or instruction data (README "Fine-tuning"); ``recipes.hf:dpo`` on preference
-pairs (``prepare --preference``; README "Preference training"). On a GPU both choose their
-precision, compilation, attention kernel and sizes for the device (titan_lightning/device_defaults.py);
-any field given explicitly is kept.
+fine-tunes it on chat or instruction data (README "Fine-tuning"); ``recipes.hf:lora`` / ``qlora`` with
+adapters (README "LoRA"); ``recipes.hf:dpo`` / ``dpo_lora`` on preference pairs (``prepare --preference``;
+README "Preference training"). On a GPU each chooses its precision, compilation, attention kernel
+and sizes for the device (titan_lightning/device_defaults.py); any field given explicitly is kept.
 """
 
 import json
@@ -115,6 +115,19 @@ def dpo(initial_load_path: str, dataset_path: str) -> Run:
     run.job.optimizer.lr = 5e-7
     run.job.lr_schedule.warmup_ratio = 0.1
     run.trainer = {"max_epochs": 1}
+    return run
+
+
+def dpo_lora(initial_load_path: str, dataset_path: str) -> Run:
+    """``dpo`` with ``lora``'s adapters (rank 16, alpha 32, every linear but the head), the reference
+    being the base with its adapters switched off, as TRL's DPOTrainer does with a ``peft_config`` and no
+    ``ref_model``: one model, no precomputed pass, nothing kept next to the shards; lr 5e-6 (the
+    alignment handbook's QLoRA DPO of Zephyr). Checkpoints and exports as ``lora`` (the adapters alone;
+    export_hf/adapter is PEFT's folder); ``--job.lora.quantize_base nf4`` makes it QLoRA DPO."""
+    run = dpo(initial_load_path, dataset_path)
+    run.job.lora = LoRAConfig(rank=16, alpha=32.0, target_modules=[ALL_LINEAR])
+    run.job.preference.reference = "adapters_off"
+    run.job.optimizer.lr = 5e-6
     return run
 
 

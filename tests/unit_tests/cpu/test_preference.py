@@ -321,6 +321,39 @@ def test_with_lora_the_base_with_adapters_off_is_the_precomputed_reference(pairs
     assert runs[0]["steps"][1]["train/rewards/margins"] != 0  # the adapters moved the policy off its reference
 
 
+def test_recipes_hf_dpo_lora_trains_the_adapters_against_its_base_and_exports_them_for_peft(pairs_run, tmp_path,
+                                                                                           monkeypatch):
+    """The user's command: the reference is the base with the adapters off (step 1 is DPO's log 2 with
+    no precomputed pass: nothing new next to the shards), only the adapters train, and the export
+    holds PEFT's adapter folder of TRL's defaults next to the merged model."""
+    import csv
+
+    from safetensors.torch import load_file
+
+    from titan_lightning.cli import main
+    from titan_lightning.objectives.preference import REFERENCE_FOLDER
+    from titan_lightning.trainer import RUN_DIR_ENV
+
+    root, folder, data, _ = pairs_run
+    cached = sorted((data / REFERENCE_FOLDER).iterdir())
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "run"))
+    assert main(["fit", "--recipe", "recipes.hf:dpo_lora", "--job.checkpoint.initial_load_path", str(folder),
+                 "--job.data.dataset_path", str(data), "--trainer.accelerator", "cpu", "--trainer.max_steps", "2",
+                 "--trainer.max_epochs", "-1", "--trainer.enable_progress_bar", "false", "--job.data.val_fraction", "0",
+                 "--job.training.tokens_per_microbatch_per_dp_rank", "256", "--job.training.tokens_per_step", "512",
+                 "--job.optimizer.lr", "1e-3", "--trainer.log_every_n_steps", "1"]) == 0
+    rows = [r for r in csv.DictReader(open(next((tmp_path / "run").rglob("metrics.csv")))) if r.get("train/loss")]
+    assert float(rows[0]["train/loss"]) == pytest.approx(math.log(2), abs=1e-6)
+    assert float(rows[1]["train/rewards/margins"]) != 0  # the adapters moved the policy off its base
+    assert sorted((data / REFERENCE_FOLDER).iterdir()) == cached
+    adapter = tmp_path / "run" / "export_hf" / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (16, 32)
+    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"}
+    assert all(".lora_" in k for k in load_file(adapter / "adapter_model.safetensors"))
+
+
 @pytest.mark.parametrize("reference", ["precomputed", "frozen"])
 def test_resuming_without_the_starting_model_s_reference_stops_naming_it(reference, tmp_path):
     """A resumed run's model is the checkpoint's: a reference from it would be wrong. The precomputed
