@@ -78,7 +78,8 @@ chain)
 wait)
   part=$2 limit=${3:-580}
   while [ ! -e "/tmp/h200chain/$part.done" ] && [ "$(left "$limit")" -gt 0 ]; do sleep 5; done
-  [ -e "/tmp/h200chain/$part.done" ] || echo "== part $part still running after $limit s"
+  [ -e "/tmp/h200chain/$part.done" ] || { echo "== part $part still running after $limit s; its newest log:"
+    grep -E "^\||^\[round|tokens/s|Error" "$(ls -t /tmp/*.log | head -1)" | tail -20 | cut -c1-300; }
   cat "/tmp/h200chain/$part.out" 2>/dev/null
   cp /tmp/h200chain/"$part"/* "$OUT"/ 2>/dev/null
   exit 0
