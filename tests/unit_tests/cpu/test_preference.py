@@ -321,11 +321,12 @@ def test_with_lora_the_base_with_adapters_off_is_the_precomputed_reference(pairs
     assert runs[0]["steps"][1]["train/rewards/margins"] != 0  # the adapters moved the policy off its reference
 
 
+@pytest.mark.parametrize("base", ["bf16", "nf4"])
 def test_recipes_hf_dpo_lora_trains_the_adapters_against_its_base_and_exports_them_for_peft(pairs_run, tmp_path,
-                                                                                           monkeypatch):
+                                                                                           monkeypatch, base):
     """The user's command: the reference is the base with the adapters off (step 1 is DPO's log 2 with
     no precomputed pass: nothing new next to the shards), only the adapters train, and the export
-    holds PEFT's adapter folder of TRL's defaults next to the merged model."""
+    holds PEFT's adapter folder of TRL's defaults next to the merged model; on an NF4 base too (QLoRA DPO)."""
     import csv
 
     from safetensors.torch import load_file
@@ -341,7 +342,8 @@ def test_recipes_hf_dpo_lora_trains_the_adapters_against_its_base_and_exports_th
                  "--job.data.dataset_path", str(data), "--trainer.accelerator", "cpu", "--trainer.max_steps", "2",
                  "--trainer.max_epochs", "-1", "--trainer.enable_progress_bar", "false", "--job.data.val_fraction", "0",
                  "--job.training.tokens_per_microbatch_per_dp_rank", "256", "--job.training.tokens_per_step", "512",
-                 "--job.optimizer.lr", "1e-3", "--trainer.log_every_n_steps", "1"]) == 0
+                 "--job.optimizer.lr", "1e-3", "--trainer.log_every_n_steps", "1",
+                 *(["--job.lora.quantize_base", "nf4"] if base == "nf4" else [])]) == 0
     rows = [r for r in csv.DictReader(open(next((tmp_path / "run").rglob("metrics.csv")))) if r.get("train/loss")]
     assert float(rows[0]["train/loss"]) == pytest.approx(math.log(2), abs=1e-6)
     assert float(rows[1]["train/rewards/margins"]) != 0  # the adapters moved the policy off its base
