@@ -158,15 +158,14 @@ def sft_argv(folder, *more):
 
 
 @pytest.mark.parametrize("recipe,reference", [("sft", None), ("lora", None), ("qlora", None), ("dpo", "precomputed"),
-                                              ("dpo", "frozen"), ("dpo", "adapters_off")])
+                                              ("dpo", "frozen"), ("dpo_lora", None)])
 def test_the_estimator_sizes_a_real_model(folder, recipe, reference):
     """Every fine-tuning recipe's run is sized by the estimator on a GPU, DPO with each reference (a
     LoRA base or a frozen reference stored in bf16 once failed it, and the run kept the recipe's sizes)."""
     run = getattr(recipes.hf, recipe)(str(folder), "data/sft")
     if reference is not None:
         run.job.preference.reference = reference
-    if reference == "adapters_off":
-        run.job.lora.rank, run.job.lora.alpha = 4, 8.0
+    assert recipe != "dpo_lora" or run.job.preference.reference == "adapters_off"
     # (eager sdpa: the estimate of compiled blocks traces them, seconds a call; test_estimate covers the kernels)
     choice = choose(run.job, H200, explicit={"compile.enable", "model.attention"}, peak=device_defaults._estimator(run, 1))
     assert choice.job.training.tokens_per_microbatch_per_dp_rank == device_defaults.TOKENS_PER_MICROBATCH, choice.line
