@@ -14,7 +14,7 @@
 #
 # When machines are scarce (a start can fail and costs minutes), one machine runs the parts back to
 # back in the background and each device call only waits for the next part to end:
-#   bash benchmarks/h200_owed.sh chain 3 2 7 5 4   # returns at once; parts run in that order
+#   bash benchmarks/h200_owed.sh chain 3 7 2 5 4   # returns at once; parts run in that order
 #   bash benchmarks/h200_owed.sh wait 3 580        # waits (<= 580 s) for part 3, prints it, files to $OUT
 # (the machine must stay held: the next call has to come within its idle time, or the chain is lost).
 set -u

@@ -187,7 +187,7 @@ def execute(command: str, run: Run, trainer: L.Trainer) -> None:
     kwargs: dict[str, Any] = {"ckpt_path": run.ckpt_path} if command == "fit" else {}
     for callback in trainer.callbacks:  # (a resumed fit never reads the adapters it started from)
         if isinstance(callback, LoadWeights):
-            callback.resuming = command == "fit" and run.ckpt_path is not None
+            callback.resuming = run.ckpt_path is not None  # (None unless the command is fit)
     getattr(trainer, command)(run.module, datamodule=run.datamodule, **kwargs)
 
 
