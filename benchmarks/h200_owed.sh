@@ -9,6 +9,7 @@
 #   bash benchmarks/h200_owed.sh 6   # #48: PEFT with gradient checkpointing (the reference row)
 #   bash benchmarks/h200_owed.sh 3   # #44: SFT (head on the labelled rows) vs pretraining, quiet and event-timed
 #   bash benchmarks/h200_owed.sh 7   # #49: DPO per reference mode (frozen, LoRA adapters off), same folder
+#   bash benchmarks/h200_owed.sh 8   # #49: the 8B shape (16 layers): SFT, DPO per reference mode
 #   bash benchmarks/h200_owed.sh 5   # the GPU tests of LoRA / DPO / device defaults
 #   bash benchmarks/h200_owed.sh 4   # #48: QLoRA of the 70B shape (estimated peak 50.2 GiB)
 #
@@ -59,6 +60,11 @@ case "${1:-}" in
   BENCH_SYNC_AUDIT=$OUT bench dpo "$(left 480)" --rounds 1 --steps 5 --warmup 3 --timeout 110 --contenders titan \
     --reference 'titan (qwen2_5_1_5b_dpo_frozen)' --workload qwen2_5_1_5b_dpo_frozen,qwen2_5_1_5b_dpo_lora
   ;;
+8)
+  bench dpo_8b "$(left 580)" --rounds 1 --steps 4 --warmup 3 --timeout 150 --contenders titan \
+    --reference 'titan (llama3_8b_16l_sft_default)' \
+    --workload llama3_8b_16l_sft_default,llama3_8b_16l_dpo,llama3_8b_16l_dpo_frozen,llama3_8b_16l_dpo_lora
+  ;;
 5)
   for f in test_lora_gpu:150 test_preference_gpu:120 test_device_defaults_gpu:280; do
     s=${f#*:}; f=${f%:*}
@@ -84,6 +90,6 @@ wait)
   cp /tmp/h200chain/"$part"/* "$OUT"/ 2>/dev/null
   exit 0
   ;;
-*) echo "usage: bash benchmarks/h200_owed.sh 1|2|3|4|5|6|7, or chain PART..., or wait PART [SECONDS]" >&2; exit 2 ;;
+*) echo "usage: bash benchmarks/h200_owed.sh 1|2|3|4|5|6|7|8, or chain PART..., or wait PART [SECONDS]" >&2; exit 2 ;;
 esac
 echo "== done in $(( $(date +%s) - T0 )) s"
