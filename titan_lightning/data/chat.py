@@ -27,6 +27,10 @@ are the template's ``tools`` variable in every render of the conversation, as tr
 ``apply_chat_template(messages, tools=...)`` passes them; an assistant turn that only calls tools
 (``tool_calls``, a null or no ``content``) is supervised as the template renders the calls.
 
+ShareGPT conversations (``{"from", "value"}`` messages, as axolotl, LLaMA-Factory and Unsloth's
+``standardize_sharegpt`` read them: from ``human`` / ``gpt`` / ``system`` / ``tool``) are read as
+the ``{"role", "content"}`` messages they stand for (SHAREGPT_ROLES); their other keys stay.
+
 Prompt/response pairs are a user turn and an assistant turn through the template; a tokenizer
 without one gives plain text: the prompt, a blank line, the response and EOS (BOS first when the
 tokenizer adds one), the mask on the response and EOS.
@@ -52,6 +56,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 from titan_lightning.data.tokenizer import read_tokenizer_config, tokenizer_file
 
 ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "tool": "tool"}  # ShareGPT's "from" -> role (function_call / observation: LLaMA-Factory's own)
 TRAIN_ON = ("assistant", "last_assistant", "all")
 TOO_LONG = ("truncate", "drop")
 PLAIN_SEPARATOR = "\n\n"  # between prompt and response without a chat template; also joins prompt fields
@@ -296,6 +302,7 @@ def conversation(messages: Any, field: str) -> list[dict[str, Any]]:
     ('tool_calls' in message)."""
     if not isinstance(messages, list) or not messages:
         raise BadRecord(f"no conversation in {field!r} (a list of {{role, content}} messages)")
+    messages = [sharegpt_message(m, k) for k, m in enumerate(messages)]
     for k, message in enumerate(messages):
         if not isinstance(message, dict):
             raise BadRecord(f"message {k} is a {type(message).__name__}, not a {{role, content}} object")
@@ -308,6 +315,19 @@ def conversation(messages: Any, field: str) -> list[dict[str, Any]]:
             raise BadRecord(f"message {k} ({message['role']}): content is "
                             f"{type(message.get('content')).__name__}, not a string")
     return [{k: v for k, v in m.items() if v is not None} for m in messages]
+
+
+def sharegpt_message(message: Any, k: int) -> Any:
+    """A ShareGPT message (``from`` and ``value``, no ``role``) as the {role, content} message it
+    stands for, its other keys kept; any other message as it is. BadRecord for a ``from`` that is no
+    ShareGPT role."""
+    if not isinstance(message, dict) or message.get("role") is not None or message.get("from") is None:
+        return message
+    rest = {key: v for key, v in message.items() if key not in ("from", "value", "role")}
+    if message["from"] not in SHAREGPT_ROLES:
+        raise BadRecord(f"message {k}: unknown ShareGPT role (from) {message['from']!r}; ShareGPT roles: "
+                        f"{', '.join(SHAREGPT_ROLES)}")
+    return {"role": SHAREGPT_ROLES[message["from"]], "content": message.get("value"), **rest}
 
 
 def token_mask(encoding, spans: Sequence[Span]) -> np.ndarray:

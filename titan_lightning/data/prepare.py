@@ -119,7 +119,8 @@ def check_input(path: Path, fields: list[Field]) -> None:
             raise PrepareError(f"{path}: not a Parquet file ({' '.join(str(err).split())[:200]})") from None
         for name, option, _ in fields:
             if name not in schema.names:
-                raise PrepareError(f"{path}: no column {name!r} ({option}); columns: {', '.join(schema.names)}")
+                raise PrepareError(f"{path}: no column {name!r} ({option}); columns: {', '.join(schema.names)}"
+                                   f"{_sharegpt_hint(option, schema.names)}")
         return
     head = path.open("rb").read(1 << 16)
     if b"\x00" in head:
@@ -139,10 +140,17 @@ def check_input(path: Path, fields: list[Field]) -> None:
             if not isinstance(record, dict) or not isinstance(record.get(name), kind_of):
                 keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
                 what = {str: "text", list: "list"}.get(kind_of, "text or list")
-                raise PrepareError(f"{path}:1: no {what} field {name!r} ({option}); the record has: {keys}")
+                raise PrepareError(f"{path}:1: no {what} field {name!r} ({option}); the record has: {keys}"
+                                   f"{_sharegpt_hint(option, record if isinstance(record, dict) else ())}")
     elif kind == "text" and fields[0][1] != "--text-field":
         raise PrepareError(f"{path}: a text file holds documents, not conversations; give JSONL or Parquet "
                            f"records for {fields[0][1]}")
+
+
+def _sharegpt_hint(option: str, fields) -> str:
+    """What to give for ShareGPT records (their messages in ``conversations``) read as --chat."""
+    return "; ShareGPT data: --messages-field conversations" if option == "--messages-field" and \
+        "conversations" in fields else ""
 
 
 def plan_parts(files: list[Path]) -> list[Part]:
@@ -826,7 +834,7 @@ def main(argv: list[str]) -> int:
     chat.add_argument("--chat", action="store_true", help="records hold conversations: a list of {role, content} "
                       "messages (roles system, user, assistant, tool)")
     chat.add_argument("--messages-field", default=None, help="with --chat: the field / column of the messages "
-                      "(default: messages)")
+                      "(default: messages; ShareGPT's {from, value} messages: --messages-field conversations)")
     chat.add_argument("--tools-field", default=None, help="with --chat: the field / column of a record's tool "
                       "definitions, passed to the template as `tools` (default: tools; a record without it: none)")
     chat.add_argument("--prompt-field", default=None, help="records are prompt/response pairs: the prompt's field; "
@@ -898,7 +906,9 @@ chat and instruction data:
   dropped. A record's tool definitions (--tools-field, default tools: a list of JSON-schema
   function objects, or a JSON string of one) are the template's `tools` in every render of it;
   an assistant turn that only calls tools (tool_calls, null content) is supervised as the
-  template renders the calls. A record without an assistant turn, with an unknown role, a
+  template renders the calls. ShareGPT records (--messages-field conversations: {from, value}
+  messages from human, gpt, system, tool) are read as the {role, content} messages they stand
+  for. A record without an assistant turn, with an unknown role, a
   content that is not a string (but for such a call), bad tools, or on which the template fails
   is a bad record (--bad-records).
 

@@ -582,3 +582,53 @@ def test_parquet_tools_as_structs_or_strings_and_files_without_them(folders, tmp
     assert main(["--chat", "--tools-field", "fns", "--input", str(tmp_path / "none.parquet"), "--input",
                  str(tmp_path / "strings.parquet"), "--output", str(tmp_path / "both"), "--tokenizer",
                  str(folders["qwen"]), "--workers", "1", "--no-progress"]) == 0
+
+
+def _sharegpt(messages: list[dict]) -> list[dict]:
+    """``messages`` as ShareGPT writes them (axolotl's, LLaMA-Factory's, Unsloth's ``conversations``)."""
+    names = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
+    return [{"from": names[m["role"]], "value": m["content"]} for m in messages]
+
+
+def test_sharegpt_conversations_are_the_role_content_conversations_they_stand_for(folders, tmp_path):
+    """ShareGPT records (``conversations`` of {from, value}; OpenHermes' "weight": null as Parquet and
+    its JSONL give it) prepare to the tokens and masks of the same conversations as {role, content}
+    messages, in JSONL and Parquet; an unknown ``from`` is a bad record naming it; the default field
+    on ShareGPT data is one line naming the option to give."""
+    pa = pytest.importorskip("pyarrow", reason="Parquet support is the optional [parquet] extra")
+    import pyarrow.parquet as pq
+
+    chats = [MULTI_TURN, [USER, ANSWER], [USER, {"role": "assistant", "content": "four " * 9}]]
+    _jsonl(tmp_path / "plain.jsonl", [{"messages": m} for m in chats])
+    shared = [[{**m, "weight": None} for m in _sharegpt(c)] for c in chats]
+    (tmp_path / "share").mkdir()
+    _jsonl(tmp_path / "share" / "gpt.jsonl", [{"id": str(k), "conversations": c} for k, c in enumerate(shared)])
+    pq.write_table(pa.table({"conversations": shared}), tmp_path / "share" / "gpt.parquet")
+    options = ChatOptions(messages_field="messages")
+    prepare([str(tmp_path / "plain.jsonl")], str(tmp_path / "plain"), tokenizer_path=str(folders["qwen"]),
+            workers=1, progress=False, chat=options)
+    expected = _read(tmp_path / "plain")
+    assert sum(int(m.sum()) for m in expected[1]) > 0
+    for name in ("gpt.jsonl", "gpt.parquet"):
+        prepare([str(tmp_path / "share" / name)], str(tmp_path / name), tokenizer_path=str(folders["qwen"]),
+                workers=1, progress=False, bad_records="stop", chat=ChatOptions(messages_field="conversations"))
+        ids, masks, _ = _read(tmp_path / name)
+        assert [i.tolist() for i in ids] == [i.tolist() for i in expected[0]], name
+        assert [m.tolist() for m in masks] == [m.tolist() for m in expected[1]], name
+
+    odd = [{"from": "human", "value": "Hi"}, {"from": "function_call", "value": "{}"}]
+    _jsonl(tmp_path / "odd.jsonl", [{"conversations": shared[1]}, {"conversations": odd}])
+    summary = prepare([str(tmp_path / "odd.jsonl")], str(tmp_path / "odd"), tokenizer_path=str(folders["qwen"]),
+                      workers=1, progress=False, chat=ChatOptions(messages_field="conversations"))
+    assert summary["bad_records"] == 1 and summary["first_bad"] == (
+        f"{tmp_path / 'odd.jsonl'}:2: message 1: unknown ShareGPT role (from) 'function_call'; ShareGPT roles: "
+        f"system, human, user, gpt, assistant, tool")
+    with pytest.raises(PrepareError, match=r"gpt.jsonl:1: no list field 'messages' \(--messages-field\); the record "
+                                           r"has: id, conversations; ShareGPT data: --messages-field conversations$"):
+        main(["--chat", "--input", str(tmp_path / "share" / "gpt.jsonl"), "--output", str(tmp_path / "x"),
+              "--tokenizer", str(folders["qwen"])])
+    with pytest.raises(PrepareError, match=r"gpt.parquet: no column 'messages' \(--messages-field\); columns: "
+                                           r"conversations; ShareGPT data: --messages-field conversations$"):
+        main(["--chat", "--input", str(tmp_path / "share" / "gpt.parquet"), "--output", str(tmp_path / "x"),
+              "--tokenizer", str(folders["qwen"])])
+    assert not (tmp_path / "x").exists()
