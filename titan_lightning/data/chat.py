@@ -31,8 +31,10 @@ ShareGPT conversations (``{"from", "value"}`` messages, as axolotl, LLaMA-Factor
 ``standardize_sharegpt`` read them: from ``human`` / ``gpt`` / ``system`` / ``tool``) are read as
 the ``{"role", "content"}`` messages they stand for (SHAREGPT_ROLES); their other keys stay.
 
-Prompt/response pairs are a user turn and an assistant turn through the template; a tokenizer
-without one gives plain text: the prompt, a blank line, the response and EOS (BOS first when the
+Prompt/response pairs are a user turn and an assistant turn through the template; with one
+prompt field, either may be a list of messages instead (TRL's conversational prompt-completion:
+the prompt's messages then the completion's, only the completion's assistant turns supervised). A
+tokenizer without a template gives plain text: the prompt, a blank line, the response and EOS (BOS first when the
 tokenizer adds one), the mask on the response and EOS.
 """
 
@@ -127,7 +129,9 @@ class ChatOptions:
         """(field, the option that names it, the type its value has) for each field read."""
         if self.messages_field:
             return [(self.messages_field, "--messages-field", list)]
-        return [*((f, "--prompt-field", str) for f in self.prompt_fields), (self.response_field, "--response-field", str)]
+        kind = (str, list) if len(self.prompt_fields) == 1 else str  # (one field: TRL's conversational form too)
+        return [*((f, "--prompt-field", kind) for f in self.prompt_fields),
+                (self.response_field, "--response-field", kind)]
 
 
 @dataclass(frozen=True)
@@ -390,6 +394,11 @@ class ChatRenderer:
 
     def messages(self, record: Any) -> list[dict[str, Any]]:
         """The conversation a record holds; BadRecord when it holds none to train on."""
+        return self.conversation(record)[0]
+
+    def conversation(self, record: Any) -> tuple[list[dict[str, Any]], int]:
+        """(the conversation a record holds, how many of its first assistant turns are a
+        prompt's: not supervised); BadRecord when it holds none to train on."""
         o = self.options
         if not isinstance(record, dict):
             raise BadRecord(f"not an object but a {type(record).__name__}")
@@ -398,7 +407,7 @@ class ChatRenderer:
         messages = conversation(record.get(o.messages_field), o.messages_field)
         if not any(m["role"] == "assistant" for m in messages):
             raise BadRecord("no assistant turn")
-        return messages
+        return messages, 0
 
     def tools(self, record: Any) -> Optional[list]:
         """The tool definitions a record holds (None: it has none); BadRecord when they are not a
@@ -422,8 +431,10 @@ class ChatRenderer:
                 raise BadRecord(f"{name!r}: tool {k} is a {type(tool).__name__}, not an object")
         return _without_nulls(tools)
 
-    def _pair(self, record: dict) -> list[dict[str, Any]]:
+    def _pair(self, record: dict) -> tuple[list[dict[str, Any]], int]:
         o = self.options
+        if any(isinstance(record.get(name), list) for name in (*o.prompt_fields, o.response_field)):
+            return self._conversational_pair(record)
         parts = []
         for name in (*o.prompt_fields, o.response_field):
             value = record.get(name)
@@ -435,7 +446,32 @@ class ChatRenderer:
             raise BadRecord(f"no text in {o.prompt_fields[0]!r}")
         if not parts[-1].strip():
             raise BadRecord(f"no text in {o.response_field!r}")
-        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": parts[-1]}]
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": parts[-1]}], 0
+
+    def _conversational_pair(self, record: dict) -> tuple[list[dict[str, Any]], int]:
+        """TRL's conversational prompt-completion: the prompt's messages then the completion's (a
+        text stands for one user / assistant turn), only the completion's assistant turns supervised."""
+        o = self.options
+        if len(o.prompt_fields) > 1:
+            listed = next(n for n in (*o.prompt_fields, o.response_field) if isinstance(record.get(n), list))
+            raise BadRecord(f"{listed!r} is a list of messages: a conversational prompt is one field, not "
+                            f"{len(o.prompt_fields)} (--prompt-field)")
+        if self.template is None:
+            raise BadRecord("a tokenizer without a chat template renders a text prompt and a text response only; "
+                            "give one with --chat-template FILE")
+        turns = []
+        for name, role in ((o.prompt_fields[0], "user"), (o.response_field, "assistant")):
+            value = record.get(name)
+            if isinstance(value, str) and value.strip():
+                turns.append([{"role": role, "content": value}])
+            elif isinstance(value, str) or value is None:
+                raise BadRecord(f"no text in {name!r}")
+            else:
+                turns.append(conversation(value, name))
+        prompt, completion = turns
+        if not any(m["role"] == "assistant" for m in completion):
+            raise BadRecord(f"{o.response_field!r}: no assistant turn")
+        return prompt + completion, sum(m["role"] == "assistant" for m in prompt)
 
     def render(self, messages: list[dict[str, Any]], tools: Optional[list] = None,
                skip: int = 0) -> tuple[str, list[Span]]:
@@ -458,11 +494,11 @@ class ChatRenderer:
             spans = spans[skip:]
         else:
             text = self._render(messages, tools)
-            turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+            turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"][skip:]
             if self.options.train_on == "last_assistant":
                 turns = turns[-1:]
             spans = []
-            for i in turns[skip:]:
+            for i in turns:
                 spans.append(self._turn(messages, tools, i, text, spans[-1][1] if spans else None if skip else 0))
         return text, spans[-1:] if self.options.train_on == "last_assistant" else spans
 

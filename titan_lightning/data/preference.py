@@ -113,9 +113,11 @@ class PreferenceRenderer(ChatRenderer):
             return [{"role": TEXT_ROLES[kind], "content": value}]
         return conversation(value, field)
 
-    def messages(self, record: Any) -> list[dict[str, Any]]:
-        """The chosen conversation (what ``prepare`` renders first to check the template)."""
-        return self.pair(record)[0]
+    def conversation(self, record: Any) -> tuple[list[dict[str, Any]], int]:
+        """The chosen conversation and its prompt's assistant turns (what ``prepare`` renders first,
+        to check the template)."""
+        chosen, _, shared = self.pair(record)
+        return chosen, sum(m["role"] == "assistant" for m in chosen[:shared])
 
     def render_pair(self, record: Any) -> list[tuple[str, list[Span]]]:
         """[(the chosen conversation's text, the spans of its answer), (the rejected one's, ...)]."""

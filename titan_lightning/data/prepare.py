@@ -140,6 +140,9 @@ def check_input(path: Path, fields: list[Field]) -> None:
             if not isinstance(record, dict) or not isinstance(record.get(name), kind_of):
                 keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
                 what = {str: "text", list: "list"}.get(kind_of, "text or list")
+                if isinstance(record, dict) and record.get(name) is not None:
+                    raise PrepareError(f"{path}:1: field {name!r} ({option}) is a {type(record[name]).__name__}, "
+                                       f"not {'a ' if what == 'list' else ''}{what}")
                 raise PrepareError(f"{path}:1: no {what} field {name!r} ({option}); the record has: {keys}"
                                    f"{_sharegpt_hint(option, record if isinstance(record, dict) else ())}")
     elif kind == "text" and fields[0][1] != "--text-field":
@@ -428,7 +431,8 @@ def _write_conversations(part: Part, chat: ChatSpec, bad_records: str, bad: list
                 if isinstance(renderer, PreferenceRenderer):
                     yield renderer.render_pair(record)
                 else:
-                    yield [renderer.render(renderer.messages(record), renderer.tools(record))]
+                    messages, skip = renderer.conversation(record)
+                    yield [renderer.render(messages, renderer.tools(record), skip=skip)]
             except BadRecord as err:
                 _bad(bad, bad_records, f"{where}: {err}")
 
@@ -624,11 +628,11 @@ def _check_first_record(path: Path, spec: ChatSpec, tokenizer) -> None:
         where, record = f"{path}:{number}", json.loads(line)
     renderer = renderer_for(spec, tokenizer)
     try:
-        messages, tools = renderer.messages(record), renderer.tools(record)
+        (messages, skip), tools = renderer.conversation(record), renderer.tools(record)
     except BadRecord:
         return
     try:
-        renderer.render(messages, tools)
+        renderer.render(messages, tools, skip=skip)
     except TemplateFailure as err:
         raise PrepareError(f"{where}: {err}") from None
     except BadRecord:
@@ -901,7 +905,10 @@ chat and instruction data:
   itself what is supervised; one without a generation prompt (Mistral's [INST] ... [/INST])
   supervises all that follows the conversation before the turn. Prompt/response pairs with a
   tokenizer that has no chat template are plain text: the prompt, a blank line, the response and
-  EOS, the mask on the response and EOS. --max-tokens with --too-long drop|truncate (truncate
+  EOS, the mask on the response and EOS. With one --prompt-field, either field may hold a list
+  of messages instead (TRL's conversational prompt-completion): the prompt's messages then the
+  response's, only the response's assistant turns supervised (needs a chat template).
+  --max-tokens with --too-long drop|truncate (truncate
   drops a conversation left with nothing supervised); the summary counts what was truncated and
   dropped. A record's tool definitions (--tools-field, default tools: a list of JSON-schema
   function objects, or a JSON string of one) are the template's `tools` in every render of it;

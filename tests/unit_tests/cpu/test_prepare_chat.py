@@ -632,3 +632,61 @@ def test_sharegpt_conversations_are_the_role_content_conversations_they_stand_fo
         main(["--chat", "--input", str(tmp_path / "share" / "gpt.parquet"), "--output", str(tmp_path / "x"),
               "--tokenizer", str(folders["qwen"])])
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen"])
+def test_trl_s_conversational_prompt_completion_supervises_the_completion_alone(folders, tmp_path, name, monkeypatch):
+    """TRL's conversational prompt-completion records (``prompt`` and ``completion`` lists of messages,
+    or a text for either) prepare to the tokens of the conversation prompt + completion, with only the
+    completion's assistant turns supervised (the prompt's earlier assistant turn is not), as TRL's
+    completion-only loss does; --train-on all supervises every token. What cannot be rendered so is a
+    bad record naming why."""
+    _on_day(monkeypatch, NOW)  # (Llama 3.2 writes today's date: the one the expected renders have)
+    prior = {"role": "assistant", "content": "Hello."}
+    records = [{"prompt": [SYSTEM, {"role": "user", "content": "Hi."}, prior, USER], "completion": [ANSWER]},
+               {"prompt": "What is 2+2?", "completion": [{"role": "assistant", "content": "Let me check."},
+                                                        {"role": "tool", "content": "4"}, ANSWER]},
+               {"prompt": [USER], "completion": "4."}]
+    path = _jsonl(tmp_path / "pc.jsonl", records)
+    for train_on in ("assistant", "last_assistant", "all"):
+        prepare([str(path)], str(tmp_path / train_on), tokenizer_path=str(folders[name]), workers=1, progress=False,
+                bad_records="stop", chat=ChatOptions(prompt_fields=("prompt",), response_field="completion",
+                                                     train_on=train_on))
+        ids, masks, _ = _read(tmp_path / train_on)
+        renderer = _renderer(folders[name], train_on=train_on)
+        whole = [records[0]["prompt"] + records[0]["completion"], [USER] + records[1]["completion"], [USER, ANSWER]]
+        prompt_turns = [1, 0, 0]
+        for k, messages in enumerate(whole):
+            text, spans = renderer.render(messages, skip=prompt_turns[k])
+            expected_ids, expected_mask = renderer.encode([(text, spans)])[0]
+            assert ids[k].tolist() == expected_ids.tolist(), (train_on, k)
+            assert masks[k].tolist() == expected_mask.tolist(), (train_on, k)
+            supervised = renderer.tokenizer.decode(ids[k][masks[k] == 1].tolist())
+            if train_on == "all":  # (but an EOS the encoding appends)
+                assert masks[k][:-1].all()
+            elif k == 0:  # the prompt's own assistant turn is not supervised, the completion's is
+                assert "4." in supervised and "Hello." not in supervised
+            elif k == 1:
+                assert ("Let me check." in supervised) == (train_on == "assistant") and "4." in supervised
+
+    bad = [{"prompt": [USER], "completion": [{"role": "user", "content": "?"}]}, {"prompt": [], "completion": "4."}]
+    _jsonl(tmp_path / "bad.jsonl", [records[2], *bad])
+    summary = prepare([str(tmp_path / "bad.jsonl")], str(tmp_path / "bad"), tokenizer_path=str(folders[name]),
+                      workers=1, progress=False, chat=ChatOptions(prompt_fields=("prompt",), response_field="completion"))
+    assert summary["bad_records"] == 2 and summary["first_bad"] == f"{tmp_path / 'bad.jsonl'}:2: 'completion': no " \
+                                                                   f"assistant turn"
+    with pytest.raises(PrepareError, match=r"plain.jsonl:1: a tokenizer without a chat template renders a text "
+                                           r"prompt and a text response only; give one with --chat-template FILE"):
+        prepare([str(_jsonl(tmp_path / "plain.jsonl", records[:1]))], str(tmp_path / "p"), bad_records="stop",
+                tokenizer_path=str(folders["plain"]), workers=1, progress=False,
+                chat=ChatOptions(prompt_fields=("prompt",), response_field="completion"))
+    two = _jsonl(tmp_path / "two.jsonl", [{"system": "x", "prompt": "2+2?", "completion": "4."},
+                                          {**records[2], "system": "x"}])
+    summary = prepare([str(two)], str(tmp_path / "t"), tokenizer_path=str(folders[name]), workers=1, progress=False,
+                      chat=ChatOptions(prompt_fields=("system", "prompt"), response_field="completion"))
+    assert summary["bad_records"] == 1 and summary["first_bad"] == (
+        f"{two}:2: 'prompt' is a list of messages: a conversational prompt is one field, not 2 (--prompt-field)")
+    with pytest.raises(PrepareError, match=r"three.jsonl:1: field 'prompt' \(--prompt-field\) is a list, not text$"):
+        prepare([str(_jsonl(tmp_path / "three.jsonl", [{**records[2], "system": "x"}]))], str(tmp_path / "3"),
+                tokenizer_path=str(folders[name]), workers=1, progress=False,
+                chat=ChatOptions(prompt_fields=("system", "prompt"), response_field="completion"))
