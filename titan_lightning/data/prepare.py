@@ -4,7 +4,8 @@
         [--tokenizer PATH] [--text-field text] [--workers N] [--bad-records skip|stop]
 
 Inputs are files, folders (every .jsonl, .json, .txt and .parquet below them) or globs, taken in
-sorted order. A JSONL line is one document (its ``--text-field``); a Parquet row is one document
+sorted order. A JSONL line is one document (its ``--text-field``), as is each element of a ``.json``
+file that holds one JSON array (read whole, one part); a Parquet row is one document
 (that column; needs pyarrow: ``pip install titan-lightning[parquet]``); a text file holds
 documents separated by ``<|endoftext|>`` (one document if it has none). Each document becomes its
 token ids, then the tokenizer's EOS (after its BOS, when its tokenizer_config.json or its
@@ -81,6 +82,38 @@ class Part:
     rows: Optional[tuple[int, int]] = None  # parquet: the rows of the row group it reads (None: all)
 
 
+def file_kind(path: Path) -> str:
+    """How ``path`` is read: ``jsonl``, ``text``, ``parquet``, or ``json`` for a ``.json`` file that
+    holds one JSON array of records (Alpaca's alpaca_data.json, ShareGPT dumps) rather than lines."""
+    kind = KINDS[path.suffix]
+    if path.suffix == ".json":
+        with path.open("rb") as f:
+            head = f.read(1 << 12).lstrip()
+        kind = "json" if head.startswith(b"[") else kind
+    return kind
+
+
+def first_element(path: Path) -> tuple[bool, Any]:
+    """(whether the JSON array in ``path`` has an element, its first), from as much of the file as
+    the element takes; PrepareError when the file does not begin with one."""
+    decoder, head = json.JSONDecoder(), b""
+    with path.open("rb") as f:
+        while True:
+            chunk = f.read(max(len(head), 1 << 16))
+            head += chunk
+            text = head.decode("utf-8", errors="ignore")  # (a character cut at the end: read on)
+            at = text.index("[") + 1
+            while at < len(text) and text[at].isspace():
+                at += 1
+            if text.startswith("]", at):
+                return False, None
+            try:
+                return True, decoder.raw_decode(text, at)[0]
+            except ValueError as err:
+                if not chunk:
+                    raise PrepareError(f"{path}: a JSON array whose first element is not JSON ({err})") from None
+
+
 def find_inputs(inputs: list[str]) -> list[Path]:
     """The files named by ``inputs`` (files, folders, globs), sorted, each checked to be one we read."""
     files: list[Path] = []
@@ -105,9 +138,9 @@ def find_inputs(inputs: list[str]) -> list[Path]:
 def check_input(path: Path, fields: list[Field]) -> None:
     """Before any work: the file is non-empty text (or Parquet with the columns), its first JSONL
     record has each of ``fields``."""
-    kind = KINDS[path.suffix]
     if path.stat().st_size == 0:
         raise PrepareError(f"{path}: empty file")
+    kind = file_kind(path)
     if kind == "parquet":
         try:
             import pyarrow.parquet as pq
@@ -130,20 +163,26 @@ def check_input(path: Path, fields: list[Field]) -> None:
     except UnicodeDecodeError as err:
         if err.start < len(head) - 4:  # not just a character cut at the end of the sample
             raise PrepareError(f"{path}: not UTF-8 (byte {err.start}: {err.reason})") from None
-    if kind == "jsonl":
-        first = next((line for line in head.splitlines() if line.strip()), b"")
-        try:
-            record = json.loads(first)
-        except ValueError:
-            raise PrepareError(f"{path}:1: not a JSON line") from None
+    if kind in ("jsonl", "json"):
+        if kind == "json":
+            where = f"{path}: element 0"
+            has, record = first_element(path)
+            if not has:
+                raise PrepareError(f"{path}: an empty JSON array")
+        else:
+            where, first = f"{path}:1", next((line for line in head.splitlines() if line.strip()), b"")
+            try:
+                record = json.loads(first)
+            except ValueError:
+                raise PrepareError(f"{path}:1: not a JSON line") from None
         for name, option, kind_of in fields:
             if not isinstance(record, dict) or not isinstance(record.get(name), kind_of):
                 keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
                 what = {str: "text", list: "list"}.get(kind_of, "text or list")
                 if isinstance(record, dict) and record.get(name) is not None:
-                    raise PrepareError(f"{path}:1: field {name!r} ({option}) is a {type(record[name]).__name__}, "
+                    raise PrepareError(f"{where}: field {name!r} ({option}) is a {type(record[name]).__name__}, "
                                        f"not {'a ' if what == 'list' else ''}{what}")
-                raise PrepareError(f"{path}:1: no {what} field {name!r} ({option}); the record has: {keys}"
+                raise PrepareError(f"{where}: no {what} field {name!r} ({option}); the record has: {keys}"
                                    f"{_sharegpt_hint(option, record if isinstance(record, dict) else ())}")
     elif kind == "text" and fields[0][1] != "--text-field":
         raise PrepareError(f"{path}: a text file holds documents, not conversations; give JSONL or Parquet "
@@ -159,7 +198,7 @@ def _sharegpt_hint(option: str, fields) -> str:
 def plan_parts(files: list[Path]) -> list[Part]:
     parts = []
     for path in files:
-        kind = KINDS[path.suffix]
+        kind = file_kind(path)
         if kind == "parquet":
             import pyarrow.parquet as pq
 
@@ -167,7 +206,7 @@ def plan_parts(files: list[Path]) -> list[Part]:
             rows, size = max(metadata.num_rows, 1), path.stat().st_size
             parts.extend(Part(str(path), kind, g, g + 1, size * metadata.row_group(g).num_rows // rows)
                          for g in range(metadata.num_row_groups))
-        elif kind == "text":
+        elif kind in ("text", "json"):  # (a JSON array is read whole, by one worker)
             parts.append(Part(str(path), kind, 0, path.stat().st_size, path.stat().st_size))
         else:
             size, start = path.stat().st_size, 0
@@ -184,7 +223,7 @@ def plan_parts(files: list[Path]) -> list[Part]:
 def split_part(part: Part, pieces: int) -> list[Part]:
     """``part`` cut into at most ``pieces`` pieces that read, one after the other, its records: JSONL
     at line ends, text at a ``<|endoftext|>``, Parquet by rows."""
-    if pieces <= 1:
+    if pieces <= 1 or part.kind == "json":
         return [part]
     if part.kind == "parquet":
         import pyarrow.parquet as pq
@@ -266,6 +305,15 @@ def _records(part: Part, fields: list[str], bad_records: str, bad: list,
         for row, record in enumerate(table.slice(first, last - first).to_pylist(), first):
             _progress(_share(part.size, row + 1 - first, last - first) - _share(part.size, row - first, last - first))
             yield f"{part.path}: row group {part.start} row {row}", record
+        return
+    if part.kind == "json":
+        try:
+            records = json.loads(Path(part.path).read_bytes())
+        except ValueError as err:
+            raise PrepareError(f"{part.path}: not a JSON array ({err})") from None
+        for k, record in enumerate(records):
+            _progress(_share(part.size, k + 1, len(records)) - _share(part.size, k, len(records)))
+            yield f"{part.path}: element {k}", record
         return
     with open(part.path, "rb") as f:
         f.seek(part.start)
@@ -584,12 +632,12 @@ def _check_tools_field(files: list[Path], chat: ChatOptions) -> None:
     import mmap
 
     for path in files:
-        if KINDS[path.suffix] == "parquet":
+        if file_kind(path) == "parquet":
             import pyarrow.parquet as pq
 
             if name in pq.ParquetFile(path).schema_arrow.names:
                 return
-        elif KINDS[path.suffix] == "jsonl":
+        elif file_kind(path) in ("jsonl", "json"):
             with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
                 if data.find(json.dumps(name).encode()) >= 0:
                     return
@@ -598,11 +646,14 @@ def _check_tools_field(files: list[Path], chat: ChatOptions) -> None:
 
 
 def _record_fields(path: Path) -> list[str]:
-    """The fields of the first record of a JSONL file, the columns of a Parquet file."""
-    if KINDS[path.suffix] == "parquet":
+    """The fields of the first record of a JSONL file or JSON array, the columns of a Parquet file."""
+    if file_kind(path) == "parquet":
         import pyarrow.parquet as pq
 
         return pq.ParquetFile(path).schema_arrow.names
+    if file_kind(path) == "json":
+        record = first_element(path)[1]
+        return list(record) if isinstance(record, dict) else []
     with path.open("rb") as f:
         record = json.loads(next(line for line in f if line.strip()))
     return list(record) if isinstance(record, dict) else []
@@ -611,7 +662,9 @@ def _record_fields(path: Path) -> list[str]:
 def _check_first_record(path: Path, spec: ChatSpec, tokenizer) -> None:
     """Before any work: the chat template renders the first record of ``path`` (a record that is
     bad in itself is left to ``--bad-records``)."""
-    if KINDS[path.suffix] == "parquet":
+    if file_kind(path) == "json":
+        where, record = f"{path}: element 0", first_element(path)[1]
+    elif file_kind(path) == "parquet":
         import pyarrow.parquet as pq
 
         file = pq.ParquetFile(path)
@@ -718,13 +771,13 @@ def _check_every_file_has_documents(files: list[Path], parts: list[Part], done: 
             raise PrepareError(f"{path}: none of its {bad[str(path)]} records is a conversation to train on (the "
                                f"first: {first_bad.get(str(path))}); check the records, or name the fields with "
                                f"{options}")
-        if KINDS[path.suffix] == "parquet":
+        if file_kind(path) == "parquet":
             import pyarrow.parquet as pq
 
             columns = ", ".join(pq.ParquetFile(path).schema_arrow.names)
             raise PrepareError(f"{path}: the column {text_field!r} is null or empty in all {bad[str(path)]} rows; "
                                f"name the column that holds the text with --text-field (columns: {columns})")
-        if KINDS[path.suffix] == "jsonl":
+        if file_kind(path) in ("jsonl", "json"):
             raise PrepareError(f"{path}: none of its {bad[str(path)]} records has text in the field {text_field!r} "
                                f"(the first: {first_bad[str(path)]}); name the field with --text-field")
         raise PrepareError(f"{path}: holds no document, only whitespace and {EOT!r} separators")

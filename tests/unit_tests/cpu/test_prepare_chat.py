@@ -672,7 +672,8 @@ def test_trl_s_conversational_prompt_completion_supervises_the_completion_alone(
     bad = [{"prompt": [USER], "completion": [{"role": "user", "content": "?"}]}, {"prompt": [], "completion": "4."}]
     _jsonl(tmp_path / "bad.jsonl", [records[2], *bad])
     summary = prepare([str(tmp_path / "bad.jsonl")], str(tmp_path / "bad"), tokenizer_path=str(folders[name]),
-                      workers=1, progress=False, chat=ChatOptions(prompt_fields=("prompt",), response_field="completion"))
+                      workers=1, progress=False,
+                      chat=ChatOptions(prompt_fields=("prompt",), response_field="completion"))
     assert summary["bad_records"] == 2 and summary["first_bad"] == f"{tmp_path / 'bad.jsonl'}:2: 'completion': no " \
                                                                    f"assistant turn"
     with pytest.raises(PrepareError, match=r"plain.jsonl:1: a tokenizer without a chat template renders a text "
@@ -690,3 +691,52 @@ def test_trl_s_conversational_prompt_completion_supervises_the_completion_alone(
         prepare([str(_jsonl(tmp_path / "three.jsonl", [{**records[2], "system": "x"}]))], str(tmp_path / "3"),
                 tokenizer_path=str(folders[name]), workers=1, progress=False,
                 chat=ChatOptions(prompt_fields=("system", "prompt"), response_field="completion"))
+
+
+def test_a_json_file_holding_one_array_of_records_reads_as_its_records(folders, tmp_path):
+    """A ``.json`` file that is one JSON array (Alpaca's alpaca_data.json, ShareGPT dumps; pretty
+    printed, as they are published) prepares to what the same records as JSONL give: chat, pairs and
+    text; an element that is not a record is a bad record named by its index; an empty array, or one
+    whose first record lacks the field, is one line before any work."""
+    alpaca = [{"instruction": "Add the numbers.", "input": "2 and 2", "output": "4"}, "not a record",
+              {"instruction": "Say hi. " * 3000, "input": "", "output": "hi"}]  # (longer than the first read)
+    shared = [{"conversations": _sharegpt(c)} for c in (MULTI_TURN, [USER, ANSWER])]
+    cases = {"alpaca": (alpaca, ChatOptions(prompt_fields=("instruction", "input"), response_field="output")),
+             "sharegpt": (shared, ChatOptions(messages_field="conversations")),
+             "text": ([{"text": "one document"}, {"text": "another " * 10}], None)}
+    for name, (records, options) in cases.items():
+        outputs = []
+        for kind in ("jsonl", "json"):
+            path = tmp_path / f"{name}.{kind}"
+            if kind == "json":
+                path.write_text(" \n" + json.dumps(records, indent=2))
+            else:
+                _jsonl(path, records)
+            summary = prepare([str(path)], str(tmp_path / f"{name}-{kind}"), tokenizer_path=str(folders["qwen"]),
+                              workers=2, progress=False, chat=options)
+            out = tmp_path / f"{name}-{kind}"
+            outputs.append((_read(out) if options else [(out / f"{s['name']}.tokens").read_bytes() for s in
+                                                        json.loads((out / "index.json").read_text())["shards"]],
+                            summary))
+        (jsonl, jsonl_summary), (array, array_summary) = outputs
+        if options is not None:
+            assert [i.tolist() for i in array[0]] == [i.tolist() for i in jsonl[0]] and len(array[0]) == 2, name
+            assert [m.tolist() for m in array[1]] == [m.tolist() for m in jsonl[1]], name
+        else:
+            assert array == jsonl and array_summary["documents"] == 2
+        assert array_summary["bad_records"] == jsonl_summary["bad_records"] == (name == "alpaca"), name
+    assert array_summary["bad_records"] == 0
+    assert outputs and prepare_module.file_kind(tmp_path / "alpaca.json") == "json"
+    assert prepare([str(tmp_path / "alpaca.json")], str(tmp_path / "again"), tokenizer_path=str(folders["qwen"]),
+                   workers=1, progress=False, chat=cases["alpaca"][1])["first_bad"] == (
+        f"{tmp_path / 'alpaca.json'}: element 1: not an object but a str")
+
+    (tmp_path / "empty.json").write_text("[\n]\n")
+    (tmp_path / "other.json").write_text(json.dumps([{"prompt": "2+2?", "answer": "4"}], indent=2))
+    for path, message in ((tmp_path / "empty.json", r"empty.json: an empty JSON array$"),
+                          (tmp_path / "other.json", r"other.json: element 0: no text or list field 'output' "
+                                                    r"\(--response-field\); the record has: prompt, answer$")):
+        with pytest.raises(PrepareError, match=message):
+            prepare([str(path)], str(tmp_path / "out"), tokenizer_path=str(folders["qwen"]), workers=1,
+                    progress=False, chat=ChatOptions(prompt_fields=("prompt",), response_field="output"))
+    assert not (tmp_path / "out").exists()
