@@ -361,7 +361,17 @@ def _user_args(w: Workload, device: str, total_steps: int) -> list[str]:
             "--trainer.accelerator", "gpu" if device == "cuda" else "cpu", "--trainer.devices", "1",
             "--trainer.max_steps", str(total_steps), "--trainer.limit_val_batches", "0",
             "--trainer.enable_checkpointing", "false", "--job.checkpoint.export_format", "null"]
-    return args + (["--job.data.dataset_path", str(data)] if w.recipe.endswith((":sft", ":lora", ":qlora", ":dpo")) else [])
+    return args + (["--job.data.dataset_path", str(data)] if takes_dataset(w.recipe) else [])
+
+
+def takes_dataset(recipe: str) -> bool:
+    """Whether the recipe function ``module:name`` has a ``dataset_path`` argument (the fine-tuning
+    ones: sft, lora, qlora, dpo, dpo_lora; pretrained reads its shipped corpus)."""
+    import importlib
+    import inspect
+
+    module, _, name = recipe.partition(":")
+    return "dataset_path" in inspect.signature(getattr(importlib.import_module(module), name)).parameters
 
 
 def resolve_run(w: Workload, device: str, total_steps: int):

@@ -81,6 +81,8 @@ def dpo_run(rank: int = 0, world_size: int = 1, *, folder: str, data: str, loss:
         job.lora = LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank, target_modules=[ALL_LINEAR])
     job.training.tokens_per_microbatch_per_dp_rank = job.training.seq_len
     job.training.tokens_per_step = job.training.seq_len * microbatches
+    # (the sizes as given, on a GPU too: the device's choice would take the step in one microbatch)
+    run.explicit = {*run.explicit, "job.training.seq_len", "job.training.tokens_per_microbatch_per_dp_rank"}
     job.training.max_grad_norm = None
     job.lr_schedule.warmup_ratio, job.lr_schedule.warmup_steps = 0.0, 0
     job.optimizer.lr = 1e-3  # a visible first update: step 2 checks it

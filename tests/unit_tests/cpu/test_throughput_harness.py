@@ -3,6 +3,8 @@ ratio between them is the framework's cost), and the table reports what the runs
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 from importlib.util import find_spec
 from pathlib import Path
@@ -15,6 +17,8 @@ from benchmarks.throughput import (TORCHTITAN_SCRIPT, WORKLOADS, StepClock, _con
                                    kernel_table, references_of, resolve_run, run_bare, run_titan, summarize, table,
                                    torchtitan_model, union_length_us)
 from titan_lightning.data.tokenizer import CORPUS_PATH, TOKENIZER_PATH
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.slow
@@ -251,3 +255,23 @@ def test_the_event_clock_times_steps_on_the_device_and_waits_once(monkeypatch):
     assert synchronized == [5]
     assert result["step_times"] == pytest.approx([0.1, 0.1, 0.1])
     assert result["losses"] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+
+@pytest.mark.slow
+def test_the_fine_tuning_workloads_run_as_a_user_runs_their_recipes(tmp_path):
+    """The folder workloads' commands give each recipe what it needs (run 5 on an H200 lost
+    recipes.hf:dpo_lora's row to a list of recipe names that missed it): the tiny LoRA DPO row
+    trains a step on CPU through the harness."""
+    from benchmarks.throughput import takes_dataset
+
+    assert takes_dataset("recipes.hf:dpo_lora") and not takes_dataset("recipes.hf:pretrained")
+    env = {**os.environ, "TITAN_FT_BENCH": str(tmp_path / "folders")}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--device", "cpu", "--rounds", "1",
+                           "--steps", "1", "--warmup", "1", "--workload", "tiny_dpo_lora", "--contenders",
+                           "titan", "--out", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads((tmp_path / "out" / "summary.json").read_text())["rows"]
+    assert list(rows) == ["titan"]  # (one workload: rows named by contender alone)
+    assert "failed" not in rows["titan"] and rows["titan"]["tokens_per_s"] > 0, rows
