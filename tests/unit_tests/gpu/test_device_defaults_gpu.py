@@ -92,12 +92,16 @@ def test_the_estimates_before_the_run_cost_it_no_throughput(inputs, tmp_path):
     for name, flags in (("chosen", []), ("given", given)):
         folder = tmp_path / name
         env = {**os.environ, RUN_DIR_ENV: str(folder)}
-        done = subprocess.run([sys.executable, "-m", "titan_lightning.cli", *inputs, "--trainer.max_steps", "30",
+        done = subprocess.run([sys.executable, "-m", "titan_lightning.cli", *inputs, "--trainer.max_steps", "60",
                                "--trainer.enable_progress_bar", "false", *flags], env=env, timeout=600,
                               capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
-        speed[name] = [float(r["train/tokens_per_s"]) for r in step_rows(folder)[10:]]
-        print(f"\n{name}: median {statistics.median(speed[name]):,.0f} tokens/s over steps 10-29")
+        # (~0.1 s steps, each logged: 145-200k tokens/s from step to step on an H200, and a recompile
+        # or two on new document counts; run 5 measured 0.895x over steps 10-29 of 30)
+        speed[name] = [float(r["train/tokens_per_s"]) for r in step_rows(folder)[20:]]
+        deciles = statistics.quantiles(speed[name], n=10)
+        print(f"\n{name}: median {statistics.median(speed[name]):,.0f} tokens/s over steps 20-59 "
+              f"(p10 {deciles[0]:,.0f}, p90 {deciles[-1]:,.0f})")
     assert statistics.median(speed["chosen"]) >= 0.95 * statistics.median(speed["given"])
 
 
