@@ -10,13 +10,14 @@
 #   bash benchmarks/h200_owed.sh 3   # #44: SFT (head on the labelled rows) vs pretraining, quiet and event-timed
 #   bash benchmarks/h200_owed.sh 7   # #49: DPO per reference mode (frozen, LoRA adapters off), same folder
 #   bash benchmarks/h200_owed.sh 8   # #49: the 8B shape (16 layers): SFT, DPO per reference mode
-#   bash benchmarks/h200_owed.sh 5   # the GPU tests of LoRA / DPO / device defaults
+#   bash benchmarks/h200_owed.sh 5   # the GPU tests of LoRA and DPO
+#   bash benchmarks/h200_owed.sh 9   # the GPU tests of the device defaults (#44's)
 #   bash benchmarks/h200_owed.sh 4   # #48: QLoRA of the 70B shape (estimated peak 50.2 GiB)
 #
 # When machines are scarce (a start can fail and costs minutes), one machine runs the parts back to
 # back in the background and each device call only waits for the next part to end:
-#   bash benchmarks/h200_owed.sh chain 3 7 2 5 4   # returns at once; parts run in that order
-#   bash benchmarks/h200_owed.sh wait 3 580        # waits (<= 580 s) for part 3, prints it, files to $OUT
+#   bash benchmarks/h200_owed.sh chain 2 7 8 5 6 4   # returns at once; parts run in that order
+#   bash benchmarks/h200_owed.sh wait 2 580        # waits (<= 580 s) for part 2, prints it, files to $OUT
 # (the machine must stay held: the next call has to come within its idle time, or the chain is lost).
 # The float8 and QLoRA rows (parts 2, 4, 5) need torchao on the device: carry its wheel in .whl/
 # (pip download --no-deps torchao==0.17.0 --python-version 3.12 --only-binary=:all: --platform
@@ -62,8 +63,10 @@ case "${1:-}" in
     --reference 'titan (qwen2_5_1_5b_pretrain)' --workload qwen2_5_1_5b_sft_tuned_quiet,qwen2_5_1_5b_pretrain
   ;;
 7)
-  BENCH_SYNC_AUDIT=$OUT bench dpo "$(left 480)" --rounds 1 --steps 5 --warmup 3 --timeout 110 --contenders titan \
-    --reference 'titan (qwen2_5_1_5b_dpo_frozen)' --workload qwen2_5_1_5b_dpo_frozen,qwen2_5_1_5b_dpo_lora
+  # (run 5 measured the frozen row alone; the issue wants every mode next to SFT, in one run)
+  bench dpo "$(left 560)" --rounds 1 --steps 5 --warmup 3 --timeout 120 --contenders titan \
+    --reference 'titan (qwen2_5_1_5b_sft_default)' \
+    --workload qwen2_5_1_5b_sft_default,qwen2_5_1_5b_dpo,qwen2_5_1_5b_dpo_frozen,qwen2_5_1_5b_dpo_lora
   ;;
 8)
   bench dpo_8b "$(left 580)" --rounds 1 --steps 4 --warmup 3 --timeout 150 --contenders titan \
@@ -71,12 +74,15 @@ case "${1:-}" in
     --workload llama3_8b_16l_sft_default,llama3_8b_16l_dpo,llama3_8b_16l_dpo_frozen,llama3_8b_16l_dpo_lora
   ;;
 5)
-  for f in test_lora_gpu:200 test_preference_gpu:150 test_device_defaults_gpu:520; do  # (run 5: 80, 118, > 280 s)
+  for f in ${GPU_TESTS:-test_lora_gpu:200 test_preference_gpu:150}; do  # (run 5: 80 and 118 s)
     s=${f#*:}; f=${f%:*}
     timeout -k 5 "$(( $(left 580) < s ? $(left 580) : s ))" python3 -m pytest -q -p no:cacheprovider -m gpu -s \
       "tests/unit_tests/gpu/$f.py" > "/tmp/$f.log" 2>&1
     echo "== $f (rc $?, $(( $(date +%s) - T0 )) s)"; grep -E "passed|failed|error|tokens/s|Error" "/tmp/$f.log" | tail -8
   done
+  ;;
+9)
+  GPU_TESTS="test_device_defaults_gpu:560" bash "$0" 5  # (#44's, > 280 s in run 5)
   ;;
 chain)
   shift
@@ -95,6 +101,6 @@ wait)
   cp /tmp/h200chain/"$part"/* "$OUT"/ 2>/dev/null
   exit 0
   ;;
-*) echo "usage: bash benchmarks/h200_owed.sh 1|2|3|4|5|6|7|8, or chain PART..., or wait PART [SECONDS]" >&2; exit 2 ;;
+*) echo "usage: bash benchmarks/h200_owed.sh 1|2|3|4|5|6|7|8|9, or chain PART..., or wait PART [SECONDS]" >&2; exit 2 ;;
 esac
 echo "== done in $(( $(date +%s) - T0 )) s"
