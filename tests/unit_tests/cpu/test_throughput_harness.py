@@ -3,8 +3,6 @@ ratio between them is the framework's cost), and the table reports what the runs
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from importlib.util import find_spec
 from pathlib import Path
@@ -17,8 +15,6 @@ from benchmarks.throughput import (TORCHTITAN_SCRIPT, WORKLOADS, StepClock, _con
                                    kernel_table, references_of, resolve_run, run_bare, run_titan, summarize, table,
                                    torchtitan_model, union_length_us)
 from titan_lightning.data.tokenizer import CORPUS_PATH, TOKENIZER_PATH
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.slow
@@ -258,20 +254,33 @@ def test_the_event_clock_times_steps_on_the_device_and_waits_once(monkeypatch):
 
 
 
-@pytest.mark.slow
-def test_the_fine_tuning_workloads_run_as_a_user_runs_their_recipes(tmp_path):
-    """The folder workloads' commands give each recipe what it needs (run 5 on an H200 lost
-    recipes.hf:dpo_lora's row to a list of recipe names that missed it): the tiny LoRA DPO row
-    trains a step on CPU through the harness."""
-    from benchmarks.throughput import takes_dataset
 
-    assert takes_dataset("recipes.hf:dpo_lora") and not takes_dataset("recipes.hf:pretrained")
-    env = {**os.environ, "TITAN_FT_BENCH": str(tmp_path / "folders")}
-    done = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--device", "cpu", "--rounds", "1",
-                           "--steps", "1", "--warmup", "1", "--workload", "tiny_dpo_lora", "--contenders",
-                           "titan", "--out", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = json.loads((tmp_path / "out" / "summary.json").read_text())["rows"]
-    assert list(rows) == ["titan"]  # (one workload: rows named by contender alone)
-    assert "failed" not in rows["titan"] and rows["titan"]["tokens_per_s"] > 0, rows
+def test_the_fine_tuning_workloads_give_each_recipe_the_data_it_needs(tmp_path, monkeypatch):
+    """Each tiny folder workload resolves as the CLI resolves the user's command, with the prepared
+    conversations or pairs as its data set (run 5 on an H200 lost recipes.hf:dpo_lora's row to a list of
+    recipe names that missed it)."""
+    import numpy as np
+
+    import benchmarks.finetune_folder as finetune_folder
+    import preference_cases
+    from benchmarks.throughput import takes_dataset
+    from titan_lightning.data.shards import tokenizer_identity
+    from titan_lightning.data.tokenizer import load_tokenizer
+    from titan_lightning.testing.sft_shards import synthetic_conversations, write_sft_shards
+
+    folder, pairs = preference_cases.make_folders(tmp_path)
+    pairs.rename(tmp_path / "pairs")  # (where the harness looks: next to the conversations)
+    tokenizer = load_tokenizer(str(folder))
+    identity = tokenizer_identity(folder / "tokenizer.json", tokenizer.vocab_size, tokenizer.eot_id,
+                                  tokenizer.bos_id if tokenizer.add_bos else None)
+    write_sft_shards(tmp_path / "data", [(np.where(t == 0, tokenizer.eot_id, t), m) for t, m in
+                                         synthetic_conversations(40, vocab_size=tokenizer.vocab_size)],
+                     tokenizer=identity)
+    monkeypatch.setattr(finetune_folder, "folders", lambda shape, layers=None, root=None: (folder, tmp_path / "data"))
+    tiny = {name: w for name, w in WORKLOADS.items() if w.as_user and w.folder == ("tiny", None)}
+    assert {"tiny_sft", "tiny_lora", "tiny_dpo", "tiny_dpo_frozen", "tiny_dpo_lora"} <= set(tiny)
+    for name, w in tiny.items():
+        run = resolve_run(w, "cpu", 2)
+        assert takes_dataset(w.recipe)
+        assert run.job.data.dataset_path == str(tmp_path / ("pairs" if w.pairs else "data")), name
+    assert not takes_dataset("recipes.hf:pretrained")
