@@ -25,7 +25,7 @@ _CHILDREN = (*ADAPTER_NAMES, "lora_dropout")
 
 
 class LoRALinear(nn.Linear):
-    """``x W^T + b + lora_b(lora_a(dropout(x))) * alpha / rank``; ``adapters_on`` False: the base alone."""
+    """``x W^T + b + lora_b(lora_a(dropout(x)) * alpha / rank)``; ``adapters_on`` False: the base alone."""
 
     def __init__(self, in_features: int, out_features: int, *, rank: int, alpha: float, dropout: float = 0.0,
                  bias: bool = False, device=None, dtype=None) -> None:
@@ -70,7 +70,10 @@ class LoRALinear(nn.Linear):
             base = F.linear(x, self.weight, self.bias)
         if not self.adapters_on:
             return base
-        return base + self.lora_b(self.lora_a(self.lora_dropout(x))) * self.scaling
+        # The scaling on the rank-wide activation, not on the output: the backward then takes the
+        # output's gradient as it is (no pass over it to scale it; a power of two, as alpha = 2 x rank,
+        # gives the same bits either way).
+        return base + self.lora_b(self.lora_a(self.lora_dropout(x)) * self.scaling)
 
     def extra_repr(self) -> str:
         float8 = ", float8 base" if self.float8 is not None else ""
