@@ -27,6 +27,9 @@ are the template's ``tools`` variable in every render of the conversation, as tr
 ``apply_chat_template(messages, tools=...)`` passes them; an assistant turn that only calls tools
 (``tool_calls``, a null or no ``content``) is supervised as the template renders the calls.
 
+An assistant turn with ``"weight": 0`` (OpenAI's fine-tuning format; ShareGPT's) is context, not
+supervised; 1 or no weight: supervised as ``train_on`` says (``all`` supervises every token still).
+
 ShareGPT conversations (``{"from", "value"}`` messages, as axolotl, LLaMA-Factory and Unsloth's
 ``standardize_sharegpt`` read them: from ``human`` / ``gpt`` / ``system`` / ``tool``) are read as
 the ``{"role", "content"}`` messages they stand for (SHAREGPT_ROLES); their other keys stay.
@@ -318,6 +321,9 @@ def conversation(messages: Any, field: str) -> list[dict[str, Any]]:
         if not isinstance(content, str) and not calls_tools:
             raise BadRecord(f"message {k} ({message['role']}): content is "
                             f"{type(message.get('content')).__name__}, not a string")
+        weight = message.get("weight")
+        if weight is not None and (isinstance(weight, str) or weight not in (0, 1)):
+            raise BadRecord(f"message {k}: weight {weight!r}; a turn's weight is 0 (not trained on) or 1")
     return [{k: v for k, v in m.items() if v is not None} for m in messages]
 
 
@@ -500,7 +506,17 @@ class ChatRenderer:
             spans = []
             for i in turns:
                 spans.append(self._turn(messages, tools, i, text, spans[-1][1] if spans else None if skip else 0))
-        return text, spans[-1:] if self.options.train_on == "last_assistant" else spans
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"][skip:]
+        if self.options.train_on == "last_assistant":
+            spans, turns = spans[-1:], turns[-1:]
+        if any(messages[i].get("weight") == 0 for i in turns):  # (OpenAI's and ShareGPT's turn weights)
+            if len(turns) != len(spans):
+                raise BadRecord(f"a turn of weight 0, and the chat template's {{% generation %}} blocks are "
+                                f"{len(spans)} for {len(turns)} assistant turns: which to leave out is unknown")
+            spans = [span for span, i in zip(spans, turns) if messages[i].get("weight") != 0]
+            if not spans:
+                raise BadRecord("every assistant turn it would train on has weight 0")
+        return text, spans
 
     def _render(self, messages: list, tools: Optional[list] = None, generation_prompt: bool = False,
                 spans: Optional[list[Span]] = None) -> str:

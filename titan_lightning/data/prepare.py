@@ -966,7 +966,8 @@ chat and instruction data:
   dropped. A record's tool definitions (--tools-field, default tools: a list of JSON-schema
   function objects, or a JSON string of one) are the template's `tools` in every render of it;
   an assistant turn that only calls tools (tool_calls, null content) is supervised as the
-  template renders the calls. ShareGPT records (--messages-field conversations: {from, value}
+  template renders the calls. An assistant turn with "weight": 0 (OpenAI's format) is context,
+  not supervised. ShareGPT records (--messages-field conversations: {from, value}
   messages from human, gpt, system, tool) are read as the {role, content} messages they stand
   for. A record without an assistant turn, with an unknown role, a
   content that is not a string (but for such a call), bad tools, or on which the template fails

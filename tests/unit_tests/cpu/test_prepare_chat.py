@@ -1,7 +1,8 @@
 """`titan-lightning prepare` on chat and instruction data: conversations rendered with real chat
 templates (Llama 3.2, Qwen 3, a ChatML one with {% generation %} markers), their loss masks token by
 token, tool definitions and tool calls, --train-on, --max-tokens/--too-long, bad records, bad input,
-the sandbox, and the shards' mask files and index."""
+the sandbox, and the shards' mask files and index; data as it is published: ShareGPT's {from, value},
+TRL's conversational prompt-completion, OpenAI's turn weights, .json files holding one array."""
 
 import json
 import re
@@ -740,3 +741,45 @@ def test_a_json_file_holding_one_array_of_records_reads_as_its_records(folders, 
             prepare([str(path)], str(tmp_path / "out"), tokenizer_path=str(folders["qwen"]), workers=1,
                     progress=False, chat=ChatOptions(prompt_fields=("prompt",), response_field="output"))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("template", ["llama", "qwen", "markers"])
+def test_an_assistant_turn_of_weight_0_is_context_not_supervised(folders, tmp_path, template, monkeypatch):
+    """OpenAI's fine-tuning format (and ShareGPT's) weighs assistant turns: ``"weight": 0`` leaves a
+    turn unsupervised (its tokens stay in the conversation), 1 or none supervises it; the text is the
+    same. A weight that is not 0 or 1, or a conversation left with nothing to train on, is a bad record."""
+    folder = folders["llama" if template == "llama" else "qwen"]
+    marked = (TEMPLATES / "chatml_generation.jinja").read_text() if template == "markers" else None
+    renderer = _renderer(folder, marked)
+    weighted = [SYSTEM, USER, {**ANSWER, "weight": 0}, {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "It is sunny.", "weight": 1}]
+    plain = [{k: v for k, v in m.items() if k != "weight"} for m in weighted]
+    text, spans = renderer.render(plain)
+    assert renderer.render(weighted) == (text, spans[1:])
+    assert [piece for bit, piece in _runs(renderer, weighted) if bit] == [
+        piece for bit, piece in _runs(renderer, plain) if bit][1:]
+    assert "It is sunny." in text[spans[1][0]:spans[1][1]]
+
+    _on_day(monkeypatch, NOW)
+    records = [{"messages": weighted}, {"messages": [USER, {**ANSWER, "weight": 0}]},
+               {"messages": [USER, {**ANSWER, "weight": 2}]},
+               {"conversations": [{"from": "human", "value": "Hi."}, {"from": "gpt", "value": "Hello.", "weight": 0},
+                                  {"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4.", "weight": 1}]}]
+    records[3] = {"messages": records[3]["conversations"]}
+    path = _jsonl(tmp_path / "w.jsonl", records)
+    template_file = tmp_path / "t.jinja"
+    template_file.write_text(marked or "")
+    options = ChatOptions(messages_field="messages", template=str(template_file) if marked else None)
+    summary = prepare([str(path)], str(tmp_path / "out"), tokenizer_path=str(folder), workers=1, progress=False,
+                      chat=options)
+    assert summary["bad_records"] == 2 and summary["first_bad"] == f"{path}:2: every assistant turn it would train " \
+                                                                   f"on has weight 0"
+    ids, masks, _ = _read(tmp_path / "out")
+    expected = renderer.encode([renderer.render(weighted)])[0]
+    assert ids[0].tolist() == expected[0].tolist() and masks[0].tolist() == expected[1].tolist()
+    supervised = renderer.tokenizer.decode(ids[1][masks[1] == 1].tolist())
+    assert "4." in supervised and "Hello." not in supervised
+    with pytest.raises(PrepareError, match=r"two.jsonl:2: message 1: weight 2; a turn's weight is 0 \(not trained "
+                                           r"on\) or 1 \(--bad-records stop\)$"):
+        prepare([str(_jsonl(tmp_path / "two.jsonl", [records[0], records[2]]))], str(tmp_path / "stop"),
+                tokenizer_path=str(folder), workers=1, progress=False, chat=options, bad_records="stop")
