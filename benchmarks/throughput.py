@@ -294,7 +294,8 @@ WORKLOADS["llama3_8b_qlora"] = dataclasses.replace(WORKLOADS["llama3_8b_lora"], 
 # of the README command logs every step: ten values read off the device after each); with
 # BENCH_CLOCK=events neither contender waits for the device between steps either (issue #48's bar):
 # BENCH_CLOCK=events python -m benchmarks.throughput --rounds 1 --steps 5 --warmup 4 \
-#   --reference 'titan (llama3_8b_lora_quiet)' --workload llama3_8b_lora_quiet,llama3_8b_lora_float8_quiet,llama3_8b_qlora_quiet
+#   --reference 'titan (llama3_8b_lora_quiet)' \
+#   --workload llama3_8b_lora_quiet,llama3_8b_lora_float8_quiet,llama3_8b_qlora_quiet
 for _lora_name in ("llama3_8b_lora", "llama3_8b_lora_float8", "llama3_8b_qlora"):
     WORKLOADS[f"{_lora_name}_quiet"] = dataclasses.replace(
         WORKLOADS[_lora_name], overrides=WORKLOADS[_lora_name].overrides + ("--trainer.log_every_n_steps", "100"))

@@ -37,8 +37,8 @@ the ``{"role", "content"}`` messages they stand for (SHAREGPT_ROLES); their othe
 Prompt/response pairs are a user turn and an assistant turn through the template; with one
 prompt field, either may be a list of messages instead (TRL's conversational prompt-completion:
 the prompt's messages then the completion's, only the completion's assistant turns supervised). A
-tokenizer without a template gives plain text: the prompt, a blank line, the response and EOS (BOS first when the
-tokenizer adds one), the mask on the response and EOS.
+tokenizer without a template gives plain text: the prompt, a blank line, the response and EOS (BOS
+first when the tokenizer adds one), the mask on the response and EOS.
 """
 
 import hashlib
