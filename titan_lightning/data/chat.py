@@ -465,19 +465,23 @@ class ChatRenderer:
         if self.template is None:
             raise BadRecord("a tokenizer without a chat template renders a text prompt and a text response only; "
                             "give one with --chat-template FILE")
-        turns = []
-        for name, role in ((o.prompt_fields[0], "user"), (o.response_field, "assistant")):
-            value = record.get(name)
-            if isinstance(value, str) and value.strip():
-                turns.append([{"role": role, "content": value}])
-            elif isinstance(value, str) or value is None:
+        for name in (o.prompt_fields[0], o.response_field):
+            if record.get(name) is None:
                 raise BadRecord(f"no text in {name!r}")
-            else:
-                turns.append(conversation(value, name))
-        prompt, completion = turns
+        prompt = self._turns(record[o.prompt_fields[0]], "user", o.prompt_fields[0])
+        completion = self._turns(record[o.response_field], "assistant", o.response_field)
         if not any(m["role"] == "assistant" for m in completion):
             raise BadRecord(f"{o.response_field!r}: no assistant turn")
         return prompt + completion, sum(m["role"] == "assistant" for m in prompt)
+
+    @staticmethod
+    def _turns(value: Any, role: str, field: str) -> list[dict]:
+        """``field``'s value as messages: a text is one turn of ``role``, a list is checked as a conversation."""
+        if isinstance(value, str):
+            if not value.strip():
+                raise BadRecord(f"no text in {field!r}")
+            return [{"role": role, "content": value}]
+        return conversation(value, field)
 
     def render(self, messages: list[dict[str, Any]], tools: Optional[list] = None,
                skip: int = 0) -> tuple[str, list[Span]]:
@@ -492,23 +496,20 @@ class ChatRenderer:
         if self.options.train_on == "all":
             text = self._render(messages, tools)
             return text, [(0, len(text))]
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"][skip:]
+        if self.options.train_on == "last_assistant":
+            turns = turns[-1:]
         if self.markers:
             spans: list[Span] = []
             text = self._render(messages, tools, spans=spans)
             if not spans:
                 raise BadRecord("the chat template marks no text of it with {% generation %}")
-            spans = spans[skip:]
+            spans = spans[skip:][-1:] if self.options.train_on == "last_assistant" else spans[skip:]
         else:
             text = self._render(messages, tools)
-            turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"][skip:]
-            if self.options.train_on == "last_assistant":
-                turns = turns[-1:]
             spans = []
             for i in turns:
                 spans.append(self._turn(messages, tools, i, text, spans[-1][1] if spans else None if skip else 0))
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"][skip:]
-        if self.options.train_on == "last_assistant":
-            spans, turns = spans[-1:], turns[-1:]
         if any(messages[i].get("weight") == 0 for i in turns):  # (OpenAI's and ShareGPT's turn weights)
             if len(turns) != len(spans):
                 raise BadRecord(f"a turn of weight 0, and the chat template's {{% generation %}} blocks are "

@@ -96,22 +96,15 @@ class PreferenceRenderer(ChatRenderer):
                                 f"the implicit form); give the prompt in {o.prompt_field!r}")
             prompt = chosen[:shared]
         else:
-            prompt = self._turns(prompt, "prompt", o.prompt_field)
-            chosen = prompt + self._turns(chosen, "chosen", o.chosen_field)
-            rejected = prompt + self._turns(rejected, "rejected", o.rejected_field)
+            prompt = self._turns(prompt, TEXT_ROLES["prompt"], o.prompt_field)
+            chosen = prompt + self._turns(chosen, TEXT_ROLES["chosen"], o.chosen_field)
+            rejected = prompt + self._turns(rejected, TEXT_ROLES["rejected"], o.rejected_field)
         for name, messages in ((o.chosen_field, chosen), (o.rejected_field, rejected)):
             if not any(m["role"] == "assistant" for m in messages[len(prompt):]):
                 raise BadRecord(f"{name!r}: no assistant turn after the prompt")
         if chosen == rejected:
             raise BadRecord(f"{o.chosen_field!r} and {o.rejected_field!r} are the same")
         return chosen, rejected, len(prompt)
-
-    def _turns(self, value: Any, kind: str, field: str) -> list[dict]:
-        if isinstance(value, str):
-            if not value.strip():
-                raise BadRecord(f"no text in {field!r}")
-            return [{"role": TEXT_ROLES[kind], "content": value}]
-        return conversation(value, field)
 
     def conversation(self, record: Any) -> tuple[list[dict[str, Any]], int]:
         """The chosen conversation and its prompt's assistant turns (what ``prepare`` renders first,
