@@ -125,9 +125,18 @@ class LoadWeights(L.Callback):
         # reference is made of them before the restore).
         self.resuming: Optional[bool] = None
 
+    def loads_base(self, trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
+        """Whether on_fit_start will load every parameter of the base (the loads are strict; a pipeline
+        rank's, of its stages): a fresh fit, or one with adapters. A module's materialize asks
+        before it draws the random init, and skips those parameters' draw if so."""
+        resuming = self.resuming if self.resuming is not None else trainer.ckpt_path is not None
+        return not resuming or has_adapters(pl_module.model)
+
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         adapters = has_adapters(pl_module.model)
-        if trainer.ckpt_path is not None and not adapters:
+        # (a module whose init skipped the base's draw is loaded even so: a fit resumed with no
+        # resuming said, where Lightning restores after this hook, replaces the values it loads)
+        if trainer.ckpt_path is not None and not adapters and not getattr(pl_module, "init_skipped", False):
             return
         if not self.path.exists():
             raise CheckpointError(f"checkpoint.initial_load_path={str(self.path)!r} does not exist")

@@ -3,6 +3,7 @@ schedule, gradient clipping and the finiteness check."""
 
 import copy
 import functools
+import inspect
 import math
 from contextlib import nullcontext
 from typing import Any, ClassVar, Optional
@@ -11,14 +12,16 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.fsdp import FSDPModule
 
 from titan_lightning._compat import unset_fake_temporarily
 from titan_lightning.config import ConfigError, JobConfig
-from titan_lightning.lora import (adapters_off, add_job_adapters, check_lora_job, quantize_base_nf4,
+from titan_lightning.lora import (adapters_off, add_job_adapters, base_only, check_lora_job, quantize_base_nf4,
                                   store_frozen_in)
 from titan_lightning.lora.peft_import import check_init_from
 from titan_lightning.models.common.decoder import Decoder, decoder_class
+from titan_lightning.models.common.init import canonical_fqn
 from titan_lightning.models.common.loss import IGNORE_INDEX
 from titan_lightning.models.common.masking import varlen_offsets
 from titan_lightning.models.common.moe import update_expert_bias
@@ -95,6 +98,8 @@ class CausalLMModule(L.LightningModule):
         # The last clipped step's losses and norm, not yet read on the host (check_finite).
         self._unchecked: Optional[_Unchecked] = None
         self._adapters: Optional[int] = None  # (the LoRA adapters' parameters, counted on first use)
+        # materialize drew no random values for the parameters the fit's initial load overwrites.
+        self.init_skipped = False
 
     @property
     def loss_over_step_tokens(self) -> bool:
@@ -168,7 +173,26 @@ class CausalLMModule(L.LightningModule):
 
     def materialize(self, device: torch.device) -> None:
         self.allocate(device)
-        self.model.init_weights(self.job.training.seed)
+        loaded = self.loaded_at_fit_start()
+        if loaded:  # (an 8B base's random draw cost ~a minute of CPU before every fine-tune; a 70B's ~5)
+            self.model.init_weights(self.job.training.seed, loaded=loaded)
+        else:
+            self.model.init_weights(self.job.training.seed)
+        self.init_skipped = bool(loaded)  # (LoadWeights then loads even in a resumed fit)
+
+    def loaded_at_fit_start(self) -> frozenset:
+        """The model's parameters a fit loads before its first step (``checkpoint.initial_load_path``,
+        when the callback that loads it says it will: LoadWeights.loads_base), every one but the
+        adapters: their random init is not drawn. Empty when nothing loads them, or the model's
+        ``init_weights`` draws all (it takes no ``loaded``)."""
+        trainer = self._trainer
+        if (trainer is None or trainer.state.fn != TrainerFn.FITTING
+                or "loaded" not in inspect.signature(self.model.init_weights).parameters
+                or not any(callable(getattr(c, "loads_base", None)) and c.loads_base(trainer, self)
+                           for c in trainer.callbacks)):
+            return frozenset()
+        with base_only(self.model) as base:
+            return frozenset(canonical_fqn(name) for name, _ in base.named_parameters())
 
     def allocate(self, device: torch.device, model: Optional[torch.nn.Module] = None) -> None:
         """The storage of ``model`` (default ``self.model``; another of ``build_model``'s, such as a

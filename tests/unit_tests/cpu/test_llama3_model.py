@@ -1,3 +1,5 @@
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -127,6 +129,29 @@ def test_init_ignores_the_default_device():
         model.init_weights(7)
     assert_same_weights(plain, model)
     assert torch.equal(plain.rope_cache, model.rope_cache)
+
+
+@pytest.mark.parametrize("ahead_bytes", [0, 1 << 20])
+def test_init_drawn_on_threads_is_the_one_thread_init(monkeypatch, ahead_bytes):
+    """A large model draws on several threads, at most ``DRAW_AHEAD_BYTES`` of values waiting (0: one
+    at a time): bitwise the weights of one thread, each from its own (seed, name) generator."""
+    from titan_lightning.models.common import init
+
+    args = llama3_args("debugmodel")
+    one = materialized(args, seed=5)
+    monkeypatch.setattr(init, "PARALLEL_DRAW_NUMEL", 0)
+    monkeypatch.setattr(init, "DRAW_AHEAD_BYTES", ahead_bytes)
+    monkeypatch.setattr(init, "draw_threads", lambda: 3)
+    drawn_on = set()
+    law = Transformer.init_param
+
+    def recording(self, fqn, w, g):
+        drawn_on.add(threading.current_thread().name)
+        law(self, fqn, w, g)
+
+    monkeypatch.setattr(Transformer, "init_param", recording)
+    assert_same_weights(one, materialized(args, seed=5))
+    assert drawn_on and all(name.startswith("init") for name in drawn_on)
 
 
 def test_init_in_bfloat16_is_the_float32_init_rounded():

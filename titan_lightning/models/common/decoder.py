@@ -16,7 +16,7 @@ can delete blocks and keep the names; a stage may also set ``tok_embeddings``, `
 whole model to bfloat16 afterwards would round it too.
 """
 
-from typing import ClassVar, Optional
+from typing import ClassVar, Collection, Optional
 
 import torch
 from torch import nn
@@ -232,10 +232,11 @@ class Decoder(nn.Module):
             return h
         return self.output(h if label_rows is None else h.flatten(0, -2).index_select(0, label_rows))
 
-    def init_weights(self, seed: int) -> None:
-        """Draw every parameter from (seed, its name), as in torchtitan; zero the MoE buffers;
-        rebuild ``rope_cache``."""
-        init_params(self, seed, self.init_param)
+    def init_weights(self, seed: int, *, loaded: Collection[str] = ()) -> None:
+        """Draw every parameter from (seed, its name), as in torchtitan, but those named in
+        ``loaded`` (a load overwrites them before any step: CausalLMModule.materialize); zero the
+        MoE buffers; rebuild ``rope_cache``."""
+        init_params(self, seed, self.init_param, skip=loaded)
         reset_moe_buffers(self)
         with torch.device("cpu"):
             cache = self.build_rope_cache()

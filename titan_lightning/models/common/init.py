@@ -6,8 +6,11 @@ therefore depend only on (seed, name): not on the device, the dtype, the shardin
 pipeline split or the order in which modules were built.
 """
 
+import os
 import zlib
-from typing import Callable
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Collection
 
 import torch
 from torch import nn
@@ -33,17 +36,56 @@ def param_generator(seed: int, fqn: str) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(fqn.encode())) % 2**64)
 
 
+# A model of more values than this draws its parameters on several threads (each from its own
+# generator: the same values as one thread), at most DRAW_AHEAD_BYTES of drawn tensors waiting.
+PARALLEL_DRAW_NUMEL = 1 << 26
+DRAW_AHEAD_BYTES = 8 << 30
+
+
+def draw_threads() -> int:
+    return min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
 @torch.no_grad()
-def init_params(module: nn.Module, seed: int, law: InitLaw) -> None:
-    for fqn, param in module.named_parameters():
-        fqn = canonical_fqn(fqn)
+def init_params(module: nn.Module, seed: int, law: InitLaw, *, skip: Collection[str] = ()) -> None:
+    """Draw every parameter of ``module`` by ``law`` but those named in ``skip`` (canonical names:
+    ones a load overwrites before they are read keep their storage as it is; each drawn one's values
+    depend on (seed, name) alone, so skipping some changes no other). A large model's parameters are
+    drawn on ``draw_threads()`` threads (a 70B model's draw is minutes on one core): ``law`` must
+    draw from the generator it is given alone (nn.init's functions with ``generator=``)."""
+    todo = [(fqn, param) for fqn, param in ((canonical_fqn(n), p) for n, p in module.named_parameters())
+            if fqn not in skip]
+
+    def draw(fqn: str, param: torch.Tensor) -> torch.Tensor:
         full = torch.empty(param.shape, dtype=torch.float32, device="cpu")  # whatever the default device
         law(fqn, full, param_generator(seed, fqn))
-        if sharded_nf4(param):  # (quantized whole, then this rank's rows: parallel/nf4.py)
-            copy_into_sharded_nf4(param, full)
-        elif isinstance(param, DTensor):
-            # src_data_rank=None: no communication, each rank cuts its own chunk.
-            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.to_local().copy_(shard.to_local())
-        else:
-            param.copy_(full)
+        return full
+
+    threads = draw_threads() if sum(p.numel() for _, p in todo) > PARALLEL_DRAW_NUMEL else 1
+    if threads == 1:
+        for fqn, param in todo:
+            _copy_in(param, draw(fqn, param))
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="init") as pool:
+        ahead: deque = deque()  # (param, future of its values, bytes), in the module's order
+        waiting, nxt = 0, 0
+        while ahead or nxt < len(todo):
+            while nxt < len(todo) and len(ahead) < 2 * threads and (
+                    not ahead or waiting + 4 * todo[nxt][1].numel() <= DRAW_AHEAD_BYTES):
+                fqn, param = todo[nxt]
+                ahead.append((param, pool.submit(draw, fqn, param), 4 * param.numel()))
+                waiting, nxt = waiting + ahead[-1][2], nxt + 1
+            param, values, size = ahead.popleft()
+            _copy_in(param, values.result())
+            waiting -= size
+
+
+def _copy_in(param: torch.Tensor, full: torch.Tensor) -> None:
+    if sharded_nf4(param):  # (quantized whole, then this rank's rows: parallel/nf4.py)
+        copy_into_sharded_nf4(param, full)
+    elif isinstance(param, DTensor):
+        # src_data_rank=None: no communication, each rank cuts its own chunk.
+        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full)
