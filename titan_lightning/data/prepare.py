@@ -4,7 +4,10 @@
         [--tokenizer PATH] [--text-field text] [--workers N] [--bad-records skip|stop]
 
 Inputs are files, folders (every .jsonl, .json, .txt and .parquet below them) or globs, taken in
-sorted order. A JSONL line is one document (its ``--text-field``), as is each element of a ``.json``
+sorted order; a JSONL, JSON or text file may come compressed (``.jsonl.gz``, ``.json.bz2``,
+``.txt.xz``: gzip, bzip2, xz), and is then decompressed once, before the work, into a temporary
+folder beside the output (removed at the end; messages name the compressed file and the line in it).
+A JSONL line is one document (its ``--text-field``), as is each element of a ``.json``
 file that holds one JSON array (read whole, one part); a Parquet row is one document
 (that column; needs pyarrow: ``pip install titan-lightning[parquet]``); a text file holds
 documents separated by ``<|endoftext|>`` (one document if it has none). Each document becomes its
@@ -58,6 +61,8 @@ from titan_lightning.data.shards import INDEX, ShardWriter, token_dtype, tokeniz
 from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
 
 KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "text", ".parquet": "parquet"}
+# Compressed inputs (the Python standard library's codecs), by the last suffix: train.jsonl.gz.
+COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
 PART_BYTES = 64 * 2**20
 MIN_PIECE_BYTES = 256 * 2**10  # the smallest piece a part is cut into for several workers
 PROGRESS = "progress.json"
@@ -123,16 +128,68 @@ def find_inputs(inputs: list[str]) -> list[Path]:
             raise PrepareError(f"--input {spec!r}: no such file or folder")
         for match in map(Path, matches):
             if match.is_dir():
-                found = sorted(p for p in match.rglob("*") if p.is_file() and p.suffix in KINDS)
+                found = sorted(p for p in match.rglob("*") if p.is_file() and _readable_suffix(p))
                 if not found:
                     raise PrepareError(f"--input {spec!r}: the folder holds no {', '.join(KINDS)} file")
                 files.extend(found)
-            elif match.suffix not in KINDS:
-                raise PrepareError(f"--input {str(match)!r}: {match.suffix or 'no'} extension; prepare reads "
-                                   f"{', '.join(KINDS)} files")
+            elif not _readable_suffix(match):
+                inner = (f"{_inner_suffix(match) or 'no'} extension inside {match.suffix}"
+                         if match.suffix in COMPRESSED else f"{match.suffix or 'no'} extension")
+                raise PrepareError(f"--input {str(match)!r}: {inner}; prepare reads {', '.join(KINDS)} files "
+                                   f"(JSONL, JSON and text also as {', '.join(COMPRESSED)})")
             else:
                 files.append(match)
     return sorted(dict.fromkeys(files))
+
+
+def _inner_suffix(path: Path) -> str:
+    """The suffix of a compressed file's contents (train.jsonl.gz: .jsonl)."""
+    return Path(path.stem).suffix
+
+
+def _readable_suffix(path: Path) -> bool:
+    if path.suffix in COMPRESSED:
+        return _inner_suffix(path) in KINDS and _inner_suffix(path) != ".parquet"  # (Parquet compresses itself)
+    return path.suffix in KINDS
+
+
+def _decompress(files: list[Path], folder: Path, progress: bool) -> dict[Path, Path]:
+    """Each compressed file of ``files`` decompressed into ``folder`` (named as its contents:
+    train.jsonl.gz -> train.jsonl, in a subfolder of its own); {decompressed: compressed}."""
+    import importlib
+
+    copies = {}
+    for i, path in enumerate(files):
+        if path.suffix not in COMPRESSED:
+            continue
+        target = folder / str(i) / path.stem
+        target.parent.mkdir()
+        if progress:
+            print(f"prepare: decompressing {path}", file=sys.stderr, flush=True)
+        codec = importlib.import_module(COMPRESSED[path.suffix])  # (gzip, bz2 or lzma: the standard library's)
+        try:
+            with codec.open(path, "rb") as source, target.open("wb") as out:
+                shutil.copyfileobj(source, out, 1 << 22)
+        except (OSError, EOFError, ValueError) as err:  # a truncated or corrupt file, or not of its codec
+            raise PrepareError(f"{path}: cannot decompress ({COMPRESSED[path.suffix]}: "
+                               f"{' '.join(str(err).split())[:200]})") from None
+        copies[target] = path
+    return copies
+
+
+def _named_as_given(message: str, copies: dict[Path, Path]) -> str:
+    """``message`` with each decompressed copy's path replaced by its compressed file's."""
+    for copy, path in copies.items():
+        message = message.replace(str(copy), f"{path} (decompressed)")
+    return message
+
+
+def _temporary_folder_near(output: Path) -> Path:
+    """The nearest existing folder at or above ``output`` (its file system holds the shards too)."""
+    folder = output.absolute()
+    while not folder.is_dir():
+        folder = folder.parent
+    return folder
 
 
 def check_input(path: Path, fields: list[Field]) -> None:
@@ -514,12 +571,42 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = N
             progress: bool = True, chat: Optional[ChatOptions] = None) -> dict[str, Any]:
     """Tokenize ``inputs`` into the shard set ``output``; a summary dict. PrepareError on bad input
     (before any work), or on a bad record under ``bad_records="stop"``. ``chat``: the records are
-    conversations, written with a loss mask (data/chat.py)."""
+    conversations, written with a loss mask (data/chat.py). Compressed inputs are read from
+    decompressed copies in a temporary folder beside ``output``."""
     if bad_records not in ("skip", "stop"):
         raise PrepareError(f"--bad-records={bad_records!r}: expected skip or stop")
     if workers is not None and workers < 1:
         raise PrepareError(f"--workers={workers}: expected >= 1")
     files = find_inputs(inputs)
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise PrepareError(f"--output {output!r} is a file; give a folder for the shards (a new or an empty one)")
+    if (out / INDEX).is_file():
+        raise PrepareError(f"--output {output!r} already holds a shard set ({INDEX}); choose another folder")
+    options = dict(tokenizer_path=tokenizer_path, text_field=text_field, workers=workers, bad_records=bad_records,
+                   shard_tokens=shard_tokens, progress=progress, chat=chat)
+    if not any(path.suffix in COMPRESSED for path in files):
+        return _prepare(files, output, {}, **options)
+    import tempfile  # (compressed inputs only)
+
+    with tempfile.TemporaryDirectory(prefix=".prepare-decompressed-", dir=_temporary_folder_near(out)) as tmp:
+        copies: dict[Path, Path] = {}
+        try:
+            copies = _decompress(files, Path(tmp), progress)
+            plain = {path: copy for copy, path in copies.items()}
+            summary = _prepare([plain.get(path, path) for path in files], output, copies, **options)
+        except PrepareError as err:
+            raise PrepareError(_named_as_given(str(err), copies)) from None
+    if summary["first_bad"]:
+        summary["first_bad"] = _named_as_given(summary["first_bad"], copies)
+    return summary
+
+
+def _prepare(files: list[Path], output: str, copies: dict[Path, Path], *, tokenizer_path: Optional[str],
+             text_field: str, workers: Optional[int], bad_records: str, shard_tokens: int, progress: bool,
+             chat: Optional[ChatOptions]) -> dict[str, Any]:
+    """prepare of ``files``; ``copies``: {decompressed copy: the compressed input it stands for}
+    (recorded as the inputs, so that a resume matches them)."""
     for path in files:
         check_input(path, chat.field_options if chat else [(text_field, "--text-field", str)])
     try:
@@ -536,10 +623,6 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = N
         for path in files:
             _check_first_record(path, spec, tokenizer)
     out = Path(output)
-    if out.exists() and not out.is_dir():
-        raise PrepareError(f"--output {output!r} is a file; give a folder for the shards (a new or an empty one)")
-    if (out / INDEX).is_file():
-        raise PrepareError(f"--output {output!r} already holds a shard set ({INDEX}); choose another folder")
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -548,7 +631,8 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = N
     identity = tokenizer_identity(tokenizer_file(tokenizer_path), tokenizer.vocab_size, tokenizer.eot_id,
                                   tokenizer.bos_id if tokenizer.add_bos else None)
     parts = plan_parts(files)
-    settings = {"inputs": [str(p.resolve()) for p in files], "sizes": [p.stat().st_size for p in files],
+    given = [copies.get(p, p) for p in files]
+    settings = {"inputs": [str(p.resolve()) for p in given], "sizes": [p.stat().st_size for p in given],
                 "text_field": text_field, "tokenizer": identity, "shard_tokens": shard_tokens}
     if spec is not None:
         spec = _clock_of_interrupted_run(out, spec)
@@ -878,7 +962,9 @@ def main(argv: list[str]) -> int:
 
     parser = Parser(prog="titan-lightning prepare", description=__doc__.split("\n\n")[0], exit_on_error=False,
                     epilog=CHAT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", action="append", required=True, help="file, folder or glob (repeatable)")
+    parser.add_argument("--input", action="append", required=True,
+                        help="file, folder or glob (repeatable): .jsonl, .json, .txt, .parquet; the first three "
+                             "also compressed (.gz, .bz2, .xz)")
     parser.add_argument("--output", required=True, help="the shard folder to write")
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json or its folder (default: the shipped one)")
     parser.add_argument("--text-field", default=None, help="the JSONL field / Parquet column with the text (default: "

@@ -132,6 +132,46 @@ def test_a_stopped_prepare_leaves_nothing_behind(tmp_path, monkeypatch):
     assert list((tmp_path / "empty").iterdir()) == []
 
 
+def test_compressed_inputs_prepare_as_their_contents_and_name_themselves_in_errors(corpus, tmp_path, monkeypatch):
+    """.jsonl.gz / .txt.bz2 / .json.xz (as OpenAssistant and many dataset dumps ship): the same shards
+    as the plain files, the index naming the compressed inputs, no decompressed copy left behind; a
+    resume matches the same compressed inputs; a bad record or a corrupt file names the compressed file."""
+    import bz2
+    import gzip
+    import lzma
+
+    packed = tmp_path / "packed"
+    (packed / "sub").mkdir(parents=True)
+    (packed / "a.jsonl.gz").write_bytes(gzip.compress((corpus / "a.jsonl").read_bytes()))
+    (packed / "c.txt.bz2").write_bytes(bz2.compress((corpus / "c.txt").read_bytes()))
+    (packed / "sub" / "b.jsonl.xz").write_bytes(lzma.compress((corpus / "sub" / "b.jsonl").read_bytes()))
+    prepare([str(corpus)], str(tmp_path / "plain"), workers=1, progress=False)
+    monkeypatch.setattr(prepare_module, "PART_BYTES", 20_000)  # several parts: a resume has some to do
+    with interrupted_at_part(3):
+        prepare([str(packed)], str(tmp_path / "out" / "from_packed"), workers=1, progress=False)
+    assert len(json.loads((tmp_path / "out" / "from_packed" / "progress.json").read_text())["done"]) == 2
+    prepare([str(packed)], str(tmp_path / "out" / "from_packed"), workers=2, progress=False)
+    assert np.array_equal(_tokens(tmp_path / "out" / "from_packed"), _tokens(tmp_path / "plain"))
+    index = json.loads((tmp_path / "out" / "from_packed" / "index.json").read_text())
+    assert [Path(p).name for p in index["sources"]] == ["a.jsonl.gz", "c.txt.bz2", "b.jsonl.xz"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["from_packed"]  # (no decompressed copy left)
+
+    bad = tmp_path / "bad.jsonl.gz"
+    bad.write_bytes(gzip.compress(b'{"text": "fine"}\nnot json\n'))
+    summary = prepare([str(bad)], str(tmp_path / "bad_out"), workers=1, progress=False)
+    assert summary["bad_records"] == 1 and summary["first_bad"] == f"{bad} (decompressed):2: not a JSON line"
+    with pytest.raises(PrepareError, match=rf"^{bad} \(decompressed\):2: not a JSON line \(--bad-records stop\)$"):
+        prepare([str(bad)], str(tmp_path / "bad_stop"), workers=1, progress=False, bad_records="stop")
+    truncated = tmp_path / "cut.jsonl.gz"
+    truncated.write_bytes(gzip.compress((corpus / "a.jsonl").read_bytes())[:-100])
+    with pytest.raises(PrepareError, match=rf"^{truncated}: cannot decompress \(gzip: "):
+        prepare([str(truncated)], str(tmp_path / "cut_out"), workers=1, progress=False)
+    assert not (tmp_path / "cut_out").exists() and not (tmp_path / "bad_stop").exists()
+    (tmp_path / "t.parquet.gz").write_bytes(b"x")
+    with pytest.raises(PrepareError, match=r"\.parquet extension inside \.gz; prepare reads"):
+        prepare([str(tmp_path / "t.parquet.gz")], str(tmp_path / "pq_out"), workers=1, progress=False)
+
+
 def test_a_file_without_any_text_is_an_error_not_an_empty_set(tmp_path):
     path = _jsonl(tmp_path / "blank.jsonl", [" ", "", "\n"])
     with pytest.raises(PrepareError, match=rf"^{path}: none of its 3 records has text in the field 'text' \(the "
