@@ -15,6 +15,7 @@ the token counts on the host (the grouped GEMM on one device, or padded EP); ``m
 says where that does not hold, and ``parallelize`` then leaves the MoE layers eager.
 """
 
+import functools
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -25,11 +26,16 @@ from titan_lightning.parallel.contracts import grouped_experts, moe_layers
 
 
 def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor", fullgraph: bool = True,
-                   per_child: bool = False, moe: bool = False) -> int:
+                   per_child: bool = False, moe: bool = False, eager_rounding: bool = False) -> int:
     """Compile each block's forward in place (or, with ``per_child`` or an MoE layer inside,
     each of its non-MoE children's; with ``moe``, a block with an MoE layer whole); returns how
-    many forwards were compiled."""
+    many forwards were compiled. ``eager_rounding``: Inductor rounds each bf16 / fp16 intermediate
+    of a fused kernel as eager does (``emulate_precision_casts``), so that a block's forward in a
+    training graph and under no_grad (whose fusions differ) compute the same bits: a preference
+    run's reference forward is then its policy's at step 1, exactly."""
     blocks = list(blocks)
+    options = {"emulate_precision_casts": True} if eager_rounding and backend == "inductor" else None
+    compile = functools.partial(torch.compile, backend=backend, options=options)
     if moe and any(moe_layers(block) for block in blocks):
         _count_tokens_once_under_checkpointing()
     count = 0
@@ -37,14 +43,14 @@ def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor", fu
         has_moe = bool(moe_layers(block))
         if not per_child and (moe or not has_moe):
             whole = fullgraph and not has_moe
-            block.forward = torch.compile(block.forward, backend=backend, fullgraph=whole)
+            block.forward = compile(block.forward, fullgraph=whole)
             block.compiled = backend
             count += 1
             continue
         for child in block.children():
             if moe_layers(child):
                 continue
-            child.forward = torch.compile(child.forward, backend=backend, fullgraph=fullgraph)
+            child.forward = compile(child.forward, fullgraph=fullgraph)
             child.compiled = backend
             count += 1
     return count

@@ -100,8 +100,9 @@ def parallelize(
             if reason is not None:
                 result.notes.append(f"compile: MoE layers stay eager: {reason}")
                 moe = False
+        pref = job.preference  # (a reference forward under no_grad: the policy's bits at step 1)
         compile_blocks(blocks, backend=compile.backend, fullgraph=compile.fullgraph, per_child=dims.tp_enabled,
-                       moe=moe)
+                       moe=moe, eager_rounding=pref.enabled and pref.needs_reference)
     if not fsdp:
         return result
     if dims.fsdp_enabled:

@@ -63,11 +63,12 @@ class Steps(L.Callback):
 
 def dpo_run(rank: int = 0, world_size: int = 1, *, folder: str, data: str, loss: str = "dpo", microbatches: int = 4,
             steps: int = 2, run_dir: str, lora_rank: int = 0, reference: str = "precomputed",
-            accelerator: str = "cpu") -> dict:
+            accelerator: str = "cpu", compiled_bf16: bool = False) -> dict:
     """``steps`` optimizer steps of recipes.hf:dpo (``loss``), one window a microbatch and
     ``microbatches`` windows a step over all ranks (gradient accumulation makes up the rest); a
     quarter of the pairs held out, validated after the last step (``val``: what it logged).
-    ``lora_rank``: LoRA adapters on every linear; ``reference``: preference.reference."""
+    ``lora_rank``: LoRA adapters on every linear; ``reference``: preference.reference;
+    ``compiled_bf16``: bf16-mixed with compiled blocks (as on a GPU)."""
     from recipes.hf import dpo
     from titan_lightning.recipe import check_inputs, execute
     from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
@@ -88,8 +89,11 @@ def dpo_run(rank: int = 0, world_size: int = 1, *, folder: str, data: str, loss:
     job.optimizer.lr = 1e-3  # a visible first update: step 2 checks it
     job.data.val_fraction = 0.25
     job.checkpoint.export_format = None
+    job.compile.enable = compiled_bf16
     recorded = Steps()
+    precision = {"precision": "bf16-mixed"} if compiled_bf16 else {}
     run.trainer = dict(accelerator=accelerator, devices=world_size, max_steps=steps, max_epochs=-1, callbacks=[recorded],
+                       **precision,
                        enable_progress_bar=False, enable_checkpointing=False, num_sanity_val_steps=0,
                        val_check_interval=steps * microbatches // world_size)  # (in batches: after the last step)
     os.environ[RUN_DIR_ENV] = run_dir

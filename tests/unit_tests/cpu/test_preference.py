@@ -321,6 +321,21 @@ def test_with_lora_the_base_with_adapters_off_is_the_precomputed_reference(pairs
     assert runs[0]["steps"][1]["train/rewards/margins"] != 0  # the adapters moved the policy off its reference
 
 
+def test_compiled_in_bf16_the_reference_forward_is_the_policy_s_at_step_one_bit_for_bit(pairs_run):
+    """Inductor fuses a block's training forward and its no_grad forward (the reference's) differently;
+    rounding each bf16 intermediate as eager does (compile_blocks' eager_rounding, on for a run with a
+    reference) makes them the same bits: with the adapters at B = 0 the step-1 margins are exactly 0
+    and the loss exactly ln 2 (run 6 on an H200 read 0.6948 without it)."""
+    import preference_cases as cases
+
+    root, folder, data, _ = pairs_run
+    got = cases.dpo_run(folder=str(folder), data=str(data), run_dir=str(root / "compiled"), lora_rank=4,
+                        microbatches=2, steps=1, reference="adapters_off", compiled_bf16=True)
+    first = got["steps"][0]
+    assert first["train/rewards/margins"] == 0 and first["train/rewards/chosen"] == 0
+    assert first["train/loss"] == torch.tensor(math.log(2)).item()
+
+
 @pytest.mark.parametrize("base", ["bf16", "nf4"])
 def test_recipes_hf_dpo_lora_trains_the_adapters_against_its_base_and_exports_them_for_peft(pairs_run, tmp_path,
                                                                                            monkeypatch, base):
