@@ -48,7 +48,8 @@ case "${1:-}" in
   ;;
 2)
   # (run 5 measured llama3_8b_lora with per-step logging and a synchronizing clock: 1.470x PEFT; run 6's
-  # titan rows hit a 150 s limit: ~95 s of a row is before its first step, loading 16 GB and compiling)
+  # titan rows hit a 150 s limit: ~95 s of a row was before its first step, ~50 s of it a random init
+  # the folder's weights then replaced, skipped since 9971834)
   BENCH_CLOCK=events bench lora_8b 570 --rounds 1 --steps 5 --warmup 4 --profile-steps 2 --timeout 360 \
     --reference 'titan (llama3_8b_lora_quiet)' --workload llama3_8b_lora_quiet
   ;;
