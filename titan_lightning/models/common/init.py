@@ -37,13 +37,24 @@ def param_generator(seed: int, fqn: str) -> torch.Generator:
 
 
 # A model of more values than this draws its parameters on several threads (each from its own
-# generator: the same values as one thread), at most DRAW_AHEAD_BYTES of drawn tensors waiting.
+# generator: the same values as one thread), at most draw_ahead_bytes() of drawn tensors waiting.
 PARALLEL_DRAW_NUMEL = 1 << 26
 DRAW_AHEAD_BYTES = 8 << 30
 
 
 def draw_threads() -> int:
     return min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def draw_ahead_bytes() -> int:
+    """DRAW_AHEAD_BYTES, or less where the host has less memory available for each process of
+    this node (a quarter of its share: every rank draws its whole parameters at once)."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return min(DRAW_AHEAD_BYTES, 1 << 30)  # (no /proc: a bound any host has)
+    return min(DRAW_AHEAD_BYTES, available // (4 * max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
 
 
 @torch.no_grad()
@@ -66,12 +77,13 @@ def init_params(module: nn.Module, seed: int, law: InitLaw, *, skip: Collection[
         for fqn, param in todo:
             _copy_in(param, draw(fqn, param))
         return
+    budget = draw_ahead_bytes()
     with ThreadPoolExecutor(threads, thread_name_prefix="init") as pool:
         ahead: deque = deque()  # (param, future of its values, bytes), in the module's order
         waiting, nxt = 0, 0
         while ahead or nxt < len(todo):
             while nxt < len(todo) and len(ahead) < 2 * threads and (
-                    not ahead or waiting + 4 * todo[nxt][1].numel() <= DRAW_AHEAD_BYTES):
+                    not ahead or waiting + 4 * todo[nxt][1].numel() <= budget):
                 fqn, param = todo[nxt]
                 ahead.append((param, pool.submit(draw, fqn, param), 4 * param.numel()))
                 waiting, nxt = waiting + ahead[-1][2], nxt + 1
