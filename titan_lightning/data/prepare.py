@@ -40,10 +40,12 @@ are two such conversations each, written one after the other, kept or dropped to
 
 import dataclasses
 import glob
+import importlib
 import json
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -156,8 +158,6 @@ def _readable_suffix(path: Path) -> bool:
 def _decompress(files: list[Path], folder: Path, progress: bool) -> dict[Path, Path]:
     """Each compressed file of ``files`` decompressed into ``folder`` (named as its contents:
     train.jsonl.gz -> train.jsonl, in a subfolder of its own); {decompressed: compressed}."""
-    import importlib
-
     copies = {}
     for i, path in enumerate(files):
         if path.suffix not in COMPRESSED:
@@ -587,8 +587,6 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = N
                    shard_tokens=shard_tokens, progress=progress, chat=chat)
     if not any(path.suffix in COMPRESSED for path in files):
         return _prepare(files, output, {}, **options)
-    import tempfile  # (compressed inputs only)
-
     with tempfile.TemporaryDirectory(prefix=".prepare-decompressed-", dir=_temporary_folder_near(out)) as tmp:
         copies: dict[Path, Path] = {}
         try:
