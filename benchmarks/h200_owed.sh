@@ -17,10 +17,11 @@
 #
 # When machines are scarce (a start can fail and costs minutes), one machine runs the parts back to
 # back in the background and each device call only waits for the next part to end:
-#   bash benchmarks/h200_owed.sh chain 2 7 8 5 6 4   # returns at once; parts run in that order
+#   bash benchmarks/h200_owed.sh chain 2 8 4 2b 5 6   # returns at once; parts run in that order
+# (part 8, full fine-tuning of the 16-layer 8B shape, needs an H200's memory; the rest fits an H100)
 #   bash benchmarks/h200_owed.sh wait 2 580        # waits (<= 580 s) for part 2, prints it, files to $OUT
 # (the machine must stay held: the next call has to come within its idle time, or the chain is lost).
-# The float8 and QLoRA rows (parts 2, 4, 5) need torchao on the device: carry its wheel in .whl/
+# The float8 and QLoRA rows (parts 2b, 4, 5) need torchao on the device: carry its wheel in .whl/
 # (pip download --no-deps torchao==0.17.0 --python-version 3.12 --only-binary=:all: --platform
 # manylinux_2_28_x86_64 -d .whl); run 5 lost those rows without it.
 set -u
