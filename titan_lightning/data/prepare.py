@@ -5,8 +5,9 @@
 
 Inputs are files, folders (every .jsonl, .json, .txt and .parquet below them) or globs, taken in
 sorted order; a JSONL, JSON or text file may come compressed (``.jsonl.gz``, ``.json.bz2``,
-``.txt.xz``: gzip, bzip2, xz), and is then decompressed once, before the work, into a temporary
-folder beside the output (removed at the end; messages name the compressed file and the line in it).
+``.txt.xz``, ``.jsonl.zst``: gzip, bzip2, xz, Zstandard with ``pip install titan-lightning[zstd]``),
+and is then decompressed once, before the work, into a temporary folder beside the output (removed
+at the end; messages name the compressed file and the line in it).
 A JSONL line is one document (its ``--text-field``), as is each element of a ``.json``
 file that holds one JSON array (read whole, one part); a Parquet row is one document
 (that column; needs pyarrow: ``pip install titan-lightning[parquet]``); a text file holds
@@ -63,8 +64,9 @@ from titan_lightning.data.shards import INDEX, ShardWriter, token_dtype, tokeniz
 from titan_lightning.data.tokenizer import load_tokenizer, tokenizer_file
 
 KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "text", ".parquet": "parquet"}
-# Compressed inputs (the Python standard library's codecs), by the last suffix: train.jsonl.gz.
-COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
+# Compressed inputs, by the last suffix (train.jsonl.gz): the module whose open() reads them (the
+# standard library's, and zstandard's, an optional extra: `pip install titan-lightning[zstd]`).
+COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma", ".zst": "zstandard"}
 PART_BYTES = 64 * 2**20
 MIN_PIECE_BYTES = 256 * 2**10  # the smallest piece a part is cut into for several workers
 PROGRESS = "progress.json"
@@ -166,15 +168,24 @@ def _decompress(files: list[Path], folder: Path, progress: bool) -> dict[Path, P
         target.parent.mkdir()
         if progress:
             print(f"prepare: decompressing {path}", file=sys.stderr, flush=True)
-        codec = importlib.import_module(COMPRESSED[path.suffix])  # (gzip, bz2 or lzma: the standard library's)
+        codec = _codec(path)
         try:
             with codec.open(path, "rb") as source, target.open("wb") as out:
                 shutil.copyfileobj(source, out, 1 << 22)
-        except (OSError, EOFError, ValueError) as err:  # a truncated or corrupt file, or not of its codec
+        except (OSError, EOFError, ValueError, getattr(codec, "ZstdError", OSError)) as err:  # corrupt, cut short
             raise PrepareError(f"{path}: cannot decompress ({COMPRESSED[path.suffix]}: "
                                f"{' '.join(str(err).split())[:200]})") from None
         copies[target] = path
     return copies
+
+
+def _codec(path: Path):
+    """The module that reads the compressed ``path``; PrepareError naming the extra where it is missing."""
+    try:
+        return importlib.import_module(COMPRESSED[path.suffix])
+    except ImportError:
+        raise PrepareError(f"{path}: {path.suffix} input needs {COMPRESSED[path.suffix]}; "
+                           f"pip install 'titan-lightning[zstd]'") from None
 
 
 def _named_as_given(message: str, copies: dict[Path, Path]) -> str:
@@ -587,6 +598,9 @@ def prepare(inputs: list[str], output: str, *, tokenizer_path: Optional[str] = N
                    shard_tokens=shard_tokens, progress=progress, chat=chat)
     if not any(path.suffix in COMPRESSED for path in files):
         return _prepare(files, output, {}, **options)
+    for path in files:  # (a codec missing: before any file is decompressed)
+        if path.suffix in COMPRESSED:
+            _codec(path)
     with tempfile.TemporaryDirectory(prefix=".prepare-decompressed-", dir=_temporary_folder_near(out)) as tmp:
         copies: dict[Path, Path] = {}
         try:
@@ -962,7 +976,7 @@ def main(argv: list[str]) -> int:
                     epilog=CHAT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", action="append", required=True,
                         help="file, folder or glob (repeatable): .jsonl, .json, .txt, .parquet; the first three "
-                             "also compressed (.gz, .bz2, .xz)")
+                             "also compressed (.gz, .bz2, .xz, .zst)")
     parser.add_argument("--output", required=True, help="the shard folder to write")
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json or its folder (default: the shipped one)")
     parser.add_argument("--text-field", default=None, help="the JSONL field / Parquet column with the text (default: "

@@ -4,6 +4,7 @@ shards through memory maps."""
 
 import contextlib
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -133,19 +134,25 @@ def test_a_stopped_prepare_leaves_nothing_behind(tmp_path, monkeypatch):
 
 
 def test_compressed_inputs_prepare_as_their_contents_and_name_themselves_in_errors(corpus, tmp_path, monkeypatch):
-    """.jsonl.gz / .txt.bz2 / .json.xz (as OpenAssistant and many dataset dumps ship): the same shards
+    """.jsonl.gz / .txt.bz2 / .json.xz / .jsonl.zst (as OpenAssistant and The Pile ship): the same shards
     as the plain files, the index naming the compressed inputs, no decompressed copy left behind; a
     resume matches the same compressed inputs; a bad record or a corrupt file names the compressed file."""
     import bz2
     import gzip
     import lzma
 
+    import zstandard  # (the [zstd] extra, in [dev])
+
     packed = tmp_path / "packed"
     (packed / "sub").mkdir(parents=True)
     (packed / "a.jsonl.gz").write_bytes(gzip.compress((corpus / "a.jsonl").read_bytes()))
     (packed / "c.txt.bz2").write_bytes(bz2.compress((corpus / "c.txt").read_bytes()))
     (packed / "sub" / "b.jsonl.xz").write_bytes(lzma.compress((corpus / "sub" / "b.jsonl").read_bytes()))
-    prepare([str(corpus)], str(tmp_path / "plain"), workers=1, progress=False)
+    (packed / "d.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(json.dumps({"text": "z"}).encode()))
+    plain = tmp_path / "plain_inputs"
+    shutil.copytree(corpus, plain)
+    (plain / "d.jsonl").write_text(json.dumps({"text": "z"}))
+    prepare([str(plain)], str(tmp_path / "plain"), workers=1, progress=False)
     monkeypatch.setattr(prepare_module, "PART_BYTES", 20_000)  # several parts: a resume has some to do
     with interrupted_at_part(3):
         prepare([str(packed)], str(tmp_path / "out" / "from_packed"), workers=1, progress=False)
@@ -153,7 +160,7 @@ def test_compressed_inputs_prepare_as_their_contents_and_name_themselves_in_erro
     prepare([str(packed)], str(tmp_path / "out" / "from_packed"), workers=2, progress=False)
     assert np.array_equal(_tokens(tmp_path / "out" / "from_packed"), _tokens(tmp_path / "plain"))
     index = json.loads((tmp_path / "out" / "from_packed" / "index.json").read_text())
-    assert [Path(p).name for p in index["sources"]] == ["a.jsonl.gz", "c.txt.bz2", "b.jsonl.xz"]
+    assert [Path(p).name for p in index["sources"]] == ["a.jsonl.gz", "c.txt.bz2", "d.jsonl.zst", "b.jsonl.xz"]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["from_packed"]  # (no decompressed copy left)
 
     bad = tmp_path / "bad.jsonl.gz"
@@ -167,6 +174,10 @@ def test_compressed_inputs_prepare_as_their_contents_and_name_themselves_in_erro
     with pytest.raises(PrepareError, match=rf"^{truncated}: cannot decompress \(gzip: "):
         prepare([str(truncated)], str(tmp_path / "cut_out"), workers=1, progress=False)
     assert not (tmp_path / "cut_out").exists() and not (tmp_path / "bad_stop").exists()
+    monkeypatch.setitem(prepare_module.COMPRESSED, ".zst", "zstandard_not_installed")
+    with pytest.raises(PrepareError, match=r"d\.jsonl\.zst: \.zst input needs zstandard_not_installed; pip install "
+                                           r"'titan-lightning\[zstd\]'$"):
+        prepare([str(packed)], str(tmp_path / "zst_out"), workers=1, progress=False)
     (tmp_path / "t.parquet.gz").write_bytes(b"x")
     with pytest.raises(PrepareError, match=r"\.parquet extension inside \.gz; prepare reads"):
         prepare([str(tmp_path / "t.parquet.gz")], str(tmp_path / "pq_out"), workers=1, progress=False)
