@@ -15,6 +15,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 
 from titan_lightning.checkpoint import (
     DCP_METADATA,
@@ -108,12 +109,14 @@ def check_export(module: L.LightningModule, fmt: Optional[str]) -> None:
 
 
 class LoadWeights(L.Callback):
-    """Before the first step of a fresh fit, load the model weights (no optimizer state) from
-    ``path``: a Hugging Face safetensors folder (``fmt="hf"``) or a sharded folder of ours
-    (a model export or a full checkpoint, ``fmt="dcp"``). A resumed fit keeps its checkpoint's; a
+    """Load the model weights (no optimizer state) from ``path``: a Hugging Face safetensors folder
+    (``fmt="hf"``) or a sharded folder of ours (a model export or a full checkpoint, ``fmt="dcp"``).
+    A fit loads them before its first step (on_fit_start); a resumed fit keeps its checkpoint's; a
     model with adapters (LoRA) loads its frozen base from the Hugging Face folder, fresh or resumed
     (its checkpoints hold the adapters alone), and a fresh one its adapters from ``lora.init_from``'s
-    PEFT folder when the job names one."""
+    PEFT folder when the job names one. ``validate``, ``test`` and ``predict`` load them as the model
+    is made (CausalLMModule.materialize), before Lightning restores their ``ckpt_path``, if any, over
+    them: a command on the folder alone evaluates the folder's weights."""
 
     def __init__(self, path: str, fmt: str = "dcp") -> None:
         self.path, self.fmt = Path(path), fmt
@@ -126,9 +129,12 @@ class LoadWeights(L.Callback):
         self.resuming: Optional[bool] = None
 
     def loads_base(self, trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
-        """Whether on_fit_start will load every parameter of the base (the loads are strict; a pipeline
-        rank's, of its stages): a fresh fit, or one with adapters. A module's materialize asks
-        before it draws the random init, and skips those parameters' draw if so."""
+        """Whether every parameter of the base will be loaded before it is read (the loads are strict;
+        a pipeline rank's, of its stages): by on_fit_start in a fresh fit or one with adapters; by
+        the module's materialize in the other commands. A module's materialize asks before it draws
+        the random init, and skips those parameters' draw if so."""
+        if trainer.state.fn != TrainerFn.FITTING:
+            return trainer.state.fn in (TrainerFn.VALIDATING, TrainerFn.TESTING, TrainerFn.PREDICTING)
         resuming = self.resuming if self.resuming is not None else trainer.ckpt_path is not None
         return not resuming or has_adapters(pl_module.model)
 
@@ -138,22 +144,30 @@ class LoadWeights(L.Callback):
         # resuming said, where Lightning restores after this hook, replaces the values it loads)
         if trainer.ckpt_path is not None and not adapters and not getattr(pl_module, "init_skipped", False):
             return
+        partial = _pipeline(trainer) is not None
+        adapter = self.load(pl_module, partial=partial)
+        if self.fmt == "hf":
+            lora = getattr(getattr(pl_module, "job", None), "lora", None)
+            resuming = self.resuming if self.resuming is not None else trainer.ckpt_path is not None
+            if adapters and not resuming and getattr(lora, "init_from", None) is not None:
+                load_peft_folder(pl_module.model, adapter, Path(lora.init_from), partial=partial)
+
+    def load(self, pl_module: L.LightningModule, *, partial: bool):
+        """Load the weights of ``path`` into ``pl_module`` (``partial``: a pipeline rank's stages take
+        the keys they hold); the family's Hugging Face adapter for ``fmt="hf"``, else None."""
         if not self.path.exists():
             raise CheckpointError(f"checkpoint.initial_load_path={str(self.path)!r} does not exist")
         if self.fmt == "hf":
             adapter = _adapter(pl_module, self.path)
             with base_only(pl_module.model) as base:
-                adapter.load_into(base, self.path, partial=_pipeline(trainer) is not None)
-            lora = getattr(getattr(pl_module, "job", None), "lora", None)
-            resuming = self.resuming if self.resuming is not None else trainer.ckpt_path is not None
-            if adapters and not resuming and getattr(lora, "init_from", None) is not None:
-                load_peft_folder(pl_module.model, adapter, Path(lora.init_from), partial=_pipeline(trainer) is not None)
-            return
+                adapter.load_into(base, self.path, partial=partial)
+            return adapter
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
         state = {"state_dict": get_model_state_dict(pl_module)}
         load_sharded(self.path, state)
         set_model_state_dict(pl_module, state["state_dict"], options=StateDictOptions(strict=True))
+        return None
 
 
 class ExportWeights(L.Callback):

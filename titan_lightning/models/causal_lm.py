@@ -173,26 +173,28 @@ class CausalLMModule(L.LightningModule):
 
     def materialize(self, device: torch.device) -> None:
         self.allocate(device)
-        loaded = self.loaded_at_fit_start()
-        if loaded:  # (an 8B base's random draw cost ~a minute of CPU before every fine-tune; a 70B's ~5)
-            self.model.init_weights(self.job.training.seed, loaded=loaded)
-        else:
+        loader = self._base_loader()
+        if loader is None:
             self.model.init_weights(self.job.training.seed)
-        self.init_skipped = bool(loaded)  # (LoadWeights then loads even in a resumed fit)
+        else:  # (an 8B base's random draw cost ~a minute of CPU before every fine-tune; a 70B's ~5)
+            with base_only(self.model) as base:
+                loaded = frozenset(canonical_fqn(name) for name, _ in base.named_parameters())
+            self.model.init_weights(self.job.training.seed, loaded=loaded)
+            if self.trainer.state.fn != TrainerFn.FITTING:  # (a fit loads in on_fit_start)
+                loader.load(self, partial=self.job.parallelism.pp > 1)
+        self.init_skipped = loader is not None  # (LoadWeights then loads even in a resumed fit)
 
-    def loaded_at_fit_start(self) -> frozenset:
-        """The model's parameters a fit loads before its first step (``checkpoint.initial_load_path``,
-        when the callback that loads it says it will: LoadWeights.loads_base), every one but the
-        adapters: their random init is not drawn. Empty when nothing loads them, or the model's
-        ``init_weights`` draws all (it takes no ``loaded``)."""
+    def _base_loader(self) -> Optional[Any]:
+        """The callback that loads every parameter but the adapters before they are read
+        (``checkpoint.initial_load_path``: LoadWeights, when its ``loads_base`` says so), whose random
+        init is then not drawn; None when there is none, or the model's ``init_weights`` draws all (it
+        takes no ``loaded``). A fit loads in on_fit_start, the other commands here, as the model is made
+        (before Lightning restores their ``ckpt_path`` over it)."""
         trainer = self._trainer
-        if (trainer is None or trainer.state.fn != TrainerFn.FITTING
-                or "loaded" not in inspect.signature(self.model.init_weights).parameters
-                or not any(callable(getattr(c, "loads_base", None)) and c.loads_base(trainer, self)
-                           for c in trainer.callbacks)):
-            return frozenset()
-        with base_only(self.model) as base:
-            return frozenset(canonical_fqn(name) for name, _ in base.named_parameters())
+        if trainer is None or "loaded" not in inspect.signature(self.model.init_weights).parameters:
+            return None
+        return next((c for c in trainer.callbacks if callable(getattr(c, "loads_base", None))
+                     and c.loads_base(trainer, self)), None)
 
     def allocate(self, device: torch.device, model: Optional[torch.nn.Module] = None) -> None:
         """The storage of ``model`` (default ``self.model``; another of ``build_model``'s, such as a
