@@ -135,8 +135,10 @@ class LoadWeights(L.Callback):
         the random init, and skips those parameters' draw if so."""
         if trainer.state.fn != TrainerFn.FITTING:
             return trainer.state.fn in (TrainerFn.VALIDATING, TrainerFn.TESTING, TrainerFn.PREDICTING)
-        resuming = self.resuming if self.resuming is not None else trainer.ckpt_path is not None
-        return not resuming or has_adapters(pl_module.model)
+        return not self._resuming(trainer) or has_adapters(pl_module.model)
+
+    def _resuming(self, trainer: L.Trainer) -> bool:
+        return self.resuming if self.resuming is not None else trainer.ckpt_path is not None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         adapters = has_adapters(pl_module.model)
@@ -148,8 +150,7 @@ class LoadWeights(L.Callback):
         adapter = self.load(pl_module, partial=partial)
         if self.fmt == "hf":
             lora = getattr(getattr(pl_module, "job", None), "lora", None)
-            resuming = self.resuming if self.resuming is not None else trainer.ckpt_path is not None
-            if adapters and not resuming and getattr(lora, "init_from", None) is not None:
+            if adapters and not self._resuming(trainer) and getattr(lora, "init_from", None) is not None:
                 load_peft_folder(pl_module.model, adapter, Path(lora.init_from), partial=partial)
 
     def load(self, pl_module: L.LightningModule, *, partial: bool):

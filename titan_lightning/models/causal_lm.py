@@ -98,7 +98,7 @@ class CausalLMModule(L.LightningModule):
         # The last clipped step's losses and norm, not yet read on the host (check_finite).
         self._unchecked: Optional[_Unchecked] = None
         self._adapters: Optional[int] = None  # (the LoRA adapters' parameters, counted on first use)
-        # materialize drew no random values for the parameters the fit's initial load overwrites.
+        # materialize drew no random values for the parameters checkpoint.initial_load_path overwrites.
         self.init_skipped = False
 
     @property
