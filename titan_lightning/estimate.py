@@ -465,8 +465,12 @@ class _LiveBytes(TorchDispatchMode):
     not an op, so it is patched while the mode is active.
 
     It declares itself an infrastructure mode: torch.compile refuses to trace under any other
-    mode. Tensors of the compiler's own fake mode (tracing) are not counted.
+    mode. Tensors of the compiler's own fake mode (tracing) are not counted. Higher-order operators
+    (a compiled, checkpointed block's ``run_and_save_rng_state`` around its attention) run as they
+    are, their outputs counted like an op's.
     """
+
+    supports_higher_order_operators = True
 
     @classmethod
     def is_infra_mode(cls) -> bool:

@@ -88,6 +88,19 @@ def test_compile_saves_less_than_eager():
     assert compiled.activations < 0.9 * eager.activations
 
 
+@pytest.mark.slow  # three compiled estimates: ~15 s
+def test_compiled_activation_checkpointing_lowers_activations_in_order():
+    """Compiled and checkpointed blocks (the recompute's ``run_and_save_rng_state`` around the
+    attention, a higher-order operator) estimate; each mode saves less than the one before."""
+    activations = {}
+    for mode in ("none", "selective", "full"):
+        run = debug_run(mixed_precision_param="bfloat16")
+        run.job.compile.enable = True
+        run.job.activation_checkpoint.mode = mode
+        activations[mode] = estimate(run, 1).activations
+    assert activations["none"] > activations["selective"] > activations["full"]
+
+
 def test_cross_entropy_backward_one_hot_is_fused_like_inductor_does():
     """full + scatter (the one-hot of the backward) is a pointwise select under inductor: neither
     takes a logits-sized buffer (they were 8 GiB of fp32 in the Llama 3 1B estimate at seq 8192)."""
