@@ -4,9 +4,10 @@ import os
 
 # Before anything imports torch and runs a kernel: the CPU kernel paths golden numbers are
 # recorded with (see titan_lightning/testing/launch.py). That module imports no torch.
-from titan_lightning.testing.launch import PORTABLE_CPU_ENV
+# Inductor's cache too: kept apart from unpinned processes' (portable_cpu_env says why).
+from titan_lightning.testing.launch import portable_cpu_env
 
-for _key, _value in PORTABLE_CPU_ENV.items():
+for _key, _value in portable_cpu_env().items():
     os.environ.setdefault(_key, _value)
 
 import pytest  # noqa: E402

@@ -11,12 +11,14 @@ When a rank fails the others are killed at once (they would wait in a collective
 when the timeout passes all are killed, after each has printed its Python stacks.
 """
 
+import getpass
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ TAIL_LINES = 50
 # order. Each library reads its variable when it starts, so they must be in the environment
 # before torch computes anything: set for every launched rank, and by tests/conftest.py.
 PORTABLE_CPU_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 _POLL_S = 0.05
 _STACK_DUMP_S = 0.5  # time given to hung ranks to print their stacks before SIGKILL
 _LAUNCH_ENV = "TITAN_LIGHTNING_LAUNCH_ID"  # marks the processes of one launch_nodes call
@@ -120,6 +123,26 @@ def rank_env(rank: int, world_size: int, *, port: int, out_dir: Path, env: Optio
     return {**launch_env({RUN_DIR_ENV: str(out_dir / "run"), **(env or {})}), **ranks}
 
 
+def portable_cpu_env(environ: Optional[dict] = None) -> dict[str, str]:
+    """``PORTABLE_CPU_ENV`` where ``environ`` (default: this process's) sets no other value, and
+    Inductor's cache in a folder of the pinned vector ISA's own (unless ``environ`` names one).
+
+    Inductor writes its C++ kernels for the ISA ``ATEN_CPU_CAPABILITY`` picks, but its FX graph
+    cache does not key on it (torch 2.11-2.13): a process without the pin (a user's run, a script)
+    then loads a kernel written for AVX2 and rebuilds it with AVX-512's flags, whose vectors are
+    twice as wide as its buffers: heap corruption (``free(): invalid pointer``, ``malloc():
+    unaligned tcache chunk``) or wrong values, seen with compiled QLoRA blocks. Pinned processes
+    keep their kernels apart."""
+    environ = os.environ if environ is None else environ
+    pinned = {key: environ.get(key, value) for key, value in PORTABLE_CPU_ENV.items()}
+    try:
+        user = "".join(c if c.isalnum() else "_" for c in getpass.getuser())
+    except (KeyError, OSError):  # (a container's uid without a name)
+        user = str(os.getuid()) if hasattr(os, "getuid") else "user"
+    folder = f"torchinductor_{user}_{pinned['ATEN_CPU_CAPABILITY'] or 'default'}"
+    return {**pinned, INDUCTOR_CACHE_ENV: environ.get(INDUCTOR_CACHE_ENV, os.path.join(tempfile.gettempdir(), folder))}
+
+
 def launch_env(env: Optional[dict] = None) -> dict[str, str]:
     """This process's environment without ``TORCHELASTIC_*`` leftovers, the test defaults, then ``env``.
 
@@ -129,7 +152,7 @@ def launch_env(env: Optional[dict] = None) -> dict[str, str]:
     base = {key: value for key, value in os.environ.items() if not key.startswith("TORCHELASTIC_")}
     threads = (env or {}).get(THREADS_ENV, os.environ.get(THREADS_ENV, "1"))
     defaults = {
-        **{key: os.environ.get(key, value) for key, value in PORTABLE_CPU_ENV.items()},
+        **portable_cpu_env(),
         "CUDA_VISIBLE_DEVICES": "",
         "PYTHONUNBUFFERED": "1",
         THREADS_ENV: threads,
@@ -431,7 +454,6 @@ class _ForkServer:
 
     def __init__(self) -> None:
         import atexit
-        import tempfile
 
         self.env = launch_env(None)
         self.pid = os.getpid()  # (a forked copy of this process starts its own)

@@ -11,7 +11,7 @@ import pytest
 
 from titan_lightning.data.tokenizer import CORPUS_PATH
 from titan_lightning.testing import LaunchFailed, LaunchTimeout, launch, rank_env, run_single
-from titan_lightning.testing.launch import pythonpath_env
+from titan_lightning.testing.launch import portable_cpu_env, pythonpath_env
 
 launch_module = importlib.import_module("titan_lightning.testing.launch")  # the package's `launch` is the function
 
@@ -70,6 +70,23 @@ def test_rank_env_is_torchrun_style_without_cuda(tmp_path):
     assert env["CUDA_VISIBLE_DEVICES"] == ""
     assert rank_env(0, 1, port=1, out_dir=tmp_path, env={"CUDA_VISIBLE_DEVICES": "0"})["CUDA_VISIBLE_DEVICES"] == "0"
     assert rank_env(0, 1, port=1, out_dir=tmp_path, env={"RANK": "3"})["RANK"] == "0"  # the rank's variables win
+
+
+def test_pinned_processes_keep_inductors_kernels_apart_from_unpinned_ones(tmp_path):
+    """Inductor writes its CPU kernels for the vector ISA ATEN_CPU_CAPABILITY picks but does not key
+    its cache on it: a process pinned to AVX2 (tests, launched ranks) and one without the pin (a
+    user's run: AVX-512 where the CPU has it) must not share the cache, or one loads the other's
+    kernel rebuilt with its own vector width (heap corruption, seen with compiled QLoRA blocks)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    pinned = portable_cpu_env({})
+    assert pinned["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert pinned["TORCHINDUCTOR_CACHE_DIR"] != default_cache_dir()  # (an unpinned process's)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == pinned["TORCHINDUCTOR_CACHE_DIR"]  # (this one: conftest)
+    assert rank_env(0, 1, port=1, out_dir=tmp_path)["TORCHINDUCTOR_CACHE_DIR"] == pinned["TORCHINDUCTOR_CACHE_DIR"]
+    other = portable_cpu_env({"ATEN_CPU_CAPABILITY": "default"})["TORCHINDUCTOR_CACHE_DIR"]
+    assert other not in (pinned["TORCHINDUCTOR_CACHE_DIR"], default_cache_dir())
+    assert portable_cpu_env({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
 
 
 @pytest.mark.multi_process
