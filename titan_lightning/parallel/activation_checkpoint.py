@@ -18,7 +18,7 @@ wrapped, so parameter names, the state dict and FSDP's per-block hooks are uncha
 import importlib
 import importlib.util
 from functools import partial
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -76,7 +76,8 @@ def _lean_context():
 
 def checkpoint_block(block: nn.Module, per_op: bool = False, lean: bool = False) -> None:
     """Make ``block``'s forward recompute in the backward (saving matmul outputs if ``per_op``;
-    every second one of them recomputed too if ``lean``)."""
+    every second one of them recomputed too if ``lean``). ``block.recomputed_forward`` is the
+    forward the checkpoint runs (``recompute_compiled`` compiles it)."""
     forward = block.forward
     extra = {"context_fn": _lean_context if lean else _op_context} if per_op else {}
 
@@ -84,7 +85,19 @@ def checkpoint_block(block: nn.Module, per_op: bool = False, lean: bool = False)
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
     block.forward = checkpointed
+    block.recomputed_forward = forward
     block.activation_checkpoint = ("op_lean" if lean else "op") if per_op else "full"
+
+
+def recompute_compiled(block: nn.Module, compile: Callable) -> None:
+    """Compile what the full checkpoint of ``block`` recomputes (``compile`` of its
+    ``recomputed_forward``) and keep the checkpoint outside, eager, rather than compiling the
+    checkpoint: the block then keeps its inputs alone, whatever the compiler's partitioner would
+    have saved of a compiled checkpoint (parallel/compile.py: blocks with QLoRA's NF4 weights)."""
+    if block.activation_checkpoint != "full":
+        raise ValueError(f"recompute_compiled: the block is checkpointed {block.activation_checkpoint!r}, not 'full'")
+    block.forward = compile(block.recomputed_forward)
+    checkpoint_block(block)
 
 
 def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str, selective_ac_option: str = "op") -> int:

@@ -309,3 +309,51 @@ def test_qlora_on_several_ranks_is_refused_before_launch(degree):
     with pytest.raises(ConfigError, match=rf"lora.quantize_base='nf4' with parallelism.{degree}=2: .* one process "
                                           rf"or sharded by FSDP2"):
         validate_job(run.job, world_size=2, max_steps=1, device_type="cpu")
+
+
+@pytest.mark.slow  # Inductor on CPU: ~15 s
+def test_a_compiled_fully_checkpointed_qlora_block_keeps_nothing_of_its_compiled_forward(tmp_path):
+    """Full activation checkpointing of a compiled block with NF4 weights checkpoints the compiled
+    forward (eager on the outside): whatever the partitioner saves for the backward (on an H100 it
+    kept a 70B-shaped block's dequantized weights, ~2.2 GiB a block) stays inside the checkpoint and
+    is recomputed; the loss and the adapters' gradients are the eager checkpointed model's."""
+    from titan_lightning.parallel.activation_checkpoint import apply_activation_checkpointing
+    from titan_lightning.parallel.compile import compile_blocks
+    from titan_lightning.pretrained import read_hf_model
+
+    folder = tmp_path / "hf"
+    save_hf_model(folder, "llama")
+    hf = read_hf_model(folder)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=g)
+    models, escaped, losses = [], [], []
+    for compiled in (False, True):
+        module = hf.module_class(hf.job_class(model=hf.args, lora=LoRAConfig(rank=4, alpha=8.0, quantize_base="nf4")))
+        with torch.device("meta"):
+            module.model = module.build_model()
+        module.materialize(torch.device("cpu"))
+        model = module.model
+        b = torch.Generator().manual_seed(1)  # (the same nonzero B in both models)
+        with torch.no_grad():
+            for _, layer in lora_layers(model):
+                layer.lora_b.weight.copy_(0.1 * torch.randn(layer.lora_b.weight.shape, generator=b))
+        blocks = list(model.layers.values())
+        apply_activation_checkpointing(blocks, "full")
+        if compiled:
+            compile_blocks(blocks)
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            x = model.tok_embeddings(tokens).detach().requires_grad_()
+            for block in blocks[:1]:
+                block(x, model.rope_cache)
+        inputs = {x.data_ptr(), model.rope_cache.data_ptr()}
+        escaped.append(sorted(tuple(t.shape) for t in packed if t.data_ptr() not in inputs))
+        losses.append(_cross_entropy(model(tokens), tokens))
+        losses[-1].backward()
+        models.append(model)
+    assert escaped == [[], []], escaped  # (the checkpoint's inputs alone)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
+    eager, compiled = (dict(lora_layers(m)) for m in models)
+    for name, layer in eager.items():
+        torch.testing.assert_close(compiled[name].lora_a.weight.grad, layer.lora_a.weight.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(compiled[name].lora_b.weight.grad, layer.lora_b.weight.grad, rtol=1e-5, atol=1e-6)
