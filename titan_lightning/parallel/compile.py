@@ -13,6 +13,11 @@ child stays eager, the rest of the block is compiled). With ``moe`` a block with
 is compiled whole (not under ``per_child``): its token path is static-shaped where nothing reads
 the token counts on the host (the grouped GEMM on one device, or padded EP); ``moe_stays_eager``
 says where that does not hold, and ``parallelize`` then leaves the MoE layers eager.
+
+A fully checkpointed block with QLoRA's NF4 weights is compiled inside its checkpoint instead
+(``recompute_compiled``): the checkpoint stays eager, so the block keeps its input alone whatever
+the compiled graph would save (measured on an H100: ~2.2 GiB a block of a 70B-shaped model with the
+checkpoint compiled, more than its dequantized weights).
 """
 
 import functools
@@ -47,9 +52,9 @@ def compile_blocks(blocks: Iterable[nn.Module], *, backend: str = "inductor", fu
             whole = fullgraph and not has_moe
             if getattr(block, "activation_checkpoint", None) == "full" and any(
                     holds_nf4(p) for p in block.parameters()):
-                # QLoRA's NF4 weights in a compiled checkpoint: on an H100 each block kept ~2.2 GiB
-                # of a 70B-shaped model to its backward (its dequantized weights and more), where
-                # the checkpoint should keep its input alone; eager on the outside it does.
+                # (a compiled checkpoint of a 70B-shaped QLoRA block kept ~2.2 GiB to its backward
+                # on an H100, where its input is 64 MiB; an eager checkpoint keeps the input alone
+                # whatever the compiled forward saves)
                 recompute_compiled(block, functools.partial(compile, fullgraph=whole))
             else:
                 block.forward = compile(block.forward, fullgraph=whole)
