@@ -160,7 +160,11 @@ def launch_env(env: Optional[dict] = None) -> dict[str, str]:
     }
     if os.path.exists("/sys/class/net/lo"):
         defaults["GLOO_SOCKET_IFNAME"] = "lo"  # all ranks are local; do not trust the hostname's address
-    return {**base, **defaults, **(env or {})}
+    env = env or {}
+    if env.get("ATEN_CPU_CAPABILITY", defaults["ATEN_CPU_CAPABILITY"]) != defaults["ATEN_CPU_CAPABILITY"]:
+        # (a rank pinned otherwise than this process keeps its kernels in that ISA's own folder)
+        defaults[INDUCTOR_CACHE_ENV] = portable_cpu_env(env)[INDUCTOR_CACHE_ENV]
+    return {**base, **defaults, **env}
 
 
 def launch(

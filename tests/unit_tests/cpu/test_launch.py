@@ -86,6 +86,8 @@ def test_pinned_processes_keep_inductors_kernels_apart_from_unpinned_ones(tmp_pa
     assert rank_env(0, 1, port=1, out_dir=tmp_path)["TORCHINDUCTOR_CACHE_DIR"] == pinned["TORCHINDUCTOR_CACHE_DIR"]
     other = portable_cpu_env({"ATEN_CPU_CAPABILITY": "default"})["TORCHINDUCTOR_CACHE_DIR"]
     assert other not in (pinned["TORCHINDUCTOR_CACHE_DIR"], default_cache_dir())
+    unpinned = rank_env(0, 1, port=1, out_dir=tmp_path, env={"ATEN_CPU_CAPABILITY": "default"})
+    assert unpinned["TORCHINDUCTOR_CACHE_DIR"] == other  # (a rank pinned otherwise: that ISA's folder)
     assert portable_cpu_env({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
 
 
