@@ -13,7 +13,8 @@
 #   bash benchmarks/h200_owed.sh 8   # #49: the 8B shape (16 layers): SFT, DPO per reference mode
 #   bash benchmarks/h200_owed.sh 5   # the GPU tests of LoRA and DPO
 #   bash benchmarks/h200_owed.sh 9   # the GPU tests of the device defaults (#44's)
-#   bash benchmarks/h200_owed.sh 4   # #48: QLoRA of the 70B shape (estimated peak 50.2 GiB)
+#   bash benchmarks/h200_owed.sh 4   # #48: QLoRA of the 70B shape (its blocks' memory, then the row)
+#   bash benchmarks/h200_owed.sh 10  # compiled full checkpointing's memory per block, 8B shape (run 7's question)
 #
 # When machines are scarce (a start can fail and costs minutes), one machine runs the parts back to
 # back in the background and each device call only waits for the next part to end:
@@ -102,6 +103,21 @@ case "${1:-}" in
   ;;
 9)
   GPU_TESTS="test_device_defaults_gpu:560" bash "$0" 5  # (#44's, > 280 s in run 5)
+  ;;
+10)
+  # Is run 7's compiled-checkpoint memory (+2.2 GiB a 70B QLoRA block) general? The 8B shape, 8 layers,
+  # full checkpointing, compiled: full fine-tuning, then LoRA on a bf16 base. The estimates (titan-lightning
+  # estimate, same flags): parameters 10.41 GiB, peak 41.78 at the optimizer step (full); parameters 5.25,
+  # peak 7.66 (LoRA). Each block's forward should keep its 32 MiB input alone.
+  for extra in "" "--job.lora.rank 16 --job.lora.alpha 32"; do
+    timeout -k 5 170 python3 -m titan_lightning.cli fit --recipe recipes.llama3:llama3_8b --trainer.callbacks+ \
+      benchmarks.memory_probe.MemoryProbe --trainer.accelerator gpu --trainer.devices 1 --trainer.max_steps 3 \
+      --trainer.limit_val_batches 0 --trainer.enable_checkpointing false --job.compile.enable true \
+      --job.activation_checkpoint.mode full --job.data.repeat_to_fit true --job.training.seq_len 4096 \
+      --job.training.tokens_per_microbatch_per_dp_rank 4096 --job.model.n_layers 8 $extra > "$OUT/ac_8b.log" 2>&1
+    echo "== 8B shape, 8 layers, full AC, compiled ${extra:-(full fine-tuning)} (rc $?, $(( $(date +%s) - T0 )) s)"
+    grep -E "^\[memory" "$OUT/ac_8b.log" | cut -c1-120 | head -16
+  done
   ;;
 chain)
   shift
