@@ -78,6 +78,26 @@ def test_activations_grow_linearly_with_the_sequence():
     assert 1.9 < long.activations / short.activations < 2.1
 
 
+def test_trainer_precision_sets_the_dtypes_as_the_trainer_does():
+    """``--trainer.precision bf16-mixed`` on ``estimate`` is the run's bf16 compute: a LoRA base is
+    stored in it (as build_trainer maps the flag); the estimate ignored it and counted an fp32 base."""
+    from titan_lightning.config.lora import LoRAConfig
+
+    estimates = {}
+    for precision in ("32-true", "bf16-mixed", None):
+        run = debug_run(**({} if precision else {"mixed_precision_param": "bfloat16"}))
+        run.job.lora = LoRAConfig(rank=4)
+        if precision:
+            run.trainer["precision"] = precision
+        estimates[precision] = estimate(run, 1)
+    assert estimates["bf16-mixed"].parameters == estimates[None].parameters  # (the job's fields set directly)
+    assert estimates["bf16-mixed"].parameters < 0.6 * estimates["32-true"].parameters
+    run = debug_run(mixed_precision_param="bfloat16")
+    run.trainer["precision"] = "bf16-true"
+    with pytest.raises(ConfigError, match="trainer.precision='bf16-true' disagrees with training.dtype='float32'"):
+        estimate(run, 1)
+
+
 @pytest.mark.slow  # inductor's decompositions and partitioner: ~7 s, out of the inner loop
 def test_compile_saves_less_than_eager():
     eager = estimate(debug_run(mixed_precision_param="bfloat16"), 1)
