@@ -154,6 +154,26 @@ def test_qlora_of_a_folder_under_fsdp2_checkpoints_its_adapters_resumes_exactly_
     torch.testing.assert_close(merged, base + 32.0 / 16 * (b @ a), rtol=1e-6, atol=1e-6)  # (recipes.hf:lora's r, alpha)
 
 
+@pytest.mark.slow
+@pytest.mark.multi_process
+def test_compiled_fully_checkpointed_qlora_under_fsdp2_trains_as_eager(tmp_path):
+    """llama3_qlora_fsdp2_accumulation (gloo, 2 ranks) with compiled blocks and full activation
+    checkpointing, the checkpoint eager around each compiled block (parallel/compile.py), FSDP2's
+    hooks outside both: the losses of the eager run."""
+    from titan_lightning.testing.launch import launch
+    from titan_lightning.trainer import RUN_DIR_ENV
+
+    losses = {}
+    for name, extra in (("eager", ()), ("compiled", ("--job.compile.enable", "true",
+                                                     "--job.activation_checkpoint.mode", "full"))):
+        argv = ["fit", "--recipe", "recipes.tests.features:llama3_qlora_fsdp2_accumulation", "--trainer.accelerator",
+                "cpu", "--trainer.devices", "2", "--trainer.enable_progress_bar", "false", *extra]
+        result = launch(argv, 2, out_dir=tmp_path / name, timeout=300, env={RUN_DIR_ENV: str(tmp_path / name / "run")})
+        losses[name] = result.ranks[0]["losses"]
+    assert len(losses["eager"]) == 3
+    torch.testing.assert_close(losses["compiled"], losses["eager"], rtol=1e-6, atol=1e-6)
+
+
 def test_the_estimate_counts_the_nf4_base_and_the_adapters_as_a_run_stores_them():
     """At dp_shard 2, rank 0's parameters: each NF4 weight's 4-bit values (a byte per 2), its int8
     block scales and their fp32 scales (sharded on their rows), the mean of its scales and NF4's
