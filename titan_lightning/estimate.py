@@ -85,7 +85,7 @@ from titan_lightning._compat import FAKE_TENSOR_ERRORS, FakeTensor, FakeTensorMo
 from titan_lightning._compat import estimate_backend_parts, list_backends, register_backend, tree_leaves
 from titan_lightning._compat import unset_fake_temporarily
 from titan_lightning.config import validate_job
-from titan_lightning.config.validation import precision_dtypes, validate_estimate
+from titan_lightning.config.validation import apply_precision, validate_estimate
 from titan_lightning.models.common import moe
 from titan_lightning.optim import build_optimizer
 from titan_lightning.parallel.fake import init_fake_process_group, memory_report
@@ -152,9 +152,7 @@ def estimate(run: Run, world_size: int, rank: int = 0) -> MemoryEstimate:
     job, module = run.job, run.module
     if job is None or not hasattr(module, "build_model"):
         raise EstimateError(f"estimate needs a titan_lightning model (a CausalLMModule with a job); got {type(module).__name__}")
-    if run.trainer.get("precision") is not None:  # (as the Trainer would: build_trainer)
-        t = job.training
-        t.dtype, t.mixed_precision_param = precision_dtypes(run.trainer["precision"], t)
+    apply_precision(run.trainer.get("precision"), job.training)  # (as the Trainer would: build_trainer)
     validate_job(job, world_size=world_size, max_steps=run.trainer.get("max_steps"))
     validate_estimate(job, world_size, rank)
     if dist.is_initialized():

@@ -24,8 +24,8 @@ from titan_lightning.callbacks.weights import ExportWeights, LoadWeights
 from titan_lightning.config import JobConfig, validate_job
 from titan_lightning.config.validation import (
     TRAINER_ARGS_SET_BY_JOB,
+    apply_precision,
     gradient_accumulation_steps,
-    precision_dtypes,
     validate_trainer_args,
     validate_vocab,
 )
@@ -67,13 +67,6 @@ def _validate_vocab(run: Run, job: JobConfig) -> None:
         validate_vocab(job, tokenizer.vocab_size)
 
 
-def _apply_precision(kwargs: dict[str, Any], job: JobConfig) -> None:
-    """Map ``trainer.precision`` onto the job's training dtypes (fp32 reduce stays as the job says)."""
-    precision = kwargs.pop("precision", None)
-    if precision is not None:
-        job.training.dtype, job.training.mixed_precision_param = precision_dtypes(precision, job.training)
-
-
 def checkpoint_callback(job: Optional[JobConfig], folder: Path) -> ModelCheckpoint:
     """Lightning's ModelCheckpoint as ``job.checkpoint`` asks: every ``interval`` steps, the newest
     ``keep_latest_k`` kept (ranked by step), into ``<run folder>/checkpoints``."""
@@ -105,7 +98,8 @@ def build_trainer(run: Run) -> L.Trainer:
         for key in TRAINER_ARGS_SET_BY_JOB:
             kwargs.pop(key, None)
         kwargs["deterministic"] = job.training.deterministic or None
-        _apply_precision(kwargs, job)
+        # (trainer.precision becomes the job's dtypes; fp32 reduce stays as the job says)
+        apply_precision(kwargs.pop("precision", None), job.training)
         if kwargs.get("strategy", "auto") == "auto":
             kwargs["strategy"] = TitanStrategy()  # degrees from job.parallelism
         L.seed_everything(job.training.seed, verbose=False)

@@ -557,6 +557,13 @@ def precision_dtypes(precision, training: TrainingConfig) -> tuple[str, str]:
     return dtypes
 
 
+def apply_precision(precision, training: TrainingConfig) -> None:
+    """Set ``training``'s dtypes from Lightning's ``trainer.precision`` (None: as they are), as a
+    Trainer built for the run and the estimator of its memory both read them."""
+    if precision is not None:
+        training.dtype, training.mixed_precision_param = precision_dtypes(precision, training)
+
+
 def validate_vocab(job: JobConfig, tokenizer_vocab_size: int) -> None:
     """The data's tokenizer produces only ids the model embeds."""
     if tokenizer_vocab_size > job.model.vocab_size:
