@@ -40,6 +40,17 @@ bench() {  # bench NAME SECONDS ARGS...: one benchmarks.throughput call, its tab
   cp "/tmp/$name/summary.json" "$OUT/$name.json" 2>/dev/null || tail -5 "/tmp/$name.log"
 }
 
+probe() {  # probe NAME RECIPE ARGS...: 3 compiled, fully checkpointed steps at seq 4096, memory by phase and block
+  local name=$1 recipe=$2; shift 2
+  timeout -k 5 170 python3 -m titan_lightning.cli fit --recipe "$recipe" --trainer.callbacks+ \
+    benchmarks.memory_probe.MemoryProbe --trainer.accelerator gpu --trainer.devices 1 --trainer.max_steps 3 \
+    --trainer.limit_val_batches 0 --trainer.enable_checkpointing false --job.compile.enable true \
+    --job.activation_checkpoint.mode full --job.data.repeat_to_fit true --job.training.seq_len 4096 \
+    --job.training.tokens_per_microbatch_per_dp_rank 4096 "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name, memory (rc $?, $(( $(date +%s) - T0 )) s)"
+  grep -oE "\[memory .*" "$OUT/$name.log" | cut -c1-120 | head -24
+}
+
 case "${1:-}" in
 1)
   BENCH_SYNC_AUDIT=$OUT bench sft_syncs 270 --rounds 1 --steps 6 --warmup 4 --contenders titan \
@@ -67,14 +78,8 @@ case "${1:-}" in
 4)
   # The blocks' memory first (run 7: +2.2 GiB a block with their checkpoint compiled, out of memory
   # on the H100 at 77 GiB; since a47392e the checkpoint stays eager: ~64 MiB a block expected)
-  timeout -k 5 170 python3 -m titan_lightning.cli fit --recipe recipes.llama3:llama3_70b --trainer.callbacks+ \
-    benchmarks.memory_probe.MemoryProbe --trainer.accelerator gpu --trainer.devices 1 --trainer.max_steps 3 \
-    --trainer.limit_val_batches 0 --trainer.enable_checkpointing false --job.compile.enable true \
-    --job.activation_checkpoint.mode full --job.data.repeat_to_fit true --job.training.seq_len 4096 \
-    --job.training.tokens_per_microbatch_per_dp_rank 4096 --job.lora.rank 16 --job.lora.alpha 32 \
-    --job.lora.quantize_base nf4 --job.model.n_layers 16 > "$OUT/qlora_70b_16l_memory.log" 2>&1
-  echo "== qlora_70b 16 layers, memory (rc $?, $(( $(date +%s) - T0 )) s)"
-  grep -E "^\[memory" "$OUT/qlora_70b_16l_memory.log" | cut -c1-120 | head -24
+  probe qlora_70b_16l recipes.llama3:llama3_70b --job.lora.rank 16 --job.lora.alpha 32 --job.lora.quantize_base nf4 \
+    --job.model.n_layers 16
   bench qlora_70b 570 --rounds 1 --steps 3 --warmup 2 --timeout 560 --workload llama3_70b_qlora --contenders titan
   ;;
 3)
@@ -109,15 +114,8 @@ case "${1:-}" in
   # full checkpointing, compiled: full fine-tuning, then LoRA on a bf16 base. The estimates (titan-lightning
   # estimate, same flags): parameters 10.41 GiB, peak 41.78 at the optimizer step (full); parameters 5.25,
   # peak 7.66 (LoRA). Each block's forward should keep its 32 MiB input alone.
-  for extra in "" "--job.lora.rank 16 --job.lora.alpha 32"; do
-    timeout -k 5 170 python3 -m titan_lightning.cli fit --recipe recipes.llama3:llama3_8b --trainer.callbacks+ \
-      benchmarks.memory_probe.MemoryProbe --trainer.accelerator gpu --trainer.devices 1 --trainer.max_steps 3 \
-      --trainer.limit_val_batches 0 --trainer.enable_checkpointing false --job.compile.enable true \
-      --job.activation_checkpoint.mode full --job.data.repeat_to_fit true --job.training.seq_len 4096 \
-      --job.training.tokens_per_microbatch_per_dp_rank 4096 --job.model.n_layers 8 $extra > "$OUT/ac_8b.log" 2>&1
-    echo "== 8B shape, 8 layers, full AC, compiled ${extra:-(full fine-tuning)} (rc $?, $(( $(date +%s) - T0 )) s)"
-    grep -E "^\[memory" "$OUT/ac_8b.log" | cut -c1-120 | head -16
-  done
+  probe full_ac_8b_8l recipes.llama3:llama3_8b --job.model.n_layers 8
+  probe full_ac_8b_8l_lora recipes.llama3:llama3_8b --job.model.n_layers 8 --job.lora.rank 16 --job.lora.alpha 32
   ;;
 chain)
   shift
