@@ -3,8 +3,11 @@
 ``titan-lightning prepare --preference`` reads the formats people publish (TRL's preference
 datasets): an explicit prompt (``prompt``: a text, as one user turn, or a list of messages;
 ``chosen`` / ``rejected``: a text, as one assistant turn, or a list of messages that continue
-the prompt), or the implicit-prompt form (``chosen`` / ``rejected`` whole conversations; the
-prompt is the messages they share from the start). Each answer is the prompt and that answer
+the prompt, or whole conversations that repeat it), or the implicit-prompt form (``chosen`` /
+``rejected`` whole conversations; the prompt is the messages they share from the start; a text
+``prompt`` beside them, as ultrafeedback_binarized has, is read as TRL reads it: the shared
+messages are the prompt), or its text form (hh-rlhf: the prompt is the text both answers begin
+with, a user turn). Each answer is the prompt and that answer
 rendered as SFT renders a conversation (data/chat.py: the folder's chat template, or plain
 prompt + blank line + answer + EOS without one), with the mask on the answer's assistant turns
 only. A pair is written as two documents, chosen then rejected, one after the other; a pair of
@@ -83,10 +86,21 @@ class PreferenceRenderer(ChatRenderer):
             raise BadRecord(f"not an object but a {type(record).__name__}")
         prompt = record.get(o.prompt_field)
         chosen, rejected = record.get(o.chosen_field), record.get(o.rejected_field)
+        if prompt is not None and isinstance(chosen, list) and isinstance(rejected, list):
+            chosen, rejected = conversation(chosen, o.chosen_field), conversation(rejected, o.rejected_field)
+            turns = self._turns(prompt, TEXT_ROLES["prompt"], o.prompt_field)
+            if chosen[:len(turns)] == turns and rejected[:len(turns)] == turns:
+                return self._checked(chosen, rejected, len(turns))  # whole conversations that repeat the prompt
+            if isinstance(prompt, str) and chosen[0]["role"] != "assistant":
+                prompt = None  # a text prompt beside whole conversations (ultrafeedback_binarized): as TRL, implicit
+            else:
+                return self._checked(turns + chosen, turns + rejected, len(turns))
         if prompt is None:
+            if isinstance(chosen, str) and isinstance(rejected, str):
+                return self._text_pair(chosen, rejected)
             if not (isinstance(chosen, list) and isinstance(rejected, list)):
                 raise BadRecord(f"no {o.prompt_field!r}, and {o.chosen_field!r} and {o.rejected_field!r} are not both "
-                                f"conversations (lists of messages) sharing their prompt")
+                                f"conversations (lists of messages) or texts sharing their prompt")
             chosen, rejected = conversation(chosen, o.chosen_field), conversation(rejected, o.rejected_field)
             shared = 0
             while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
@@ -94,17 +108,39 @@ class PreferenceRenderer(ChatRenderer):
             if not shared:
                 raise BadRecord(f"{o.chosen_field!r} and {o.rejected_field!r} share no first message (the prompt of "
                                 f"the implicit form); give the prompt in {o.prompt_field!r}")
-            prompt = chosen[:shared]
-        else:
-            prompt = self._turns(prompt, TEXT_ROLES["prompt"], o.prompt_field)
-            chosen = prompt + self._turns(chosen, TEXT_ROLES["chosen"], o.chosen_field)
-            rejected = prompt + self._turns(rejected, TEXT_ROLES["rejected"], o.rejected_field)
+            return self._checked(chosen, rejected, shared)
+        prompt = self._turns(prompt, TEXT_ROLES["prompt"], o.prompt_field)
+        chosen = prompt + self._turns(chosen, TEXT_ROLES["chosen"], o.chosen_field)
+        rejected = prompt + self._turns(rejected, TEXT_ROLES["rejected"], o.rejected_field)
+        return self._checked(chosen, rejected, len(prompt))
+
+    def _text_pair(self, chosen: str, rejected: str) -> tuple[list[dict], list[dict], int]:
+        """The implicit form in text (Anthropic's hh-rlhf): the prompt is the text both answers begin
+        with, up to the last white space before they differ (an answer starts at a word, "Blue" and
+        "Bright" share no "B"), as one user turn; the white space stays with the answers."""
+        o: PreferenceOptions = self.options
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+            shared += 1
+        while shared and not chosen[shared - 1].isspace():
+            shared -= 1
+        shared = len(chosen[:shared].rstrip())
+        if not shared:
+            raise BadRecord(f"{o.chosen_field!r} and {o.rejected_field!r} are texts sharing no prompt (the text both "
+                            f"begin with); give the prompt in {o.prompt_field!r}")
+        prompt = [{"role": TEXT_ROLES["prompt"], "content": chosen[:shared]}]
+        return self._checked(prompt + self._turns(chosen[shared:], TEXT_ROLES["chosen"], o.chosen_field),
+                             prompt + self._turns(rejected[shared:], TEXT_ROLES["rejected"], o.rejected_field), 1)
+
+    def _checked(self, chosen: list[dict], rejected: list[dict], shared: int) -> tuple[list[dict], list[dict], int]:
+        """(chosen, rejected, shared), each answer checked to hold an assistant turn after the prompt."""
+        o: PreferenceOptions = self.options
         for name, messages in ((o.chosen_field, chosen), (o.rejected_field, rejected)):
-            if not any(m["role"] == "assistant" for m in messages[len(prompt):]):
+            if not any(m["role"] == "assistant" for m in messages[shared:]):
                 raise BadRecord(f"{name!r}: no assistant turn after the prompt")
         if chosen == rejected:
             raise BadRecord(f"{o.chosen_field!r} and {o.rejected_field!r} are the same")
-        return chosen, rejected, len(prompt)
+        return chosen, rejected, shared
 
     def conversation(self, record: Any) -> tuple[list[dict[str, Any]], int]:
         """The chosen conversation and its prompt's assistant turns (what ``prepare`` renders first,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.hf_folders import train_tokenizer
-from titan_lightning.data.chat import resolve
+from titan_lightning.data.chat import BadRecord, resolve
 from titan_lightning.data.prepare import main as prepare_main
 from titan_lightning.data.preference import PreferenceOptions, PreferenceRenderer
 from titan_lightning.data.shards import ShardSet
@@ -74,3 +74,33 @@ def test_prepared_pairs_are_the_whole_conversations_rendered_with_the_prompt_s_t
     for (ids, mask), (want_ids, want_mask) in zip(got, want):
         assert ids.tolist() == want_ids.tolist() and mask.tolist() == want_mask.tolist()
         assert mask.any()
+
+
+def test_published_layouts_give_each_prompt_once(tokenizer_folder, tmp_path):
+    """A text prompt beside whole conversations (ultrafeedback_binarized), a message prompt the answers repeat,
+    and hh-rlhf's texts with the prompt inside: each answer is the prompt once, then its own turns."""
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(tokenizer_folder, folder)
+    shutil.copy(TEMPLATES / "qwen3.jinja", folder / "chat_template.jinja")
+    renderer = PreferenceRenderer(resolve(PreferenceOptions(), str(folder)), load_tokenizer(str(folder)))
+    question = {"role": "user", "content": "What colour is the sky?"}
+    blue, green = {"role": "assistant", "content": "Blue."}, {"role": "assistant", "content": "Green."}
+    want = ([question, blue], [question, green], 1)
+    assert renderer.pair({"prompt": question["content"], "chosen": [question, blue],
+                          "rejected": [question, green]}) == want
+    assert renderer.pair({"prompt": [question], "chosen": [question, blue], "rejected": [question, green]}) == want
+    assert renderer.pair({"prompt": question["content"], "chosen": [blue], "rejected": [green]}) == want
+    assert renderer.pair({"prompt": question["content"], "chosen": [SYSTEM, question, blue],  # implicit, as TRL
+                          "rejected": [SYSTEM, question, green]}) == ([SYSTEM, question, blue],
+                                                                      [SYSTEM, question, green], 2)
+    hh = "\n\nHuman: What colour is the sky?\n\nAssistant:"
+    assert renderer.pair({"chosen": hh + " Blue, mostly.", "rejected": hh + " Bright green."}) == (
+        [{"role": "user", "content": hh}, {"role": "assistant", "content": " Blue, mostly."}],
+        [{"role": "user", "content": hh}, {"role": "assistant", "content": " Bright green."}], 1)
+    text, spans = renderer.render_pair({"prompt": question["content"], "chosen": [question, blue],
+                                        "rejected": [question, green]})[0]
+    assert text.count(question["content"]) == 1 and [text[a:b] for a, b in spans][0].endswith("Blue.<|im_end|>\n")
+    for record, message in [({"chosen": "Same start. Blue", "rejected": "Other start"}, "sharing no prompt"),
+                            ({"chosen": 3, "rejected": "x"}, "not both conversations")]:
+        with pytest.raises(BadRecord, match=message):
+            renderer.pair(record)
