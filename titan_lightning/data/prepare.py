@@ -221,7 +221,7 @@ def check_input(path: Path, fields: list[Field]) -> None:
         for name, option, _ in fields:
             if name not in schema.names:
                 raise PrepareError(f"{path}: no column {name!r} ({option}); columns: {', '.join(schema.names)}"
-                                   f"{_sharegpt_hint(option, schema.names)}")
+                                   f"{_format_hint(option, schema.names)}")
         return
     head = path.open("rb").read(1 << 16)
     if b"\x00" in head:
@@ -251,16 +251,30 @@ def check_input(path: Path, fields: list[Field]) -> None:
                     raise PrepareError(f"{where}: field {name!r} ({option}) is a {type(record[name]).__name__}, "
                                        f"not {'a ' if what == 'list' else ''}{what}")
                 raise PrepareError(f"{where}: no {what} field {name!r} ({option}); the record has: {keys}"
-                                   f"{_sharegpt_hint(option, record if isinstance(record, dict) else ())}")
+                                   f"{_format_hint(option, record if isinstance(record, dict) else ())}")
     elif kind == "text" and fields[0][1] != "--text-field":
         raise PrepareError(f"{path}: a text file holds documents, not conversations; give JSONL or Parquet "
                            f"records for {fields[0][1]}")
 
 
-def _sharegpt_hint(option: str, fields) -> str:
-    """What to give for ShareGPT records (their messages in ``conversations``) read as --chat."""
-    return "; ShareGPT data: --messages-field conversations" if option == "--messages-field" and \
-        "conversations" in fields else ""
+def _format_hint(option: str, fields) -> str:
+    """The flags that read records with ``fields`` (their keys, or a Parquet file's columns) in the
+    layout they look like, when ``option`` names a field they lack: TRL's and the common formats."""
+    fields = set(fields)
+    for wanted, name, flags in [({"chosen", "rejected"}, "preference pairs", "--preference"),
+                                ({"messages"}, "conversations", "--chat"),
+                                ({"conversations"}, "ShareGPT data", "--chat --messages-field conversations"),
+                                ({"prompt", "completion"}, "prompt-completion data",
+                                 "--prompt-field prompt --response-field completion"),
+                                ({"instruction", "input", "output"}, "Alpaca data",
+                                 "--prompt-field instruction,input --response-field output"),
+                                ({"instruction", "output"}, "instruction data",
+                                 "--prompt-field instruction --response-field output")]:
+        if option == "--messages-field":  # --chat is given
+            flags = flags.removeprefix("--chat").strip()
+        if wanted <= fields and flags:
+            return f"; {name}: {flags}"
+    return ""
 
 
 def plan_parts(files: list[Path]) -> list[Part]:

@@ -444,6 +444,25 @@ def test_bad_input_is_one_line_before_any_work(folders, tmp_path, args, message)
     assert not (d / "out").exists()
 
 
+@pytest.mark.parametrize("record, args, hint", [
+    ({"messages": [USER, ANSWER]}, [], "conversations: --chat"),
+    ({"prompt": "Hi", "completion": "Hello"}, [], "prompt-completion data: --prompt-field prompt --response-field "
+     "completion"),
+    ({"prompt": [USER], "completion": [ANSWER]}, ["--chat"], "prompt-completion data: --prompt-field prompt "
+     "--response-field completion"),
+    ({"instruction": "Add", "input": "2 2", "output": "4"}, [], "Alpaca data: --prompt-field instruction,input "
+     "--response-field output"),
+    ({"prompt": "Hi", "chosen": "Hello", "rejected": "Go"}, ["--chat"], "preference pairs: --preference"),
+])
+def test_records_of_a_known_layout_read_with_the_wrong_flags_name_the_right_ones(folders, tmp_path, record, args,
+                                                                                 hint):
+    _jsonl(tmp_path / "c.jsonl", [record])
+    with pytest.raises(PrepareError, match=f"; {re.escape(hint)}$"):
+        main(["--input", str(tmp_path / "c.jsonl"), "--output", str(tmp_path / "out"), "--tokenizer",
+              str(folders["qwen"]), *args])
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("source, unsafe", [
     ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "attribute '__class__' of 'str'"),
     ("{{ strftime_now.__globals__['os'] }}", "attribute '__globals__' of 'function'"),
