@@ -215,6 +215,28 @@ def phi3_tp2() -> Run:
     return on_layout(phi3_debugmodel(), dp_shard=1, tp=2)
 
 
+def phi3_lora() -> Run:
+    """LoRA on every linear of the Phi-3 debug model, one process: the fused q/k/v and gate/up each
+    take one adapter, as PEFT's on qkv_proj and gate_up_proj (an A shared by the parts)."""
+    from titan_lightning.config.lora import LoRAConfig
+
+    run = phi3_debugmodel()
+    run.job.lora = LoRAConfig(rank=4, alpha=8.0)
+    run.trainer["max_steps"] = 3
+    return run
+
+
+def phi3_lora_fsdp2() -> Run:
+    """FSDP2: each shared A sharded once with its layer."""
+    return on_layout(phi3_lora(), dp_shard=2)
+
+
+def phi3_lora_tp2() -> Run:
+    """TP2 (sequence parallel): the shared A replicated under the q, k and v colwise projections, each B split with
+    its base's rows."""
+    return on_layout(phi3_lora(), dp_shard=1, tp=2)
+
+
 def olmo2_debugmodel() -> Run:
     """The OLMo 2 debug model (post-norm blocks, QK-norm over whole projections), one process."""
     return _two_layers(olmo2.debugmodel())

@@ -50,6 +50,10 @@ ENTRIES = [
            "clamped SwiGLU): FSDP2, experts over EP2", 2, "gpt_oss_debugmodel", golden=True),
     _entry("phi3_tp2", "Phi-3 debug model (partial RoPE, sliding window): TP2 on whole heads", 2, "phi3_debugmodel",
            golden=True),
+    _entry("phi3_lora_fsdp2", "Phi-3 LoRA, one adapter per fused qkv_proj / gate_up_proj (A shared by the parts): "
+           "FSDP2", 2, "phi3_lora", golden=True),
+    _entry("phi3_lora_tp2", "Phi-3 LoRA: TP2, the shared A replicated, each part's B split with its rows", 2,
+           "phi3_lora"),
     _entry("olmo2_tp2", "OLMo 2 debug model (post-norms): TP2, QK-norm over both ranks' heads", 2, "olmo2_debugmodel",
            golden=True),
     _entry("qwen3_moe_pp2_fsdp2_ep2", "Qwen 3 MoE: PP2 x FSDP2, experts over EP2 in each stage", 4,

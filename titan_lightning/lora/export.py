@@ -21,7 +21,7 @@ from torch import nn
 from titan_lightning.lora.experts import (expert_adapters, expert_peft_state, is_expert_factor, merged_expert_weights,
                                           peft_target_parameters)
 from titan_lightning.lora.layer import base_only, lora_layers, merged_weight
-from titan_lightning.lora.targets import short_name
+from titan_lightning.lora.targets import hf_module, short_name
 from titan_lightning.models.common.init import canonical_fqn
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -42,16 +42,29 @@ def peft_state(model: nn.Module, adapter: Any, dtype: torch.dtype = torch.float3
     run on every rank, in the same order)."""
     adapter = _untied(adapter)
     state = {}
-    for name, layer in lora_layers(model):
-        key = f"{canonical_fqn(name)}.weight"
-        hf_module = adapter.hf_key(key).removesuffix(".weight")
-        a, b = _full(layer.lora_a.weight), _full(layer.lora_b.weight)
-        b = adapter.to_hf({key: b})[f"{hf_module}.weight"]
-        state[f"{PEFT_PREFIX}{hf_module}.lora_A.weight"] = a.to("cpu", dtype).contiguous()
-        state[f"{PEFT_PREFIX}{hf_module}.lora_B.weight"] = b.to("cpu", dtype).contiguous()
+    for module, layers in adapter_groups(model, adapter).items():
+        a = _full(layers[0][1].lora_a.weight)
+        b = adapter.to_hf({key: _full(layer.lora_b.weight) for key, layer in layers})[f"{module}.weight"]
+        state[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.to("cpu", dtype).contiguous()
+        state[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b.to("cpu", dtype).contiguous()
     for key, factor in expert_peft_state(model, adapter).items():  # (the routed experts': lora/experts.py)
         state[f"{PEFT_PREFIX}{key}"] = factor.to("cpu", dtype).contiguous()
     return state
+
+
+def adapter_groups(model: nn.Module, adapter: Any) -> dict[str, list[tuple[str, Any]]]:
+    """The Hugging Face module of each adapter PEFT holds -> our (weight key, LoRALinear) that make
+    it: one, or the parts of a fused tensor (Phi-3's q, k, v of ``qkv_proj``), in our order; the
+    parts share their A (lora/layer.py ``add_adapters``) and their Bs are blocks of its rows."""
+    groups: dict[str, list[tuple[str, Any]]] = {}
+    for name, layer in lora_layers(model):
+        key = f"{canonical_fqn(name)}.weight"
+        groups.setdefault(hf_module(adapter.hf_key(key)), []).append((key, layer))
+    for module, layers in groups.items():
+        if any(layer.lora_a is not layers[0][1].lora_a for _, layer in layers):
+            raise ValueError(f"{module}: its parts ({', '.join(key for key, _ in layers)}) hold adapters of their "
+                             f"own, not one shared A as PEFT's fused linear has")
+    return groups
 
 
 def peft_config(state: dict[str, torch.Tensor], lora: Any, base: Optional[str]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ colwise A replicated and B colwise, under rowwise A rowwise and B replicated).
 
 import math
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Union
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +47,14 @@ class LoRALinear(nn.Linear):
         lora.lora_a.to_empty(device=w.device)
         lora.lora_b.to_empty(device=w.device)
         return lora
+
+    def share_a(self, lora_a: nn.Linear) -> None:
+        """Compute with another layer's A (the parts of a fused linear: ``add_adapters``), held as a
+        plain attribute, not a child: the owner's module tree alone holds it (one parameter, one
+        state-dict key, one shard, one visit of ``_apply``), and a layout that swaps its parameter
+        (FSDP2's unsharded one, a TP style's DTensor) swaps it for this layer too."""
+        del self._modules["lora_a"]
+        self.__dict__["lora_a"] = lora_a
 
     def _apply(self, fn, recurse: bool = True):
         """An NF4 weight (QLoRA; or FSDP2's shard of one) stays as it is: ``to_empty`` would copy its
@@ -147,13 +155,28 @@ class _InitWithAdapters:
             type(self.model).init_param(self.model, fqn, w, g)
 
 
-def add_adapters(model: nn.Module, targets: list[str], *, rank: int, alpha: float, dropout: float = 0.0) -> None:
+def add_adapters(model: nn.Module, targets: Union[list[str], dict[str, str]], *, rank: int, alpha: float,
+                 dropout: float = 0.0) -> None:
     """Swap the linears named ``targets`` (module names within ``model``) for ``LoRALinear``s and
-    freeze every other parameter: only the adapters train."""
-    for name in targets:
+    freeze every other parameter: only the adapters train. ``targets`` as a dict: each linear's
+    group (its Hugging Face module); the linears of one group (the parts of a fused tensor: Phi-3's
+    q, k and v of ``qkv_proj``) share one ``lora_a`` module, so their A is PEFT's one A of the fused
+    linear (its gradient the sum of theirs) and their Bs are the row blocks of PEFT's B: the first part
+    holds it, the others compute with it (``LoRALinear.share_a``). (Each part draws its own dropout mask
+    on the shared input, where PEFT draws one.)"""
+    groups = targets if isinstance(targets, dict) else {name: name for name in targets}
+    shared: dict[str, nn.Module] = {}
+    for name, group in groups.items():
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent)
-        setattr(owner, child, LoRALinear.from_linear(getattr(owner, child), rank=rank, alpha=alpha, dropout=dropout))
+        lora = LoRALinear.from_linear(getattr(owner, child), rank=rank, alpha=alpha, dropout=dropout)
+        if group in shared:
+            if shared[group].in_features != lora.in_features:
+                raise ValueError(f"{name} ({lora.in_features} input features) shares the adapter of {group} with "
+                                 f"linears of {shared[group].in_features}")
+            lora.share_a(shared[group])
+        shared.setdefault(group, lora.lora_a)
+        setattr(owner, child, lora)
     adapters = {id(p) for _, layer in lora_layers(model) for p in (layer.lora_a.weight, layer.lora_b.weight)}
     for param in model.parameters():
         param.requires_grad_(id(param) in adapters)

@@ -8,7 +8,8 @@
   its rows, so the update is split like the base's output; under rowwise A is split on its columns,
   its partial sums reduced before B, B replicated; under moe_replicated (a router gate, a shared
   expert) both replicated. Each gradient is placed as its weight. A frozen parameter stays frozen
-  (``apply_tp``).
+  (``apply_tp``). The parts of a fused linear (Phi-3's q, k, v) share one A, replicated under
+  their colwise styles (placed by the first, kept by the others), each part's B split with its rows.
 - PP: the adapters live in their layer, so in its stage; an adapter-only checkpoint is every
   stage's adapters.
 - EP: the routed experts' adapters (lora/experts.py) are stacked per expert like the experts'
@@ -17,7 +18,7 @@
   (tp > 1 with ep = 1) does not split them: refused below.
 - CP and gradient accumulation: nothing of the adapters' own (the layout is the activations').
 
-Each layout equals one process: the llama3_lora_* (features) and qwen3_moe_lora_* (models) entries.
+Each layout equals one process: the llama3_lora_* (features), qwen3_moe_lora_* and phi3_lora_* (models) entries.
 """
 
 from typing import Any

@@ -32,7 +32,7 @@ from titan_lightning.checkpoint.sources import Source, load_sources
 from titan_lightning.config import ConfigError
 from titan_lightning.config.lora import ALL_LINEAR, EXPERT_PARAMETERS, LoRAConfig
 from titan_lightning.lora.experts import expert_adapters, hf_experts_module, peft_factor_prefix
-from titan_lightning.lora.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
+from titan_lightning.lora.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_groups
 from titan_lightning.lora.layer import lora_layers
 from titan_lightning.lora.targets import add_job_adapters, hf_linears, lora_targets, short_name
 from titan_lightning.models.common.hf_config import read_json_object
@@ -171,22 +171,24 @@ def peft_tensors(folder: Path, model: nn.Module, adapter: Any, *, partial: bool 
     key with no place in the model (``partial``: a pipeline stage's, which holds some layers, skips
     them), a factor missing from the file or a shape that differs."""
     file = _read_weights(folder)
-    convert: dict[str, tuple[str, Any]] = {}  # PEFT key -> (our parameter, PEFT's layout -> ours)
-    for name, _ in lora_layers(model):
-        ours = f"{canonical_fqn(name)}.weight"
-        hf = adapter.hf_key(ours).removesuffix(".weight")
-        convert[f"{PEFT_PREFIX}{hf}.lora_A.weight"] = (f"{name}.lora_a.weight", lambda a: a)
-        convert[f"{PEFT_PREFIX}{hf}.lora_B.weight"] = (
-            f"{name}.lora_b.weight", lambda b, hf=hf, ours=ours: adapter.from_hf({f"{hf}.weight": b})[ours])
+    # PEFT key -> {our parameter: PEFT's tensor -> ours} (a fused linear's B: a block of its rows each part's)
+    convert: dict[str, dict[str, Any]] = {}
+    names = {f"{canonical_fqn(name)}.weight": name for name, _ in lora_layers(model)}
+    for hf, layers in adapter_groups(model, adapter).items():
+        keys = [key for key, _ in layers]
+        convert[f"{PEFT_PREFIX}{hf}.lora_A.weight"] = {f"{names[keys[0]]}.lora_a.weight": lambda a: a}  # (shared)
+        convert[f"{PEFT_PREFIX}{hf}.lora_B.weight"] = {
+            f"{names[key]}.lora_b.weight": lambda b, hf=hf, key=key: adapter.from_hf({f"{hf}.weight": b})[key]
+            for key in keys}
     for name, experts in expert_adapters(model):
         module, tensors = hf_experts_module(adapter, canonical_fqn(name)), list(experts.lora_a)
         for tensor in tensors:
             prefix = f"{PEFT_PREFIX}{peft_factor_prefix(module, tensors, tensor)}"
             count, rank, _ = experts.lora_a[tensor].shape  # (expert_peft_state's layouts, undone)
-            convert[f"{prefix}lora_A.weight"] = (f"{name}.lora_a.{tensor}",  # [E * r, in] -> [E, r, in]
-                                                 lambda a, e=count: a.reshape(e, -1, a.shape[-1]))
-            convert[f"{prefix}lora_B.weight"] = (f"{name}.lora_b.{tensor}",  # [out, r * E] -> [E, out, r]
-                                                 lambda b, e=count, r=rank: b.reshape(-1, r, e).permute(2, 0, 1))
+            convert[f"{prefix}lora_A.weight"] = {f"{name}.lora_a.{tensor}":  # [E * r, in] -> [E, r, in]
+                                                 lambda a, e=count: a.reshape(e, -1, a.shape[-1])}
+            convert[f"{prefix}lora_B.weight"] = {f"{name}.lora_b.{tensor}":  # [out, r * E] -> [E, out, r]
+                                                 lambda b, e=count, r=rank: b.reshape(-1, r, e).permute(2, 0, 1)}
     source = folder / (ADAPTER_WEIGHTS if (folder / ADAPTER_WEIGHTS).is_file() else ADAPTER_BIN)
     unmatched, missing = sorted(file.keys() - convert.keys()), sorted(convert.keys() - file.keys())
     if unmatched and not partial:
@@ -197,16 +199,18 @@ def peft_tensors(folder: Path, model: nn.Module, adapter: Any, *, partial: bool 
         raise ConfigError(f"{source}: no {missing[0]} ({len(missing)} missing), an adapter adapter_config.json "
                           f"targets; valid: a file holding every target's lora_A and lora_B")
     state = {}
-    for key, (ours, to_ours) in convert.items():
-        want = model.get_parameter(ours).shape
-        try:
-            value = to_ours(file[key])
-        except (RuntimeError, ValueError):  # (a layout that cannot be undone: a shape that differs)
-            value = None
-        if value is None or value.shape != want:
-            raise ConfigError(f"{source}: {key} has shape {list(file[key].shape)}, not the adapter of {ours} "
-                              f"{list(want)}; valid: r={rank_of(model, ours)} on this base")
-        state[ours] = value.contiguous()
+    for key, parts in convert.items():
+        for ours, to_ours in parts.items():
+            want = model.get_parameter(ours).shape
+            try:
+                value = to_ours(file[key])
+            except (RuntimeError, ValueError):  # (a layout that cannot be undone: a shape that differs)
+                value = None
+            if value is None or value.shape != want:
+                block = " (a block of its rows)" if len(parts) > 1 else ""
+                raise ConfigError(f"{source}: {key} has shape {list(file[key].shape)}, not the adapter of {ours} "
+                                  f"{list(want)}{block}; valid: r={rank_of(model, ours)} on this base")
+            state[ours] = value.contiguous()
     return state
 
 

@@ -2,10 +2,12 @@
 family does (``q_proj`` ... or ``all-linear``), and the family's state-dict adapter maps our module
 names to theirs (``hf_key``: ``layers.0.attention.wq.weight`` -> ``model.layers.0.self_attn.q_proj.weight``).
 
-A linear is a target when it is a plain ``nn.Linear`` whose weight is one whole Hugging Face tensor:
-not the output head (PEFT's ``all-linear`` leaves it out), not a part of a fused tensor (Phi-3's
-``qkv_proj``, ``gate_up_proj``: PEFT's single A and B over the fused rows are no sum of per-part
-adapters). An MoE router's gate is one (``gate``). The routed experts are stacked weights, no
+A linear is a target when it is a plain ``nn.Linear`` whose weight is one Hugging Face tensor or
+a block of rows of one (not the output head: PEFT's ``all-linear`` leaves it out). The linears
+whose weights are the parts of one fused tensor (Phi-3's q, k, v of ``qkv_proj``, gate and up of
+``gate_up_proj``) are one target, as PEFT's: one A shared by the parts, and B's rows split as
+the fused tensor's are, so ``B A`` is PEFT's update of the fused weight, row for row
+(lora/layer.py ``add_adapters``). An MoE router's gate is one (``gate``). The routed experts are stacked weights, no
 ``nn.Linear``: they take adapters through ``lora.target_parameters`` as PEFT's ``target_parameters``
 (lora/experts.py), so ``all-linear`` on an MoE model adapts attention and routers, as PEFT's does.
 
@@ -15,6 +17,7 @@ experts' tensors (PEFT 0.21 on transformers 5 converts DeepSeek V3's ``gate_proj
 (the dense layers' MLP, the shared experts) take no adapters: PEFT could not load them onto the base.
 """
 
+import re
 from typing import Any, Optional
 
 from torch import nn
@@ -24,6 +27,7 @@ from titan_lightning.lora.experts import add_expert_adapters
 from titan_lightning.lora.layer import add_adapters
 
 HEAD = "output"
+_PART = re.compile(r"\[\w+\]$")  # a state-dict adapter's name of a block of rows of a fused tensor (``[q]``)
 
 
 def hf_linears(model: nn.Module, adapter: Optional[Any]) -> dict[str, str]:
@@ -36,13 +40,23 @@ def hf_linears(model: nn.Module, adapter: Optional[Any]) -> dict[str, str]:
         if type(module) is not nn.Linear and not hasattr(module, "lora_a"):
             continue  # a linear of another kind (the head, float8's)
         key = f"{name}.weight"
-        hf = adapter.hf_key(key) if adapter is not None else key
-        if hf is None or not hf.endswith(".weight") or (adapter is not None and adapter.export_group(key) != key):
+        module = hf_module(adapter.hf_key(key) if adapter is not None else key)
+        if module is None or (adapter is not None and adapter.export_group(key) != key and not _PART.search(
+                adapter.hf_key(key))):
             continue
-        if short_name(hf.removesuffix(".weight")) in getattr(adapter, "peft_expert_names", ()):
+        if short_name(module) in getattr(adapter, "peft_expert_names", ()):
             continue
-        found[name] = hf.removesuffix(".weight")
+        found[name] = module
     return found
+
+
+def hf_module(hf_key: Optional[str]) -> Optional[str]:
+    """The Hugging Face module a weight's key names (``...qkv_proj.weight[q]``, a block of rows of a
+    fused tensor: ``...qkv_proj``); None for a key that is no module's weight."""
+    if hf_key is None:
+        return None
+    key = _PART.sub("", hf_key)
+    return key.removesuffix(".weight") if key.endswith(".weight") else None
 
 
 def short_name(hf_module: str) -> str:
@@ -74,6 +88,5 @@ def lora_targets(model: nn.Module, adapter: Optional[Any], lora: LoRAConfig) -> 
 
 def add_job_adapters(model: nn.Module, lora: LoRAConfig, adapter: Any) -> None:
     """``lora``'s adapters on ``model`` (its targets' linears and the routed experts' tensors), as a run adds them."""
-    add_adapters(model, list(lora_targets(model, adapter, lora)), rank=lora.rank, alpha=lora.alpha,
-                 dropout=lora.dropout)
+    add_adapters(model, lora_targets(model, adapter, lora), rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
     add_expert_adapters(model, lora, getattr(adapter, "family", None))

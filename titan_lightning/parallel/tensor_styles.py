@@ -269,6 +269,8 @@ class AdaptedLinearParallel(ParallelStyle):
         finally:
             module._modules.update(children)
         for name, placement in zip(ADAPTERS, self.placements):
+            if name not in children:
+                continue  # (an A another layer holds and places: the parts of a fused linear, LoRALinear.share_a)
             child = children[name]
             weight = child.weight
             child.register_parameter("weight", nn.Parameter(

@@ -16,6 +16,7 @@ from test_sft_loss import _assert_same
 from titan_lightning.config import ConfigError
 from titan_lightning.config.lora import LoRAConfig
 from titan_lightning.lora import base_only, lora_layers
+from titan_lightning.lora.export import peft_state
 from titan_lightning.lora.targets import hf_linears
 
 from tests.hf_folders import VOCAB, folder_and_conversations, save_hf_model
@@ -85,6 +86,43 @@ def test_step_one_loss_and_adapter_gradients_equal_peft_on_transformers(model_ty
         torch.testing.assert_close(hf_rows(name, layer.lora_b.weight.grad), theirs_of(name, "lora_B").grad,
                                    rtol=1e-5, atol=1e-6)
     assert all(p.grad is None for p in ours.parameters() if not p.requires_grad)
+
+
+def test_fused_linears_take_one_adapter_as_peft_s_and_export_it(tmp_path):
+    """Phi-3's q, k, v (one qkv_proj in its folder) and gate, up (gate_up_proj): one A shared by the
+    parts, B's rows split as the fused weight's; our PEFT export loaded into PEFT's model of the folder
+    (all-linear: the same four modules a layer) gives our step-1 loss, and its gradients ours."""
+    folder = tmp_path / "hf"
+    theirs = save_hf_model(folder, "phi3").train()
+    ours, adapter = _ours(folder, LoRAConfig(rank=4, alpha=8.0))
+    layer = ours.layers["0"]
+    assert layer.attention.wq.lora_a is layer.attention.wk.lora_a is layer.attention.wv.lora_a
+    assert layer.feed_forward.w1.lora_a is layer.feed_forward.w3.lora_a is not layer.feed_forward.w2.lora_a
+    theirs = peft.get_peft_model(theirs, peft.LoraConfig(r=4, lora_alpha=8.0, target_modules="all-linear"))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, lora in lora_layers(ours):  # (B off zero: every adapter changes the output, A gets gradients)
+            lora.lora_b.weight.copy_(0.1 * torch.randn(lora.lora_b.weight.shape, generator=g))
+    state = peft_state(ours, adapter)
+    assert {k.removeprefix("base_model.model.").rsplit(".", 2)[0] for k in state} == {
+        name.removeprefix("base_model.model.") for name, m in theirs.named_modules()
+        if isinstance(m, peft.tuners.lora.LoraLayer)} and any("qkv_proj" in k for k in state)
+    assert not peft.set_peft_model_state_dict(theirs, state).unexpected_keys
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=g)
+    loss = _cross_entropy(ours(tokens), tokens)
+    loss.backward()
+    their_loss = _cross_entropy(theirs(input_ids=tokens).logits, tokens)
+    their_loss.backward()
+    torch.testing.assert_close(loss, their_loss, rtol=0, atol=1e-6)
+    with torch.no_grad():  # (our gradients in PEFT's names and layout: the export of a model holding them)
+        for p in ours.parameters():
+            if p.requires_grad:
+                p.copy_(p.grad)
+    grads = peft_state(ours, adapter)
+    their_grads = {name.replace(".default", ""): p.grad for name, p in theirs.named_parameters() if p.requires_grad}
+    assert grads.keys() == their_grads.keys()
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, their_grads[key], rtol=1e-5, atol=1e-6)
 
 
 def test_a_fresh_adapter_computes_the_base_model_and_draws_a_as_peft(tmp_path):
@@ -197,11 +235,13 @@ def _fit(folder: Path, data: Path, run_dir: Path, monkeypatch, *extra: str, reci
                  *extra]) == 0
 
 
-def test_a_lora_run_checkpoints_adapters_resumes_exactly_and_exports_what_peft_loads(tmp_path, monkeypatch):
+@pytest.mark.parametrize("model_type,module", [("qwen3", "q_proj"), ("phi3", "qkv_proj")])  # (Phi-3: fused linears)
+def test_a_lora_run_checkpoints_adapters_resumes_exactly_and_exports_what_peft_loads(model_type, module, tmp_path,
+                                                                                     monkeypatch):
     from safetensors.torch import load_file
     from torch.distributed.checkpoint import FileSystemReader
 
-    folder, data = folder_and_conversations(tmp_path, "qwen3")
+    folder, data = folder_and_conversations(tmp_path, model_type)
     _fit(folder, data, tmp_path / "run", monkeypatch)
     checkpoint = tmp_path / "run" / "checkpoints" / "epoch=0-step=2.ckpt"
     saved = [k for k in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
@@ -213,7 +253,7 @@ def test_a_lora_run_checkpoints_adapters_resumes_exactly_and_exports_what_peft_l
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
 
     export = tmp_path / "run" / "export_hf"
-    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in load_file(
+    assert f"base_model.model.model.layers.0.self_attn.{module}.lora_A.weight" in load_file(
         export / "adapter" / "adapter_model.safetensors")
     base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with_adapters = peft.PeftModel.from_pretrained(base, export / "adapter").eval()

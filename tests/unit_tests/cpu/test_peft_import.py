@@ -68,12 +68,14 @@ def assert_peft_agrees(adapter: Path, theirs: torch.nn.Module, **find) -> None:
 
 
 # Dense with rsLoRA on all linear layers; tied embeddings with a list of names; Gemma 3's sliding and
-# global layers with a regex; an MoE model's router weight (target_parameters gate.weight, as PEFT
-# rewrites target_modules "gate") and its routed experts (both fused tensors).
+# global layers with a regex; Phi-3's fused qkv_proj and gate_up_proj; an MoE model's router weight
+# (target_parameters gate.weight, as PEFT rewrites target_modules "gate") and its routed experts (both fused
+# tensors).
 CASES = [("llama", False, dict(target_modules="all-linear", use_rslora=True)),
          ("qwen3", True, dict(target_modules=["q_proj", "k_proj", "down_proj"])),
          ("gemma3_text", False, dict(target_modules=r".*\.(q_proj|k_proj|o_proj|up_proj)")),
-         ("qwen3_moe", False, dict(target_modules=["q_proj", "v_proj", "gate"], target_parameters=EXPERTS))]
+         ("qwen3_moe", False, dict(target_modules=["q_proj", "v_proj", "gate"], target_parameters=EXPERTS)),
+         ("phi3", False, dict(target_modules=["qkv_proj", "gate_up_proj"]))]  # (fused linears: one A, B split)
 
 
 @pytest.mark.parametrize("model_type,tie,lora", CASES, ids=[c[0] for c in CASES])
@@ -100,6 +102,7 @@ def test_other_saved_forms_load(form, tmp_path):
     ("llama", LoRAConfig(rank=4, alpha=8.0)),
     ("qwen3_moe", LoRAConfig(rank=2, alpha=3.0, target_modules="q_proj,k_proj,gate",
                              target_parameters="gate_up_proj,down_proj")),
+    ("phi3", LoRAConfig(rank=4, alpha=8.0)),
 ])
 def test_our_export_read_back_is_the_identity(model_type, lora, tmp_path):
     from titan_lightning.pretrained import read_hf_model
