@@ -1,6 +1,7 @@
 """Shared test hygiene."""
 
 import os
+import sys
 
 # Before anything imports torch and runs a kernel: the CPU kernel paths golden numbers are
 # recorded with (see titan_lightning/testing/launch.py). That module imports no torch.
@@ -38,6 +39,16 @@ def _module_environment():
     _end_process_group()
     os.environ.clear()
     os.environ.update(saved)
+    _reset_compiled()
+
+
+def _reset_compiled() -> None:
+    """Dynamo's compiled code and guards dropped after each module: one process compiles one model
+    (a block's forward, a few guard sets); a test process compiles one module's models after
+    another's, which on the same code objects would reach Dynamo's recompile limit and fail a
+    ``fullgraph`` compile depending on the order tests run in. (Inductor's cache on disk stays.)"""
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
 
 
 @pytest.fixture(autouse=True)

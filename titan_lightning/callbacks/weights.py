@@ -238,7 +238,7 @@ class ExportWeights(L.Callback):
             if _pipeline(trainer) is not None:
                 state = _union_on_rank_zero(state)
             if trainer.is_global_zero:
-                write_peft_folder(staging / ADAPTER_FOLDER, state, job.lora, job.checkpoint.initial_load_path)
+                write_peft_folder(staging / ADAPTER_FOLDER, state, job.lora, job.checkpoint.initial_load_path, adapter)
         trainer.strategy.barrier()
         if trainer.is_global_zero:
             if job is not None:

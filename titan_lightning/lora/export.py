@@ -10,6 +10,7 @@ layer's input features, never permuted.
 """
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -67,21 +68,44 @@ def adapter_groups(model: nn.Module, adapter: Any) -> dict[str, list[tuple[str, 
     return groups
 
 
-def peft_config(state: dict[str, torch.Tensor], lora: Any, base: Optional[str]) -> dict[str, Any]:
-    """adapter_config.json for ``state`` (``peft_state``): PEFT's LoraConfig fields."""
-    modules = sorted({short_name(key.removesuffix(".lora_A.weight")) for key in state
-                      if key.endswith(".lora_A.weight") and not is_expert_factor(key)})
+def peft_config(state: dict[str, torch.Tensor], lora: Any, base: Optional[str], wrapped: Optional[str] = None,
+                parameter_names: tuple[str, ...] = ()) -> dict[str, Any]:
+    """adapter_config.json for ``state`` (``peft_state``): PEFT's LoraConfig fields. ``wrapped``: the
+    prefix of the text model in a base that wraps it (``wrap_state``): the targets are named within
+    it (a regex), so PEFT adapts no linear of the wrapper's other parts (a vision tower's q_proj).
+    ``parameter_names``: targets transformers holds as no nn.Linear (the family adapter's
+    ``peft_parameter_names``), named in ``target_parameters`` by their weight."""
+    names = sorted({short_name(key.removesuffix(".lora_A.weight")) for key in state
+                    if key.endswith(".lora_A.weight") and not is_expert_factor(key)})
+    modules = [name for name in names if name not in parameter_names]
+    targets: Any = modules if wrapped is None else rf"{re.escape(wrapped)}.*\.({'|'.join(modules)})"
+    parameters = [f"{name}.weight" for name in names if name in parameter_names]  # (PEFT adds B A to the weight)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
-            "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none",
+            "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": targets, "bias": "none",
             "fan_in_fan_out": False, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
             "inference_mode": True, "modules_to_save": None,
-            "target_parameters": peft_target_parameters(state, lora) or None}
+            "target_parameters": (peft_target_parameters(state, lora) or []) + parameters or None}
 
 
-def write_peft_folder(folder: Path, state: dict[str, torch.Tensor], lora: Any, base: Optional[str]) -> None:
+def wrap_state(state: dict[str, torch.Tensor], wrapper: tuple[str, str]) -> dict[str, torch.Tensor]:
+    """``state`` (``peft_state``'s names: the text model's) named as in the base that wraps the text
+    model (``StateDictAdapter.wrapper_of``: Gemma 3's multimodal model, ``model.language_model.``)."""
+    text, wrapped = (PEFT_PREFIX + prefix for prefix in wrapper)
+    return {wrapped + key[len(text):] if key.startswith(text) else key: value for key, value in state.items()}
+
+
+def write_peft_folder(folder: Path, state: dict[str, torch.Tensor], lora: Any, base: Optional[str],
+                      adapter: Any = None) -> None:
+    """PEFT's adapter folder of ``state`` on ``base``, as the family ``adapter`` (its state-dict adapter)
+    names it in transformers: the targets it holds as no nn.Linear, a base wrapping the text model."""
     folder.mkdir(parents=True, exist_ok=True)
+    wrapper = adapter.wrapper_of(base) if hasattr(adapter, "wrapper_of") else None
+    if wrapper is not None:
+        state = wrap_state(state, wrapper)
     save_file(state, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (folder / ADAPTER_CONFIG).write_text(json.dumps(peft_config(state, lora, base), indent=2) + "\n")
+    config = peft_config(state, lora, base, wrapper[1] if wrapper is not None else None,
+                         getattr(adapter, "peft_parameter_names", ()))
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
 
 class MergedState(Mapping):

@@ -19,6 +19,7 @@ adapters from one (``check_init_from`` before launch, ``load_peft_folder`` at th
 
 import copy
 import json
+import logging
 import math
 import re
 from pathlib import Path
@@ -34,7 +35,7 @@ from titan_lightning.config.lora import ALL_LINEAR, EXPERT_PARAMETERS, LoRAConfi
 from titan_lightning.lora.experts import expert_adapters, hf_experts_module, peft_factor_prefix
 from titan_lightning.lora.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_groups
 from titan_lightning.lora.layer import lora_layers
-from titan_lightning.lora.targets import add_job_adapters, hf_linears, lora_targets, short_name
+from titan_lightning.lora.targets import add_job_adapters, all_linear, hf_linears, lora_targets, short_name
 from titan_lightning.models.common.hf_config import read_json_object
 from titan_lightning.models.common.init import canonical_fqn
 
@@ -67,6 +68,7 @@ READ = ("peft_type", "r", "lora_alpha", "lora_dropout", "use_rslora", "target_mo
 IGNORED = ("task_type", "auto_mapping", "peft_version", "revision", "inference_mode", "init_lora_weights",
            "megatron_config", "megatron_core", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
            "qalora_group_size", "runtime_config", "ensure_weight_tying")
+log = logging.getLogger(__name__)
 _ADAPTER_NAME = re.compile(r"\.(lora_[AB])\.default\.weight$")  # PEFT's key with its adapter name kept
 
 
@@ -104,14 +106,29 @@ def _named(patterns: Any, name: str) -> bool:
     return any(name == p or name.endswith(f".{p}") for p in patterns or ())
 
 
-def _peft_targets(config: dict[str, Any], modules: list[str], weights: list[str]) -> list[str]:
+def _peft_targets(config: dict[str, Any], modules: list[str], weights: list[str], adapter: Any = None,
+                  every_linear: Optional[set[str]] = None) -> list[str]:
     """The ``modules`` (Hugging Face module names) PEFT adapts: not in ``exclude_modules``, and named by
-    ``target_modules`` (``all-linear``: every one) or their weight by ``weights`` (``target_parameters``
-    such as ``gate.weight``: PEFT adds ``B A`` to the weight, which computes what LoRA on the linear does)."""
-    wanted = config.get("target_modules")
+    ``target_modules`` (``all-linear``: those of ``every_linear``, all without it) or their weight by
+    ``weights`` (``target_parameters`` such as ``gate.weight``: PEFT adds ``B A`` to the weight, which
+    computes what LoRA on the linear does).
+    A module is matched by its name or the one a model wrapping the text model gives it (``adapter``'s
+    ``wrapper_prefixes``: an adapter made on Gemma 3's multimodal model names ``model.language_model.``)."""
+    wanted, excluded = config.get("target_modules"), config.get("exclude_modules")
     every = isinstance(wanted, str) and wanted.lower() == ALL_LINEAR
-    return [m for m in modules if not _named(config.get("exclude_modules"), m)
-            and (every or _named(wanted, m) or _named(weights, f"{m}.weight"))]
+
+    def named(patterns: Any, module: str, suffix: str = "") -> bool:
+        return any(_named(patterns, name + suffix) for name in _wrapped_names(module, adapter))
+
+    return [m for m in modules if not named(excluded, m)
+            and ((every and (every_linear is None or m in every_linear)) or named(wanted, m)
+                 or named(weights, m, ".weight"))]
+
+
+def _wrapped_names(module: str, adapter: Any) -> list[str]:
+    """``module`` (the text model's name) and its names in the models that wrap the text model."""
+    prefixes = getattr(adapter, "wrapper_prefixes", {})
+    return [module, *(wrapped + module[len(text):] for wrapped, text in prefixes.items() if module.startswith(text))]
 
 
 def lora_config(config: dict[str, Any], model: nn.Module, adapter: Any, where: Path) -> LoRAConfig:
@@ -126,15 +143,16 @@ def lora_config(config: dict[str, Any], model: nn.Module, adapter: Any, where: P
     parameters = [str(p) for p in config.get("target_parameters") or []]
     tensors = [p.rpartition(".")[2] for p in parameters if p.rpartition(".")[2] in EXPERT_PARAMETERS]
     weights = [p for p in parameters if p.rpartition(".")[2] not in EXPERT_PARAMETERS]
-    linears = list(hf_linears(model, adapter).values())
-    strays = [p for p in weights if not any(_named([p], f"{m}.weight") for m in linears)]
+    found = hf_linears(model, adapter)
+    linears, every_linear = list(found.values()), set(all_linear(found, adapter).values())
+    strays = [p for p in weights
+              if not any(_named([p], f"{n}.weight") for m in linears for n in _wrapped_names(m, adapter))]
     if strays or len(set(tensors)) != len(tensors):
         raise ConfigError(f"{where}: target_parameters={json.dumps(parameters)}: valid: the routed experts' "
                           f"{' and '.join(EXPERT_PARAMETERS)} (mlp.experts.gate_up_proj ...) each once, and the "
                           f"weights of linears (gate.weight)")
-    adapted = _peft_targets(config, linears, weights)
-    every = len(adapted) == len(linears)
-    names = [ALL_LINEAR] if every else sorted({short_name(m) for m in adapted})
+    adapted = _peft_targets(config, linears, weights, adapter, every_linear)
+    names = [ALL_LINEAR] if set(adapted) == every_linear else sorted({short_name(m) for m in adapted})
     try:
         lora = LoRAConfig(rank=rank, alpha=alpha, dropout=config.get("lora_dropout", 0.0),
                           target_modules=names or [ALL_LINEAR], target_parameters=tensors)
@@ -170,7 +188,18 @@ def peft_tensors(folder: Path, model: nn.Module, adapter: Any, *, partial: bool 
     has its adapters: ``lora_config``'s; the meta device will do), in the file's dtype; one line for a
     key with no place in the model (``partial``: a pipeline stage's, which holds some layers, skips
     them), a factor missing from the file or a shape that differs."""
-    file = _read_weights(folder)
+    file, others = {}, 0
+    for key, tensor in _read_weights(folder).items():  # (an adapter made on a model wrapping ours: its names)
+        name = key.removeprefix(PEFT_PREFIX)
+        if key.startswith(PEFT_PREFIX) and hasattr(adapter, "unwrapped"):
+            name = adapter.unwrapped(name)
+        if name is None:
+            others += 1
+        else:
+            file[key if name == key else PEFT_PREFIX + name] = tensor
+    if others:
+        log.info("%s: %d adapter tensors on the wrapping model's other parts (a vision tower) left out, as its "
+                 "weights are", folder, others)
     # PEFT key -> {our parameter: PEFT's tensor -> ours} (a fused linear's B: a block of its rows each part's)
     convert: dict[str, dict[str, Any]] = {}
     names = {f"{canonical_fqn(name)}.weight": name for name, _ in lora_layers(model)}

@@ -11,6 +11,11 @@ the fused tensor's are, so ``B A`` is PEFT's update of the fused weight, row for
 ``nn.Linear``: they take adapters through ``lora.target_parameters`` as PEFT's ``target_parameters``
 (lora/experts.py), so ``all-linear`` on an MoE model adapts attention and routers, as PEFT's does.
 
+A family's adapter may list ``peft_parameter_names``: linears that are no ``nn.Linear`` in transformers
+(gpt-oss's ``router``), which PEFT cannot wrap as modules: its ``all-linear`` leaves them out, and so
+does ours; named, they take adapters, exported as PEFT's ``target_parameters`` (``router.weight``:
+PEFT adds ``B A`` to the weight, the same A and B).
+
 A family's adapter may list ``peft_expert_names``: names PEFT reads in ``target_modules`` as the routed
 experts' tensors (PEFT 0.21 on transformers 5 converts DeepSeek V3's ``gate_proj`` / ``up_proj`` /
 ``down_proj`` to ``target_parameters``, as for checkpoints of the per-expert layout). Linears so named
@@ -82,8 +87,15 @@ def lora_targets(model: nn.Module, adapter: Optional[Any], lora: LoRAConfig) -> 
                          f"valid: {', '.join(valid)} or {ALL_LINEAR}" if unknown else
                          f"lora.target_modules={','.join(wanted)}: {family} has no linear that can take adapters")
     if wanted == [ALL_LINEAR]:
-        return linears
+        return all_linear(linears, adapter)
     return {ours: hf for ours, hf in linears.items() if short_name(hf) in wanted}
+
+
+def all_linear(linears: dict[str, str], adapter: Optional[Any]) -> dict[str, str]:
+    """The ``linears`` (``hf_linears``') PEFT's ``all-linear`` adapts: not those transformers holds as
+    another module (``peft_parameter_names``)."""
+    parameters = getattr(adapter, "peft_parameter_names", ())
+    return {ours: hf for ours, hf in linears.items() if short_name(hf) not in parameters}
 
 
 def add_job_adapters(model: nn.Module, lora: LoRAConfig, adapter: Any) -> None:

@@ -97,7 +97,7 @@ def test_expert_adapters_step_one_loss_and_gradients_equal_peft_target_parameter
 
     from titan_lightning.lora.export import MergedState, peft_state, write_peft_folder
 
-    write_peft_folder(tmp_path / "adapter", peft_state(ours, adapter), lora, str(folder))
+    write_peft_folder(tmp_path / "adapter", peft_state(ours, adapter), lora, str(folder), adapter)
     loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
                                             tmp_path / "adapter").eval()
     merged_folder = tmp_path / "merged"

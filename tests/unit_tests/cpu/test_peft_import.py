@@ -68,14 +68,16 @@ def assert_peft_agrees(adapter: Path, theirs: torch.nn.Module, **find) -> None:
 
 
 # Dense with rsLoRA on all linear layers; tied embeddings with a list of names; Gemma 3's sliding and
-# global layers with a regex; Phi-3's fused qkv_proj and gate_up_proj; an MoE model's router weight
-# (target_parameters gate.weight, as PEFT rewrites target_modules "gate") and its routed experts (both fused
-# tensors).
+# global layers with a regex; Phi-3's fused qkv_proj and gate_up_proj; Gemma 3's multimodal model; an MoE model's
+# router weight (target_parameters gate.weight, as PEFT rewrites target_modules "gate"; gpt-oss's router, no
+# nn.Linear in transformers) and its routed experts (both fused tensors).
 CASES = [("llama", False, dict(target_modules="all-linear", use_rslora=True)),
          ("qwen3", True, dict(target_modules=["q_proj", "k_proj", "down_proj"])),
          ("gemma3_text", False, dict(target_modules=r".*\.(q_proj|k_proj|o_proj|up_proj)")),
          ("qwen3_moe", False, dict(target_modules=["q_proj", "v_proj", "gate"], target_parameters=EXPERTS)),
-         ("phi3", False, dict(target_modules=["qkv_proj", "gate_up_proj"]))]  # (fused linears: one A, B split)
+         ("phi3", False, dict(target_modules=["qkv_proj", "gate_up_proj"])),  # (fused linears: one A, B split)
+         ("gemma3", False, dict(target_modules="all-linear")),  # (multimodal: the vision tower's adapters left out)
+         ("gpt_oss", False, dict(target_modules="all-linear", target_parameters=["mlp.router.weight"]))]
 
 
 @pytest.mark.parametrize("model_type,tie,lora", CASES, ids=[c[0] for c in CASES])
@@ -103,21 +105,25 @@ def test_other_saved_forms_load(form, tmp_path):
     ("qwen3_moe", LoRAConfig(rank=2, alpha=3.0, target_modules="q_proj,k_proj,gate",
                              target_parameters="gate_up_proj,down_proj")),
     ("phi3", LoRAConfig(rank=4, alpha=8.0)),
+    ("gemma3", LoRAConfig(rank=4, alpha=8.0)),  # (named as in the multimodal model, its language model's targets)
+    ("gpt_oss", LoRAConfig(rank=4, alpha=8.0)),  # (all-linear: PEFT's, without the router)
+    ("gpt_oss", LoRAConfig(rank=4, alpha=8.0, target_modules="q_proj,router")),  # (target_parameters router.weight)
 ])
-def test_our_export_read_back_is_the_identity(model_type, lora, tmp_path):
-    from titan_lightning.pretrained import read_hf_model
+def test_our_export_read_back_is_the_identity_and_peft_loads_it(model_type, lora, tmp_path):
+    from test_lora import _ours
 
-    save_hf_model(tmp_path / "base", model_type)
-    hf = read_hf_model(tmp_path / "base")
-    model = hf.module_class(hf.job_class(model=hf.args, lora=lora)).build_model()
-    model.init_weights(seed=3)
+    base = save_hf_model(tmp_path / "base", model_type).eval()
+    model, adapter = _ours(tmp_path / "base", lora)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".lora_b" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-    adapter = hf.module_class.hf_adapter(hf.args)
-    write_peft_folder(tmp_path / "adapter", peft_state(model, adapter), lora, str(tmp_path / "base"))
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    write_peft_folder(tmp_path / "adapter", peft_state(model, adapter), lora, str(tmp_path / "base"), adapter)
+    theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()  # (PEFT on the transformers model)
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), theirs(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
     found = find_model(str(tmp_path / "adapter"))
     assert replace(found.lora, target_modules=sorted(found.lora.target_modules)) == \
         replace(lora, target_modules=sorted(lora.target_modules))

@@ -107,9 +107,28 @@ class StateDictAdapter:
     ignored_hf_suffixes: tuple[str, ...] = ()  # top-level Hugging Face keys from_hf skips
     ignores_layers_past_n_layers = False  # from_hf skips model.layers.N for N >= args.n_layers
     ties_by_default = False  # what a config.json without ``tie_word_embeddings`` means (Gemma 3: tied)
+    # A Hugging Face model wrapping this family's text model (a multimodal checkpoint's language model):
+    # its module-name prefixes -> the text model's, and the prefixes of its other parts (left out).
+    wrapper_prefixes: dict[str, str] = {}
+    wrapper_others: tuple[str, ...] = ()
 
     def __init__(self, args: Any, *, tie_word_embeddings: bool = False):
         self.args, self.tie_word_embeddings = args, tie_word_embeddings
+
+    @classmethod
+    def unwrapped(cls, name: str) -> Optional[str]:
+        """A Hugging Face module or tensor name of the wrapping model (``wrapper_prefixes``) as the text
+        model names it; None for one of its other parts (a vision tower); any other name as it is."""
+        prefix = next((p for p in cls.wrapper_prefixes if name.startswith(p)), None)
+        if prefix is not None:
+            return cls.wrapper_prefixes[prefix] + name[len(prefix):]
+        return None if name.startswith(cls.wrapper_others) else name
+
+    @classmethod
+    def wrapper_of(cls, folder: Optional[str]) -> Optional[tuple[str, str]]:
+        """(the text model's module prefix, the one transformers gives it in the model of ``folder``)
+        when that model wraps the text model (a multimodal one); None otherwise, or for no folder."""
+        return None
 
     @classmethod
     def check_config(cls, job: Any) -> None:

@@ -18,16 +18,18 @@ A multimodal ``gemma3`` folder (Gemma3ForConditionalGeneration: 4B, 12B, 27B as 
 for its language model: the args from ``text_config`` (with transformers' defaults for the shapes
 its released files leave out), the weights under ``language_model.model.`` (or transformers 5's
 ``model.language_model.``); the vision tower and the projector are left out, said in one log line.
-Its export is the text model alone, a ``gemma3_text`` folder.
+Its export is the text model alone, a ``gemma3_text`` folder; a LoRA run's PEFT adapter folder names
+its targets as the multimodal model does (``wrapper_of``: lora/export.py), for PeftModel on that folder.
 """
 
 import json
 import logging
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 from titan_lightning.config import ConfigError
 from titan_lightning.models.common.hf_checkpoint import HALF_ROTATED, LLAMA_BLOCK_KEYS, StateDictAdapter
-from titan_lightning.models.common.hf_config import REQUIRED, HFConfig, decoder_fields
+from titan_lightning.models.common.hf_config import REQUIRED, HFConfig, decoder_fields, read_json_object
 from titan_lightning.models.common.safetensors_io import HFTensors
 from titan_lightning.models.gemma3.model import Gemma3Args, gemma3_layer_types
 
@@ -64,6 +66,16 @@ class Gemma3StateDictAdapter(StateDictAdapter):
     ties_by_default = True
     args_class, architecture = Gemma3Args, "Gemma3ForCausalLM"
     fixed_fields = FIXED_FIELDS
+    wrapper_prefixes, wrapper_others = _TEXT_PREFIXES, _VISION_PREFIXES
+
+    @classmethod
+    def wrapper_of(cls, folder: Optional[str]) -> Optional[tuple[str, str]]:
+        """A multimodal folder's Gemma3ForConditionalGeneration holds the text model's layers under
+        ``model.language_model.`` (transformers 5's names, as PEFT's adapters on it name them)."""
+        config = Path(folder or "") / "config.json"
+        if folder is None or not config.is_file():
+            return None
+        return ("model.", "model.language_model.") if read_json_object(config).get("model_type") == "gemma3" else None
 
     @classmethod
     def args_from_hf_config(cls, config: HFConfig) -> Gemma3Args:
@@ -139,11 +151,9 @@ def _text_model(tensors: HFTensors) -> HFTensors:
     its vision tensors left out (a text checkpoint as it is)."""
     names = {}
     for key in tensors.keys():
-        prefix = next((p for p in _TEXT_PREFIXES if key.startswith(p)), None)
-        if prefix is not None:
-            names[_TEXT_PREFIXES[prefix] + key[len(prefix):]] = key
-        elif not key.startswith(_VISION_PREFIXES):
-            names[key] = key
+        name = Gemma3StateDictAdapter.unwrapped(key)
+        if name is not None:
+            names[name] = key
     if all(ours == key for ours, key in names.items()) and len(names) == len(tensors.keys()):
         return tensors
     return HFTensors({ours: tensors.shape(key) for ours, key in names.items()},

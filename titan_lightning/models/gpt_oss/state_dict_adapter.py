@@ -60,6 +60,9 @@ class GptOssStateDictAdapter(StateDictAdapter):
     }
     rope_halves = {**HALF_ROTATED, "attention.wq.bias": "n_heads", "attention.wk.bias": "n_kv_heads"}
     hf_model_types = ("gpt_oss",)
+    # transformers' router is no nn.Linear: PEFT adapts its weight through target_parameters, and its
+    # all-linear leaves it out (lora/targets.py).
+    peft_parameter_names = ("router",)
     args_class, architecture = GptOssArgs, "GptOssForCausalLM"
     fixed_fields = {"attention_bias": True, "attention_dropout": 0.0}
     config_fields = {k: v for k, v in DECODER_FIELDS.items() if k != "ffn_hidden_dim"}  # the experts' width is moe's
