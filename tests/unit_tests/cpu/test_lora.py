@@ -43,6 +43,16 @@ def _cross_entropy(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
 
+def _step_one_backward_agrees(ours, theirs, g: torch.Generator) -> None:
+    """One batch's loss through our model and the PeftModel equal; both backward (their gradients compared after)."""
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=g)
+    loss = _cross_entropy(ours(tokens), tokens)
+    loss.backward()
+    their_loss = _cross_entropy(theirs(input_ids=tokens).logits, tokens)
+    their_loss.backward()
+    torch.testing.assert_close(loss, their_loss, rtol=0, atol=1e-6)
+
+
 # (model_type, tied, target_modules): dense and tied; MoE (attention and router; the routed experts:
 # test_lora_layouts.py); sliding-window layers beside global ones (Gemma 3); DeepSeek V3's latent attention
 # (uncompressed queries; q_a_proj / q_b_proj: test_lora_layouts.py) and its sigmoid router.
@@ -75,12 +85,7 @@ def test_step_one_loss_and_adapter_gradients_equal_peft_on_transformers(model_ty
             layer.lora_b.weight.copy_(0.1 * torch.randn(layer.lora_b.weight.shape, generator=g))
             theirs_of(name, "lora_A").copy_(layer.lora_a.weight)
             theirs_of(name, "lora_B").copy_(hf_rows(name, layer.lora_b.weight))
-    tokens = torch.randint(0, VOCAB, (2, 16), generator=g)
-    loss = _cross_entropy(ours(tokens), tokens)
-    loss.backward()
-    their_loss = _cross_entropy(theirs(input_ids=tokens).logits, tokens)
-    their_loss.backward()
-    torch.testing.assert_close(loss, their_loss, rtol=0, atol=1e-6)
+    _step_one_backward_agrees(ours, theirs, g)
     for name, layer in lora_layers(ours):
         torch.testing.assert_close(layer.lora_a.weight.grad, theirs_of(name, "lora_A").grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(hf_rows(name, layer.lora_b.weight.grad), theirs_of(name, "lora_B").grad,
@@ -108,12 +113,7 @@ def test_fused_linears_take_one_adapter_as_peft_s_and_export_it(tmp_path):
         name.removeprefix("base_model.model.") for name, m in theirs.named_modules()
         if isinstance(m, peft.tuners.lora.LoraLayer)} and any("qkv_proj" in k for k in state)
     assert not peft.set_peft_model_state_dict(theirs, state).unexpected_keys
-    tokens = torch.randint(0, VOCAB, (2, 16), generator=g)
-    loss = _cross_entropy(ours(tokens), tokens)
-    loss.backward()
-    their_loss = _cross_entropy(theirs(input_ids=tokens).logits, tokens)
-    their_loss.backward()
-    torch.testing.assert_close(loss, their_loss, rtol=0, atol=1e-6)
+    _step_one_backward_agrees(ours, theirs, g)
     with torch.no_grad():  # (our gradients in PEFT's names and layout: the export of a model holding them)
         for p in ours.parameters():
             if p.requires_grad:
