@@ -32,7 +32,7 @@ from torch import nn
 from titan_lightning.checkpoint.sources import Source, load_sources
 from titan_lightning.config import ConfigError
 from titan_lightning.config.lora import ALL_LINEAR, EXPERT_PARAMETERS, LoRAConfig
-from titan_lightning.lora.experts import expert_adapters, hf_experts_module, peft_factor_prefix
+from titan_lightning.lora.experts import expert_adapters, hf_experts_module, peft_factor_prefix, routed_experts
 from titan_lightning.lora.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_groups
 from titan_lightning.lora.layer import lora_layers
 from titan_lightning.lora.targets import add_job_adapters, all_linear, hf_linears, lora_targets, short_name
@@ -143,6 +143,7 @@ def lora_config(config: dict[str, Any], model: nn.Module, adapter: Any, where: P
     parameters = [str(p) for p in config.get("target_parameters") or []]
     tensors = [p.rpartition(".")[2] for p in parameters if p.rpartition(".")[2] in EXPERT_PARAMETERS]
     weights = [p for p in parameters if p.rpartition(".")[2] not in EXPERT_PARAMETERS]
+    _check_every_moe_layer(parameters, model, adapter, where)
     found = hf_linears(model, adapter)
     linears, every_linear = list(found.values()), set(all_linear(found, adapter).values())
     strays = [p for p in weights
@@ -170,6 +171,22 @@ def lora_config(config: dict[str, Any], model: nn.Module, adapter: Any, where: P
                           f"names adapted in every layer ({', '.join(sorted({short_name(m) for m in linears}))}) "
                           f"or \"{ALL_LINEAR}\"")
     return lora
+
+
+def _check_every_moe_layer(parameters: list[str], model: nn.Module, adapter: Any, where: Path) -> None:
+    """Each expert tensor ``target_parameters`` names (``gate_up_proj``, ``7.mlp.experts.gate_up_proj``)
+    is every MoE layer's: one line for a name that reaches some layers only (as OpenAI's gpt-oss
+    fine-tuning recipe writes them), which ``job.lora.target_parameters`` cannot express."""
+    modules = [hf_experts_module(adapter, canonical_fqn(name)) for name, _ in routed_experts(model)]
+    for p in parameters:
+        tensor = p.rpartition(".")[2]
+        if tensor not in EXPERT_PARAMETERS or not modules:
+            continue
+        reached = [m for m in modules if any(_named([p], f"{n}.{tensor}") for n in _wrapped_names(m, adapter))]
+        if len(reached) != len(modules):
+            raise ConfigError(f"{where}: target_parameters entry {p!r} reaches the routed experts of {len(reached)} "
+                              f"of the {len(modules)} MoE layers; adapters here go on every MoE layer's experts: "
+                              f"valid: {tensor!r} (mlp.experts.{tensor})")
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -220,6 +220,16 @@ def test_what_lora_here_does_not_compute_is_refused_in_one_line(made_by_peft, tm
     assert says in message and "\n" not in message and "valid:" in message, message
 
 
+def test_experts_adapted_in_some_layers_only_are_refused_in_one_line(tmp_path):
+    """OpenAI's gpt-oss recipe names the experts of chosen layers (``7.mlp.experts.gate_up_proj``);
+    job.lora adapts every MoE layer's, so such a folder is refused naming the entry."""
+    peft_folder(tmp_path / "base", "gpt_oss", tmp_path / "adapter", target_modules="all-linear",
+                target_parameters=["1.mlp.experts.gate_up_proj", "1.mlp.experts.down_proj"])
+    with pytest.raises(ConfigError, match=r"target_parameters entry '1.mlp.experts.gate_up_proj' reaches the routed "
+                                          r"experts of 1 of the 2 MoE layers; .* valid: 'gate_up_proj'"):
+        find_model(str(tmp_path / "adapter"))
+
+
 def test_a_run_starts_its_adapters_from_a_peft_folder(tmp_path, monkeypatch, capsys):
     """``--job.lora.init_from``: the fresh run's adapters are the folder's (its step 1 computes PeftModel's
     logits, so its loss is PeftModel's: a step of lr 1e-30 leaves them as they were, and the merged export
