@@ -78,7 +78,7 @@ def peft_config(state: dict[str, torch.Tensor], lora: Any, base: Optional[str], 
     names = sorted({short_name(key.removesuffix(".lora_A.weight")) for key in state
                     if key.endswith(".lora_A.weight") and not is_expert_factor(key)})
     modules = [name for name in names if name not in parameter_names]
-    targets: Any = modules if wrapped is None else rf"{re.escape(wrapped)}.*\.({'|'.join(modules)})"
+    targets: Any = modules if wrapped is None or not modules else rf"{re.escape(wrapped)}.*\.({'|'.join(modules)})"
     parameters = [f"{name}.weight" for name in names if name in parameter_names]  # (PEFT adds B A to the weight)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
             "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": targets, "bias": "none",
