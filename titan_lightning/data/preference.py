@@ -29,6 +29,7 @@ sample's ``input_ids``, ``labels`` and ``position_ids`` (data/sft.py), a window 
 fall between the two answers of one pair: that pair is left out of both.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -102,9 +103,7 @@ class PreferenceRenderer(ChatRenderer):
                 raise BadRecord(f"no {o.prompt_field!r}, and {o.chosen_field!r} and {o.rejected_field!r} are not both "
                                 f"conversations (lists of messages) or texts sharing their prompt")
             chosen, rejected = conversation(chosen, o.chosen_field), conversation(rejected, o.rejected_field)
-            shared = 0
-            while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
-                shared += 1
+            shared = _common_prefix(chosen, rejected)
             if not shared:
                 raise BadRecord(f"{o.chosen_field!r} and {o.rejected_field!r} share no first message (the prompt of "
                                 f"the implicit form); give the prompt in {o.prompt_field!r}")
@@ -119,9 +118,7 @@ class PreferenceRenderer(ChatRenderer):
         with, up to the last white space before they differ (an answer starts at a word, "Blue" and
         "Bright" share no "B"), as one user turn; the white space stays with the answers."""
         o: PreferenceOptions = self.options
-        shared = 0
-        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
-            shared += 1
+        shared = _common_prefix(chosen, rejected)
         while shared and not chosen[shared - 1].isspace():
             shared -= 1
         shared = len(chosen[:shared].rstrip())
@@ -162,6 +159,14 @@ class PreferenceRenderer(ChatRenderer):
                 raise BadRecord("the chat template marks none of the answer's text")
             out.append((text, spans))
         return out
+
+
+def _common_prefix(a: Sequence, b: Sequence) -> int:
+    """How many first items (messages, characters) ``a`` and ``b`` share."""
+    shared = 0
+    while shared < min(len(a), len(b)) and a[shared] == b[shared]:
+        shared += 1
+    return shared
 
 
 def renderer_for(spec: ChatSpec, tokenizer) -> ChatRenderer:

@@ -106,10 +106,10 @@ def _named(patterns: Any, name: str) -> bool:
     return any(name == p or name.endswith(f".{p}") for p in patterns or ())
 
 
-def _peft_targets(config: dict[str, Any], modules: list[str], weights: list[str], adapter: Any = None,
-                  every_linear: Optional[set[str]] = None) -> list[str]:
+def _peft_targets(config: dict[str, Any], modules: list[str], weights: list[str], adapter: Any,
+                  every_linear: set[str]) -> list[str]:
     """The ``modules`` (Hugging Face module names) PEFT adapts: not in ``exclude_modules``, and named by
-    ``target_modules`` (``all-linear``: those of ``every_linear``, all without it) or their weight by
+    ``target_modules`` (``all-linear``: those of ``every_linear``) or their weight by
     ``weights`` (``target_parameters`` such as ``gate.weight``: PEFT adds ``B A`` to the weight, which
     computes what LoRA on the linear does).
     A module is matched by its name or the one a model wrapping the text model gives it (``adapter``'s
@@ -121,8 +121,7 @@ def _peft_targets(config: dict[str, Any], modules: list[str], weights: list[str]
         return any(_named(patterns, name + suffix) for name in _wrapped_names(module, adapter))
 
     return [m for m in modules if not named(excluded, m)
-            and ((every and (every_linear is None or m in every_linear)) or named(wanted, m)
-                 or named(weights, m, ".weight"))]
+            and ((every and m in every_linear) or named(wanted, m) or named(weights, m, ".weight"))]
 
 
 def _wrapped_names(module: str, adapter: Any) -> list[str]:

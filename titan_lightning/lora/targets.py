@@ -45,10 +45,10 @@ def hf_linears(model: nn.Module, adapter: Optional[Any]) -> dict[str, str]:
         if type(module) is not nn.Linear and not hasattr(module, "lora_a"):
             continue  # a linear of another kind (the head, float8's)
         key = f"{name}.weight"
-        module = hf_module(adapter.hf_key(key) if adapter is not None else key)
-        if module is None or (adapter is not None and adapter.export_group(key) != key and not _PART.search(
-                adapter.hf_key(key))):
-            continue
+        hf = adapter.hf_key(key) if adapter is not None else key
+        module = hf_module(hf)
+        if module is None or (adapter is not None and adapter.export_group(key) != key and not _PART.search(hf)):
+            continue  # (grouped with other keys, and not as a block of rows of one tensor)
         if short_name(module) in getattr(adapter, "peft_expert_names", ()):
             continue
         found[name] = module
