@@ -89,8 +89,15 @@ class LoRALinear(nn.Linear):
 
 
 def linear_nf4(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ dequantize(weight).T``, keeping the NF4 weight alone for the backward. Eager, torchao's
+    function does so; compiled, the partitioner would keep the dequantized weight for the backward
+    (the forward's and the backward's dequantizations are one node once traced together: 13 GiB of
+    bf16 weights for an 8B model, more than the NF4 base saves). A checkpoint around it marks the
+    dequantization to recompute in the backward (the matmul's output is not needed there)."""
     from torchao.dtypes.nf4tensor import linear_nf4 as nf4  # (torchao: only a QLoRA run imports it)
 
+    if torch.compiler.is_compiling():
+        return torch.utils.checkpoint.checkpoint(nf4, x, weight, use_reentrant=False)
     return nf4(x, weight)
 
 

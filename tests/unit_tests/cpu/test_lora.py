@@ -18,6 +18,7 @@ from titan_lightning.config.lora import LoRAConfig
 from titan_lightning.lora import base_only, lora_layers
 from titan_lightning.lora.export import peft_state
 from titan_lightning.lora.targets import hf_linears
+from titan_lightning.parallel.nf4 import is_nf4
 
 from tests.hf_folders import VOCAB, folder_and_conversations, save_hf_model
 
@@ -86,10 +87,14 @@ def test_step_one_loss_and_adapter_gradients_equal_peft_on_transformers(model_ty
             theirs_of(name, "lora_A").copy_(layer.lora_a.weight)
             theirs_of(name, "lora_B").copy_(hf_rows(name, layer.lora_b.weight))
     _step_one_backward_agrees(ours, theirs, g)
+    # (Gemma 3 scales its embeddings by sqrt(dim): its adapters' gradients are ~1, five times the others',
+    # and on an AVX-512 host (BLAS's other blocking) they differ from PEFT's by up to 2.6e-6, 2.5e-6 of
+    # their scale; the others' stay within 2e-7 there.)
+    atol = 5e-6 if model_type == "gemma3_text" else 1e-6
     for name, layer in lora_layers(ours):
-        torch.testing.assert_close(layer.lora_a.weight.grad, theirs_of(name, "lora_A").grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(layer.lora_a.weight.grad, theirs_of(name, "lora_A").grad, rtol=1e-5, atol=atol)
         torch.testing.assert_close(hf_rows(name, layer.lora_b.weight.grad), theirs_of(name, "lora_B").grad,
-                                   rtol=1e-5, atol=1e-6)
+                                   rtol=1e-5, atol=atol)
     assert all(p.grad is None for p in ours.parameters() if not p.requires_grad)
 
 
@@ -356,11 +361,14 @@ def test_qlora_on_several_ranks_is_refused_before_launch(degree):
 
 
 @pytest.mark.slow  # Inductor on CPU: ~15 s
-def test_a_compiled_fully_checkpointed_qlora_block_keeps_nothing_of_its_compiled_forward(tmp_path):
-    """Full activation checkpointing of a compiled block with NF4 weights checkpoints the compiled
-    forward (eager on the outside): whatever the partitioner saves for the backward (on an H100 it
-    kept a 70B-shaped block's dequantized weights, ~2.2 GiB a block) stays inside the checkpoint and
-    is recomputed; the loss and the adapters' gradients are the eager checkpointed model's."""
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_a_compiled_qlora_block_keeps_no_dequantized_weight(tmp_path, checkpointing):
+    """A compiled block with NF4 weights keeps no dequantized weight for the backward: traced
+    together, the forward's and the backward's dequantizations became one node the partitioner
+    saved (an 8B QLoRA step without checkpointing kept 13 GiB of bf16 weights on an H200, run 8; a
+    70B block under a compiled full checkpoint 2.2 GiB, run 7). Under full checkpointing the compiled
+    forward is checkpointed from the outside (eager) and the block keeps its inputs alone. The loss and
+    the adapters' gradients are the eager model's."""
     from titan_lightning.parallel.activation_checkpoint import apply_activation_checkpointing
     from titan_lightning.parallel.compile import compile_blocks
     from titan_lightning.pretrained import read_hf_model
@@ -369,8 +377,8 @@ def test_a_compiled_fully_checkpointed_qlora_block_keeps_nothing_of_its_compiled
     save_hf_model(folder, "llama")
     hf = read_hf_model(folder)
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (2, 16), generator=g)
-    models, escaped, losses = [], [], []
+    tokens = torch.randint(0, VOCAB, (3, 7), generator=g)  # (21 tokens: no activation has a weight's shape)
+    models, escaped, dense_weights, losses = [], [], [], []
     for compiled in (False, True):
         module = hf.module_class(hf.job_class(model=hf.args, lora=LoRAConfig(rank=4, alpha=8.0, quantize_base="nf4")))
         with torch.device("meta"):
@@ -382,7 +390,9 @@ def test_a_compiled_fully_checkpointed_qlora_block_keeps_nothing_of_its_compiled
             for _, layer in lora_layers(model):
                 layer.lora_b.weight.copy_(0.1 * torch.randn(layer.lora_b.weight.shape, generator=b))
         blocks = list(model.layers.values())
-        apply_activation_checkpointing(blocks, "full")
+        weights = {tuple(layer.weight.shape) for _, layer in lora_layers(model)}
+        if checkpointing != "none":
+            apply_activation_checkpointing(blocks, checkpointing)
         if compiled:
             compile_blocks(blocks)
         packed = []
@@ -392,10 +402,13 @@ def test_a_compiled_fully_checkpointed_qlora_block_keeps_nothing_of_its_compiled
                 block(x, model.rope_cache)
         inputs = {x.data_ptr(), model.rope_cache.data_ptr()}
         escaped.append(sorted(tuple(t.shape) for t in packed if t.data_ptr() not in inputs))
+        dense_weights.append([tuple(t.shape) for t in packed if tuple(t.shape) in weights and not is_nf4(t)])
         losses.append(_cross_entropy(model(tokens), tokens))
         losses[-1].backward()
         models.append(model)
-    assert escaped == [[], []], escaped  # (the checkpoint's inputs alone)
+    assert dense_weights == [[], []], dense_weights
+    if checkpointing == "full":
+        assert escaped == [[], []], escaped  # (the checkpoint's inputs alone)
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
     eager, compiled = (dict(lora_layers(m)) for m in models)
     for name, layer in eager.items():
