@@ -101,7 +101,7 @@ case "${1:-}" in
 5)
   for f in ${GPU_TESTS:-test_lora_gpu:200 test_preference_gpu:150}; do  # (run 5: 80 and 118 s)
     s=${f#*:}; f=${f%:*}
-    timeout -k 5 "$(( $(left 580) < s ? $(left 580) : s ))" python3 -m pytest -q -p no:cacheprovider -m gpu -s \
+    timeout -k 5 "$(( $(left 580) < s ? $(left 580) : s ))" python3 -m pytest -o addopts= -q -p no:cacheprovider -m gpu -s \
       "tests/unit_tests/gpu/$f.py" > "/tmp/$f.log" 2>&1
     echo "== $f (rc $?, $(( $(date +%s) - T0 )) s)"; grep -E "passed|failed|error|tokens/s|Error" "/tmp/$f.log" | tail -8
   done

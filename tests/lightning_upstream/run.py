@@ -21,6 +21,7 @@ tests/unit_tests/cpu/test_lightning_mps_cases.py.)
 """
 
 import argparse
+import importlib.util
 import os
 import subprocess
 import sys
@@ -92,9 +93,15 @@ def extract(repo: Path, ref: str, dest: Path, control: bool, name: str = TEST_FI
     return test_file
 
 
+# (the extracted files sit under this checkout, whose pyproject asks pytest-xdist for workers: one case
+# at a time runs in one process)
+ONE_PROCESS = ("-n", "0") if importlib.util.find_spec("xdist") else ()
+
+
 def cases(test_file: Path, env: dict) -> list[str]:
     listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                             str(test_file)], capture_output=True, text=True, env=env, cwd=test_file.parents[2])
+                             *ONE_PROCESS, str(test_file)], capture_output=True, text=True, env=env,
+                            cwd=test_file.parents[2])
     ids = [line.split("::", 1)[1] for line in listed.stdout.splitlines() if "::" in line]
     if not ids:
         sys.exit(f"no case collected from {test_file}:\n{listed.stdout[-3000:]}{listed.stderr[-3000:]}")
@@ -126,8 +133,8 @@ def main(argv: list[str]) -> int:
         begun = time.monotonic()
         try:
             done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-x", "-p", "no:cacheprovider",
-                                   f"{test_file}::{case}"], capture_output=True, text=True, env=env, cwd=tests_root,
-                                  timeout=args.timeout)
+                                   *ONE_PROCESS, f"{test_file}::{case}"], capture_output=True, text=True, env=env,
+                                  cwd=tests_root, timeout=args.timeout)
             log = done.stdout + done.stderr
             summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
             outcome = ("FAILED" if done.returncode != 0 else "passed" if " passed" in summary
