@@ -15,6 +15,7 @@
 #   bash benchmarks/h200_owed.sh 9   # the GPU tests of the device defaults (#44's)
 #   bash benchmarks/h200_owed.sh 4   # #48: QLoRA of the 70B shape (its blocks' memory, then the row)
 #   bash benchmarks/h200_owed.sh 10  # compiled full checkpointing's memory per block, 8B shape (run 7's question)
+#   bash benchmarks/h200_owed.sh 11  # #48: LoRA 8B +- AC against PEFT +- checkpointing, QLoRA 8B +- full AC, one run
 #
 # When machines are scarce (a start can fail and costs minutes), one machine runs the parts back to
 # back in the background and each device call only waits for the next part to end:
@@ -71,6 +72,14 @@ case "${1:-}" in
     BENCH_CLOCK=events bench "$row" 285 --rounds 1 --steps 5 --warmup 4 --timeout 280 --workload "$row" \
       --contenders titan
   done
+  ;;
+11)
+  # #48 on one H200 in one run: LoRA 8B (no AC, selective AC) against PEFT (without and with gradient
+  # checkpointing), QLoRA 8B without AC (after 1f890bf: no dequantized weight kept; run 8 read 37.3 GiB,
+  # estimate now 25.0) and fully checkpointed (estimate 8.9 GiB)
+  BENCH_CLOCK=events bench lora_8b_h200 "$(left 580)" --rounds 1 --steps 5 --warmup 4 --timeout 200 \
+    --reference 'titan (llama3_8b_lora_quiet)' \
+    --workload llama3_8b_lora_quiet,llama3_8b_lora_selective_quiet,llama3_8b_lora_hf_ac,llama3_8b_qlora_quiet,llama3_8b_qlora_full_quiet
   ;;
 6)
   bench lora_8b_hf_ac 400 --rounds 1 --steps 5 --warmup 3 --timeout 300 --workload llama3_8b_lora_hf_ac

@@ -299,6 +299,17 @@ WORKLOADS["llama3_8b_qlora"] = dataclasses.replace(WORKLOADS["llama3_8b_lora"], 
 for _lora_name in ("llama3_8b_lora", "llama3_8b_lora_float8", "llama3_8b_qlora"):
     WORKLOADS[f"{_lora_name}_quiet"] = dataclasses.replace(
         WORKLOADS[_lora_name], overrides=WORKLOADS[_lora_name].overrides + ("--trainer.log_every_n_steps", "100"))
+# With activation checkpointing, next to PEFT's gradient checkpointing (run 8: 22.4 GiB; the issue's "at
+# <= its peak memory" against that row), and QLoRA fully checkpointed (torchtune's < 10 GB figure):
+# BENCH_CLOCK=events python -m benchmarks.throughput --rounds 1 --steps 5 --warmup 4 \
+#   --reference 'titan (llama3_8b_lora_quiet)' \
+#   --workload llama3_8b_lora_quiet,llama3_8b_lora_selective_quiet,llama3_8b_lora_hf_ac,llama3_8b_qlora_full_quiet
+WORKLOADS["llama3_8b_lora_selective_quiet"] = dataclasses.replace(
+    WORKLOADS["llama3_8b_lora_quiet"], overrides=WORKLOADS["llama3_8b_lora_quiet"].overrides
+    + ("--job.activation_checkpoint.mode", "selective"), contenders=("titan",))
+WORKLOADS["llama3_8b_qlora_full_quiet"] = dataclasses.replace(
+    WORKLOADS["llama3_8b_qlora_quiet"], overrides=WORKLOADS["llama3_8b_qlora_quiet"].overrides
+    + ("--job.activation_checkpoint.mode", "full"))
 
 # QLoRA of Llama 3 70B's shape (80 layers, random weights: recipes.llama3:llama3_70b, the shipped corpus)
 # on one H200 at seq 4096, full activation checkpointing (issue #48); MFU counts 6 FLOPs per parameter
