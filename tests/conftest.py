@@ -89,7 +89,7 @@ def pytest_xdist_auto_num_workers(config):
         return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
     if config.getoption("capture") == "no" or (os.cpu_count() or 1) < 2:
         return 0
-    import torch
+    import torch  # (after the cheap answers: pytest's own start-up imports no torch for them)
 
     return 0 if torch.cuda.is_available() else XDIST_WORKERS
 
@@ -102,16 +102,14 @@ def pytest_xdist_auto_num_workers(config):
 # scales with the workers (a test's own cost is what the guard is for, not its neighbour's).
 ALONE_S = float(os.environ.get("TITAN_LIGHTNING_SLOW_TEST_S", "60"))
 SLOW_TEST_S = ALONE_S * max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-_durations: dict = {}  # (this process's tests: the guard)
-_reported: dict = {}  # (every test's, as reported to the process that prints the summary)
+_reported: dict = {}  # (each test's phases so far; in the process that prints the summary, every worker's)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    total = _durations.get(item.nodeid, 0.0) + report.duration
-    _durations[item.nodeid] = total
+    total = _reported.get(item.nodeid, 0.0) + report.duration  # (its earlier phases were logged already)
     if report.when != "teardown" or report.outcome != "passed" or total <= SLOW_TEST_S:
         return
     if item.get_closest_marker("slow") is None:
