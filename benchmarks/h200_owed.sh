@@ -16,6 +16,7 @@
 #   bash benchmarks/h200_owed.sh 4   # #48: QLoRA of the 70B shape (its blocks' memory, then the row)
 #   bash benchmarks/h200_owed.sh 10  # compiled full checkpointing's memory per block, 8B shape (run 7's question)
 #   bash benchmarks/h200_owed.sh 11  # #48: LoRA 8B +- AC against PEFT +- checkpointing, QLoRA 8B +- full AC, one run
+#   bash benchmarks/h200_owed.sh 12  # run 9's questions: QLoRA 8B's peak without AC, LoRA 8B's step profiled
 #
 # When machines are scarce (a start can fail and costs minutes), one machine runs the parts back to
 # back in the background and each device call only waits for the next part to end:
@@ -125,6 +126,22 @@ case "${1:-}" in
   # peak 7.66 (LoRA). Each block's forward should keep its 32 MiB input alone.
   probe full_ac_8b_8l recipes.llama3:llama3_8b --job.model.n_layers 8
   probe full_ac_8b_8l_lora recipes.llama3:llama3_8b --job.model.n_layers 8 --job.lora.rank 16 --job.lora.alpha 32
+  ;;
+12)
+  # Diagnostics of run 9 (#48): (a) does 1f890bf's checkpointed NF4 linear keep the dequantized weights
+  # out of a compiled block under this device's torch (the CPU test)? (b) QLoRA 8B without AC (37.3 GiB
+  # again, estimate 25.0): what is alive at its peak; (c) LoRA 8B selective AC vs none (selective was
+  # 5% faster and 3.9 GiB larger): profiled, with the step's synchronizations
+  timeout -k 5 150 python3 -m pytest -o addopts= -q -p no:cacheprovider tests/unit_tests/test_lora.py \
+    -k compiled_qlora > "$OUT/qlora_test.log" 2>&1
+  echo "== the compiled QLoRA block test (rc $?)"; tail -4 "$OUT/qlora_test.log"
+  BENCH_MEMORY_SNAPSHOT=/tmp/mem BENCH_CLOCK=events bench qlora_mem 240 --rounds 1 --steps 2 --warmup 5 \
+    --contenders titan --workload llama3_8b_qlora_quiet
+  timeout -k 5 90 python3 -m benchmarks.memory_peak /tmp/mem/*.pickle > "$OUT/qlora_peak.txt" 2>&1
+  head -45 "$OUT/qlora_peak.txt"
+  BENCH_CLOCK=events BENCH_SYNC_AUDIT=$OUT bench lora_prof "$(left 560)" --rounds 1 --steps 3 --warmup 5 \
+    --profile-steps 2 --contenders titan --workload llama3_8b_lora_selective_quiet,llama3_8b_lora_quiet
+  cp /tmp/lora_prof.log "$OUT/" 2>/dev/null
   ;;
 chain)
   shift

@@ -96,17 +96,41 @@ def _disable_fused_square_sum(error: Exception) -> None:
                   f"using aten's float64 norm from now on (slower, same result)", stacklevel=3)
 
 
+# Gradients smaller than this are read through one flat copy per dtype (in pieces of at most
+# PACKED_MAX_NUMEL values), not one compiled call each: a call costs ~90 us of host time whatever
+# the tensor's size, so LoRA's 448 adapter gradients of an 8B model took ~35 ms of the host per
+# step for ~1 ms of device work (an H100 profile, benchmarks/RESULTS.md run 9), the device waiting.
+# Larger ones are read in place: copying them would cost more device time than their call costs host.
+PACKED_BELOW_NUMEL = 1 << 22
+PACKED_MAX_NUMEL = 1 << 26
+
+
+def _square_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The float64 sums of squares of ``tensors``' values (plain local tensors), together: large
+    tensors one each, the small ones packed per dtype into flat pieces."""
+    sums, pieces, filled = [], {}, {}
+    for t in tensors:
+        if t.numel() >= PACKED_BELOW_NUMEL:
+            sums.append(square_sum(t).reshape(()))
+            continue
+        if t.dtype not in pieces or filled[t.dtype] + t.numel() > PACKED_MAX_NUMEL:
+            pieces.setdefault(t.dtype, []).append([])
+            filled[t.dtype] = 0
+        pieces[t.dtype][-1].append(t.reshape(-1))
+        filled[t.dtype] += t.numel()
+    return sums + [square_sum(torch.cat(piece)).reshape(()) for per_dtype in pieces.values() for piece in per_dtype]
+
+
 def _fused_norm(members: list[torch.Tensor]) -> torch.Tensor:
     """The float64 2-norm of ``members`` (plain tensors, or DTensors on one mesh): each rank's
     sums, then one all-reduce per placement pattern over the mesh dimensions that shard it."""
     by_placements: dict = {}
     for g in members:
         key = tuple(g.placements) if isinstance(g, DTensor) else None
-        local = g.to_local() if isinstance(g, DTensor) else g
-        by_placements.setdefault(key, []).append(square_sum(local).reshape(()))
+        by_placements.setdefault(key, []).append(g.to_local() if isinstance(g, DTensor) else g)
     totals = []
-    for key, sums in by_placements.items():
-        total = torch.stack(sums).sum()
+    for key, locals_ in by_placements.items():
+        total = torch.stack(_square_sums(locals_)).sum()
         if key is not None:
             placements = [Partial("sum") if p.is_shard() else Replicate() for p in key]
             total = DTensor.from_local(total, members[0].device_mesh, placements, run_check=False).full_tensor()

@@ -83,3 +83,19 @@ def test_a_compiler_failure_falls_back_to_atens_norm_with_a_warning(monkeypatch)
     with pytest.warns(UserWarning, match="compiled reduction failed .*no compiler here"):
         assert global_grad_norm(grads).item() == reference.item()
     assert grad_norm.FUSED_SQUARE_SUM_DEVICES == ()  # not tried again
+
+
+def test_small_gradients_are_read_in_one_flat_piece_per_dtype(monkeypatch):
+    """Many small gradients (LoRA's adapters) cost one compiled call per dtype, not one each (each
+    call's host time is fixed); a large one is read in place; a piece holds at most PACKED_MAX_NUMEL."""
+    _fused(monkeypatch)
+    calls = []
+    original = grad_norm.square_sum
+    monkeypatch.setattr(grad_norm, "square_sum", lambda t: calls.append(t.numel()) or original(t))
+    monkeypatch.setattr(grad_norm, "PACKED_BELOW_NUMEL", 50_000)
+    monkeypatch.setattr(grad_norm, "PACKED_MAX_NUMEL", 400_000)
+    torch.manual_seed(0)
+    grads = [torch.randn(16, 640) for _ in range(60)] + [torch.randn(70_000)] + [torch.randn(640, 16).bfloat16()]
+    exact = torch.cat([g.double().flatten() for g in grads]).square().sum().sqrt()
+    assert grad_norm._fused_norm(grads).item() == pytest.approx(exact.item(), rel=1e-13)
+    assert sorted(calls) == sorted([70_000, 39 * 10_240, 21 * 10_240, 10_240])  # alone; two fp32 pieces; bf16
