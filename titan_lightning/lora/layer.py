@@ -92,13 +92,22 @@ def linear_nf4(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ dequantize(weight).T``, keeping the NF4 weight alone for the backward. Eager, torchao's
     function does so; compiled, the partitioner would keep the dequantized weight for the backward
     (the forward's and the backward's dequantizations are one node once traced together: 13 GiB of
-    bf16 weights for an 8B model, more than the NF4 base saves). A checkpoint around it marks the
-    dequantization to recompute in the backward (the matmul's output is not needed there)."""
+    bf16 weights for an 8B model, more than the NF4 base saves). A checkpoint around it whose policy
+    says every op must be recomputed makes the dequantization one the backward redoes (the matmul's
+    output is not needed there). (A plain checkpoint only prefers recomputing: torch 2.13's partitioner
+    then recomputed it, torch 2.11's kept the dequantized weights, 37.3 GiB on an H200, run 9.)"""
     from torchao.dtypes.nf4tensor import linear_nf4 as nf4  # (torchao: only a QLoRA run imports it)
 
     if torch.compiler.is_compiling():
-        return torch.utils.checkpoint.checkpoint(nf4, x, weight, use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(nf4, x, weight, use_reentrant=False, context_fn=_recompute_all)
     return nf4(x, weight)
+
+
+def _recompute_all():
+    """A selective checkpoint's contexts that recompute every op of the region in the backward."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(lambda ctx, op, *args, **kwargs: CheckpointPolicy.MUST_RECOMPUTE)
 
 
 @torch.no_grad()

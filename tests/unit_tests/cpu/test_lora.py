@@ -401,7 +401,8 @@ def test_a_compiled_qlora_block_keeps_no_dequantized_weight(tmp_path, checkpoint
             for block in blocks[:1]:
                 block(x, model.rope_cache)
         inputs = {x.data_ptr(), model.rope_cache.data_ptr()}
-        escaped.append(sorted(tuple(t.shape) for t in packed if t.data_ptr() not in inputs))
+        # (torch 2.11's checkpoint also saves an empty tensor: no memory)
+        escaped.append(sorted(tuple(t.shape) for t in packed if t.data_ptr() not in inputs and t.numel()))
         dense_weights.append([tuple(t.shape) for t in packed if tuple(t.shape) in weights and not is_nf4(t)])
         losses.append(_cross_entropy(model(tokens), tokens))
         losses[-1].backward()
