@@ -17,6 +17,7 @@
 #   bash benchmarks/h200_owed.sh 10  # compiled full checkpointing's memory per block, 8B shape (run 7's question)
 #   bash benchmarks/h200_owed.sh 11  # #48: LoRA 8B +- AC against PEFT +- checkpointing, QLoRA 8B +- full AC, one run
 #   bash benchmarks/h200_owed.sh 12  # run 9's questions: QLoRA 8B's peak without AC, LoRA 8B's step profiled
+#   bash benchmarks/h200_owed.sh 13  # #48 after run 9's fixes: LoRA 8B vs PEFT (+ norm A/B), full-AC LoRA vs PEFT+GC, QLoRA 8B
 #
 # When machines are scarce (a start can fail and costs minutes), one machine runs the parts back to
 # back in the background and each device call only waits for the next part to end:
@@ -109,7 +110,7 @@ case "${1:-}" in
     --workload llama3_8b_16l_sft_default,llama3_8b_16l_dpo,llama3_8b_16l_dpo_frozen,llama3_8b_16l_dpo_lora
   ;;
 5)
-  for f in ${GPU_TESTS:-test_lora_gpu:200 test_preference_gpu:150}; do  # (run 5: 80 and 118 s)
+  for f in ${GPU_TESTS:-test_lora_gpu:280 test_preference_gpu:150}; do  # (run 5: 80 and 118 s; run 9: > 200 s)
     s=${f#*:}; f=${f%:*}
     timeout -k 5 "$(( $(left 580) < s ? $(left 580) : s ))" python3 -m pytest -o addopts= -q -p no:cacheprovider -m gpu -s \
       "tests/unit_tests/gpu/$f.py" > "/tmp/$f.log" 2>&1
@@ -132,7 +133,7 @@ case "${1:-}" in
   # out of a compiled block under this device's torch (the CPU test)? (b) QLoRA 8B without AC (37.3 GiB
   # again, estimate 25.0): what is alive at its peak; (c) LoRA 8B selective AC vs none (selective was
   # 5% faster and 3.9 GiB larger): profiled, with the step's synchronizations
-  timeout -k 5 150 python3 -m pytest -o addopts= -q -p no:cacheprovider tests/unit_tests/test_lora.py \
+  timeout -k 5 150 python3 -m pytest -o addopts= -q -p no:cacheprovider tests/unit_tests/cpu/test_lora.py \
     -k compiled_qlora > "$OUT/qlora_test.log" 2>&1
   echo "== the compiled QLoRA block test (rc $?)"; tail -4 "$OUT/qlora_test.log"
   BENCH_MEMORY_SNAPSHOT=/tmp/mem BENCH_CLOCK=events bench qlora_mem 240 --rounds 1 --steps 2 --warmup 5 \
@@ -142,6 +143,15 @@ case "${1:-}" in
   BENCH_CLOCK=events BENCH_SYNC_AUDIT=$OUT bench lora_prof "$(left 560)" --rounds 1 --steps 3 --warmup 5 \
     --profile-steps 2 --contenders titan --workload llama3_8b_lora_selective_quiet,llama3_8b_lora_quiet
   cp /tmp/lora_prof.log "$OUT/" 2>/dev/null
+  ;;
+13)
+  # #48 after run 9's two fixes, one H200, one run: LoRA 8B (the gradient norm's small gradients packed)
+  # against PEFT, the same with the norm one call per gradient (A/B), fully checkpointed LoRA (estimate
+  # 18.5 GiB) next to PEFT with gradient checkpointing, QLoRA 8B without AC (estimate 24.6 GiB; run 9:
+  # 37.3, torch 2.11 kept the dequantized weights under a plain checkpoint)
+  BENCH_CLOCK=events bench lora_8b_run10 "$(left 585)" --rounds 1 --steps 8 --warmup 6 --timeout 180 \
+    --reference 'titan (llama3_8b_lora_quiet)' \
+    --workload llama3_8b_lora_quiet,llama3_8b_lora_full_quiet,llama3_8b_lora_hf_ac,llama3_8b_qlora_quiet,llama3_8b_lora_norm_per_tensor_quiet
   ;;
 chain)
   shift

@@ -307,6 +307,15 @@ for _lora_name in ("llama3_8b_lora", "llama3_8b_lora_float8", "llama3_8b_qlora")
 WORKLOADS["llama3_8b_lora_selective_quiet"] = dataclasses.replace(
     WORKLOADS["llama3_8b_lora_quiet"], overrides=WORKLOADS["llama3_8b_lora_quiet"].overrides
     + ("--job.activation_checkpoint.mode", "selective"), contenders=("titan",))
+# Fully checkpointed LoRA (estimate 18.5 GiB) next to PEFT with gradient checkpointing (22.4 GiB, run 8):
+WORKLOADS["llama3_8b_lora_full_quiet"] = dataclasses.replace(
+    WORKLOADS["llama3_8b_lora_quiet"], overrides=WORKLOADS["llama3_8b_lora_quiet"].overrides
+    + ("--job.activation_checkpoint.mode", "full"), contenders=("titan",))
+# The gradient norm read one compiled call per gradient (before its small gradients were packed: 448
+# adapter gradients, ~35 ms of the host per step on an H100 profile, run 9), the same run otherwise:
+WORKLOADS["llama3_8b_lora_norm_per_tensor_quiet"] = dataclasses.replace(
+    WORKLOADS["llama3_8b_lora_quiet"], overrides=WORKLOADS["llama3_8b_lora_quiet"].overrides
+    + ("--trainer.callbacks+", "benchmarks.grad_norm_ab.PerTensorGradNorm"), contenders=("titan",))
 WORKLOADS["llama3_8b_qlora_full_quiet"] = dataclasses.replace(
     WORKLOADS["llama3_8b_qlora_quiet"], overrides=WORKLOADS["llama3_8b_qlora_quiet"].overrides
     + ("--job.activation_checkpoint.mode", "full"))
