@@ -19,7 +19,7 @@ from titan_lightning.trainer import RUN_DIR_ENV
 pytestmark = pytest.mark.multi_process
 
 HERE = Path(__file__).parent
-TIMEOUT_S = 5  # the recipe's comm.train_timeout_s
+TIMEOUT_S = 15  # the recipe's comm.train_timeout_s
 LIMIT_S = 120  # the whole launch, startup included: the test's own hard timeout
 
 

@@ -15,10 +15,13 @@ writes its Python stacks (faulthandler) and its flight recorder to ``<dump_dir>/
 and ``rank<r>_flight_recorder.json``. One line names the rank(s) that never entered the
 collective, or, when every rank entered one under that number but not the same one (a rank that
 called a collective its peers did not: torch's flight-recorder analyzer compares the same way),
-the ranks and their two collectives; with how long it waited and where the stuck rank is. Every
-rank exits with status 1, rank 0 last (it hosts the store under env:// launches; under
-Lightning's launcher its exit is the run's, and ``on_hang`` keeps the launcher from reporting
-the others' exit).
+the ranks and their two collectives; with how long it waited and where the stuck rank is. When
+every rank has entered the same collective, the last of them less than the timeout before (late, not
+stuck: a loaded machine, a slow step), the incident is withdrawn and the run goes on, the wait counted
+again from that rank's entry; a collective every rank entered and that stays open for the timeout is
+the network's or the backend's hang. After a verdict every rank exits with status 1, rank 0 last (it
+hosts the store under env:// launches; under Lightning's launcher its exit is the run's, and
+``on_hang`` keeps the launcher from reporting the others' exit).
 
 The process groups' own timeout comes ``BACKSTOP_S`` later (``process_group_timeout``): it ends
 the run, with torch's error (under NCCL, torch's flight-recorder dump), only if the watchdog
@@ -44,6 +47,7 @@ from titan_lightning.config.comm import CommConfig
 from titan_lightning.parallel.heartbeat import death_reported, error, run_prefix, store_gone, whereabouts
 
 BACKSTOP_S = 60.0
+WITHDRAWN = "withdrawn"  # the verdict of an incident that proved a late rank, not a hang
 
 
 def set_comm_environment(comm: CommConfig, dump_dir: Path, backend: Optional[str]) -> dict[str, Optional[str]]:
@@ -123,6 +127,7 @@ class Watchdog:
                  progress_bar: bool = False) -> None:
         self.rank, self.world_size = rank, world_size
         self._keys = run_prefix("watchdog")
+        self._incident = 0  # (a suspected hang that proved a late rank is withdrawn: the next one has new keys)
         self.init_timeout_s, self.train_timeout_s = init_timeout_s, train_timeout_s
         self.fields = fields  # what the verdict calls the two timeouts (where the user sets them)
         self.progress_bar = progress_bar  # (a progress bar may share the screen: the verdict starts a new line)
@@ -163,6 +168,10 @@ class Watchdog:
 
     # -- watching ------------------------------------------------------------------------
 
+    def _key(self, name: str) -> str:
+        """The store key ``name`` of the current incident (request, answers, claim, verdict, ...)."""
+        return f"{self._keys}/{self._incident}/{name}"
+
     def _run(self) -> None:
         pending: dict[tuple[str, str], tuple[int, float]] = {}  # (recorder, pg id) -> (oldest open seq, seen since)
         last = time.monotonic()
@@ -176,8 +185,12 @@ class Watchdog:
             if store_gone():
                 return  # (the heartbeat names rank 0)
             try:
-                if self._store.check([f"{self._keys}/request"]):
-                    return self._leaving(self._answer)
+                if self._store.check([self._key("request")]):
+                    if not self._answer():
+                        return
+                    self._incident += 1  # (withdrawn: the collective's late rank had just entered it)
+                    pending.clear()
+                    continue
                 if death_reported(self._store):
                     continue  # a rank died: the heartbeat names it
                 now = time.monotonic()
@@ -197,8 +210,14 @@ class Watchdog:
                     entry = self._entry(*key, seq)
                     if entry is None or entry["process_group"][0] in self._ignore:
                         self._ignored.add(key)
-                    elif self._store.add(f"{self._keys}/claim", 1) == 1:
-                        return self._leaving(self._coordinate, entry, now - since, timeout_s, field)
+                    elif self._store.add(self._key("claim"), 1) == 1:
+                        late_s = self._coordinate(entry, now - since, timeout_s, field)
+                        if late_s is None:
+                            return
+                        self._incident += 1
+                        # (the wait is counted again from when the last rank entered the collective)
+                        pending[key] = (seq, time.monotonic() - late_s)
+                        break
             except Exception:  # noqa: BLE001 - the store's host is gone (the run is ending)
                 return
 
@@ -217,53 +236,88 @@ class Watchdog:
 
     # -- the verdict ---------------------------------------------------------------------
 
-    def _leaving(self, report: Callable[..., None], *args: Any) -> None:
-        """A hang was found: ``report`` it, then leave; rank 0 last, once the others have left (it
-        hosts the store under env:// launches, and is the run's process under Lightning's launcher)."""
+    def _leave(self) -> None:
+        """A hang was found and reported: leave, rank 0 last, once the others have left (it hosts the
+        store under env:// launches, and is the run's process under Lightning's launcher); the others
+        only once rank 0 has called ``on_hang`` (which keeps the launcher from reporting their exit)."""
         try:
+            deadline = time.monotonic() + self.answer_s
             if self.rank == 0:
                 self._on_hang()
-            report(*args)
-            if self.rank != 0:
-                self._store.add(f"{self._keys}/left", 1)
-            else:
-                deadline = time.monotonic() + self.answer_s
-                while self._store.add(f"{self._keys}/left", 0) < self.world_size - 1 and time.monotonic() < deadline:
+                self._store.set(self._key("hang_seen"), "1")
+                while self._store.add(self._key("left"), 0) < self.world_size - 1 and time.monotonic() < deadline:
                     time.sleep(0.05)
+            else:
+                while not self._store.check([self._key("hang_seen")]) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                self._store.add(self._key("left"), 1)
         finally:
             sys.stderr.flush()
             os._exit(1)
 
-    def _coordinate(self, entry: dict, waited_s: float, timeout_s: float, field: str) -> None:
-        """This rank saw the hang first: it gathers every rank's account and says who hangs."""
+    def _coordinate(self, entry: dict, waited_s: float, timeout_s: float, field: str) -> Optional[float]:
+        """This rank saw the hang first: it gathers every rank's account and says who hangs, then
+        leaves. Or, when every rank has entered the collective, the last of them less than the
+        timeout ago (a rank that was slow, not stuck: it came in while the accounts were asked), it
+        withdraws the incident and returns how long ago that rank entered; the run goes on."""
         name, desc = entry["process_group"][0], entry["process_group"][1]
         request = {"rank": self.rank, "group": name, "desc": desc, "seq": entry["collective_seq_id"],
                    "op": entry["profiling_name"], "waited_s": waited_s, "timeout_s": timeout_s, "field": field,
                    "ranks": _group_ranks(name, self.world_size)}
-        self._store.set(f"{self._keys}/request", json.dumps(request))
-        self._store.set(f"{self._keys}/answer/{self.rank}", json.dumps(self._account(request)))
-        answers, deadline = {}, time.monotonic() + self.answer_s
-        while len(answers) < self.world_size and time.monotonic() < deadline:
-            for rank in range(self.world_size):
-                if rank not in answers and self._store.check([f"{self._keys}/answer/{rank}"]):
-                    answers[rank] = json.loads(self._store.get(f"{self._keys}/answer/{rank}"))
-            time.sleep(0.1)
-        line = self._verdict(request, answers)
-        error(f"[rank {self.rank}] {line}", fresh_line=self.progress_bar)
-        self._store.set(f"{self._keys}/verdict", line)
-
-    def _answer(self) -> None:
-        """Another rank saw the hang: this rank's account, then the verdict in its own log (when it has one)."""
-        request = json.loads(self._store.get(f"{self._keys}/request"))
-        mine = self._account(request)
-        self._store.set(f"{self._keys}/answer/{self.rank}", json.dumps(mine))
-        deadline = time.monotonic() + self.answer_s + 10
-        while not self._store.check([f"{self._keys}/verdict"]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        coordinator = json.loads(self._store.get(f"{self._keys}/answer/{request['rank']}"))
-        if coordinator["output"] != mine["output"] and self._store.check([f"{self._keys}/verdict"]):
-            line = self._store.get(f"{self._keys}/verdict").decode()  # (torchrun --log-dir: a log per rank)
+        try:
+            self._store.set(self._key("request"), json.dumps(request))
+            self._store.set(self._key(f"answer/{self.rank}"), json.dumps(self._account(request)))
+            answers, deadline = {}, time.monotonic() + self.answer_s
+            while len(answers) < self.world_size and time.monotonic() < deadline:
+                for rank in range(self.world_size):
+                    if rank not in answers and self._store.check([self._key(f"answer/{rank}")]):
+                        answers[rank] = json.loads(self._store.get(self._key(f"answer/{rank}")))
+                time.sleep(0.1)
+            late_s = self._late(request, answers)
+            if late_s is not None:
+                self._store.set(self._key("verdict"), WITHDRAWN)
+                return late_s
+            line = self._verdict(request, answers)
             error(f"[rank {self.rank}] {line}", fresh_line=self.progress_bar)
+            self._store.set(self._key("verdict"), line)
+        except Exception:  # noqa: BLE001 - the store's host is gone (the run is ending)
+            pass
+        self._leave()
+
+    def _answer(self) -> bool:
+        """Another rank saw the hang: this rank's account, then the verdict in its own log (when it has
+        one) and leave; or True: the incident was withdrawn (a late rank, not a stuck one), go on."""
+        try:
+            request = json.loads(self._store.get(self._key("request")))
+            mine = self._account(request)
+            self._store.set(self._key(f"answer/{self.rank}"), json.dumps(mine))
+            deadline = time.monotonic() + self.answer_s + 10
+            while not self._store.check([self._key("verdict")]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            given = self._store.check([self._key("verdict")])
+            verdict = self._store.get(self._key("verdict")).decode() if given else None
+            if verdict == WITHDRAWN:
+                return True
+            coordinator = json.loads(self._store.get(self._key(f"answer/{request['rank']}")))
+            if coordinator["output"] != mine["output"] and verdict is not None:
+                error(f"[rank {self.rank}] {verdict}", fresh_line=self.progress_bar)  # (torchrun --log-dir)
+        except Exception:  # noqa: BLE001 - the store's host is gone (the run is ending)
+            pass
+        self._leave()
+        return False
+
+    def _late(self, request: dict, answers: dict[int, dict]) -> Optional[float]:
+        """Seconds since the last rank of the request's group entered the collective, when every rank
+        answered and entered the same collective under its number, the last less than the timeout
+        ago; else None (a hang: a rank never entered it, did not answer, entered another one, or the
+        collective has had the timeout since everyone entered)."""
+        ranks = request["ranks"]
+        if any(r not in answers or answers[r].get("entered_s") is None for r in ranks):
+            return None
+        if self._mismatch(request, answers):
+            return None
+        late_s = min(answers[r]["entered_s"] for r in ranks)
+        return late_s if late_s < request["timeout_s"] else None
 
     def _account(self, request: dict) -> dict:
         """This rank's stacks and flight recorder to files; for the store: the last collective it
@@ -274,7 +328,7 @@ class Watchdog:
             faulthandler.dump_traceback(out, all_threads=True)
         traces = {source: json.loads(dump(True)) for source, dump in _recorders().items()}
         (self.dump_dir / f"rank{self.rank}_flight_recorder.json").write_text(json.dumps(traces))
-        entered, called, waiting, now_ns = 0, None, [], time.time_ns()
+        entered, called, entered_s, waiting, now_ns = 0, None, None, [], time.time_ns()
         for trace in traces.values():
             entries = [e for e in trace.get("entries", []) if not e["is_p2p"]]
             ids = {str(e["pg_id"]) for e in entries if e["process_group"][0] == request["group"]}
@@ -284,13 +338,15 @@ class Watchdog:
             for e in entries:
                 if e["process_group"][0] == request["group"] and e["collective_seq_id"] == request["seq"]:
                     called = {"op": e["profiling_name"], "sizes": _sizes(e)}
+                    entered_s = (now_ns - e["time_created_ns"]) / 1e9
             for e in entries:
                 if not e["retired"] and e["state"] != "completed":
                     waiting.append(f"{e['profiling_name']} #{e['collective_seq_id']} of process group "
                                    f"{_group_label(e['process_group'])} for {(now_ns - e['time_created_ns']) / 1e9:.0f} s")
         where = json.loads(self._store.get(f"{self._keys}/where/{self.rank}"))
         return {**where, "rank": self.rank, "step": self._steps_done(), "entered": entered, "called": called,
-                "waiting": waiting, "at": _main_thread_at()}
+                "entered_s": entered_s if entered >= request["seq"] else None, "waiting": waiting,
+                "at": _main_thread_at()}
 
     def _verdict(self, request: dict, answers: dict[int, dict]) -> str:
         op = f"{request['op']} #{request['seq']} of process group {_group_label([request['group'], request['desc']])}"

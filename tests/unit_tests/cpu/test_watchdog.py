@@ -1,6 +1,7 @@
 """A rank stuck in its step (alive, beating) while its peers wait in a collective: after the
 timeout one line names it, the collective and where it is (or, when the ranks wait in different
-collectives, both); every rank's stacks and flight recorder are written; a plain LightningModule's
+collectives, both); every rank's stacks and flight recorder are written; a rank that was only late
+(it entered the collective while its account was asked) is left alone; a plain LightningModule's
 timeout is the strategy's; no watchdog or heartbeat thread, nor the flight recorder's variable,
 outlives ``trainer.fit``, also one that failed."""
 
@@ -44,6 +45,17 @@ def test_a_rank_slower_than_its_peer_but_within_the_timeout_is_left_alone(tmp_pa
                            dump_dir=str(tmp_path / "traces"), timeout_s=3.0, sleep_s=1.5)
     assert results == ["finished"] * 2
     assert not (tmp_path / "traces").exists()
+
+
+@pytest.mark.multi_process
+def test_a_rank_that_enters_the_collective_while_its_peer_reports_it_late_is_left_alone(tmp_path):
+    # Rank 1 comes 2.5 s late to a collective with a 2 s timeout and answers rank 0's request 1.5 s
+    # after seeing it (a loaded machine): when the accounts are in, every rank entered the collective,
+    # the last ~1 s before, and it completed. A slow rank, not a hung backend: the incident is withdrawn.
+    results = run_function("watchdog_cases:late_rank", 2, out_dir=tmp_path, timeout=50, env=CASES_ENV,
+                           dump_dir=str(tmp_path / "traces"), timeout_s=2.0, late_s=2.5, answer_after_s=1.5)
+    assert results == ["finished"] * 2
+    assert (tmp_path / "traces" / "rank1_stacks.txt").exists()  # (the incident was raised, and answered)
 
 
 @pytest.mark.multi_process

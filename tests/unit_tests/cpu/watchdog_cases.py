@@ -29,6 +29,24 @@ def sleepy_rank(rank: int, world_size: int, dump_dir: str, timeout_s: float, sle
     return "finished"
 
 
+def late_rank(rank: int, world_size: int, dump_dir: str, timeout_s: float, late_s: float, answer_after_s: float) -> str:
+    """Both ranks meet in one all-reduce; then rank 1 comes to the next ``late_s`` after rank 0 (past
+    rank 0's timeout), and its watchdog answers rank 0's request ``answer_after_s`` after seeing it (a
+    loaded machine): by then it has entered the collective, which completes. Slow, not stuck."""
+    watchdog = Watchdog(rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                        init_timeout_s=timeout_s, train_timeout_s=timeout_s, dump_dir=Path(dump_dir), **QUICK)
+    if rank == 1:
+        account = watchdog._account
+        watchdog._account = lambda request: time.sleep(answer_after_s) or account(request)
+    dist.all_reduce(torch.ones(1))
+    if rank == 1:
+        time.sleep(late_s)
+    dist.all_reduce(torch.ones(1))
+    dist.all_reduce(torch.ones(1))  # (the run goes on past the incident)
+    watchdog.stop()
+    return "finished"
+
+
 def mismatched_collective(rank: int, world_size: int, dump_dir: str, timeout_s: float) -> str:
     """Both ranks meet in one all-reduce; then rank 1 calls an all-reduce of its own while rank 0
     goes on to an all-gather: both wait, each in another collective under the same number. A
