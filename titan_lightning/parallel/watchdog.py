@@ -19,7 +19,9 @@ the ranks and their two collectives; with how long it waited and where the stuck
 every rank has entered the same collective, the last of them less than the timeout before (late, not
 stuck: a loaded machine, a slow step), the incident is withdrawn and the run goes on, the wait counted
 again from that rank's entry; a collective every rank entered and that stays open for the timeout is
-the network's or the backend's hang. After a verdict every rank exits with status 1, rank 0 last (it
+the network's or the backend's hang. A rank's own open collective that another rank has completed
+(an async one it has not waited on: its main thread is stuck elsewhere) turns the question to the
+collective the furthest rank waits in. After a verdict every rank exits with status 1, rank 0 last (it
 hosts the store under env:// launches; under Lightning's launcher its exit is the run's, and
 ``on_hang`` keeps the launcher from reporting the others' exit).
 
@@ -273,6 +275,7 @@ class Watchdog:
                     if rank not in answers and self._store.check([self._key(f"answer/{rank}")]):
                         answers[rank] = json.loads(self._store.get(self._key(f"answer/{rank}")))
                 time.sleep(0.1)
+            request = self._retarget(request, answers)
             late_s = self._late(request, answers)
             if late_s is not None:
                 self._store.set(self._key("verdict"), WITHDRAWN)
@@ -306,15 +309,34 @@ class Watchdog:
         self._leave()
         return False
 
-    def _late(self, request: dict, answers: dict[int, dict]) -> Optional[float]:
+    @staticmethod
+    def _retarget(request: dict, answers: dict[int, dict]) -> dict:
+        """The request as asked, or, when its collective completed on another rank (this rank's main
+        thread, stuck elsewhere in its step, has not waited on it: an async collective whose
+        completion a rank records when it waits), the collective the furthest rank waits in: its
+        number, name and waiter, with how long that rank has waited."""
+        if not any(a.get("completed", 0) >= request["seq"] for a in answers.values()):
+            return request
+        waiters = [a for a in answers.values() if a.get("opened") and a["opened"]["seq"] > request["seq"]]
+        if not waiters:
+            return request
+        waiter = max(waiters, key=lambda a: a["opened"]["seq"])
+        opened = waiter["opened"]
+        return {**request, "rank": waiter["rank"], "seq": opened["seq"], "op": opened["op"],
+                "waited_s": opened["waited_s"], "retargeted": True}
+
+    @staticmethod
+    def _late(request: dict, answers: dict[int, dict]) -> Optional[float]:
         """Seconds since the last rank of the request's group entered the collective, when every rank
         answered and entered the same collective under its number, the last less than the timeout
         ago; else None (a hang: a rank never entered it, did not answer, entered another one, or the
         collective has had the timeout since everyone entered)."""
         ranks = request["ranks"]
+        if request.get("retargeted"):  # (its waiter's wait is the one the timeout bounds)
+            return request["waited_s"] if request["waited_s"] < request["timeout_s"] else None
         if any(r not in answers or answers[r].get("entered_s") is None for r in ranks):
             return None
-        if self._mismatch(request, answers):
+        if Watchdog._mismatch(request, answers):
             return None
         late_s = min(answers[r]["entered_s"] for r in ranks)
         return late_s if late_s < request["timeout_s"] else None
@@ -328,25 +350,33 @@ class Watchdog:
             faulthandler.dump_traceback(out, all_threads=True)
         traces = {source: json.loads(dump(True)) for source, dump in _recorders().items()}
         (self.dump_dir / f"rank{self.rank}_flight_recorder.json").write_text(json.dumps(traces))
-        entered, called, entered_s, waiting, now_ns = 0, None, None, [], time.time_ns()
+        entered, completed, called, entered_s, waiting, now_ns = 0, 0, None, None, [], time.time_ns()
         for trace in traces.values():
             entries = [e for e in trace.get("entries", []) if not e["is_p2p"]]
             ids = {str(e["pg_id"]) for e in entries if e["process_group"][0] == request["group"]}
             for pg_id in ids:
                 status = trace.get("pg_status", {}).get(pg_id, {})
                 entered = max(entered, int(status.get("last_enqueued_collective", 0)))
+                completed = max(completed, int(status.get("last_completed_collective", 0)))
             for e in entries:
                 if e["process_group"][0] == request["group"] and e["collective_seq_id"] == request["seq"]:
                     called = {"op": e["profiling_name"], "sizes": _sizes(e)}
                     entered_s = (now_ns - e["time_created_ns"]) / 1e9
+        opened = None  # (the oldest collective of the group this rank entered and has not seen complete)
+        for trace in traces.values():
+            for e in trace.get("entries", []):
+                if (not e["is_p2p"] and e["process_group"][0] == request["group"] and entered > completed
+                        and e["collective_seq_id"] == completed + 1):
+                    opened = {"seq": completed + 1, "op": e["profiling_name"],
+                              "waited_s": (now_ns - e["time_created_ns"]) / 1e9}
             for e in entries:
                 if not e["retired"] and e["state"] != "completed":
                     waiting.append(f"{e['profiling_name']} #{e['collective_seq_id']} of process group "
                                    f"{_group_label(e['process_group'])} for {(now_ns - e['time_created_ns']) / 1e9:.0f} s")
         where = json.loads(self._store.get(f"{self._keys}/where/{self.rank}"))
         return {**where, "rank": self.rank, "step": self._steps_done(), "entered": entered, "called": called,
-                "entered_s": entered_s if entered >= request["seq"] else None, "waiting": waiting,
-                "at": _main_thread_at()}
+                "entered_s": entered_s if entered >= request["seq"] else None, "completed": completed,
+                "opened": opened, "waiting": waiting, "at": _main_thread_at()}
 
     def _verdict(self, request: dict, answers: dict[int, dict]) -> str:
         op = f"{request['op']} #{request['seq']} of process group {_group_label([request['group'], request['desc']])}"

@@ -59,6 +59,42 @@ def test_a_rank_that_enters_the_collective_while_its_peer_reports_it_late_is_lef
 
 
 @pytest.mark.multi_process
+def test_a_rank_stuck_before_using_an_async_collective_is_named_whichever_rank_reports(tmp_path):
+    # Rank 1's own open collective (an async all-reduce it has not used) may be the first one past a
+    # timeout: it completed on rank 0, which waits in the next one; the line names rank 1 and that one.
+    with pytest.raises(LaunchFailed) as failed:
+        run_function("watchdog_cases:stuck_after_async", 2, out_dir=tmp_path, timeout=50, env=CASES_ENV,
+                     dump_dir=str(tmp_path / "traces"), timeout_s=2.0, sleep_s=30.0)
+    result = failed.value.result
+    lines = [line for rank in (0, 1) for line in result.log(rank).splitlines() if "titan-lightning: error:" in line]
+    assert lines, result.log_tails()
+    assert f"hung collective: rank 1 (pid {result.pids[1]} on " in lines[0], lines
+    assert "never entered gloo:all_reduce #3 of process group 0 (default_pg), in which rank 0 has waited" in lines[0]
+    assert "rank 1 is at step 0 in stuck_after_async (" in lines[0], lines
+
+
+def test_a_collective_done_on_another_rank_turns_the_verdict_to_the_one_its_peer_waits_in():
+    # The accounts of CI's failed run (stop 61): rank 1, stuck before its backward, had not waited on
+    # all-reduce #45 (done on rank 0, which waits in all-gather #46) and reported it first.
+    from titan_lightning.parallel.watchdog import Watchdog
+
+    request = {"rank": 1, "group": "0", "desc": "default_pg", "seq": 45, "op": "gloo:all_reduce", "waited_s": 15.2,
+               "timeout_s": 15.0, "field": "comm.train_timeout_s", "ranks": [0, 1]}
+    called = {"op": "gloo:all_reduce", "sizes": "[[]]"}
+    answers = {0: {"rank": 0, "entered": 46, "completed": 45, "called": called, "entered_s": 15.2,
+                   "opened": {"seq": 46, "op": "gloo:all_gather", "waited_s": 15.1}},
+               1: {"rank": 1, "entered": 45, "completed": 44, "called": called, "entered_s": 15.2,
+                   "opened": {"seq": 45, "op": "gloo:all_reduce", "waited_s": 15.2}}}
+    target = Watchdog._retarget(request, answers)
+    assert (target["rank"], target["seq"], target["op"], target["waited_s"]) == (0, 46, "gloo:all_gather", 15.1)
+    assert Watchdog._late(target, answers) is None  # (rank 0 waited past the timeout: a hang, rank 1 behind)
+    assert [r for r in (0, 1) if answers[r]["entered"] < target["seq"]] == [1]
+    early = {0: dict(answers[0], opened={"seq": 46, "op": "gloo:all_gather", "waited_s": 9.0}), 1: answers[1]}
+    assert Watchdog._late(Watchdog._retarget(request, early), early) == 9.0  # (not yet: counted again from there)
+    assert Watchdog._retarget(request, {0: dict(answers[0], completed=44), 1: answers[1]}) is request  # open on both
+
+
+@pytest.mark.multi_process
 def test_ranks_in_different_collectives_under_one_number_are_named_with_both_collectives(tmp_path):
     dumps = tmp_path / "traces"
     with pytest.raises(LaunchFailed) as failed:

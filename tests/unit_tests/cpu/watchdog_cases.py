@@ -47,6 +47,25 @@ def late_rank(rank: int, world_size: int, dump_dir: str, timeout_s: float, late_
     return "finished"
 
 
+def stuck_after_async(rank: int, world_size: int, dump_dir: str, timeout_s: float, sleep_s: float) -> str:
+    """Both ranks start an async all-reduce (FSDP's prefetch, a metric's reduction); rank 1 then
+    gets stuck before waiting on it, rank 0 waits on it and goes on into the next all-reduce. Rank
+    1's watchdog (the shorter timeout) sees its own unwaited all-reduce open first."""
+    watchdog = Watchdog(rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                        init_timeout_s=timeout_s * (5 if rank == 0 else 1), train_timeout_s=timeout_s,
+                        dump_dir=Path(dump_dir), **QUICK)
+    from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
+
+    dist.all_reduce(torch.ones(1))
+    total = functional_all_reduce(torch.ones(()), "sum", dist.group.WORLD)  # (its rank records it done on use)
+    if rank == 1:
+        time.sleep(sleep_s)
+    float(total)
+    dist.all_reduce(torch.ones(1))
+    watchdog.stop()
+    return "finished"
+
+
 def mismatched_collective(rank: int, world_size: int, dump_dir: str, timeout_s: float) -> str:
     """Both ranks meet in one all-reduce; then rank 1 calls an all-reduce of its own while rank 0
     goes on to an all-gather: both wait, each in another collective under the same number. A
