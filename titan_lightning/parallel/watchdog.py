@@ -188,8 +188,7 @@ class Watchdog:
                 return  # (the heartbeat names rank 0)
             try:
                 if self._store.check([self._key("request")]):
-                    if not self._answer():
-                        return
+                    self._answer()  # (returns only when the incident was withdrawn; a verdict leaves)
                     self._incident += 1  # (withdrawn: the collective's late rank had just entered it)
                     pending.clear()
                     continue
@@ -213,9 +212,7 @@ class Watchdog:
                     if entry is None or entry["process_group"][0] in self._ignore:
                         self._ignored.add(key)
                     elif self._store.add(self._key("claim"), 1) == 1:
-                        late_s = self._coordinate(entry, now - since, timeout_s, field)
-                        if late_s is None:
-                            return
+                        late_s = self._coordinate(entry, now - since, timeout_s, field)  # (or leaves)
                         self._incident += 1
                         # (the wait is counted again from when the last rank entered the collective)
                         pending[key] = (seq, time.monotonic() - late_s)
@@ -257,7 +254,7 @@ class Watchdog:
             sys.stderr.flush()
             os._exit(1)
 
-    def _coordinate(self, entry: dict, waited_s: float, timeout_s: float, field: str) -> Optional[float]:
+    def _coordinate(self, entry: dict, waited_s: float, timeout_s: float, field: str) -> float:
         """This rank saw the hang first: it gathers every rank's account and says who hangs, then
         leaves. Or, when every rank has entered the collective, the last of them less than the
         timeout ago (a rank that was slow, not stuck: it came in while the accounts were asked), it
@@ -287,9 +284,9 @@ class Watchdog:
             pass
         self._leave()
 
-    def _answer(self) -> bool:
+    def _answer(self) -> None:
         """Another rank saw the hang: this rank's account, then the verdict in its own log (when it has
-        one) and leave; or True: the incident was withdrawn (a late rank, not a stuck one), go on."""
+        one) and leave; or return: the incident was withdrawn (a late rank, not a stuck one), go on."""
         try:
             request = json.loads(self._store.get(self._key("request")))
             mine = self._account(request)
@@ -300,14 +297,13 @@ class Watchdog:
             given = self._store.check([self._key("verdict")])
             verdict = self._store.get(self._key("verdict")).decode() if given else None
             if verdict == WITHDRAWN:
-                return True
+                return
             coordinator = json.loads(self._store.get(self._key(f"answer/{request['rank']}")))
             if coordinator["output"] != mine["output"] and verdict is not None:
                 error(f"[rank {self.rank}] {verdict}", fresh_line=self.progress_bar)  # (torchrun --log-dir)
         except Exception:  # noqa: BLE001 - the store's host is gone (the run is ending)
             pass
         self._leave()
-        return False
 
     @staticmethod
     def _retarget(request: dict, answers: dict[int, dict]) -> dict:
@@ -351,6 +347,7 @@ class Watchdog:
         traces = {source: json.loads(dump(True)) for source, dump in _recorders().items()}
         (self.dump_dir / f"rank{self.rank}_flight_recorder.json").write_text(json.dumps(traces))
         entered, completed, called, entered_s, waiting, now_ns = 0, 0, None, None, [], time.time_ns()
+        in_group: dict[int, dict] = {}  # (this rank's recorded collectives of the request's group, by number)
         for trace in traces.values():
             entries = [e for e in trace.get("entries", []) if not e["is_p2p"]]
             ids = {str(e["pg_id"]) for e in entries if e["process_group"][0] == request["group"]}
@@ -358,21 +355,20 @@ class Watchdog:
                 status = trace.get("pg_status", {}).get(pg_id, {})
                 entered = max(entered, int(status.get("last_enqueued_collective", 0)))
                 completed = max(completed, int(status.get("last_completed_collective", 0)))
-            for e in entries:
-                if e["process_group"][0] == request["group"] and e["collective_seq_id"] == request["seq"]:
-                    called = {"op": e["profiling_name"], "sizes": _sizes(e)}
-                    entered_s = (now_ns - e["time_created_ns"]) / 1e9
-        opened = None  # (the oldest collective of the group this rank entered and has not seen complete)
-        for trace in traces.values():
-            for e in trace.get("entries", []):
-                if (not e["is_p2p"] and e["process_group"][0] == request["group"] and entered > completed
-                        and e["collective_seq_id"] == completed + 1):
-                    opened = {"seq": completed + 1, "op": e["profiling_name"],
-                              "waited_s": (now_ns - e["time_created_ns"]) / 1e9}
+            in_group.update({e["collective_seq_id"]: e for e in entries if e["process_group"][0] == request["group"]})
             for e in entries:
                 if not e["retired"] and e["state"] != "completed":
                     waiting.append(f"{e['profiling_name']} #{e['collective_seq_id']} of process group "
                                    f"{_group_label(e['process_group'])} for {(now_ns - e['time_created_ns']) / 1e9:.0f} s")
+        if request["seq"] in in_group:
+            e = in_group[request["seq"]]
+            called = {"op": e["profiling_name"], "sizes": _sizes(e)}
+            entered_s = (now_ns - e["time_created_ns"]) / 1e9
+        opened = None  # (the oldest collective of the group this rank entered and has not seen complete)
+        if entered > completed and completed + 1 in in_group:
+            e = in_group[completed + 1]
+            opened = {"seq": completed + 1, "op": e["profiling_name"],
+                      "waited_s": (now_ns - e["time_created_ns"]) / 1e9}
         where = json.loads(self._store.get(f"{self._keys}/where/{self.rank}"))
         return {**where, "rank": self.rank, "step": self._steps_done(), "entered": entered, "called": called,
                 "entered_s": entered_s if entered >= request["seq"] else None, "completed": completed,
