@@ -151,7 +151,7 @@ case "${1:-}" in
   # 37.3, torch 2.11 kept the dequantized weights under a plain checkpoint)
   BENCH_CLOCK=events bench lora_8b_run10 "$(left 585)" --rounds 1 --steps 8 --warmup 6 --timeout 180 \
     --reference 'titan (llama3_8b_lora_quiet)' \
-    --workload llama3_8b_lora_quiet,llama3_8b_lora_full_quiet,llama3_8b_lora_hf_ac,llama3_8b_qlora_quiet,llama3_8b_lora_norm_per_tensor_quiet
+    --workload llama3_8b_lora_quiet,llama3_8b_lora_full_quiet,llama3_8b_lora_hf_ac,llama3_8b_qlora_quiet,llama3_8b_lora_norm_per_tensor_quiet,llama3_8b_lora_combo_quiet
   ;;
 chain)
   shift

@@ -316,6 +316,11 @@ WORKLOADS["llama3_8b_lora_full_quiet"] = dataclasses.replace(
 WORKLOADS["llama3_8b_lora_norm_per_tensor_quiet"] = dataclasses.replace(
     WORKLOADS["llama3_8b_lora_quiet"], overrides=WORKLOADS["llama3_8b_lora_quiet"].overrides
     + ("--trainer.callbacks+", "benchmarks.grad_norm_ab.PerTensorGradNorm"), contenders=("titan",))
+# Inductor's combo kernels on (the adapters' ~900 small cast kernels a step launched in fewer calls), the
+# same run otherwise (benchmarks/inductor_ab.py):
+WORKLOADS["llama3_8b_lora_combo_quiet"] = dataclasses.replace(
+    WORKLOADS["llama3_8b_lora_quiet"], overrides=WORKLOADS["llama3_8b_lora_quiet"].overrides
+    + ("--trainer.callbacks+", "benchmarks.inductor_ab.ComboKernels"), contenders=("titan",))
 WORKLOADS["llama3_8b_qlora_full_quiet"] = dataclasses.replace(
     WORKLOADS["llama3_8b_qlora_quiet"], overrides=WORKLOADS["llama3_8b_qlora_quiet"].overrides
     + ("--job.activation_checkpoint.mode", "full"))
