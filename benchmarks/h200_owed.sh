@@ -152,7 +152,7 @@ case "${1:-}" in
   # (the rows the bar needs first; > 585 s in all: run as a chain, `wait 13` called again until it ends)
   BENCH_CLOCK=events bench lora_8b_run10 "$(left 900)" --rounds 1 --steps 8 --warmup 6 --timeout 180 \
     --reference 'titan (llama3_8b_lora_quiet)' \
-    --workload llama3_8b_lora_quiet,llama3_8b_lora_norm_per_tensor_quiet,llama3_8b_lora_combo_quiet,llama3_8b_qlora_quiet,llama3_8b_lora_full_quiet,llama3_8b_lora_hf_ac
+    --workload llama3_8b_lora_quiet,llama3_8b_lora_separate_a_quiet,llama3_8b_lora_norm_per_tensor_quiet,llama3_8b_lora_combo_quiet,llama3_8b_qlora_quiet,llama3_8b_lora_full_quiet,llama3_8b_lora_hf_ac
   ;;
 chain)
   shift

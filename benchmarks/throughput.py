@@ -321,6 +321,11 @@ WORKLOADS["llama3_8b_lora_norm_per_tensor_quiet"] = dataclasses.replace(
 WORKLOADS["llama3_8b_lora_combo_quiet"] = dataclasses.replace(
     WORKLOADS["llama3_8b_lora_quiet"], overrides=WORKLOADS["llama3_8b_lora_quiet"].overrides
     + ("--trainer.callbacks+", "benchmarks.inductor_ab.ComboKernels"), contenders=("titan",))
+# Each adapter's A on its own GEMM (before q / k / v and gate / up shared one under compile), the same
+# run otherwise (benchmarks/lora_ab.py):
+WORKLOADS["llama3_8b_lora_separate_a_quiet"] = dataclasses.replace(
+    WORKLOADS["llama3_8b_lora_quiet"], overrides=WORKLOADS["llama3_8b_lora_quiet"].overrides
+    + ("--trainer.callbacks+", "benchmarks.lora_ab.SeparateAdapterInputs"), contenders=("titan",))
 WORKLOADS["llama3_8b_qlora_full_quiet"] = dataclasses.replace(
     WORKLOADS["llama3_8b_qlora_quiet"], overrides=WORKLOADS["llama3_8b_qlora_quiet"].overrides
     + ("--job.activation_checkpoint.mode", "full"))

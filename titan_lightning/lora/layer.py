@@ -10,11 +10,12 @@ colwise A replicated and B colwise, under rowwise A rowwise and B replicated).
 
 import math
 from contextlib import contextmanager
-from typing import Iterator, Union
+from typing import Iterator, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_lightning.parallel.float8 import frozen_float8_linear
 from titan_lightning.parallel.nf4 import holds_nf4, is_nf4, nf4_shard
@@ -68,24 +69,79 @@ class LoRALinear(nn.Linear):
             self._parameters = {"weight": weight, **self._parameters}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if is_nf4(self.weight):  # (QLoRA: dequantized for this forward, its backward to x alone)
-            base = linear_nf4(x, self.weight)
-            base = base if self.bias is None else base + self.bias
-        elif self.float8 is not None:  # (its backward to x alone too)
-            base = frozen_float8_linear(x, self.weight, self.float8)
-            base = base if self.bias is None else base + self.bias.to(base.dtype)
-        else:
-            base = F.linear(x, self.weight, self.bias)
+        base = self.base_forward(x)
         if not self.adapters_on:
             return base
+        return self.add_adapter(base, self.lora_a(self.lora_dropout(x)))
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The frozen base's output alone."""
+        if is_nf4(self.weight):  # (QLoRA: dequantized for this forward, its backward to x alone)
+            base = linear_nf4(x, self.weight)
+            return base if self.bias is None else base + self.bias
+        if self.float8 is not None:  # (its backward to x alone too)
+            base = frozen_float8_linear(x, self.weight, self.float8)
+            return base if self.bias is None else base + self.bias.to(base.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+    def add_adapter(self, base: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``base`` plus the adapter's output from ``h``, A's output (the rank-wide activation)."""
         # The scaling on the rank-wide activation, not on the output: the backward then takes the
         # output's gradient as it is (no pass over it to scale it; a power of two, as alpha = 2 x rank,
         # gives the same bits either way).
-        return base + self.lora_b(self.lora_a(self.lora_dropout(x)) * self.scaling)
+        return base + self.lora_b(h * self.scaling)
+
+    @staticmethod
+    def together(x: torch.Tensor, linears: Sequence[nn.Module]) -> tuple[torch.Tensor, ...]:
+        """Each of ``linears`` applied to the same ``x`` (``models.common.projection.project``: a
+        block's q / k / v, its gate / up), the As of those that are ``LoRALinear``s computed as one
+        GEMM of their concatenated weights (x read once, and once more for their gradients; one
+        A of a fused linear's parts, ``share_a``, once). The bases, the Bs and the rest as each layer
+        computes them. A layer whose call does more than its forward (a hook: a tensor-parallel
+        style's, FSDP2 on the layer itself), whose A is a DTensor or draws dropout keeps its own call.
+        Compiled graphs only (a GEMM launch is what it saves; an eager run computes op for op as
+        PEFT does, its exactness reference; the joint GEMM rounds differently in the last bits)."""
+        joint = [_joinable(layer) for layer in linears]
+        if sum(joint) < 2 or _global_hooks() or not torch.compiler.is_compiling():
+            return tuple(layer(x) for layer in linears)
+        heads: list[nn.Linear] = []  # the distinct As, in order
+        for layer, j in zip(linears, joint):
+            if j and not any(a is layer.lora_a for a in heads):
+                heads.append(layer.lora_a)
+        weights = [a.weight for a in heads]
+        h = F.linear(x, torch.cat(weights) if len(weights) > 1 else weights[0])
+        parts = h.split([w.shape[0] for w in weights], dim=-1)
+        out = []
+        for layer, j in zip(linears, joint):
+            if j:
+                part = next(p for a, p in zip(heads, parts) if a is layer.lora_a)
+                out.append(layer.add_adapter(layer.base_forward(x), part))
+            else:
+                out.append(layer(x))
+        return tuple(out)
 
     def extra_repr(self) -> str:
         float8 = ", float8 base" if self.float8 is not None else ""
         return f"{super().extra_repr()}, rank={self.lora_a.out_features}, scaling={self.scaling:g}{float8}"
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
+def _joinable(layer: nn.Module) -> bool:
+    """Whether ``LoRALinear.together`` may compute ``layer``'s A jointly (its forward alone, exactly)."""
+    return (isinstance(layer, LoRALinear) and layer.adapters_on and isinstance(layer.lora_dropout, nn.Identity)
+            and not isinstance(layer.lora_a.weight, DTensor) and not _hooked(layer) and not _hooked(layer.lora_a))
+
+
+def _global_hooks() -> bool:
+    """Hooks registered for every module's call (``nn.modules.module.register_module_forward_hook``...)."""
+    from torch.nn.modules import module  # (its private registries of global hooks)
+
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks or module._global_backward_hooks
+                or module._global_backward_pre_hooks)
 
 
 def linear_nf4(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

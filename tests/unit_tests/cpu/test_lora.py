@@ -415,3 +415,58 @@ def test_a_compiled_qlora_block_keeps_no_dequantized_weight(tmp_path, checkpoint
     for name, layer in eager.items():
         torch.testing.assert_close(compiled[name].lora_a.weight.grad, layer.lora_a.weight.grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(compiled[name].lora_b.weight.grad, layer.lora_b.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def _graph_linears(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """Each compiled block's count of linear calls (its captured graph, no inductor), and the loss."""
+    counts = []
+
+    def backend(gm, example_inputs):
+        counts.append(sum(n.target in (torch._C._nn.linear, torch.nn.functional.linear) for n in gm.graph.nodes))
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    torch._dynamo.reset()
+    for block in model.layers.values():
+        block.compile(backend=backend, fullgraph=True)
+    return counts, _cross_entropy(model(tokens), tokens)
+
+
+def test_compiled_blocks_compute_the_adapters_of_one_input_in_one_gemm(tmp_path):
+    """Under compile a block's q / k / v and its gate / up compute their adapters' As as one GEMM
+    (``LoRALinear.together``): 4 A GEMMs a block instead of 7, same loss and gradients as eager (which
+    computes op for op as PEFT does). A layer whose call carries a hook (a tensor-parallel style's)
+    keeps its own call."""
+    from titan_lightning.pretrained import read_hf_model
+
+    folder = tmp_path / "hf"
+    save_hf_model(folder, "llama")
+    hf = read_hf_model(folder)
+    tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def model():
+        module = hf.module_class(hf.job_class(model=hf.args, lora=LoRAConfig(rank=4, alpha=8.0)))
+        with torch.device("meta"):
+            module.model = module.build_model()
+        module.materialize(torch.device("cpu"))
+        b = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for _, layer in lora_layers(module.model):
+                layer.lora_b.weight.copy_(0.1 * torch.randn(layer.lora_b.weight.shape, generator=b))
+        return module.model
+
+    eager = model()
+    _cross_entropy(eager(tokens), tokens).backward()
+    compiled = model()
+    counts, loss = _graph_linears(compiled, tokens)
+    loss.backward()
+    assert counts == [7 + 4 + 7] * len(counts)  # (bases, As, Bs)
+    torch.testing.assert_close(loss, _cross_entropy(eager(tokens), tokens), rtol=1e-6, atol=0)
+    theirs = dict(lora_layers(eager))
+    for name, layer in lora_layers(compiled):
+        torch.testing.assert_close(layer.lora_a.weight.grad, theirs[name].lora_a.weight.grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(layer.lora_b.weight.grad, theirs[name].lora_b.weight.grad, rtol=1e-5, atol=1e-7)
+    hooked = model()
+    for block in hooked.layers.values():
+        block.attention.wq.register_forward_pre_hook(lambda module, args: None)
+    counts, _ = _graph_linears(hooked, tokens)
+    assert counts == [7 + 5 + 7] * len(counts)  # (q's A on its own; k / v still joint)

@@ -6,6 +6,7 @@ from torch import nn
 from titan_lightning.models.common.kv_cache import KVCache
 from titan_lightning.models.common.masking import Documents, attend, rope_at
 from titan_lightning.models.common.norms import RMSNorm
+from titan_lightning.models.common.projection import project
 from titan_lightning.models.common.rope import apply_rope
 from titan_lightning.parallel.context import ContextParallel, context_parallel_attention
 
@@ -75,9 +76,7 @@ class Attention(nn.Module):
         """``documents``: the batch's document boundaries when ``model.mask`` / ``model.positions``
         ask for them (models/common/masking.py); None is causal attention at window positions."""
         B, S, _ = x.shape
-        q = self.wq(x).view(B, S, -1, self.head_dim)
-        k = self.wk(x).view(B, S, -1, self.head_dim)
-        v = self.wv(x).view(B, S, -1, self.head_dim)
+        q, k, v = (t.view(B, S, -1, self.head_dim) for t in project(x, self.wq, self.wk, self.wv))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         sinks = self.sinks() if self.sinks is not None else None

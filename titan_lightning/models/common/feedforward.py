@@ -2,6 +2,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_lightning.models.common.projection import project
+
 
 class FeedForward(nn.Module):
     """SwiGLU: ``w2(silu(w1(x)) * w3(x))``."""
@@ -13,4 +15,5 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = project(x, self.w1, self.w3)
+        return self.w2(F.silu(gate) * up)

@@ -30,6 +30,7 @@ from titan_lightning.models.common import Attention, FeedForward, rope_frequenci
 from titan_lightning.models.common.args import DecoderArgs
 from titan_lightning.models.common.decoder import Block, Decoder, _documents
 from titan_lightning.models.common.masking import Documents
+from titan_lightning.models.common.projection import project
 from titan_lightning.models.gemma3.parallelize import TP_PLAN
 
 
@@ -86,7 +87,8 @@ class GeGLU(FeedForward):
     """``w2(gelu_tanh(w1(x)) * w3(x))``: the SwiGLU's projections with GELU (tanh approximation)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
+        gate, up = project(x, self.w1, self.w3)
+        return self.w2(F.gelu(gate, approximate="tanh") * up)
 
 
 class ScaledEmbedding(nn.Embedding):
