@@ -21,9 +21,10 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 WORKER = "titan_lightning.testing.worker"
 # Torch threads per rank (default 1: the test machines have 2 cores shared by up to 8 ranks).
@@ -187,16 +188,23 @@ def launch(
     ``cwd`` is the ranks' working directory (another checkout's code, for loss compare).
     ``module`` is what each rank runs (``python -m module --out DIR [options] -- argv``):
     the CLI worker, or ``titan_lightning.testing.spawn`` to run a plain function.
+    A launch whose rendezvous port was taken before rank 0 bound it is started again on another
+    port (``_on_a_free_port``).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
+    return _on_a_free_port(lambda port: _launch_once(argv, world_size, port, out_dir=out_dir, timeout=timeout,
+                                                     env=env, worker_options=worker_options, cwd=cwd, module=module))
+
+
+def _launch_once(argv: list[str], world_size: int, port: int, *, out_dir: Path, timeout: float, env: Optional[dict],
+                 worker_options: Optional[list[str]], cwd: Optional[Path], module: str) -> LaunchResult:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for rank in range(world_size):
         for suffix in ("json", "error", "log"):
             (out_dir / f"rank{rank}.{suffix}").unlink(missing_ok=True)
     command = [sys.executable, "-m", module, "--out", str(out_dir), *(worker_options or []), "--", *argv]
-    port = free_port()
     envs = [rank_env(rank, world_size, port=port, out_dir=out_dir, env=env) for rank in range(world_size)]
     procs: list[subprocess.Popen] = []
     deadline = time.monotonic() + timeout
@@ -277,13 +285,19 @@ def launch_nodes(
     (torchrun starts each rank in a session of its own: the ranks are found by a variable only this
     launch's processes carry, even a rank whose launcher died first).
     """
-    from titan_lightning.trainer import RUN_DIR_ENV  # here: importing the launcher costs no torch/lightning
-
     if nnodes < 1 or nproc_per_node < 1:
         raise ValueError(f"nnodes={nnodes} and nproc_per_node={nproc_per_node} must be >= 1")
+    return _on_a_free_port(lambda port: _launch_nodes_once(argv, nnodes, nproc_per_node, port, out_dir=out_dir,
+                                                           timeout=timeout, env=env))
+
+
+def _launch_nodes_once(argv: list[str], nnodes: int, nproc_per_node: int, port: int, *, out_dir: Path,
+                       timeout: float, env: Optional[dict]) -> NodesLaunchResult:
+    """``launch_nodes`` with one port."""
+    from titan_lightning.trainer import RUN_DIR_ENV  # here: importing the launcher costs no torch/lightning
+
     out_dir = Path(out_dir)
     world_size = nnodes * nproc_per_node
-    port = free_port()
     base = launch_env(env)
     if RUN_DIR_ENV not in (env or {}):
         base.pop(RUN_DIR_ENV, None)
@@ -328,6 +342,28 @@ def launch_nodes(
     _raise_unless_done(result, f"{nnodes} node(s) x {nproc_per_node}", "node", timeout, running, failed, codes,
                        [n * nproc_per_node for n in failed])
     return result
+
+
+# The rendezvous store's server could not bind its port (another process took it after ``free_port``).
+_PORT_TAKEN = "EADDRINUSE"
+PORT_ATTEMPTS = 3
+
+
+def _on_a_free_port(attempt: Callable[[int], LaunchResult]) -> LaunchResult:
+    """``attempt(port)`` on a port ``free_port`` found, again on another one (at most PORT_ATTEMPTS
+    in all) when it failed because the port was taken before rank 0's store bound it: free a
+    moment before, another process (a launch beside this one) may have bound it since. Rank 0 fails
+    so at its start, before any work; every process of the attempt is gone when it returns."""
+    for tries in range(1, PORT_ATTEMPTS):
+        try:
+            return attempt(free_port())
+        except LaunchFailed as failure:
+            result = failure.result
+            if not any(_PORT_TAKEN in result.log(rank) for rank in range(result.world_size)):
+                raise
+            warnings.warn(f"the rendezvous port was taken by another process; launching again (retry {tries} of "
+                          f"{PORT_ATTEMPTS - 1})")
+    return attempt(free_port())
 
 
 def _raise_unless_done(result: LaunchResult, where: str, unit: str, timeout: float, running: list[int],

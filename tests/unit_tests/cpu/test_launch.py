@@ -248,3 +248,39 @@ def test_forked_rank_exit_status_is_a_popens(probe, action, code):
 def test_environment_read_at_import_gets_a_fresh_interpreter(probe):
     result = probe("ok", ATEN_CPU_CAPABILITY="default")
     assert not any(seen["preloaded"] or seen["tokenized"] for seen in result.ranks)
+
+
+RANKS = textwrap.dedent("""
+    import torch
+    import torch.distributed as dist
+
+    def total(rank, world_size):
+        t = torch.tensor([rank + 1.0])
+        dist.all_reduce(t)
+        return t.item()
+""")
+
+
+@pytest.mark.multi_process
+def test_a_launch_whose_port_another_process_took_starts_again_on_another(tmp_path, monkeypatch):
+    """free_port's port was free a moment ago; a launch beside this one may bind it first (CI's
+    test_features run on 2 workers: rank 0's store failed with EADDRINUSE). The launch starts again on
+    a new port; a port taken every time still fails, after PORT_ATTEMPTS, with rank 0's error."""
+    import socket
+
+    from titan_lightning.testing.spawn import run_function
+
+    (tmp_path / "ranks.py").write_text(RANKS)
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # (listening: another process's store)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    free_port = launch_module.free_port
+    monkeypatch.setattr(launch_module, "free_port", lambda: next(ports, None) or free_port())
+    env = pythonpath_env(tmp_path)
+    with pytest.warns(UserWarning, match="rendezvous port was taken"):
+        assert run_function("ranks:total", 2, out_dir=tmp_path / "again", timeout=120, env=env) == [3.0, 3.0]
+    monkeypatch.setattr(launch_module, "free_port", lambda: taken.getsockname()[1])
+    with pytest.raises(LaunchFailed, match="EADDRINUSE"), pytest.warns(UserWarning):
+        run_function("ranks:total", 2, out_dir=tmp_path / "never", timeout=120, env=env)
+    taken.close()
