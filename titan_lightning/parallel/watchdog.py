@@ -364,11 +364,12 @@ class Watchdog:
             e = in_group[request["seq"]]
             called = {"op": e["profiling_name"], "sizes": _sizes(e)}
             entered_s = (now_ns - e["time_created_ns"]) / 1e9
-        opened = None  # (the oldest collective of the group this rank entered and has not seen complete)
-        if entered > completed and completed + 1 in in_group:
-            e = in_group[completed + 1]
-            opened = {"seq": completed + 1, "op": e["profiling_name"],
-                      "waited_s": (now_ns - e["time_created_ns"]) / 1e9}
+        # The oldest collective of the group after the request's that this rank entered and has not seen
+        # complete (a rank that has not waited on the request's own, done on the wire, waits in a later one).
+        opened, first = None, max(completed, request["seq"]) + 1
+        if entered >= first and first in in_group:
+            e = in_group[first]
+            opened = {"seq": first, "op": e["profiling_name"], "waited_s": (now_ns - e["time_created_ns"]) / 1e9}
         where = json.loads(self._store.get(f"{self._keys}/where/{self.rank}"))
         return {**where, "rank": self.rank, "step": self._steps_done(), "entered": entered, "called": called,
                 "entered_s": entered_s if entered >= request["seq"] else None, "completed": completed,

@@ -94,6 +94,25 @@ def test_a_collective_done_on_another_rank_turns_the_verdict_to_the_one_its_peer
     assert Watchdog._retarget(request, {0: dict(answers[0], completed=44), 1: answers[1]}) is request  # open on both
 
 
+def test_the_requester_s_own_unwaited_collective_done_on_its_peer_turns_the_verdict_to_the_one_it_waits_in():
+    # The accounts of a CI-like run's failure (this stop): a plain module's rank 0 works alone after its
+    # step; rank 1 had not waited on all-reduce #26 (done on rank 0: completed 26) and waits in broadcast
+    # #27, which rank 0 never entered. Rank 1 reported #26 (its oldest open one): "every rank entered
+    # gloo:all_reduce #26 ... the backend hangs". The verdict is #27's: rank 0 never entered it.
+    from titan_lightning.parallel.watchdog import Watchdog
+
+    request = {"rank": 1, "group": "0", "desc": "default_pg", "seq": 26, "op": "gloo:all_reduce", "waited_s": 2.1,
+               "timeout_s": 2.0, "field": "comm.train_timeout_s", "ranks": [0, 1]}
+    called = {"op": "gloo:all_reduce", "sizes": "[[]]"}
+    answers = {0: {"rank": 0, "entered": 26, "completed": 26, "called": called, "entered_s": 2.3, "opened": None},
+               1: {"rank": 1, "entered": 27, "completed": 25, "called": called, "entered_s": 2.1,
+                   "opened": {"seq": 27, "op": "gloo:broadcast", "waited_s": 2.05}}}
+    target = Watchdog._retarget(request, answers)
+    assert (target["rank"], target["seq"], target["op"]) == (1, 27, "gloo:broadcast")
+    assert Watchdog._late(target, answers) is None
+    assert [r for r in (0, 1) if answers[r]["entered"] < target["seq"]] == [0]  # (named: never entered #27)
+
+
 @pytest.mark.multi_process
 def test_ranks_in_different_collectives_under_one_number_are_named_with_both_collectives(tmp_path):
     dumps = tmp_path / "traces"
