@@ -290,6 +290,12 @@ WORKLOADS["llama3_8b_lora_float8"] = dataclasses.replace(
 WORKLOADS["llama3_8b_qlora"] = dataclasses.replace(WORKLOADS["llama3_8b_lora"], recipe="recipes.hf:qlora",
                                                    contenders=("titan",))
 
+
+def _variant(base: str, *overrides: str, **changes: Any) -> Workload:
+    """Workload ``base`` with more ``titan-lightning fit`` arguments (and other fields changed)."""
+    return dataclasses.replace(WORKLOADS[base], overrides=WORKLOADS[base].overrides + overrides, **changes)
+
+
 # The same three rows logging every 100 steps, as a fine-tune of thousands of steps logs (a bounded run
 # of the README command logs every step: ten values read off the device after each); with
 # BENCH_CLOCK=events neither contender waits for the device between steps either (issue #48's bar):
@@ -297,38 +303,30 @@ WORKLOADS["llama3_8b_qlora"] = dataclasses.replace(WORKLOADS["llama3_8b_lora"], 
 #   --reference 'titan (llama3_8b_lora_quiet)' \
 #   --workload llama3_8b_lora_quiet,llama3_8b_lora_float8_quiet,llama3_8b_qlora_quiet
 for _lora_name in ("llama3_8b_lora", "llama3_8b_lora_float8", "llama3_8b_qlora"):
-    WORKLOADS[f"{_lora_name}_quiet"] = dataclasses.replace(
-        WORKLOADS[_lora_name], overrides=WORKLOADS[_lora_name].overrides + ("--trainer.log_every_n_steps", "100"))
+    WORKLOADS[f"{_lora_name}_quiet"] = _variant(_lora_name, "--trainer.log_every_n_steps", "100")
 # With activation checkpointing, next to PEFT's gradient checkpointing (run 8: 22.4 GiB; the issue's "at
 # <= its peak memory" against that row), and QLoRA fully checkpointed (torchtune's < 10 GB figure):
 # BENCH_CLOCK=events python -m benchmarks.throughput --rounds 1 --steps 5 --warmup 4 \
 #   --reference 'titan (llama3_8b_lora_quiet)' \
 #   --workload llama3_8b_lora_quiet,llama3_8b_lora_selective_quiet,llama3_8b_lora_hf_ac,llama3_8b_qlora_full_quiet
-WORKLOADS["llama3_8b_lora_selective_quiet"] = dataclasses.replace(
-    WORKLOADS["llama3_8b_lora_quiet"], overrides=WORKLOADS["llama3_8b_lora_quiet"].overrides
-    + ("--job.activation_checkpoint.mode", "selective"), contenders=("titan",))
+WORKLOADS["llama3_8b_lora_selective_quiet"] = _variant(
+    "llama3_8b_lora_quiet", "--job.activation_checkpoint.mode", "selective", contenders=("titan",))
 # Fully checkpointed LoRA (estimate 18.5 GiB) next to PEFT with gradient checkpointing (22.4 GiB, run 8):
-WORKLOADS["llama3_8b_lora_full_quiet"] = dataclasses.replace(
-    WORKLOADS["llama3_8b_lora_quiet"], overrides=WORKLOADS["llama3_8b_lora_quiet"].overrides
-    + ("--job.activation_checkpoint.mode", "full"), contenders=("titan",))
+WORKLOADS["llama3_8b_lora_full_quiet"] = _variant(
+    "llama3_8b_lora_quiet", "--job.activation_checkpoint.mode", "full", contenders=("titan",))
 # The gradient norm read one compiled call per gradient (before its small gradients were packed: 448
 # adapter gradients, ~35 ms of the host per step on an H100 profile, run 9), the same run otherwise:
-WORKLOADS["llama3_8b_lora_norm_per_tensor_quiet"] = dataclasses.replace(
-    WORKLOADS["llama3_8b_lora_quiet"], overrides=WORKLOADS["llama3_8b_lora_quiet"].overrides
-    + ("--trainer.callbacks+", "benchmarks.grad_norm_ab.PerTensorGradNorm"), contenders=("titan",))
+WORKLOADS["llama3_8b_lora_norm_per_tensor_quiet"] = _variant(
+    "llama3_8b_lora_quiet", "--trainer.callbacks+", "benchmarks.grad_norm_ab.PerTensorGradNorm", contenders=("titan",))
 # Inductor's combo kernels on (the adapters' ~900 small cast kernels a step launched in fewer calls), the
 # same run otherwise (benchmarks/inductor_ab.py):
-WORKLOADS["llama3_8b_lora_combo_quiet"] = dataclasses.replace(
-    WORKLOADS["llama3_8b_lora_quiet"], overrides=WORKLOADS["llama3_8b_lora_quiet"].overrides
-    + ("--trainer.callbacks+", "benchmarks.inductor_ab.ComboKernels"), contenders=("titan",))
+WORKLOADS["llama3_8b_lora_combo_quiet"] = _variant(
+    "llama3_8b_lora_quiet", "--trainer.callbacks+", "benchmarks.inductor_ab.ComboKernels", contenders=("titan",))
 # Each adapter's A on its own GEMM (before q / k / v and gate / up shared one under compile), the same
 # run otherwise (benchmarks/lora_ab.py):
-WORKLOADS["llama3_8b_lora_separate_a_quiet"] = dataclasses.replace(
-    WORKLOADS["llama3_8b_lora_quiet"], overrides=WORKLOADS["llama3_8b_lora_quiet"].overrides
-    + ("--trainer.callbacks+", "benchmarks.lora_ab.SeparateAdapterInputs"), contenders=("titan",))
-WORKLOADS["llama3_8b_qlora_full_quiet"] = dataclasses.replace(
-    WORKLOADS["llama3_8b_qlora_quiet"], overrides=WORKLOADS["llama3_8b_qlora_quiet"].overrides
-    + ("--job.activation_checkpoint.mode", "full"))
+WORKLOADS["llama3_8b_lora_separate_a_quiet"] = _variant(
+    "llama3_8b_lora_quiet", "--trainer.callbacks+", "benchmarks.lora_ab.SeparateAdapterInputs", contenders=("titan",))
+WORKLOADS["llama3_8b_qlora_full_quiet"] = _variant("llama3_8b_qlora_quiet", "--job.activation_checkpoint.mode", "full")
 
 # QLoRA of Llama 3 70B's shape (80 layers, random weights: recipes.llama3:llama3_70b, the shipped corpus)
 # on one H200 at seq 4096, full activation checkpointing (issue #48); MFU counts 6 FLOPs per parameter
