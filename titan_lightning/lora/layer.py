@@ -101,8 +101,10 @@ class LoRALinear(nn.Linear):
         style's, FSDP2 on the layer itself), whose A is a DTensor or draws dropout keeps its own call.
         Compiled graphs only (a GEMM launch is what it saves; an eager run computes op for op as
         PEFT does, its exactness reference; the joint GEMM rounds differently in the last bits)."""
+        if not torch.compiler.is_compiling():  # (eager: no per-call checks on this path)
+            return tuple(layer(x) for layer in linears)
         joint = [_joinable(layer) for layer in linears]
-        if sum(joint) < 2 or _global_hooks() or not torch.compiler.is_compiling():
+        if sum(joint) < 2 or _global_hooks():
             return tuple(layer(x) for layer in linears)
         heads: list[nn.Linear] = []  # the distinct As, in order
         for layer, j in zip(linears, joint):
