@@ -2,7 +2,7 @@
 
 Recipes: recipes/tests/features.py. A parallel layout's seed run is the single-process one:
 under real PG it must reproduce its per-step loss and grad norm (fp32: 1e-5 / 1e-4).
-Goldens: tests/assets/losses/<execution_mode>/<hardware>/<name>.txt.
+Goldens: tests/assets/losses/<execution_mode>/<hardware>/<name>.txt (<hardware>: cpu_amd, cpu_intel, h200, ...).
 """
 
 from titan_lightning.testing.entries import TestEntry

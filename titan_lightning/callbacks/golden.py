@@ -8,13 +8,19 @@ written with ``repr`` so reading one back gives the same float and runs compare 
     # parallelism: single device
     # hardware: cpu
     # torch: 2.13.0
-    # cpu: AuthenticAMD
+    # cpu: GenuineIntel
+    # cpu_model: 6/207
     # step loss grad_norm
     1 7.62591552734375 3.9124813079833984
 
 A file without a ``# step`` line is a legacy ``<step> <loss>`` file: only losses compare.
+
+CPU numbers hold within one CPU vendor's kernel paths (pinned to AVX2 by the test launcher; the
+last bits of some steps differ between AMD and Intel): each vendor's files have their own folder
+(``hardware_folder``), and a file that names its CPU model compares only on that model.
 """
 
+import functools
 import math
 import os
 import re
@@ -45,29 +51,64 @@ def hardware_class(device_type: str) -> str:
     return re.sub(r"^(nvidia|amd)_", "", name)
 
 
-def cpu_vendor() -> str:
-    """The CPU vendor (``GenuineIntel``, ``AuthenticAMD``; else the machine type): CPU goldens hold
-    within one vendor (same kernel paths, pinned by the test launcher), not necessarily across."""
+@functools.lru_cache(maxsize=1)
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    return fields
+
+
+def cpu_vendor() -> str:
+    """The CPU vendor (``GenuineIntel``, ``AuthenticAMD``; else the machine type): CPU goldens hold
+    within one vendor (same kernel paths, pinned by the test launcher), not necessarily across."""
+    vendor = _cpuinfo().get("vendor_id")
+    if vendor:
+        return vendor
     import platform
 
     return platform.machine() or "unknown"
 
 
+def cpu_model() -> Optional[str]:
+    """The CPU's family and model numbers (``6/207``), None where the system does not tell them.
+    A golden that records them compares only on that model (another generation of one vendor may
+    take other kernel paths)."""
+    family, model = _cpuinfo().get("cpu family"), _cpuinfo().get("model")
+    return f"{family}/{model}" if family and model else None
+
+
+def hardware_folder(hardware: str) -> str:
+    """The folder a hardware class's golden files live in: a GPU class's own name, and on CPU one per
+    vendor (``cpu_amd``, ``cpu_intel``, else ``cpu_`` and the vendor or machine type)."""
+    if hardware != "cpu":
+        return hardware
+    vendor = cpu_vendor()
+    short = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(vendor) or re.sub(r"[^a-z0-9]+", "_", vendor.lower())
+    return f"cpu_{short.strip('_') or 'unknown'}"
+
+
 def comparable(golden: "Golden", hardware: str) -> Optional[str]:
-    """None when ``golden`` can be compared exactly here, else why not (another torch release or CPU vendor)."""
+    """None when ``golden`` can be compared exactly here, else why not (another torch release, CPU
+    vendor or, where the file names one, CPU model)."""
     recorded = golden.header.get("torch")
     if recorded is not None and recorded != torch_version():
         return f"recorded with torch {recorded}, this is torch {torch_version()}"
-    vendor = golden.header.get("cpu")
-    if hardware == "cpu" and vendor is not None and vendor != cpu_vendor():
+    if hardware != "cpu":
+        return None
+    vendor, model = golden.header.get("cpu"), golden.header.get("cpu_model")
+    if vendor is not None and vendor != cpu_vendor():
         return f"recorded on a {vendor} CPU, this is {cpu_vendor()}"
+    if model is not None and model != cpu_model():
+        return f"recorded on a {vendor or 'CPU'} of model {model}, this is model {cpu_model()}"
     return None
 
 
@@ -309,4 +350,6 @@ class GoldenNumerics(L.Callback):
         }
         if hardware == "cpu":
             header["cpu"] = cpu_vendor()
+            if cpu_model() is not None:
+                header["cpu_model"] = cpu_model()
         return header

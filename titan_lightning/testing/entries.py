@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from titan_lightning.callbacks.golden import hardware_folder
 from titan_lightning.recipe import Run, build_run
 
 EXECUTION_MODES = ("fake_pg", "real_pg")
@@ -26,7 +27,8 @@ class TestEntry:
     description: str
     ngpu: int = 1  # the logical world size
     use_real_pg: bool = False  # needs real communication: never run under the fake group
-    # Relative to tests/assets/losses; may contain {execution_mode} and {hardware} ("cpu", "h200", ...).
+    # Relative to tests/assets/losses; may contain {execution_mode} and {hardware}: the hardware class's
+    # folder ("h200", ...; on CPU one per vendor: "cpu_amd", "cpu_intel", see golden.hardware_folder).
     golden_numerics_path: Optional[str] = None
     seed_recipe: Optional[str] = None  # the one-process run whose losses this must equal
     # How close to the seed run a real-PG run must stay (relative, per step).
@@ -60,12 +62,23 @@ class TestEntry:
             raise ValueError(f"entry {self.name!r}: timeout={self.timeout} must be > 0")
 
     def golden_path(self, execution_mode: str, root: Path, hardware: str = "cpu") -> Optional[Path]:
-        """The golden file of this entry in one execution mode on one hardware class."""
+        """The golden file of this entry in one execution mode on one hardware class (on ``cpu``: in
+        this CPU vendor's folder; ``other_cpu_goldens`` finds the other vendors')."""
         if execution_mode not in EXECUTION_MODES:
             raise ValueError(f"execution_mode={execution_mode!r} is not one of {', '.join(EXECUTION_MODES)}")
         if self.golden_numerics_path is None:
             return None
-        return root / self.golden_numerics_path.format(execution_mode=execution_mode, hardware=hardware)
+        folder = hardware_folder(hardware)
+        return root / self.golden_numerics_path.format(execution_mode=execution_mode, hardware=folder)
+
+    def other_cpu_goldens(self, execution_mode: str, root: Path) -> list[Path]:
+        """This entry's CPU golden files recorded on other CPU vendors than this one (their folders
+        under ``root``), for a run that has none of its own vendor to say why it compares nothing."""
+        here = self.golden_path(execution_mode, root)
+        if here is None or "{hardware}" not in self.golden_numerics_path:
+            return []
+        pattern = self.golden_numerics_path.format(execution_mode=execution_mode, hardware="cpu_*")
+        return [path for path in sorted(Path(root).glob(pattern)) if path != here and path.is_file()]
 
     def runs(self) -> list[Run]:
         return [build_run(spec) for spec in self.recipes]

@@ -7,8 +7,9 @@ Shared by the pytest suites (``tests/integration_tests/test_*.py``) and the runn
 - ``real_pg``: ``ngpu`` processes with real collectives (gloo on CPU, NCCL on GPU).
 
 Golden files live under ``tests/assets/losses`` at the entry's ``golden_numerics_path``,
-one per execution mode and hardware class (``cpu``, or the GPU's name such as ``h200``):
-numbers compare exactly only on the hardware class that wrote them.
+one per execution mode and hardware class (the GPU's name such as ``h200``; on CPU one folder per
+vendor, ``cpu_amd`` / ``cpu_intel``): numbers compare exactly only on the hardware class (and, where
+a CPU file names it, the CPU model) that wrote them.
 """
 
 import os
@@ -70,7 +71,8 @@ class EntryResult:
     ranks: list[dict]
     golden: Optional[Path] = None
     # "compared", "exported", "none" (the entry has no golden), "missing" (none for this hardware
-    # yet) or "not_comparable" (recorded with another torch release or CPU vendor).
+    # yet) or "not_comparable" (recorded with another torch release, CPU model, or only on another
+    # CPU vendor: this one's folder has no file yet).
     golden_status: str = "none"
     logs: list[Path] = field(default_factory=list)
 
@@ -111,9 +113,11 @@ def run_entry(
             result.golden, result.golden_status = path, "compared"
             golden_options = ["--golden", str(path), "--golden-mode", "compare"]
         else:
-            result.golden, result.golden_status = path, "not_comparable" if path.exists() else "missing"
+            elsewhere = path.exists() or (hardware == "cpu" and entry.other_cpu_goldens(mode, golden_root))
+            result.golden, result.golden_status = path, "not_comparable" if elsewhere else "missing"
         if golden_options:
             golden_options += ["--golden-config", entry.name]
+    before = _rows(path) if export and golden_out is None and hardware == "cpu" else None
     world_size = 1 if mode == "fake_pg" else entry.ngpu
     for index, spec in enumerate(entry.recipes):
         where = out_dir / f"{index}_{spec.rpartition(':')[2]}" if len(entry.recipes) > 1 else out_dir
@@ -125,7 +129,22 @@ def run_entry(
                               worker_options=golden_options)
             result.ranks = launched.ranks
             result.logs += [where / f"rank{rank}.log" for rank in range(world_size)]
+    if before is not None and _rows(path) != before:
+        # The numbers changed (re-exported after a change): the other CPU vendors' files of this
+        # entry are stale now; without them those hosts check run-to-run stability until one of
+        # them exports its own again (test_goldens.py), instead of failing on the old numbers.
+        for stale in entry.other_cpu_goldens(mode, golden_root):
+            stale.unlink()
+            print(f"{entry.name} ({mode}): the numbers changed; removed {stale} (recorded on another CPU vendor: "
+                  f"export it again on such a CPU)")
     return result
+
+
+def _rows(path: Optional[Path]) -> Optional[list[str]]:
+    """A golden file's step lines (no header), None when there is no such file."""
+    if path is None or not path.is_file():
+        return None
+    return [line for line in path.read_text().splitlines() if not line.startswith("#")]
 
 
 def _run_in_process(argv: list[str], out_dir: Path, golden_options: list[str]) -> dict:

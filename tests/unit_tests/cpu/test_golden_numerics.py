@@ -2,6 +2,7 @@
 
 import math
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from recipes.tests import features
-from titan_lightning.callbacks.golden import GoldenNumerics, check_header, cpu_vendor, read_golden, write_golden
+from titan_lightning.callbacks.golden import (GoldenNumerics, check_header, cpu_model, cpu_vendor, read_golden,
+                                              write_golden)
 from titan_lightning.parallel.mesh import ParallelDims
 from titan_lightning.testing.record import RecordSteps
 from titan_lightning.trainer import RUN_DIR_ENV, build_trainer
@@ -58,16 +60,19 @@ def test_export_writes_a_self_describing_file_whose_values_round_trip_exactly(ex
     path, record = exported
     lines = path.read_text().splitlines()
     release = torch.__version__.split("+")[0]
-    vendor = cpu_vendor()
-    assert lines[:7] == [
+    vendor, model = cpu_vendor(), cpu_model()
+    cpu_lines = [f"# cpu: {vendor}"] + ([f"# cpu_model: {model}"] if model is not None else [])
+    head = len(cpu_lines) + 6
+    assert lines[:head] == [
         "# config: llama3_debugmodel", "# ngpu: 1", "# parallelism: single device", "# hardware: cpu",
-        f"# torch: {release}", f"# cpu: {vendor}", "# step loss grad_norm",
+        f"# torch: {release}", *cpu_lines, "# step loss grad_norm",
     ]
     rows = zip(record.steps, record.losses, record.grad_norms)
-    assert lines[7:] == [f"{step} {loss!r} {norm!r}" for step, loss, norm in rows]
+    assert lines[head:] == [f"{step} {loss!r} {norm!r}" for step, loss, norm in rows]
     golden = read_golden(path)
     assert golden.header == {"config": "llama3_debugmodel", "ngpu": "1", "parallelism": "single device",
-                             "hardware": "cpu", "torch": release, "cpu": vendor}
+                             "hardware": "cpu", "torch": release, "cpu": vendor,
+                             **({"cpu_model": model} if model is not None else {})}
     assert golden.steps == [1, 2, 3]
     assert golden.losses == record.losses
     assert golden.grad_norms == record.grad_norms
@@ -82,6 +87,7 @@ def test_the_header_names_the_module_class_by_default_and_the_strategy_layout():
     assert GoldenNumerics("g.txt", mode="export").header(trainer, module) == {
         "config": "Llama3Module", "ngpu": "4", "parallelism": "FSDP=2, TP=2", "hardware": "cpu",
         "torch": torch.__version__.split("+")[0], "cpu": cpu_vendor(),
+        **({"cpu_model": cpu_model()} if cpu_model() is not None else {}),
     }
     no_dims = SimpleNamespace(world_size=1, strategy=SimpleNamespace(root_device=cpu))
     assert GoldenNumerics("g.txt", config_name="x").header(no_dims, module)["parallelism"] == "single device"
@@ -141,6 +147,85 @@ def test_a_golden_from_another_cpu_vendor_or_torch_is_not_comparable():
     assert comparable(Golden(path=None, header=other_cpu), "h200") is None  # the CPU vendor matters on CPU only
     old = {**here, "torch": "2.0.0"}
     assert comparable(Golden(path=None, header=old), "h200").startswith("recorded with torch 2.0.0")
+
+
+def test_a_cpu_golden_that_names_its_model_compares_on_that_model_only(monkeypatch):
+    from titan_lightning.callbacks import golden as golden_module
+    from titan_lightning.callbacks.golden import Golden, comparable, torch_version
+
+    info = {"vendor_id": "GenuineIntel", "cpu family": "6", "model": "207"}
+    monkeypatch.setattr(golden_module, "_cpuinfo", lambda: info)
+    header = {"torch": torch_version(), "cpu": "GenuineIntel"}
+    assert comparable(Golden(path=None, header={**header, "cpu_model": "6/207"}), "cpu") is None
+    assert comparable(Golden(path=None, header=header), "cpu") is None  # no model named: any model of the vendor
+    assert comparable(Golden(path=None, header={**header, "cpu_model": "6/143"}), "cpu") == (
+        "recorded on a GenuineIntel of model 6/143, this is model 6/207")
+    assert comparable(Golden(path=None, header={**header, "cpu_model": "6/143"}), "h200") is None
+
+
+@pytest.mark.parametrize("info, folder", [
+    ({"vendor_id": "AuthenticAMD", "cpu family": "25", "model": "1"}, "cpu_amd"),
+    ({"vendor_id": "GenuineIntel", "cpu family": "6", "model": "207"}, "cpu_intel"),
+    ({"vendor_id": "HygonGenuine"}, "cpu_hygongenuine"),
+])
+def test_cpu_goldens_live_in_their_vendor_s_folder_and_gpu_ones_in_their_class_s(monkeypatch, info, folder):
+    from titan_lightning.callbacks import golden as golden_module
+    from titan_lightning.callbacks.golden import hardware_folder
+    from titan_lightning.testing.entries import TestEntry
+
+    monkeypatch.setattr(golden_module, "_cpuinfo", lambda: info)
+    assert hardware_folder("cpu") == folder and hardware_folder("h200") == "h200"
+    entry = TestEntry(recipes=("recipes.tests.features:llama3_debugmodel",), name="e", description="d",
+                      golden_numerics_path="{execution_mode}/{hardware}/e.txt")
+    assert entry.golden_path("real_pg", Path("/g")) == Path(f"/g/real_pg/{folder}/e.txt")
+    assert entry.golden_path("real_pg", Path("/g"), "h200") == Path("/g/real_pg/h200/e.txt")
+    expected_model = f"{info['cpu family']}/{info['model']}" if "model" in info else None
+    assert golden_module.cpu_model() == expected_model
+
+
+def test_the_header_names_the_cpu_model_where_the_system_tells_it(monkeypatch):
+    from titan_lightning.callbacks import golden as golden_module
+
+    module = features.llama3_debugmodel().module
+    trainer = SimpleNamespace(world_size=1, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    monkeypatch.setattr(golden_module, "_cpuinfo", lambda: {"vendor_id": "GenuineIntel", "cpu family": "6", "model": "207"})
+    header = GoldenNumerics("g.txt").header(trainer, module)
+    assert (header["cpu"], header["cpu_model"]) == ("GenuineIntel", "6/207")
+    monkeypatch.setattr(golden_module, "_cpuinfo", lambda: {})  # no /proc/cpuinfo (macOS): the machine type, no model
+    header = GoldenNumerics("g.txt").header(trainer, module)
+    assert "cpu_model" not in header and header["cpu"] == golden_module.cpu_vendor()
+
+
+def _golden_text(loss: float) -> str:
+    return ("# config: e\n# ngpu: 1\n# parallelism: single device\n# hardware: cpu\n# step loss grad_norm\n"
+            f"1 {loss!r} 1.0\n")
+
+
+@pytest.mark.parametrize("changed", [True, False])
+def test_an_export_that_changes_an_entry_s_numbers_removes_the_other_vendors_stale_files(tmp_path, monkeypatch,
+                                                                                          changed):
+    from titan_lightning.callbacks.golden import hardware_folder
+    from titan_lightning.testing import integration
+    from titan_lightning.testing.entries import TestEntry
+
+    entry = TestEntry(recipes=("recipes.tests.features:llama3_debugmodel",), name="e", description="d",
+                      golden_numerics_path="{execution_mode}/{hardware}/e.txt")
+    root = tmp_path / "losses"
+    mine, other = root / "fake_pg" / hardware_folder("cpu") / "e.txt", root / "fake_pg" / "cpu_othervendor" / "e.txt"
+    for path in (mine, other):
+        path.parent.mkdir(parents=True)
+        path.write_text(_golden_text(2.0))
+    assert entry.other_cpu_goldens("fake_pg", root) == [other]
+
+    def run(argv, out_dir, golden_options):  # the export a run writes, without training
+        target = Path(golden_options[golden_options.index("--golden") + 1])
+        target.write_text(_golden_text(3.0 if changed else 2.0).replace("# config: e", "# config: again"))
+        return {"rank": 0}
+
+    monkeypatch.setattr(integration, "_run_in_process", run)
+    result = integration.run_entry(entry, "fake_pg", tmp_path / "out", export=True, golden_root=root, in_process=True)
+    assert result.golden == mine and result.golden_status == "exported"
+    assert other.exists() is not changed  # the same numbers (only the header differs) keep the other vendor's file
 
 
 def test_a_legacy_step_loss_file_compares_losses_only(exported, tmp_path):
