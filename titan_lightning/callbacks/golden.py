@@ -108,7 +108,7 @@ def comparable(golden: "Golden", hardware: str) -> Optional[str]:
     if vendor is not None and vendor != cpu_vendor():
         return f"recorded on a {vendor} CPU, this is {cpu_vendor()}"
     if model is not None and model != cpu_model():
-        return f"recorded on a {vendor or 'CPU'} of model {model}, this is model {cpu_model()}"
+        return f"recorded on a {vendor + ' ' if vendor else ''}CPU of model {model}, this is model {cpu_model()}"
     return None
 
 

@@ -159,7 +159,7 @@ def test_a_cpu_golden_that_names_its_model_compares_on_that_model_only(monkeypat
     assert comparable(Golden(path=None, header={**header, "cpu_model": "6/207"}), "cpu") is None
     assert comparable(Golden(path=None, header=header), "cpu") is None  # no model named: any model of the vendor
     assert comparable(Golden(path=None, header={**header, "cpu_model": "6/143"}), "cpu") == (
-        "recorded on a GenuineIntel of model 6/143, this is model 6/207")
+        "recorded on a GenuineIntel CPU of model 6/143, this is model 6/207")
     assert comparable(Golden(path=None, header={**header, "cpu_model": "6/143"}), "h200") is None
 
 
