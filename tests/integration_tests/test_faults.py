@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_lightning.testing.launch import free_port, rank_env
+from titan_lightning.testing.launch import PORT_ATTEMPTS, free_port, rank_env
 from titan_lightning.trainer import RUN_DIR_ENV
 
 pytestmark = pytest.mark.multi_process
@@ -98,17 +98,30 @@ def test_lightning_launch_a_killed_rank_0_is_named_by_the_others(lightning_launc
 def test_torchrun_style_launch_the_survivors_name_the_dead_rank_and_its_log(tmp_path):
     """Three ranks, each its own process with a log of its own (as torchrun --log-dir would); rank 1
     is killed: ranks 0 and 2 learn it from the heartbeats and name rank 1's log file."""
-    world, port = 3, free_port()
-    procs, logs = [], [tmp_path / f"rank{r}.log" for r in range(world)]
+    world, procs = 3, []
+    logs = [tmp_path / f"rank{r}.log" for r in range(world)]
     try:
-        for rank in range(world):
-            env = rank_env(rank, world, port=port, out_dir=tmp_path)
-            with open(logs[rank], "wb") as out:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "titan_lightning.cli", *FIT, "--trainer.devices", str(world),
-                     "--job.parallelism.dp_shard", str(world)],
-                    stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True))
-        _wait_for(logs[0], b"Epoch 0:", procs[0])
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            port = free_port()
+            for rank in range(world):
+                env = rank_env(rank, world, port=port, out_dir=tmp_path)
+                with open(logs[rank], "wb") as out:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "titan_lightning.cli", *FIT, "--trainer.devices", str(world),
+                         "--job.parallelism.dp_shard", str(world)],
+                        stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True))
+            try:
+                _wait_for(logs[0], b"Epoch 0:", procs[0])
+                break
+            except AssertionError:
+                # (free a moment before, the port may have been taken by a launch beside this test: start again)
+                if attempt == PORT_ATTEMPTS or b"EADDRINUSE" not in logs[0].read_bytes():
+                    raise
+                for proc in procs:
+                    if proc.poll() is None:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                procs.clear()
         time.sleep(2)  # a few heartbeats
         procs[1].kill()
         assert _wait_gone([procs[0].pid, procs[2].pid], EXIT_WITHIN_S) <= EXIT_WITHIN_S
