@@ -34,6 +34,13 @@ BROKEN_RECIPES = textwrap.dedent("""
         if os.environ["RANK"] == "1":
             time.sleep(3600)
         return llama3_debugmodel()
+
+    def segfaults_on_rank_1():
+        if os.environ["RANK"] == "1":
+            import ctypes
+
+            ctypes.string_at(0)  # reads address 0: SIGSEGV
+        return llama3_debugmodel()
 """)
 
 
@@ -129,6 +136,15 @@ def test_a_failing_rank_ends_the_launch_at_once_with_its_log_and_kills_the_other
     assert "RuntimeError: rank 1 fails on purpose" in str(caught.value)
     assert (tmp_path / "out" / "rank1.error").read_text().rstrip().endswith("RuntimeError: rank 1 fails on purpose")
     assert caught.value.result.returncodes[1] == 1
+    assert_all_gone(caught.value.result.pids)
+
+
+def test_a_rank_dying_of_a_fatal_signal_leaves_its_python_stack_in_its_log(launch_broken):
+    with pytest.raises(LaunchFailed, match=r"failed \(rank 1 exited -11\)") as caught:
+        launch_broken("segfaults_on_rank_1", timeout=120)
+    log = caught.value.result.log(1)
+    assert "Fatal Python error: Segmentation fault" in log
+    assert 'broken_recipes.py", line' in log and "in segfaults_on_rank_1" in log  # where it died
     assert_all_gone(caught.value.result.pids)
 
 
