@@ -349,7 +349,7 @@ class GoldenNumerics(L.Callback):
             "torch": torch_version(),
         }
         if hardware == "cpu":
-            header["cpu"] = cpu_vendor()
-            if cpu_model() is not None:
-                header["cpu_model"] = cpu_model()
+            header["cpu"], model = cpu_vendor(), cpu_model()
+            if model is not None:
+                header["cpu_model"] = model
         return header

@@ -147,7 +147,7 @@ def portable_cpu_env(environ: Optional[dict] = None) -> dict[str, str]:
 def launch_env(env: Optional[dict] = None) -> dict[str, str]:
     """This process's environment without ``TORCHELASTIC_*`` leftovers, the test defaults, then ``env``.
 
-    The defaults: no CUDA, unbuffered output, one torch thread (``THREADS_ENV``), CPU kernels
+    The defaults: no CUDA, unbuffered output, faulthandler on, one torch thread (``THREADS_ENV``), CPU kernels
     pinned to AVX2 (``PORTABLE_CPU_ENV``) and gloo on the loopback interface.
     """
     base = {key: value for key, value in os.environ.items() if not key.startswith("TORCHELASTIC_")}
@@ -156,6 +156,9 @@ def launch_env(env: Optional[dict] = None) -> dict[str, str]:
         **portable_cpu_env(),
         "CUDA_VISIBLE_DEVICES": "",
         "PYTHONUNBUFFERED": "1",
+        # A rank that dies of a fatal signal (SIGSEGV, SIGABRT...) prints every thread's Python stack into its
+        # log first (once seen: a rank 0 exiting -11 mid-step on a loaded 2-core host, no trace left).
+        "PYTHONFAULTHANDLER": "1",
         THREADS_ENV: threads,
         "OMP_NUM_THREADS": threads,  # also keeps Lightning from choosing a thread count itself
     }

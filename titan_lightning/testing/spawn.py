@@ -44,12 +44,8 @@ def run_function(
 
 
 def main(argv: list[str]) -> None:
-    import faulthandler
-
     import torch
     import torch.distributed as dist
-
-    faulthandler.enable(all_threads=True)  # a rank killed by a fatal signal leaves its Python stacks in its log
 
     if len(argv) != 5 or argv[0] != "--out" or argv[2] != "--":
         print("usage: python -m titan_lightning.testing.spawn --out DIR -- module:function KWARGS_JSON", file=sys.stderr)

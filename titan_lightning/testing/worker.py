@@ -12,8 +12,8 @@ in the environment injects a fault into a checkpoint save (``titan_lightning.tes
 
 Or, when anything raises, ``DIR/rank{r}.error`` with the traceback (exit status 1). The
 process ends with ``os._exit`` after a barrier and ``destroy_process_group``: gloo workers
-otherwise abort in interpreter shutdown now and then. SIGUSR1 prints every thread's stack, and so
-does a fatal signal (faulthandler) before the rank dies of it.
+otherwise abort in interpreter shutdown now and then. SIGUSR1 prints every thread's stack (and
+so does a fatal signal: ``launch`` sets ``PYTHONFAULTHANDLER`` for every rank).
 """
 
 import argparse
@@ -49,9 +49,6 @@ USAGE = (
 
 
 def main(argv: list[str]) -> None:
-    # A rank that dies of a fatal signal (SIGSEGV, SIGBUS, SIGABRT...) prints every thread's Python stack
-    # into its log first (once seen: a rank 0 exiting -11 mid-step on a loaded 2-core host, no trace left).
-    faulthandler.enable(all_threads=True)
     options, command_argv = _parse(argv)
     out = Path(options.out)
     torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))

@@ -150,6 +150,10 @@ def _child(request: dict) -> None:
         os.dup2(log, 2)
         os.close(devnull)
         os.close(log)
+        if request["env"].get("PYTHONFAULTHANDLER"):  # (read by a fresh interpreter at its start)
+            import faulthandler
+
+            faulthandler.enable(all_threads=True)
         for entry in reversed([e for e in request["env"].get("PYTHONPATH", "").split(os.pathsep) if e]):
             if entry not in sys.path:
                 sys.path.insert(0, entry)
